@@ -1,0 +1,105 @@
+"""`jaxllm` command line: `jaxllm generate PROMPT...` and `jaxllm chat MESSAGE`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory or .gguf file (default: the embedded "
+                             "Qwen2.5-Coder-0.5B-Instruct)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="default: float32 on CPU, bfloat16 on GPU")
+    parser.add_argument("--kernel-backend", default=None,
+                        choices=["pallas", "interpret", "reference"],
+                        help="default: pallas on GPU, reference on CPU")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _make_llm(args: argparse.Namespace):
+    from jaxllm import LLM
+
+    return LLM(model=args.model, dtype=args.dtype, kernel_backend=args.kernel_backend,
+               seed=args.seed)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from jaxllm import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, stop=args.stop)
+
+
+def _print_stats(outputs, elapsed: float) -> None:
+    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    print(f"[{len(outputs)} request(s), {n_in} prompt + {n_out} generated tokens in "
+          f"{elapsed:.1f} s, {n_out / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompts, _sampling_params(args))
+    elapsed = time.perf_counter() - start
+    for out in outputs:
+        print(out.prompt + out.outputs[0].text)
+        print("-" * 40)
+    _print_stats(outputs, elapsed)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.message})
+    start = time.perf_counter()
+    outputs = llm.chat(messages, _sampling_params(args))
+    elapsed = time.perf_counter() - start
+    print(f"user: {args.message}\n\nassistant: {outputs[0].outputs[0].text}")
+    _print_stats(outputs, elapsed)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete raw text prompts")
+    gen.add_argument("prompts", nargs="+")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="answer one message through the model's chat template")
+    chat.add_argument("message")
+    chat.add_argument("--system", default=None, help="system prompt (default: the template's)")
+    _add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, RuntimeError) as e:
+        print(f"jaxllm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Loading weights offline: Hugging Face checkpoint directories (safetensors) and GGUF files.
+
+Both paths produce the same param tree as `Qwen2ForCausalLM` (q/k/v and gate/up fused, Dense
+kernels stored [in, out]); the tree is checked against the model's abstract shapes so a foreign
+or damaged file fails with its path and what is wrong, never deep inside jit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxllm.config import ModelConfig
+from jaxllm.model import Qwen2ForCausalLM, abstract_params
+
+GGUF_MAGIC = b"GGUF"
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint that is missing, truncated, foreign or inconsistent; names the path."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict
+    path: Path  # the checkpoint directory or the GGUF file
+    kind: str  # "hf" or "gguf"
+
+
+def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True) -> LoadedModel:
+    """Load a Qwen2 checkpoint: a directory with config.json + *.safetensors, or a .gguf file."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and len(ggufs) == 1:
+            return _load_gguf(ggufs[0], dtype, progress)
+        return _load_hf_dir(path, dtype, progress)
+    return _load_gguf(path, dtype, progress)
+
+
+# --- Hugging Face checkpoints -------------------------------------------------------------------
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index ({e})") from e
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: shard named in {index.name} is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files (and no .gguf) in the directory")
+    return files
+
+
+def _iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, np.ndarray]]:
+    from safetensors import SafetensorError, safe_open
+
+    names_per_file = []
+    for f in files:
+        try:
+            with safe_open(f, framework="numpy") as st:
+                names_per_file.append((f, list(st.keys())))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from e
+    total = sum(len(names) for _, names in names_per_file)
+    with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
+        for f, names in names_per_file:
+            try:
+                with safe_open(f, framework="numpy") as st:
+                    for name in names:
+                        yield name, st.get_tensor(name)
+                        bar.update(1)
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ModelLoadError(f"{f}: truncated or damaged safetensors file ({e})") from e
+
+
+def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
+    try:
+        config = ModelConfig.from_json_file(config_file)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    tensors = {}
+    for name, arr in _iter_safetensors(_safetensors_files(path), progress):
+        tensors[name.removeprefix("model.")] = arr
+    params = _assemble_params(config, lambda n: tensors.pop(n, None), dtype, path,
+                              hf_names=True)
+    return LoadedModel(config, params, path, "hf")
+
+
+# --- GGUF ---------------------------------------------------------------------------------------
+
+
+def _load_gguf(path: Path, dtype: Any, progress: bool) -> LoadedModel:
+    import gguf
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on a short or corrupt file
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") \
+            from e
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type")):
+            continue  # large arrays the config does not need
+        try:
+            meta[key] = field.contents()
+        except Exception:  # noqa: BLE001 - an undecodable field the config does not need
+            pass
+    by_name = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in by_name:
+        raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
+    vocab_size = int(by_name["token_embd.weight"].shape[-1])
+    try:
+        config = ModelConfig.from_gguf_metadata(meta, vocab_size,
+                                                tied="output.weight" not in by_name)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+
+    bar = tqdm(total=len(by_name), desc="dequantizing GGUF", unit="tensor", disable=not progress)
+
+    def get(hf_name: str) -> np.ndarray | None:
+        tensor = by_name.get(_gguf_name(hf_name))
+        if tensor is None:
+            return None
+        try:
+            arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"{path}: cannot dequantize {tensor.name}: {e}") from e
+        bar.update(1)
+        # GGUF lists dims fastest-first; numpy wants them reversed ([out, in] for a weight).
+        return np.asarray(arr).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+
+    try:
+        params = _assemble_params(config, get, dtype, path, hf_names=False)
+    finally:
+        bar.close()
+    return LoadedModel(config, params, path, "gguf")
+
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "embed_tokens.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("layers."):
+        _, idx, rest = hf_name.split(".", 2)
+        return f"blk.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    return _GGUF_GLOBAL_NAMES[hf_name]
+
+
+# --- shared: HF-named tensors -> our param tree --------------------------------------------------
+
+
+def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | None], dtype: Any,
+                     path: Path, hf_names: bool) -> dict:
+    """Build the param tree from tensors fetched by their HF name (minus the `model.` prefix)."""
+
+    def need(name: str) -> np.ndarray:
+        arr = take(name)
+        if arr is None:
+            shown = name if hf_names else f"{name} (GGUF {_gguf_name(name)})"
+            raise ModelLoadError(f"{path}: missing tensor {shown}")
+        return arr
+
+    def dev(arr: np.ndarray) -> jax.Array:
+        return jnp.asarray(arr, dtype=dtype)
+
+    params: dict[str, Any] = {"embed_tokens": dev(need("embed_tokens.weight"))}
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        qkv_w = np.concatenate([need(p + f"self_attn.{x}_proj.weight") for x in "qkv"], axis=0)
+        qkv_b = np.concatenate([need(p + f"self_attn.{x}_proj.bias") for x in "qkv"], axis=0)
+        gate_up = np.concatenate([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")],
+                                 axis=0)
+        params[f"layers_{i}"] = {
+            "input_layernorm": {"weight": dev(need(p + "input_layernorm.weight"))},
+            "post_attention_layernorm": {
+                "weight": dev(need(p + "post_attention_layernorm.weight"))},
+            "self_attn": {
+                "qkv_proj": {"kernel": dev(qkv_w.T), "bias": dev(qkv_b)},
+                "o_proj": {"kernel": dev(need(p + "self_attn.o_proj.weight").T)},
+            },
+            "mlp": {
+                "gate_up_proj": {"kernel": dev(gate_up.T)},
+                "down_proj": {"kernel": dev(need(p + "mlp.down_proj.weight").T)},
+            },
+        }
+    params["norm"] = {"weight": dev(need("norm.weight"))}
+    lm_head = take("lm_head.weight")
+    if not config.tie_word_embeddings:
+        if lm_head is None:
+            raise ModelLoadError(f"{path}: missing tensor lm_head.weight (the config does not "
+                                 f"tie word embeddings)")
+        params["lm_head"] = {"kernel": dev(lm_head.T)}
+    elif lm_head is not None and not np.array_equal(np.asarray(lm_head, np.float32),
+                                                    np.asarray(params["embed_tokens"], np.float32)):
+        raise ModelLoadError(f"{path}: config ties word embeddings but lm_head.weight differs")
+    _check_against_model(config, params, dtype, path)
+    return params
+
+
+def _check_against_model(config: ModelConfig, params: dict, dtype: Any, path: Path) -> None:
+    expected = abstract_params(Qwen2ForCausalLM(config, dtype=dtype))
+    want = {jax.tree_util.keystr(k): v.shape
+            for k, v in jax.tree_util.tree_leaves_with_path(expected)}
+    got = {jax.tree_util.keystr(k): v.shape
+           for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    for key in sorted(set(want) | set(got)):
+        if key not in got:
+            raise ModelLoadError(f"{path}: missing weight {key}")
+        if key not in want:
+            raise ModelLoadError(f"{path}: unexpected weight {key}")
+        if tuple(want[key]) != tuple(got[key]):
+            raise ModelLoadError(
+                f"{path}: weight {key} has shape {tuple(got[key])}, the config implies "
+                f"{tuple(want[key])}")

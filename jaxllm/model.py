@@ -1,0 +1,170 @@
+"""Qwen2 in Flax (linen) over one paged KV array for all layers.
+
+The forward pass sees a flat, ragged batch of tokens (prefill chunks and decodes mixed) plus the
+attention metadata the runner prepared; RMSNorm, RoPE, KV write and attention go through
+`pallas_kernels`, whose `backend` picks Pallas (GPU), Pallas interpret (CPU tests) or plain XLA.
+Params are an argument of the jitted step (`model.apply({"params": params, ...})`), never baked in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from jaxllm.config import ModelConfig
+
+
+class AttentionMetadata(NamedTuple):
+    """What every layer needs to find its tokens' KV slots (shapes: T tokens, S sequences)."""
+
+    slot_mapping: jax.Array  # [T] int32, -1 for padding tokens (not written)
+    block_tables: jax.Array  # [S, max_blocks_per_seq] int32
+    seq_lens: jax.Array  # [S] int32, context length including this step's tokens (0 = padding)
+    query_start_loc: jax.Array  # [S + 1] int32, cumulative query lengths
+    logits_indices: jax.Array  # [R] int32, token rows whose logits leave the device
+
+
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """[layers, K/V, kv_heads, blocks, block_size, head_dim]: a (head, block) tile is contiguous."""
+    return (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size,
+            config.head_dim)
+
+
+class Qwen2Attention(nn.Module):
+    config: ModelConfig
+    layer_idx: int
+    dtype: Any
+    backend: str
+
+    @nn.compact
+    def __call__(self, x, positions, kv_cache, md: AttentionMetadata, cos_sin_cache,
+                 max_query_len: int | None):
+        cfg = self.config
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # One fused GEMM for q, k and v (vLLM's QKVParallelLinear): fewer, larger matmuls.
+        qkv = nn.Dense((nh + 2 * nkv) * hd, use_bias=True, dtype=self.dtype,
+                       param_dtype=self.dtype, name="qkv_proj")(x)
+        q, k, v = jnp.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
+        q = q.reshape(-1, nh, hd)
+        k = k.reshape(-1, nkv, hd)
+        v = v.reshape(-1, nkv, hd)
+        q, k = pallas_kernels.rope(q, k, positions, cos_sin_cache, backend=self.backend)
+        kv_cache = pallas_kernels.write_kv(kv_cache, self.layer_idx, k, v, md.slot_mapping,
+                                           backend=self.backend)
+        out = pallas_kernels.paged_attention(
+            q, kv_cache, self.layer_idx, md.block_tables, md.seq_lens, md.query_start_loc,
+            scale=hd ** -0.5, max_query_len=max_query_len, backend=self.backend)
+        out = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                       name="o_proj")(out.reshape(-1, nh * hd))
+        return out, kv_cache
+
+
+class Qwen2MLP(nn.Module):
+    config: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        inter = self.config.intermediate_size
+        gate_up = nn.Dense(2 * inter, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                           name="gate_up_proj")(x)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        return nn.Dense(self.config.hidden_size, use_bias=False, dtype=self.dtype,
+                        param_dtype=self.dtype, name="down_proj")(nn.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any
+    backend: str
+
+    @nn.compact
+    def __call__(self, x, residual=None):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        return pallas_kernels.rms_norm(x, weight, self.eps, residual, backend=self.backend)
+
+
+class Qwen2DecoderLayer(nn.Module):
+    config: ModelConfig
+    layer_idx: int
+    dtype: Any
+    backend: str
+
+    @nn.compact
+    def __call__(self, h, residual, positions, kv_cache, md, cos_sin_cache, max_query_len):
+        cfg = self.config
+        # vLLM's fused_add_rms_norm: the residual add rides along with the norm.
+        if residual is None:
+            residual = h
+            h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend, name="input_layernorm")(h)
+        else:
+            h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
+                                  name="input_layernorm")(h, residual)
+        h, kv_cache = Qwen2Attention(cfg, self.layer_idx, self.dtype, self.backend,
+                                     name="self_attn")(h, positions, kv_cache, md, cos_sin_cache,
+                                                       max_query_len)
+        h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
+                              name="post_attention_layernorm")(h, residual)
+        h = Qwen2MLP(cfg, self.dtype, name="mlp")(h)
+        return h, residual, kv_cache
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """Returns (logits [R, vocab] float32 for the rows in `md.logits_indices`, new kv_cache)."""
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+    kernel_backend: str = "reference"
+
+    @nn.compact
+    def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata,
+                 max_query_len: int | None = None):
+        cfg = self.config
+        embed = self.param("embed_tokens", nn.initializers.normal(0.02),
+                           (cfg.vocab_size, cfg.hidden_size), self.dtype)
+        # RoPE tables live in their own collection: computed once at load, passed with params.
+        cos_sin_cache = self.variable(
+            "rope", "cos_sin_cache", pallas_kernels.rope_cos_sin_cache, cfg.head_dim,
+            cfg.max_position_embeddings, cfg.rope_theta, jnp.float32).value
+        h = jnp.take(embed, input_ids, axis=0)
+        residual = None
+        # Unrolled on purpose: a lax.scan over stacked layers copies weight slices every step
+        # on CPU (measured 2x slower at 16 tokens, DESIGN.md).
+        for i in range(cfg.num_hidden_layers):
+            h, residual, kv_cache = Qwen2DecoderLayer(
+                cfg, i, self.dtype, self.kernel_backend, name=f"layers_{i}")(
+                    h, residual, positions, kv_cache, md, cos_sin_cache, max_query_len)
+        # Only the sampled rows go through the final norm and the LM head.
+        h = jnp.take(h, md.logits_indices, axis=0)
+        residual = jnp.take(residual, md.logits_indices, axis=0)
+        h, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend, name="norm")(h, residual)
+        if cfg.tie_word_embeddings:
+            logits = jnp.einsum("th,vh->tv", h, embed)
+        else:
+            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
+                              param_dtype=self.dtype, name="lm_head")(h)
+        return logits.astype(jnp.float32), kv_cache
+
+
+def abstract_params(model: Qwen2ForCausalLM) -> dict:
+    """The param tree's shapes and dtypes, without allocating anything."""
+    cfg = model.config
+    t, s = 4, 1
+    md = AttentionMetadata(
+        slot_mapping=jnp.zeros((t,), jnp.int32), block_tables=jnp.zeros((s, 1), jnp.int32),
+        seq_lens=jnp.zeros((s,), jnp.int32), query_start_loc=jnp.zeros((s + 1,), jnp.int32),
+        logits_indices=jnp.zeros((s,), jnp.int32))
+    kv = jax.ShapeDtypeStruct(kv_cache_shape(cfg, 1, 16), model.dtype)
+    variables = jax.eval_shape(
+        lambda kv: model.init(jax.random.PRNGKey(0), jnp.zeros((t,), jnp.int32),
+                              jnp.zeros((t,), jnp.int32), kv, md), kv)
+    return variables["params"]
+
+
+def rope_variables(config: ModelConfig) -> dict:
+    return {"cos_sin_cache": pallas_kernels.rope_cos_sin_cache(
+        config.head_dim, config.max_position_embeddings, config.rope_theta, jnp.float32)}

@@ -1,0 +1,48 @@
+"""Tokenizer and chat template, offline: from a checkpoint directory or from a GGUF's metadata."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from jaxllm.default_model import cache_dir
+
+
+def _gguf_cache_key(path: Path) -> str:
+    stat = path.stat()
+    ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """A checkpoint directory's tokenizer, or the one embedded in a .gguf file.
+
+    Converting a GGUF vocabulary takes ~17 s on this CPU, so the converted tokenizer is saved
+    under the cache directory and reloaded from there (~1 s) next time.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"{path}: no usable tokenizer files ({e}); pass prompts as "
+                f"{{'prompt_token_ids': [...]}} with skip_tokenizer_init=True"
+            ) from e
+    cached = cache_dir() / "tokenizers" / _gguf_cache_key(path)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              local_files_only=True)
+    # Saved beside, then renamed: a concurrent or interrupted run never sees half a tokenizer.
+    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+    tokenizer.save_pretrained(str(tmp))
+    try:
+        tmp.rename(cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer

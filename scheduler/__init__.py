@@ -1,0 +1,23 @@
+"""Request scheduling and KV block management for jaxllm: plain Python over integers."""
+
+from scheduler.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock, hash_block_tokens
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler, SchedulerConfig, check_stop
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "BlockPool",
+    "EngineCoreOutput",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "Request",
+    "RequestStatus",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "check_stop",
+    "hash_block_tokens",
+]

@@ -1,0 +1,117 @@
+"""Per-request block tables on top of the BlockPool, with prefix-cache lookup and registration."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from scheduler.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already registered in the prefix cache
+        # (or were looked up there), so registration resumes where it left off.
+        self.num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _update_block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks that starts the request's tokens.
+
+        Never covers the whole sequence: the last token must be computed so the step yields
+        its logits. The blocks are not yet referenced; pass them to allocate_slots.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in self._update_block_hashes(request, max_blocks)[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` tokens after the request's computed ones.
+
+        `new_computed_blocks` (from get_computed_blocks, only for a request without blocks)
+        are referenced and prepended. Returns the newly allocated blocks, or None (changing
+        nothing) when the free queue is too short.
+        """
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if new_computed_blocks and blocks:
+            raise ValueError(f"request {request.request_id!r} already has blocks")
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = self.num_blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(new_computed_blocks))
+        # A hit on a free cached block takes it out of the free queue as well.
+        num_hits_on_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_hits_on_free > self.block_pool.num_free_blocks:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks that `num_computed_tokens` filled, prompt or output."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(blocks))
+        if end <= start:
+            return
+        hashes = self._update_block_hashes(request, end)
+        for i in range(start, end):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first: when evicted, a sequence loses its end
+        before the prefix other requests are likelier to share."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> None:
+        self.block_pool.reset_prefix_cache()

@@ -1,0 +1,74 @@
+"""What the scheduler hands the model runner each step, and what it hands back to the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions
+    `start_position, start_position + 1, ...`, writing their KV through `block_ids`.
+
+    Slot of position p: block_ids[p // block_size] * block_size + p % block_size. The blocks
+    cover at least `start_position + len(token_ids)` tokens; the KV of positions below
+    `start_position` is already in them.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    # The request's num_computed_tokens before this step.
+    start_position: int
+    # The whole block table, not only the blocks added this step.
+    block_ids: list[int]
+    # False for a prefill chunk that stops short of the end of the sequence: no token is
+    # sampled from it (vLLM V0's do_sample).
+    do_sample: bool
+    # True when the request comes from the waiting queue this step (first schedule or resumed
+    # after preemption): the runner holds no state for it.
+    is_new: bool
+    # Opaque Request.sampling_params, so the runner needs nothing but this object.
+    sampling_params: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens whose KV is in the cache once this step has run (attention's context)."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    # Running requests first (in arrival order), then the ones newly taken from the queue.
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Lost their blocks this step; the runner drops their state (they come back as is_new).
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Finished or aborted since the previous schedule(); the runner drops their state.
+    finished_req_ids: list[str] = field(default_factory=list)
+    # Prefix-cache hit tokens of the requests taken from the waiting queue this step.
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    # "stop" / "length" / "abort", or None while the request goes on.
+    finish_reason: str | None = None
+    # The stop token id that finished the request.
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

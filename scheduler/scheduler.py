@@ -1,0 +1,302 @@
+"""Continuous batching: one token budget per step, chunked prefill, preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    # The one token budget of a step, shared by decodes, prefill chunks and new prompts.
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    block_size: int = 16
+    # Including the reserved null block 0; usable blocks are num_blocks - 1.
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}"
+            )
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Set the request's finished status if its last output token ends it.
+
+    A stop token wins over a length limit reached by the same token, so a model that ends with
+    EOS on its last allowed token reports "stop". Stop strings are checked on text elsewhere.
+    """
+    if request.num_output_tokens >= request.min_tokens:
+        last = request.output_token_ids[-1]
+        if not request.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+
+
+class Scheduler:
+    """Decides which tokens of which requests the next step computes.
+
+    Call schedule() and update_from_output() alternately, the latter even for an empty step:
+    num_computed_tokens advances only there, and requests finished inside schedule() report
+    through it.
+
+    Invariant the preemption choice rests on: `running` is in arrival order and every running
+    request arrived before every waiting one (the waiting queue is FCFS and never skipped;
+    a preempted request, the latest running one, goes back to its front). So running[-1] is
+    the latest arrival, and never one already scheduled earlier in the same step.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished since the last schedule(); reported in its output so the runner drops them.
+        self.finished_req_ids: list[str] = []
+        # Outputs of requests finished inside schedule(), returned by the next update.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._next_arrival_index = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError for one that could never be scheduled."""
+        cfg = self.config
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        if request.status != RequestStatus.WAITING or request.output_token_ids:
+            raise ValueError(f"request {rid!r} was already used")
+        if request.num_prompt_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens exceeds "
+                f"max_model_len={cfg.max_model_len}"
+            )
+        need = self.kv_cache_manager.num_blocks_needed(request.num_prompt_tokens)
+        have = self.kv_cache_manager.block_pool.num_usable_blocks
+        if need > have:
+            raise ValueError(
+                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens needs {need} "
+                f"KV blocks of {cfg.block_size} tokens, the cache has only {have}"
+            )
+        request.arrival_index = self._next_arrival_index
+        self._next_arrival_index += 1
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string found); unknown ids are ignored,
+        since a request may have finished on its own in the meantime."""
+        if not status.is_finished:
+            raise ValueError(f"{status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        # Recompute rather than swap: the blocks go back to the pool (full ones stay cached, so
+        # the recompute may hit them) and the request starts over at the front of the queue.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish_unfittable(self, request: Request) -> None:
+        # Called when the request holds the only blocks in use and still cannot grow: the KV
+        # cache is its real length limit, so it ends like a max_model_len cap instead of
+        # waiting forever.
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        self._free_request(request)
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request.request_id, [], request.finish_reason, None, request.num_cached_tokens
+            )
+        )
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv_cache_manager
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+
+        # Running requests first, in arrival order: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            scheduled = True
+            while kv.allocate_slots(request, num_new) is None:
+                if len(self.running) == 1:
+                    self.running.pop()
+                    self._finish_unfittable(request)
+                    scheduled = False
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.request_id)
+                if victim is request:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            self._add_to_output(out, request, num_new, is_new=False)
+            budget -= num_new
+            i += 1
+
+        # Then the waiting queue, FCFS. Not after a preemption: the victim now heads the queue
+        # and would only take back, at once, the blocks it just lost.
+        while (
+            not out.preempted_req_ids
+            and self.waiting
+            and budget > 0
+            and len(self.running) < cfg.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if kv.allocate_slots(request, num_new, computed_blocks) is None:
+                if self.running:
+                    break
+                self.waiting.popleft()
+                self._finish_unfittable(request)
+                continue
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            self.running.append(request)
+            out.num_cached_tokens[request.request_id] = num_hit
+            self._add_to_output(out, request, num_new, is_new=True)
+            budget -= num_new
+
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
+        return out
+
+    def _add_to_output(
+        self, out: SchedulerOutput, request: Request, num_new: int, is_new: bool
+    ) -> None:
+        start = request.num_computed_tokens
+        rid = request.request_id
+        out.scheduled.append(
+            ScheduledRequest(
+                request_id=rid,
+                token_ids=request.all_token_ids[start : start + num_new],
+                start_position=start,
+                block_ids=self.kv_cache_manager.get_block_ids(rid),
+                do_sample=start + num_new == request.num_tokens,
+                is_new=is_new,
+                sampling_params=request.sampling_params,
+            )
+        )
+        out.num_scheduled_tokens[rid] = num_new
+        out.total_num_scheduled_tokens += num_new
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: Mapping[str, Sequence[int]],
+    ) -> list[EngineCoreOutput]:
+        """Apply a step's results: tokens computed, tokens sampled, stops, freed blocks.
+
+        `sampled_token_ids` maps every request scheduled with do_sample to the token(s)
+        sampled for it (one per step today; more are accepted one by one until a stop).
+        """
+        kv = self.kv_cache_manager
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for item in scheduler_output.scheduled:
+            rid = item.request_id
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished from outside between schedule() and now
+            if request.num_computed_tokens != item.start_position:
+                raise RuntimeError(
+                    f"request {rid!r}: output of a step applied twice or out of order"
+                )
+            request.num_computed_tokens += item.num_tokens
+            kv.cache_blocks(request, request.num_computed_tokens)
+            # int(): a runner may hand over numpy integers; keep the request's lists plain.
+            new_ids = [int(t) for t in sampled_token_ids.get(rid, ())]
+            if not item.do_sample:
+                if new_ids:
+                    raise ValueError(f"request {rid!r}: token sampled from a partial prefill")
+                continue
+            if not new_ids:
+                raise ValueError(f"request {rid!r}: no sampled token for a do_sample step")
+            accepted: list[int] = []
+            for token_id in new_ids:
+                request.append_output_token_ids(token_id)
+                accepted.append(token_id)
+                if check_stop(request, self.config.max_model_len):
+                    break
+            if request.is_finished:
+                self.running.remove(request)
+                self._free_request(request)
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    accepted,
+                    request.finish_reason,
+                    request.stop_reason,
+                    request.num_cached_tokens,
+                )
+            )
+        return outputs

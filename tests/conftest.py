@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random Qwen2 checkpoints (HF oracle) and the real embedded model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+TINY_KW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0)
+
+
+def make_tiny_checkpoint(path, tied: bool, vocab_size: int = 512, seed: int = 0, **overrides):
+    """Save a random HF Qwen2 model with save_pretrained (safetensors); returns the HF model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(vocab_size=vocab_size, tie_word_embeddings=tied,
+                                      **{**TINY_KW, **overrides})
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    # Random init leaves the q/k/v biases at zero; make them count.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """{"tied": (path, hf_model), "untied": (path, hf_model)}."""
+    out = {}
+    for name, tied in (("tied", True), ("untied", False)):
+        path = tmp_path_factory.mktemp(f"tiny_{name}")
+        out[name] = (path, make_tiny_checkpoint(path, tied, seed=1 if tied else 2))
+    return out
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def real_model_path():
+    from jaxllm.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def real_llm(real_model_path):
+    from jaxllm import LLM
+
+    return LLM(model=str(real_model_path))
+
+
+@pytest.fixture(scope="session")
+def hf_real_model(real_model_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(real_model_path.parent), gguf_file=real_model_path.name, dtype=torch.float32).eval()

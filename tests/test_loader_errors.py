@@ -1,0 +1,113 @@
+"""A missing, truncated or foreign checkpoint fails with the path and the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from jaxllm import default_model
+from jaxllm.loader import ModelLoadError, load_model
+from tests.conftest import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_err")
+    make_tiny_checkpoint(path, tied=False)
+    return path
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such file"):
+        load_model(tmp_path / "nope")
+
+
+def test_directory_without_checkpoint(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_directory_without_weights(tiny_dir, tmp_path):
+    d = tmp_path / "cfg_only"
+    d.mkdir()
+    shutil.copy(tiny_dir / "config.json", d)
+    with pytest.raises(ModelLoadError, match=r"cfg_only.*no \*\.safetensors"):
+        load_model(d)
+
+
+def test_truncated_safetensors(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path / "trunc")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
+        load_model(d)
+
+
+def test_config_disagrees_with_weights(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path / "wrongcfg")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 256
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"mlp.*has shape"):
+        load_model(d)
+
+
+def test_missing_tensor_is_named(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path / "fewer_layers")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"missing tensor layers\.2\."):
+        load_model(d)
+
+
+def test_foreign_model_type(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path / "llama")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="llama"):
+        load_model(d)
+
+
+def test_foreign_file_is_not_gguf(tmp_path):
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"PK\x03\x04 this is a zip, not a model")
+    with pytest.raises(ModelLoadError, match=r"model\.gguf: not a GGUF file"):
+        load_model(f)
+
+
+@pytest.mark.real_model
+def test_truncated_gguf(real_model_path, tmp_path):
+    f = tmp_path / "cut.gguf"
+    with open(real_model_path, "rb") as src:
+        f.write_bytes(src.read(50_000_000))
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf: truncated or corrupt"):
+        load_model(f)
+
+
+def test_default_model_sha_mismatch_refused(tmp_path, monkeypatch):
+    parts = []
+    for i in range(6):
+        p = tmp_path / f"part{i}.bin"
+        p.write_bytes(bytes([i]) * 1000)
+        parts.append(p)
+    monkeypatch.setenv(default_model.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    monkeypatch.setattr(default_model, "_part_paths", lambda: parts)
+    with pytest.raises(RuntimeError, match="sha256"):
+        default_model.default_model_path()
+    # The bad file is not left behind to be trusted next time.
+    assert not (tmp_path / "cache" / "models" / default_model.DEFAULT_GGUF_FILENAME).exists()
+
+
+def test_default_model_verified_and_reused(real_model_path):
+    assert real_model_path.stat().st_size == default_model.DEFAULT_GGUF_SIZE
+    assert default_model.sha256_of(real_model_path) == default_model.DEFAULT_GGUF_SHA256
+    assert default_model.default_model_path() == real_model_path

@@ -1,0 +1,263 @@
+"""paged_attention: reference vs an independent numpy model, Pallas interpret vs reference.
+
+The numpy model is deliberately naive: per sequence, per query, per head, it rebuilds the
+sequence's context in logical order from its block table and runs a dense causal softmax in
+float64. It shares no code with the module under test.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.paged_attention import paged_attention
+
+# The package re-exports the function under the module's name, so fetch the module itself.
+pa_module = importlib.import_module("pallas_kernels.paged_attention")
+
+HEAD_CONFIGS = [(14, 2), (12, 2), (28, 4), (4, 4), (8, 2)]  # Qwen2 ratios 7, 6, 7; then 1 and 4
+
+
+def naive_attention(q, kv, layer, block_tables, seq_lens, qsl, scale):
+    q = np.asarray(q, np.float64)
+    kv = np.asarray(kv, np.float64)
+    num_heads = q.shape[1]
+    num_kv_heads, block_size = kv.shape[2], kv.shape[4]
+    group = num_heads // num_kv_heads
+    out = np.zeros_like(q)
+    for s in range(len(seq_lens)):
+        start, end, seq_len = int(qsl[s]), int(qsl[s + 1]), int(seq_lens[s])
+        q_len = end - start
+        pos = np.arange(seq_len)
+        blocks = np.asarray(block_tables[s])[pos // block_size]
+        keys = kv[layer, 0][:, blocks, pos % block_size]  # [KVH, L, D]
+        values = kv[layer, 1][:, blocks, pos % block_size]
+        for i in range(q_len):
+            p = seq_len - q_len + i
+            for h in range(num_heads):
+                logits = keys[h // group, : p + 1] @ q[start + i, h] * scale
+                w = np.exp(logits - logits.max())
+                out[start + i, h] = (w / w.sum()) @ values[h // group, : p + 1]
+    return out
+
+
+# One compilation per shape instead of eager op-by-op dispatch (which compiles every small op
+# and made these tests several times slower); the engine always calls inside a jit too.
+_jitted = jax.jit(paged_attention, static_argnums=(2,),
+                  static_argnames=("scale", "max_query_len", "backend"))
+
+
+@dataclass
+class Case:
+    q: np.ndarray
+    kv: np.ndarray
+    layer: int
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    qsl: np.ndarray
+    scale: float
+    max_query_len: int
+
+    def args(self, dtype=jnp.float32):
+        return (jnp.asarray(self.q, dtype), jnp.asarray(self.kv, dtype), self.layer,
+                jnp.asarray(self.block_tables), jnp.asarray(self.seq_lens),
+                jnp.asarray(self.qsl))
+
+    def run(self, backend, dtype=jnp.float32, max_query_len="case"):
+        mq = self.max_query_len if max_query_len == "case" else max_query_len
+        return _jitted(*self.args(dtype), scale=self.scale, max_query_len=mq, backend=backend)
+
+    def expected(self, dtype=jnp.float32):
+        # Round inputs to the tested dtype first so only the kernel's own arithmetic differs.
+        q = np.asarray(jnp.asarray(self.q, dtype).astype(jnp.float32))
+        kv = np.asarray(jnp.asarray(self.kv, dtype).astype(jnp.float32))
+        return naive_attention(q, kv, self.layer, self.block_tables, self.seq_lens, self.qsl,
+                               self.scale)
+
+
+def make_case(seqs, *, num_heads=14, num_kv_heads=2, head_dim=64, block_size=16,
+              pad_tokens=0, pad_seqs=0, num_layers=2, layer=1, seed=0, extra_blocks=3,
+              max_query_len=None):
+    """seqs: list of (cached context before this step, q_len); q_len 0 = padding sequence."""
+    rng = np.random.default_rng(seed)
+    seqs = list(seqs) + [(0, 0)] * pad_seqs
+    seq_lens = np.array([c + n for c, n in seqs], np.int32)
+    q_lens = np.array([n for _, n in seqs], np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    need = [-(-int(s) // block_size) for s in seq_lens]
+    max_blocks = max(max(need), 1) + 1  # one spare column that must be ignored
+    num_blocks = sum(need) + extra_blocks
+    # Physical blocks in random order; unused table entries point at arbitrary valid blocks.
+    perm = rng.permutation(num_blocks)
+    block_tables = rng.integers(0, num_blocks, (len(seqs), max_blocks)).astype(np.int32)
+    used = 0
+    for s, n in enumerate(need):
+        block_tables[s, :n] = perm[used:used + n]
+        used += n
+    # Large finite values everywhere (stale blocks, slots past seq_len) so a key that should be
+    # masked but is not visibly changes the result.
+    kv = rng.standard_normal((num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim))
+    kv[:, :, :, perm[used:]] *= 50.0
+    num_tokens = int(qsl[-1]) + pad_tokens
+    q = rng.standard_normal((max(num_tokens, 1), num_heads, head_dim))
+    if max_query_len is None:
+        max_query_len = max(int(q_lens.max()), 1)
+    return Case(q.astype(np.float32), kv.astype(np.float32), layer, block_tables, seq_lens,
+                qsl, head_dim ** -0.5, max_query_len)
+
+
+@st.composite
+def cases(draw, max_seqs=4, max_q=40, max_ctx=80):
+    num_heads, num_kv_heads = draw(st.sampled_from(HEAD_CONFIGS))
+    head_dim = draw(st.sampled_from([64, 128]))
+    block_size = draw(st.sampled_from([16, 32]))
+    seqs = []
+    for _ in range(draw(st.integers(1, max_seqs))):
+        if draw(st.booleans()):  # decode
+            seqs.append((draw(st.integers(0, max_ctx)), 1))
+        else:  # prefill, fresh or on top of cached context (chunked prefill / prefix hit)
+            ctx = draw(st.sampled_from([0, draw(st.integers(1, max_ctx))]))
+            seqs.append((ctx, draw(st.integers(1, max_q))))
+    return make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     block_size=block_size, pad_tokens=draw(st.integers(0, 9)),
+                     pad_seqs=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**16)))
+
+
+def check(case, backend, dtype=jnp.float32, tol=1e-5, max_query_len="case"):
+    out = np.asarray(case.run(backend, dtype, max_query_len).astype(jnp.float32))
+    assert out.shape == case.q.shape
+    assert np.isfinite(out).all()
+    total = int(case.qsl[-1])
+    np.testing.assert_allclose(out[:total], case.expected(dtype)[:total], rtol=tol, atol=tol)
+    assert (out[total:] == 0).all()  # padding rows: zeros
+    return out
+
+
+SETTINGS = settings(max_examples=15, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@SETTINGS
+@given(cases(max_seqs=5, max_q=48, max_ctx=150))
+def test_reference_matches_numpy(case):
+    check(case, "reference")
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_interpret_matches_numpy(case):
+    check(case, "interpret")
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(max_seqs=3, max_q=24, max_ctx=60))
+def test_interpret_matches_reference_bf16(case):
+    # bf16: the kernel feeds bf16 q/k into the QK matmul and rounds the softmax weights p to
+    # bf16 before the PV matmul (as a GPU flash kernel does), then rounds the output to bf16;
+    # the reference upcasts everything to f32. Each rounding is ~2^-8 relative, on outputs of
+    # magnitude <~3, so 2e-2 absolute/relative is a few bf16 ulps, not a loose bound.
+    ref = np.asarray(case.run("reference", jnp.bfloat16).astype(jnp.float32))
+    out = np.asarray(case.run("interpret", jnp.bfloat16).astype(jnp.float32))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+    # and both stay close to the exact answer on the bf16-rounded inputs
+    total = int(case.qsl[-1])
+    np.testing.assert_allclose(ref[:total], case.expected(jnp.bfloat16)[:total], rtol=2e-2,
+                               atol=2e-2)
+
+
+BACKENDS = ["reference", "interpret"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_context_length_one(backend):
+    # seq_len 1: a one-token prompt, i.e. one query at position 0 seeing only itself
+    check(make_case([(0, 1)], pad_tokens=3), backend)
+    check(make_case([(0, 1), (1, 1)], pad_tokens=1), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_exact_block_multiples(backend, block_size):
+    seqs = [(0, 2 * block_size), (block_size, block_size), (3 * block_size - 1, 1)]
+    check(make_case(seqs, block_size=block_size), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_partly_filled_last_block_and_many_blocks(backend):
+    # 7 blocks of 16 in random physical order, last one holds 5 of 16 tokens
+    check(make_case([(100, 1), (90, 11)], block_size=16, extra_blocks=10, seed=3), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_padding_rows_finite(backend):
+    case = make_case([(5, 3)], pad_tokens=29, pad_seqs=3)
+    out = check(case, backend)
+    assert (out[3:] == 0).all()
+    # a batch that is padding only (warm-up shapes): every row zeros
+    empty = make_case([(0, 0)], pad_tokens=8, pad_seqs=2)
+    out = np.asarray(empty.run(backend))
+    assert np.isfinite(out).all() and (out == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_prefill_and_decode(backend):
+    seqs = [(37, 1), (0, 23), (12, 1), (40, 9), (64, 1)]
+    check(make_case(seqs, pad_tokens=5, pad_seqs=1, seed=7), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_length_sequence_between_real_ones(backend):
+    check(make_case([(3, 4), (0, 0), (9, 1), (0, 5)], seed=11), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(14, 2, 64), (12, 2, 128), (28, 4, 128)])
+def test_qwen2_head_ratios(backend, num_heads, num_kv_heads, head_dim):
+    seqs = [(20, 1), (0, 17), (33, 6)]
+    check(make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    block_size=32, pad_tokens=2, seed=num_heads), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_max_query_len_none_and_loose_bound(backend):
+    case = make_case([(10, 1), (0, 13), (4, 6)], pad_tokens=4)
+    a = check(case, backend, max_query_len=None)
+    b = check(case, backend, max_query_len=32)  # a bucketed bound above the real maximum
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_reference_query_chunking(monkeypatch):
+    # Long prefills are split into query chunks to bound the logits memory; same answer.
+    case = make_case([(30, 40), (5, 1), (0, 26)], pad_tokens=3)
+    def run():  # a fresh jit each time: the budget is read at trace time
+        fn = jax.jit(lambda *a: paged_attention(*a[:2], case.layer, *a[3:], scale=case.scale))
+        return np.asarray(fn(*case.args()))
+
+    whole = run()
+    monkeypatch.setattr(pa_module, "_REF_LOGITS_BUDGET", 3000)
+    chunked = run()
+    np.testing.assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_jit_with_static_layer():
+    case = make_case([(10, 1), (0, 9)], pad_tokens=2)
+    fn = jax.jit(lambda *a: paged_attention(*a[:2], 1, *a[2:], scale=case.scale,
+                                            max_query_len=case.max_query_len))
+    q, kv, _, bt, sl, qsl = case.args()
+    out = np.asarray(fn(q, kv, bt, sl, qsl))
+    np.testing.assert_allclose(out[:10], case.expected()[:10], rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_backend():
+    case = make_case([(0, 1)])
+    with pytest.raises(ValueError, match="triton"):
+        case.run("triton")

@@ -1,0 +1,600 @@
+"""Scheduler driven by a fake model whose next token is a function of the whole token history.
+
+The fake runner keeps its own paged 'KV' (token ids stored at the slots the scheduler hands it)
+and reads a request's history back through its block table only, so a wrong block table, a
+bad prefix-cache hit or a reused block that was still needed changes the generated tokens.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import (
+    NULL_BLOCK_ID,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+VOCAB = 40
+EOS = 0
+
+
+def fake_next(history: list[int]) -> int:
+    h = 17
+    for t in history:
+        h = (h * 31 + t + 1) % 1_000_003
+    return h % VOCAB
+
+
+@dataclass
+class Spec:
+    """A request's parameters, so each run builds fresh Request objects."""
+
+    rid: str
+    prompt: list[int]
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    eos_token_id: int | None = EOS
+    stop_token_ids: list[int] = field(default_factory=list)
+    arrival_step: int = 0
+
+    def make(self) -> Request:
+        return Request(
+            self.rid,
+            list(self.prompt),
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            eos_token_id=self.eos_token_id,
+            stop_token_ids=self.stop_token_ids,
+        )
+
+
+def reference(spec: Spec, max_model_len: int) -> tuple[list[int], str, int | None]:
+    """The same generation, one request at a time, with the stop rules spelled out again."""
+    tokens, out = list(spec.prompt), []
+    while True:
+        t = fake_next(tokens)
+        tokens.append(t)
+        out.append(t)
+        if len(out) >= spec.min_tokens:
+            if not spec.ignore_eos and t == spec.eos_token_id:
+                return out, "stop", None
+            if t in spec.stop_token_ids:
+                return out, "stop", t
+        if len(out) >= spec.max_tokens or len(tokens) >= max_model_len:
+            return out, "length", None
+
+
+class FakeRunner:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.bs = cfg.block_size
+        self.kv: list[list[int | None]] = [[None] * self.bs for _ in range(cfg.num_blocks)]
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        bs = self.bs
+        # All writes of the batch land before any read, as in one batched forward pass.
+        for item in out.scheduled:
+            for j, tok in enumerate(item.token_ids):
+                p = item.start_position + j
+                self.kv[item.block_ids[p // bs]][p % bs] = tok
+        sampled = {}
+        for item in out.scheduled:
+            if item.do_sample:
+                ids = item.block_ids
+                history = [self.kv[ids[p // bs]][p % bs] for p in range(item.seq_len)]
+                sampled[item.request_id] = [fake_next(history)]
+        return sampled
+
+
+@dataclass
+class RunStats:
+    steps: int = 0
+    preemptions: int = 0
+    partial_prefills: int = 0
+    cache_hit_tokens: int = 0
+    resumed_with_hits: int = 0
+    max_batch: int = 0
+
+
+def check_pool(sched: Scheduler) -> None:
+    kv = sched.kv_cache_manager
+    pool = kv.block_pool
+    holders: Counter[int] = Counter()
+    for ids in map(kv.get_block_ids, kv.req_to_blocks):
+        assert len(ids) == len(set(ids)) and NULL_BLOCK_ID not in ids
+        holders.update(ids)
+    assert set(kv.req_to_blocks) == {r.request_id for r in sched.running}
+    for blk in pool.blocks[1:]:
+        assert blk.ref_cnt == holders[blk.block_id]
+        assert (blk.ref_cnt == 0) == (blk.block_id in pool.free_queue)
+    # The order the preemption choice relies on (see Scheduler's docstring).
+    arrivals = [r.arrival_index for r in sched.running] + [r.arrival_index for r in sched.waiting]
+    assert arrivals == sorted(arrivals)
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput, stats: RunStats) -> None:
+    cfg = sched.config
+    bs = cfg.block_size
+    pool = sched.kv_cache_manager.block_pool
+    ids = [item.request_id for item in out.scheduled]
+    assert len(ids) == len(set(ids))
+    assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+    assert out.total_num_scheduled_tokens == sum(item.num_tokens for item in out.scheduled)
+    assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert len(out.scheduled) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
+    assert not set(out.preempted_req_ids) & set(ids)
+    assert set(out.num_cached_tokens) == {i.request_id for i in out.scheduled if i.is_new}
+    for rid in out.preempted_req_ids:
+        req = sched.requests[rid]
+        assert req.status == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
+        assert sched.kv_cache_manager.get_block_ids(rid) == []
+    for item in out.scheduled:
+        req = sched.requests[item.request_id]
+        start, n = item.start_position, item.num_tokens
+        assert n >= 1 and start == req.num_computed_tokens
+        assert out.num_scheduled_tokens[item.request_id] == n
+        assert item.token_ids == req.all_token_ids[start : start + n]
+        assert item.do_sample == (start + n == req.num_tokens)
+        assert len(item.block_ids) * bs >= start + n
+        assert len(item.block_ids) == -(-(start + n) // bs)
+        assert item.block_ids == sched.kv_cache_manager.get_block_ids(item.request_id)
+        assert start + n <= cfg.max_model_len
+        # Blocks written this step belong to this request alone.
+        for b in item.block_ids[start // bs : (start + n - 1) // bs + 1]:
+            assert pool.blocks[b].ref_cnt == 1
+        if not item.do_sample:
+            stats.partial_prefills += 1
+        if item.is_new and start > 0 and req.num_preemptions > 0:
+            stats.resumed_with_hits += 1
+        if item.is_new and req.num_preemptions == 0:
+            stats.cache_hit_tokens += start
+    stats.preemptions += len(out.preempted_req_ids)
+    stats.max_batch = max(stats.max_batch, len(out.scheduled))
+
+
+def run(
+    cfg: SchedulerConfig, specs: list[Spec], max_steps: int = 5000
+) -> tuple[dict[str, tuple[list[int], str, int | None]], RunStats]:
+    sched = Scheduler(cfg)
+    runner = FakeRunner(cfg)
+    stats = RunStats()
+    pending = sorted(specs, key=lambda s: s.arrival_step)
+    tokens: dict[str, list[int]] = {}
+    results: dict[str, tuple[list[int], str, int | None]] = {}
+    requests: dict[str, Request] = {}
+    while pending or sched.has_unfinished_requests():
+        while pending and pending[0].arrival_step <= stats.steps:
+            req = pending.pop(0).make()
+            requests[req.request_id] = req
+            sched.add_request(req)
+            tokens[req.request_id] = []
+        out = sched.schedule()
+        check_step(sched, out, stats)
+        for o in sched.update_from_output(out, runner.execute(out)):
+            assert o.request_id not in results
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                results[o.request_id] = (tokens[o.request_id], o.finish_reason, o.stop_reason)
+        check_pool(sched)
+        stats.steps += 1
+        assert stats.steps < max_steps, "no progress"
+    assert sched.kv_cache_manager.num_free_blocks == cfg.num_blocks - 1
+    assert sched.usage == 0.0 and not sched.requests
+    for rid, (toks, reason, _) in results.items():
+        req = requests[rid]
+        assert req.output_token_ids == toks and req.finish_reason == reason
+    return results, stats
+
+
+def random_specs(seed: int, n: int, max_prompt: int) -> list[Spec]:
+    rng = random.Random(seed)
+    # A few shared "system prompts" so that prefix caching has something to hit.
+    systems = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(4, 12))] for _ in range(3)]
+    specs = []
+    for i in range(n):
+        prompt = list(rng.choice(systems)) if rng.random() < 0.6 else []
+        prompt += [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
+        prompt = prompt[:max_prompt]
+        max_tokens = rng.randint(1, 20)
+        specs.append(
+            Spec(
+                rid=f"req{i}",
+                prompt=prompt,
+                max_tokens=max_tokens,
+                min_tokens=rng.choice([0, 0, rng.randint(0, max_tokens)]),
+                ignore_eos=rng.random() < 0.2,
+                eos_token_id=rng.choice([EOS, EOS, None]),
+                stop_token_ids=rng.sample(range(1, VOCAB), rng.choice([0, 0, 1, 3])),
+                arrival_step=rng.choice([0, 0, rng.randint(0, 30)]),
+            )
+        )
+    return specs
+
+
+MML = 40
+BASE = SchedulerConfig(
+    max_num_seqs=64,
+    max_num_batched_tokens=256,
+    max_model_len=MML,
+    block_size=4,
+    num_blocks=400,
+    enable_prefix_caching=True,
+)
+CONFIGS = {
+    "ample": BASE,
+    "no_prefix_cache": replace(BASE, enable_prefix_caching=False),
+    # 10 usable blocks of 4 = exactly max_model_len: everything fits alone, not together.
+    "small_pool": replace(BASE, num_blocks=11),
+    "small_pool_no_cache": replace(BASE, num_blocks=11, enable_prefix_caching=False),
+    "tiny_budget": replace(BASE, max_num_batched_tokens=3),
+    "few_seqs": replace(BASE, max_num_seqs=2, block_size=3),
+    "everything_tight": SchedulerConfig(
+        max_num_seqs=3, max_num_batched_tokens=5, max_model_len=MML, block_size=2, num_blocks=21
+    ),
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_outputs_match_reference(name: str, seed: int) -> None:
+    cfg = CONFIGS[name]
+    specs = random_specs(seed, n=14, max_prompt=MML)
+    results, stats = run(cfg, specs)
+    assert results == {s.rid: reference(s, MML) for s in specs}
+    if name.startswith("small_pool"):
+        assert stats.preemptions > 0
+    if name == "small_pool":
+        assert stats.resumed_with_hits > 0
+    if name in ("tiny_budget", "everything_tight"):
+        assert stats.partial_prefills > 0
+    if name == "ample":
+        assert stats.cache_hit_tokens > 0 and stats.preemptions == 0
+    if name == "few_seqs":
+        assert stats.max_batch == 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    block_size=st.integers(1, 6),
+    extra_blocks=st.integers(0, 30),
+    budget=st.integers(1, 48),
+    max_num_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+)
+def test_outputs_match_reference_random_configs(
+    seed: int, block_size: int, extra_blocks: int, budget: int, max_num_seqs: int, caching: bool
+) -> None:
+    mml = 24
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=mml,
+        block_size=block_size,
+        # Enough for any single request (max_model_len tokens), so none is unfittable.
+        num_blocks=1 + -(-mml // block_size) + extra_blocks,
+        enable_prefix_caching=caching,
+    )
+    specs = random_specs(seed, n=8, max_prompt=mml)
+    results, _ = run(cfg, specs)
+    assert results == {s.rid: reference(s, mml) for s in specs}
+
+
+# ---- stop conditions, with the sampled tokens scripted ------------------------------------
+
+
+def drive(sched: Scheduler, script: dict[str, list[int]], max_steps: int = 200) -> dict:
+    """Feed each request the next token of its script whenever it samples."""
+    got: dict[str, list[int]] = {rid: [] for rid in script}
+    finals = {}
+    cursor = dict.fromkeys(script, 0)
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        sampled = {}
+        for item in out.scheduled:
+            if item.do_sample:
+                rid = item.request_id
+                sampled[rid] = [script[rid][cursor[rid]]]
+                cursor[rid] += 1
+        for o in sched.update_from_output(out, sampled):
+            got[o.request_id] += o.new_token_ids
+            if o.finished:
+                finals[o.request_id] = (got[o.request_id], o.finish_reason, o.stop_reason)
+    assert not sched.has_unfinished_requests()
+    return finals
+
+
+def one(script: list[int], max_model_len: int = 64, prompt_len: int = 5, **kw) -> tuple:
+    sched = Scheduler(SchedulerConfig(max_model_len=max_model_len, block_size=4, num_blocks=64))
+    sched.add_request(Request("r", list(range(1, prompt_len + 1)), **kw))
+    return drive(sched, {"r": script})["r"]
+
+
+def test_eos_stops_and_is_kept() -> None:
+    assert one([5, 6, EOS, 7], eos_token_id=EOS) == ([5, 6, EOS], "stop", None)
+
+
+def test_no_eos_token_id_means_no_eos_stop() -> None:
+    assert one([EOS, EOS, EOS], max_tokens=3, eos_token_id=None) == ([EOS] * 3, "length", None)
+
+
+def test_ignore_eos() -> None:
+    assert one([EOS] * 10, max_tokens=4, eos_token_id=EOS, ignore_eos=True) == (
+        [EOS] * 4,
+        "length",
+        None,
+    )
+
+
+def test_stop_token_ids_set_stop_reason() -> None:
+    assert one([1, 9, 2], stop_token_ids=[8, 9], eos_token_id=EOS) == ([1, 9], "stop", 9)
+
+
+def test_ignore_eos_keeps_stop_token_ids() -> None:
+    assert one([EOS, 9], eos_token_id=EOS, ignore_eos=True, stop_token_ids=[9]) == (
+        [EOS, 9],
+        "stop",
+        9,
+    )
+
+
+def test_min_tokens_hides_stop_tokens() -> None:
+    script = [EOS, 9, EOS, EOS]
+    assert one(script, min_tokens=3, eos_token_id=EOS, stop_token_ids=[9]) == (
+        [EOS, 9, EOS],
+        "stop",
+        None,
+    )
+    assert one([9, 9, 9, 9], min_tokens=2, stop_token_ids=[9]) == ([9, 9], "stop", 9)
+
+
+def test_max_tokens() -> None:
+    assert one([1, 2, 3, 4, 5], max_tokens=3) == ([1, 2, 3], "length", None)
+    # A stop token on the last allowed step reports "stop".
+    assert one([1, 2, 9], max_tokens=3, stop_token_ids=[9]) == ([1, 2, 9], "stop", 9)
+
+
+def test_max_model_len() -> None:
+    assert one(list(range(10, 30)), max_model_len=12, prompt_len=10) == ([10, 11], "length", None)
+    # A prompt of exactly max_model_len still yields its one token.
+    assert one([7, 8], max_model_len=12, prompt_len=12) == ([7], "length", None)
+
+
+def test_add_request_validation() -> None:
+    sched = Scheduler(SchedulerConfig(max_model_len=16, block_size=4, num_blocks=4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(Request("a", [1] * 17))
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.add_request(Request("b", [1] * 13))  # 4 blocks, 3 usable
+    sched.add_request(Request("c", [1] * 12))
+    with pytest.raises(ValueError, match="already"):
+        sched.add_request(Request("c", [1]))
+    with pytest.raises(ValueError):
+        Request("d", [])
+    with pytest.raises(ValueError):
+        Request("e", [1], max_tokens=2, min_tokens=3)
+    with pytest.raises(ValueError):
+        SchedulerConfig(num_blocks=1)
+
+
+def test_request_that_outgrows_the_cache_alone_is_length_capped() -> None:
+    # 3 usable blocks of 4 = 12 KV slots, far below max_model_len.
+    cfg = SchedulerConfig(max_model_len=100, block_size=4, num_blocks=4, max_num_batched_tokens=64)
+    sched = Scheduler(cfg)
+    sched.add_request(Request("r", list(range(1, 9)), max_tokens=50))
+    finals = drive(sched, {"r": list(range(20, 70))})
+    # Positions 0..11 computed: 8 prompt tokens + 4 generated computed + 1 generated pending.
+    assert finals["r"] == ([20, 21, 22, 23, 24], "length", None)
+    assert sched.kv_cache_manager.num_free_blocks == 3
+
+
+def test_two_requests_outgrowing_the_cache_do_not_deadlock() -> None:
+    cfg = SchedulerConfig(max_model_len=100, block_size=4, num_blocks=4, max_num_batched_tokens=64)
+    sched = Scheduler(cfg)
+    sched.add_request(Request("a", list(range(1, 9)), max_tokens=50))
+    sched.add_request(Request("b", list(range(1, 5)), max_tokens=50))
+    finals = drive(sched, {"a": list(range(100, 150)), "b": list(range(200, 250))})
+    assert {r: f[1] for r, f in finals.items()} == {"a": "length", "b": "length"}
+    assert len(finals["a"][0]) == 5 and len(finals["b"][0]) == 9
+    assert sched.num_preemptions > 0
+    assert sched.kv_cache_manager.num_free_blocks == 3
+
+
+# ---- scheduling policy ---------------------------------------------------------------------
+
+
+def step(sched: Scheduler, out: SchedulerOutput, token: int = 1) -> list:
+    return sched.update_from_output(
+        out, {i.request_id: [token] for i in out.scheduled if i.do_sample}
+    )
+
+
+def test_budget_goes_to_running_first_then_chunks_new_prompt() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, block_size=4, num_blocks=64))
+    sched.add_request(Request("a", [1, 2, 3]))
+    sched.add_request(Request("b", [4, 5]))
+    out = sched.schedule()
+    assert [(i.request_id, i.num_tokens, i.do_sample) for i in out.scheduled] == [
+        ("a", 3, True),
+        ("b", 2, True),
+    ]
+    step(sched, out)
+    sched.add_request(Request("c", list(range(10, 30))))
+    out = sched.schedule()
+    assert [(i.request_id, i.start_position, i.num_tokens, i.do_sample) for i in out.scheduled] == [
+        ("a", 3, 1, True),
+        ("b", 2, 1, True),
+        ("c", 0, 6, False),
+    ]
+    assert out.scheduled[2].is_new and not out.scheduled[0].is_new
+    assert out.num_cached_tokens == {"c": 0}
+    step(sched, out)
+    out = sched.schedule()
+    # c continues its prefill as a running request.
+    assert [(i.request_id, i.start_position, i.num_tokens) for i in out.scheduled] == [
+        ("a", 4, 1),
+        ("b", 3, 1),
+        ("c", 6, 6),
+    ]
+    assert not any(i.is_new for i in out.scheduled)
+
+
+def test_max_num_seqs_and_fcfs() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, block_size=4, num_blocks=64))
+    for r in "abcd":
+        sched.add_request(Request(r, [1, 2], max_tokens=2))
+    out = sched.schedule()
+    assert [i.request_id for i in out.scheduled] == ["a", "b"]
+    assert sched.get_num_unfinished_requests() == 4
+    step(sched, out)
+    out = sched.schedule()
+    assert [i.request_id for i in out.scheduled] == ["a", "b"]
+    step(sched, out)  # a and b reach max_tokens
+    out = sched.schedule()
+    assert out.finished_req_ids == ["a", "b"]
+    assert [i.request_id for i in out.scheduled] == ["c", "d"]
+    assert sched.get_num_unfinished_requests() == 2
+
+
+def test_preemption_picks_latest_arrival_and_resumes_with_prefix_hits() -> None:
+    # 6 usable blocks of 4. Each request grows to 8 + 12 - 1 = 19 computed tokens = 5 blocks.
+    cfg = SchedulerConfig(max_model_len=64, block_size=4, num_blocks=7)
+    sched = Scheduler(cfg)
+    sched.add_request(Request("a", [1] * 8, max_tokens=12))
+    sched.add_request(Request("b", [2] * 8, max_tokens=12))
+    preempted, resumed = [], []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        preempted += out.preempted_req_ids
+        resumed += [(i.request_id, i.start_position) for i in out.scheduled if i.is_new]
+        step(sched, out, token=3)
+    assert preempted == ["b"]
+    # b held 3 full cached blocks when preempted; a then took 2 more blocks, evicting b's
+    # (freed tail first) last two, so b comes back with its first block found in the cache.
+    assert resumed == [("a", 0), ("b", 0), ("b", 4)]
+    assert sched.kv_cache_manager.num_free_blocks == 6
+
+
+def test_prefix_cache_hits_reported() -> None:
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=64))
+    sched.add_request(Request("a", list(range(1, 11)), max_tokens=1))
+    step(sched, sched.schedule())
+    sched.add_request(Request("b", list(range(1, 11)) + [5], max_tokens=1))
+    out = sched.schedule()
+    assert out.num_cached_tokens == {"b": 8}
+    assert out.scheduled[0].start_position == 8 and out.scheduled[0].token_ids == [9, 10, 5]
+    (o,) = step(sched, out)
+    assert o.num_cached_tokens == 8 and o.finish_reason == "length"
+
+
+# ---- aborts --------------------------------------------------------------------------------
+
+
+def test_abort_mid_prefill() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4, block_size=4, num_blocks=16))
+    sched.add_request(Request("a", list(range(1, 20))))
+    out = sched.schedule()
+    assert not out.scheduled[0].do_sample
+    step(sched, out)
+    assert sched.kv_cache_manager.num_free_blocks < 15
+    sched.abort_requests("a")
+    assert sched.kv_cache_manager.num_free_blocks == 15
+    assert not sched.has_unfinished_requests()
+    out = sched.schedule()
+    assert out.finished_req_ids == ["a"] and out.is_empty
+    assert sched.schedule().finished_req_ids == []
+
+
+def test_abort_mid_decode_and_waiting() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, block_size=4, num_blocks=16))
+    a, b = Request("a", [1, 2, 3]), Request("b", [4, 5])
+    sched.add_request(a)
+    sched.add_request(b)
+    for _ in range(3):
+        step(sched, sched.schedule())
+    assert a.num_output_tokens == 3 and a.status == RequestStatus.RUNNING
+    sched.abort_requests(["a", "b", "unknown"])
+    assert a.status == b.status == RequestStatus.FINISHED_ABORTED
+    assert a.finish_reason == "abort"
+    assert sched.kv_cache_manager.num_free_blocks == 15
+    assert sched.schedule().finished_req_ids == ["a", "b"]
+
+
+def test_abort_between_schedule_and_update() -> None:
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    sched.add_request(Request("a", [1, 2, 3]))
+    sched.add_request(Request("b", [1, 2, 3]))
+    out = sched.schedule()
+    sched.abort_requests("a")
+    outputs = step(sched, out)
+    assert [o.request_id for o in outputs] == ["b"]
+    sched.abort_requests("b")
+    assert sched.kv_cache_manager.num_free_blocks == 15
+
+
+def test_finish_from_outside_with_stop_status() -> None:
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    r = Request("a", [1, 2, 3])
+    sched.add_request(r)
+    step(sched, sched.schedule())
+    sched.finish_requests("a", RequestStatus.FINISHED_STOPPED)
+    assert r.finish_reason == "stop" and not sched.has_unfinished_requests()
+    with pytest.raises(ValueError):
+        sched.finish_requests("a", RequestStatus.RUNNING)
+
+
+def test_protocol_errors() -> None:
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    sched.add_request(Request("a", [1, 2, 3]))
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="no sampled token"):
+        sched.update_from_output(out, {})
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    sched.add_request(Request("a", [1, 2, 3]))
+    out = sched.schedule()
+    step(sched, out)
+    with pytest.raises(RuntimeError, match="twice"):
+        step(sched, out)
+
+
+def test_empty_schedule() -> None:
+    sched = Scheduler(SchedulerConfig())
+    out = sched.schedule()
+    assert out.is_empty and out.scheduled == []
+    assert sched.update_from_output(out, {}) == []
+
+
+def test_several_sampled_tokens_stop_at_the_first_stop() -> None:
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    sched.add_request(Request("a", [1, 2, 3], stop_token_ids=[9], max_tokens=10))
+    out = sched.schedule()
+    (o,) = sched.update_from_output(out, {"a": [4, 9, 5]})
+    assert (o.new_token_ids, o.finish_reason, o.stop_reason) == ([4, 9], "stop", 9)
+    sched.add_request(Request("b", [1, 2, 3], max_tokens=10))
+    out = sched.schedule()
+    sched.update_from_output(out, {"b": [4, 5]})
+    # Both sampled tokens still need their KV computed.
+    (item,) = sched.schedule().scheduled
+    assert (item.start_position, item.token_ids, item.do_sample) == (3, [4, 5], True)
+
+
+def test_scheduler_output_pickles() -> None:
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    sched.add_request(Request("a", [1, 2, 3, 4, 5], sampling_params={"temperature": 0.0}))
+    out = sched.schedule()
+    assert pickle.loads(pickle.dumps(out)) == out
+    assert out.scheduled[0].sampling_params == {"temperature": 0.0}
