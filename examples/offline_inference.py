@@ -13,6 +13,7 @@ outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48))
 for out in outputs:
     print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
 
-chat = llm.chat([{"role": "user", "content": "Write a one-line Python expression that sums 1..100."}],
+question = "Write a one-line Python expression that sums 1..100."
+chat = llm.chat([{"role": "user", "content": question}],
                 SamplingParams(temperature=0.0, max_tokens=64))
 print(chat[0].outputs[0].text)

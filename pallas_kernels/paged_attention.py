@@ -80,14 +80,17 @@ def _reference_chunk(qc, k, v, seq_lens, q_lens, q_off, scale):
     q_pos = ctx + q_off + jnp.arange(chunk)[None, :]  # [S, C] absolute positions
     key = jnp.arange(num_keys)[None, None, :]
     mask = (key <= q_pos[:, :, None]) & (key < seq_lens[:, None, None])  # [S, C, L]
-    logits = jnp.einsum("sckgd,skld->skgcl", qc, k) * scale
+    # Both matmuls keep (S, KVH) as leading batch dims and produce [S, KVH, G, C, *]: with the
+    # output in another order XLA:CPU transposes the big operand (PV was 3x slower).
+    qc = qc.transpose(0, 2, 3, 1, 4)  # [S, KVH, G, C, D], small
+    logits = jnp.einsum("skgcd,skld->skgcl", qc, k) * scale
     logits = jnp.where(mask[:, None, None], logits, _MASK_VALUE)
     m = logits.max(axis=-1, keepdims=True)
     p = jnp.where(mask[:, None, None], jnp.exp(logits - m), 0.0)
     denom = p.sum(axis=-1, keepdims=True)
     # Rows with no visible key (padding sequences, rows past q_len) get zeros, not 0/0.
     p = p / jnp.where(denom > 0, denom, 1.0)
-    return jnp.einsum("skgcl,skld->sckgd", p, v)
+    return jnp.einsum("skgcl,skld->skgcd", p, v).transpose(0, 3, 1, 2, 4)
 
 
 def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int,
