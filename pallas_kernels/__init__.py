@@ -8,19 +8,10 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.rms_norm import rms_norm
 from pallas_kernels.rope import rope, rope_cos_sin_cache
-
-# TODO remove guard: paged_attention and kv_write are being written in parallel; until they land
-# the package must still import so the model can use rms_norm/rope.
-try:
-    from pallas_kernels.paged_attention import paged_attention
-except ImportError:  # pragma: no cover
-    paged_attention = None  # type: ignore[assignment]
-try:
-    from pallas_kernels.kv_write import write_kv
-except ImportError:  # pragma: no cover
-    write_kv = None  # type: ignore[assignment]
 
 BACKENDS: tuple[str, ...] = ("pallas", "interpret", "reference")
 
