@@ -17,6 +17,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=["pallas", "interpret", "reference"],
                         help="default: pallas on GPU, reference on CPU")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="default: the number of prompts (at most 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256,
+                        help="token budget per step (larger prompts are prefilled in chunks)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="default: from a 1 GiB budget on CPU, 90%% of memory on GPU")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -28,11 +35,14 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def _make_llm(args: argparse.Namespace):
+def _make_llm(args: argparse.Namespace, num_prompts: int):
     from jaxllm import LLM
 
     return LLM(model=args.model, dtype=args.dtype, kernel_backend=args.kernel_backend,
-               seed=args.seed)
+               seed=args.seed, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs or min(num_prompts, 64),
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               num_kv_blocks=args.num_kv_blocks)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -50,7 +60,7 @@ def _print_stats(outputs, elapsed: float) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
+    llm = _make_llm(args, len(args.prompts))
     start = time.perf_counter()
     outputs = llm.generate(args.prompts, _sampling_params(args))
     elapsed = time.perf_counter() - start
@@ -62,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
+    llm = _make_llm(args, 1)
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

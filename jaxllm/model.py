@@ -114,7 +114,8 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """Returns (logits [R, vocab] float32 for the rows in `md.logits_indices`, new kv_cache)."""
+    """Returns (logits [R, vocab] float32 for the rows in `md.logits_indices`,
+    final-normed hidden states [T, hidden] of every row, the updated kv_cache)."""
 
     config: ModelConfig
     dtype: Any = jnp.float32
@@ -138,16 +139,26 @@ class Qwen2ForCausalLM(nn.Module):
             h, residual, kv_cache = Qwen2DecoderLayer(
                 cfg, i, self.dtype, self.kernel_backend, name=f"layers_{i}")(
                     h, residual, positions, kv_cache, md, cos_sin_cache, max_query_len)
-        # Only the sampled rows go through the final norm and the LM head.
-        h = jnp.take(h, md.logits_indices, axis=0)
-        residual = jnp.take(residual, md.logits_indices, axis=0)
-        h, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend, name="norm")(h, residual)
+        hidden_states, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend,
+                                   name="norm")(h, residual)
+        # Only the sampled rows go through the LM head (the vocabulary GEMM is the costly part);
+        # the normed hidden states of all rows stay on device for prompt logprobs.
+        rows = jnp.take(hidden_states, md.logits_indices, axis=0)
         if cfg.tie_word_embeddings:
-            logits = jnp.einsum("th,vh->tv", h, embed)
+            logits = jnp.einsum("th,vh->tv", rows, embed)
         else:
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
-                              param_dtype=self.dtype, name="lm_head")(h)
-        return logits.astype(jnp.float32), kv_cache
+                              param_dtype=self.dtype, name="lm_head")(rows)
+        return logits.astype(jnp.float32), hidden_states, kv_cache
+
+
+def compute_logits(params: dict, config: ModelConfig, hidden_states: jax.Array) -> jax.Array:
+    """LM head on already-normed hidden states (the same math as the model's last step)."""
+    if config.tie_word_embeddings:
+        logits = jnp.einsum("th,vh->tv", hidden_states, params["embed_tokens"])
+    else:
+        logits = hidden_states @ params["lm_head"]["kernel"]
+    return logits.astype(jnp.float32)
 
 
 def abstract_params(model: Qwen2ForCausalLM) -> dict:

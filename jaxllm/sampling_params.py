@@ -1,69 +1,175 @@
-"""Per-request sampling parameters, named and validated as in vLLM."""
+"""Per-request sampling parameters, named, defaulted and validated as in vLLM."""
 
 from __future__ import annotations
 
+import copy
+import math
+import numbers
 from dataclasses import dataclass
+
+# Most top logprobs a request may ask for per position (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request. Invalid values raise ValueError naming the field.
+    """How to pick tokens for one request. Invalid values raise ValueError naming the field,
+    as `SamplingParams.<field> must ..., got <value>`.
 
-    temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0 disable theirs.
-    A request's random draws depend only on its `seed` (or the engine seed and its request index),
-    never on the other requests in the batch.
+    temperature 0 (or below 1e-5) means greedy; then top_p, top_k and min_p are reset to their
+    disabled values, as vLLM does. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0 disable
+    theirs. A request's random draws depend only on its `seed` (or the engine seed and its
+    request index), never on the other requests in the batch.
+
+    max_tokens None means "up to the model's max_model_len". `logprobs` N asks for the top-N
+    log-probabilities (plus the sampled token's) per generated token; `prompt_logprobs` N the same
+    per prompt token; both are of the model's raw distribution and at most MAX_LOGPROBS.
+    `logit_bias` maps token id -> value added to that token's logit before anything else.
     """
 
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == 0:
-            self.top_k = -1
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise self._bad("stop", "must be a string, a list of strings or None")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = [self._int(t, "stop_token_ids", "must be non-negative integers")
+                                   for t in self.stop_token_ids]
+        else:
+            raise self._bad("stop_token_ids", "must be a list of non-negative integers or None")
+        if self.logit_bias is not None:
+            self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self._verify()
+        if self.greedy:
+            # As vLLM: greedy ignores the truncation knobs.
+            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    # ---- validation -----------------------------------------------------------------------
+
+    def _bad(self, name: str, why: str, value: object = None) -> ValueError:
+        if value is None:
+            value = getattr(self, name, None)
+        return ValueError(f"SamplingParams.{name} {why}, got {value!r}")
+
+    def _int(self, value: object, name: str, why: str) -> int:
+        """An integer (bool and non-integral numbers refused), as a plain int."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise self._bad(name, why, value)
+        return int(value)
+
+    def _float(self, name: str, why: str) -> float:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise self._bad(name, why)
+        value = float(value)
+        setattr(self, name, value)
+        return value
+
+    def _normalise_logit_bias(self, bias: object) -> dict[int, float]:
+        why = "must map non-negative integer token ids to finite floats"
+        if not isinstance(bias, dict):
+            raise self._bad("logit_bias", why)
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            if isinstance(key, str) and key.strip().isdigit():  # JSON object keys are strings
+                key = int(key)
+            tok = self._int(key, "logit_bias", why)
+            if tok < 0:
+                raise self._bad("logit_bias", why, bias)
+            if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                    or not math.isfinite(float(value))):
+                raise self._bad("logit_bias", why, bias)
+            out[tok] = float(value)
+        return out
 
     def _verify(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
-
-        if not self.temperature >= 0.0:
-            raise bad("temperature", "must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "must be -1 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
-            raise bad("max_tokens", "must be a positive integer or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be a non-negative integer")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        self.n = self._int(self.n, "n", "must be an integer >= 1")
+        if self.n < 1:
+            raise self._bad("n", "must be an integer >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= self._float(name, "must be in [-2, 2]") <= 2.0:
+                raise self._bad(name, "must be in [-2, 2]")
+        rep = self._float("repetition_penalty", "must be a finite number > 0")
+        if not (math.isfinite(rep) and rep > 0.0):
+            raise self._bad("repetition_penalty", "must be a finite number > 0")
+        temp = self._float("temperature", "must be a finite number >= 0")
+        if not (math.isfinite(temp) and temp >= 0.0):
+            raise self._bad("temperature", "must be a finite number >= 0")
+        if not 0.0 < self._float("top_p", "must be in (0, 1]") <= 1.0:
+            raise self._bad("top_p", "must be in (0, 1]")
+        why_k = "must be -1 (disabled) or a positive integer"
+        self.top_k = self._int(self.top_k, "top_k", why_k)
+        if self.top_k == 0:
+            self.top_k = -1
+        if self.top_k < -1:
+            raise self._bad("top_k", why_k)
+        if not 0.0 <= self._float("min_p", "must be in [0, 1]") <= 1.0:
+            raise self._bad("min_p", "must be in [0, 1]")
+        if self.seed is not None:
+            self.seed = self._int(self.seed, "seed", "must be an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
+            raise self._bad("stop", "must be non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise self._bad("stop_token_ids", "must be non-negative integers")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise self._bad(name, "must be a bool")
+        if self.max_tokens is not None:
+            why = "must be a positive integer or None"
+            self.max_tokens = self._int(self.max_tokens, "max_tokens", why)
+            if self.max_tokens < 1:
+                raise self._bad("max_tokens", why)
+        self.min_tokens = self._int(self.min_tokens, "min_tokens",
+                                    "must be a non-negative integer")
+        if self.min_tokens < 0:
+            raise self._bad("min_tokens", "must be a non-negative integer")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise self._bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                why = f"must be None or an integer in [0, {MAX_LOGPROBS}]"
+                value = self._int(getattr(self, name), name, why)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise self._bad(name, why)
+                setattr(self, name, value)
+        if self.n > 1 and self.greedy:
+            raise self._bad("n", "must be 1 when using greedy sampling (temperature 0)")
+
+    # ---- helpers ----------------------------------------------------------------------------
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below vLLM's epsilon 1e-5: the argmax of the processed logits."""
+        return self.temperature < SAMPLING_EPS
 
-
+    def clone(self) -> SamplingParams:
+        """A deep copy (lists and the logit_bias dict are not shared)."""
+        return copy.deepcopy(self)

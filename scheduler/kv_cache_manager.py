@@ -49,7 +49,7 @@ class KVCacheManager:
         Never covers the whole sequence: the last token must be computed so the step yields
         its logits. The blocks are not yet referenced; pass them to allocate_slots.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

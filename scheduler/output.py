@@ -68,6 +68,11 @@ class EngineCoreOutput:
     # The stop token id that finished the request.
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Filled by the engine core after sampling (the scheduler never reads them): per new token
+    # its logprobs dict (or None), and the prompt-logprob entries computed this step.
+    new_logprobs: list[Any] | None = None
+    new_sampled_logprobs: list[float] | None = None
+    new_prompt_logprobs: list[Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -52,6 +52,8 @@ class Request:
     eos_token_id: int | None = None
     stop_token_ids: Sequence[int] = ()
     sampling_params: Any = None
+    # Compute every prompt token even if cached (prompt logprobs need each position's logits).
+    skip_prefix_cache: bool = False
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     # Prompt followed by outputs, kept as one list so a recompute after preemption and the

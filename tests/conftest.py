@@ -53,7 +53,9 @@ def real_model_path():
 def real_llm(real_model_path):
     from jaxllm import LLM
 
-    return LLM(model=str(real_model_path))
+    # Small buckets keep start-up (ahead-of-time compilation of every bucket) short.
+    return LLM(model=str(real_model_path), max_num_seqs=4, max_num_batched_tokens=64,
+               show_progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ def _our_logits(path, prompts, **model_kw) -> list[np.ndarray]:
     loaded = load_model(path, progress=False)
     model = Qwen2ForCausalLM(loaded.config, **model_kw)
     ids, pos, kv, md = prefill_inputs(loaded.config, prompts)
-    logits, _ = model.apply({"params": loaded.params, "rope": rope_variables(loaded.config)},
+    logits, _, _ = model.apply({"params": loaded.params, "rope": rope_variables(loaded.config)},
                             ids, pos, kv, md)
     logits = np.asarray(logits)
     bounds = np.cumsum([0] + [len(p) for p in prompts])
@@ -71,7 +71,7 @@ def test_bfloat16_model_is_close_to_float32(tiny_models, rng):
     assert all(x.dtype == jnp.bfloat16 for x in __import__("jax").tree.leaves(loaded.params))
     model = Qwen2ForCausalLM(loaded.config, dtype=jnp.bfloat16)
     ids, pos, kv, md = prefill_inputs(loaded.config, [prompt], dtype=jnp.bfloat16)
-    logits, _ = model.apply({"params": loaded.params, "rope": rope_variables(loaded.config)},
+    logits, _, _ = model.apply({"params": loaded.params, "rope": rope_variables(loaded.config)},
                             ids, pos, kv, md)
     # bfloat16 keeps 8 mantissa bits: ~0.4% relative per op, so compare loosely.
     want = _hf_logits(hf, prompt)

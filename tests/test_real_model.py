@@ -52,7 +52,7 @@ def test_last_position_logits_close_to_hf(real_llm, hf_real_model):
     tok = real_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     ids, pos, kv, md = prefill_inputs(real_llm.config, prompts)
-    logits, _ = real_llm.model.apply({"params": real_llm.params,
+    logits, _, _ = real_llm.model.apply({"params": real_llm.params,
                                       "rope": rope_variables(real_llm.config)}, ids, pos, kv, md)
     logits = np.asarray(logits)
     ends = np.cumsum([len(p) for p in prompts]) - 1
@@ -86,3 +86,33 @@ def test_chat_answers_through_template(real_llm):
                         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert "5" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_engine_under_pressure_matches_hf(real_model_path, real_llm, hf_real_model):
+    """Preemption, chunked prefill and prefix-cache hits at once, on the real model."""
+    from jaxllm import LLM
+
+    tok = real_llm.tokenizer
+    system = ("You are a careful senior Python engineer. Answer with short, correct code and "
+              "one sentence of explanation. Prefer the standard library.")
+    questions = ["Reverse a string.", "Check if a number is prime.", "Flatten a nested list.",
+                 "Read a CSV file into dicts.", "Count words in a text."]
+    prompts = [tok.apply_chat_template([{"role": "system", "content": system},
+                                        {"role": "user", "content": q}],
+                                       tokenize=False, add_generation_prompt=True)
+               for q in questions] + ["def fibonacci(n):"]
+    llm = LLM(model=str(real_model_path), max_num_seqs=4, max_num_batched_tokens=32,
+              num_kv_blocks=14, show_progress=False)
+    core = llm.llm_engine.engine_core
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert core.scheduler.num_preemptions > 0
+    assert sum(o.num_cached_tokens for o in outs) >= 16 * 3  # the shared system prompt
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            ref = hf_real_model.generate(ids, max_new_tokens=24, min_new_tokens=24,
+                                         do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+    pool = core.scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == 13

@@ -1,0 +1,231 @@
+"""ModelRunner: SchedulerOutput -> padded device inputs -> one jitted step -> sampled-row logits.
+
+Every step's shapes come from a small fixed set of buckets, all compiled ahead of time at
+start-up, so serving never compiles:
+  - the token count T is padded up to a token bucket (powers of two up to
+    max_num_batched_tokens);
+  - the sequence count S and the number of logits rows are min(T, max_num_seqs), so they follow
+    T and add no bucket dimension;
+  - a step whose every sequence computes one token (pure decode) uses max_query_len = 1 (the
+    Pallas kernel picks decode tiles), any other step max_query_len = T.
+Block tables are always max_model_len wide. The KV array is one preallocated buffer, sized from
+a memory budget, donated to every step so XLA updates it in place.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxllm.config import ModelConfig
+from jaxllm.model import (
+    AttentionMetadata,
+    Qwen2ForCausalLM,
+    compute_logits,
+    kv_cache_shape,
+    rope_variables,
+)
+from scheduler import SchedulerOutput
+
+# Prompt-logprob rows go through the LM head in chunks of this many rows (one compiled shape).
+PROMPT_LOGITS_CHUNK = 32
+MIN_TOKEN_BUCKET = 16
+
+
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    buckets = []
+    t = MIN_TOKEN_BUCKET
+    while t < max_num_batched_tokens:
+        buckets.append(t)
+        t *= 2
+    buckets.append(max(max_num_batched_tokens, MIN_TOKEN_BUCKET))
+    return buckets
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: Any) -> int:
+    return (math.prod(kv_cache_shape(config, 1, block_size)) * jnp.dtype(dtype).itemsize)
+
+
+def device_memory_bytes() -> int | None:
+    """Total memory of the first accelerator, or None on CPU / when unknown."""
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return None
+    stats = dev.memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+@dataclass
+class StepTimings:
+    prepare_s: float = 0.0
+    device_s: float = 0.0
+    transfer_s: float = 0.0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Logits of the rows that sample this step, and prompt-logprob logits where asked."""
+
+    sample_req_ids: list[str]
+    logits: np.ndarray  # [len(sample_req_ids), vocab] float32
+    # request id -> (logits [n, vocab] of its prompt positions computed this step, their start)
+    prompt_logits: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)
+    timings: StepTimings = field(default_factory=StepTimings)
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, params: dict, *, dtype: Any, kernel_backend: str,
+                 block_size: int, num_kv_blocks: int, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.params = params
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.buckets = token_buckets(max_num_batched_tokens)
+        self.model = Qwen2ForCausalLM(config, dtype=dtype, kernel_backend=kernel_backend)
+        self.rope = rope_variables(config)
+        self.kv_cache = jnp.zeros(kv_cache_shape(config, num_kv_blocks, block_size), dtype)
+        self._step = jax.jit(self._forward, static_argnames=("max_query_len",),
+                             donate_argnames=("kv_cache",))
+        self._logits_fn = jax.jit(lambda params, h: compute_logits(params, config, h))
+        self._compiled: dict[tuple[int, int], Any] = {}
+        self._compiled_logits = None
+
+    def _forward(self, params, rope, kv_cache, input_ids, positions, md, max_query_len):
+        return self.model.apply({"params": params, "rope": rope}, input_ids, positions, kv_cache,
+                                md, max_query_len=max_query_len)
+
+    # --- compilation --------------------------------------------------------------------------
+
+    def bucket_shapes(self) -> list[tuple[int, int]]:
+        """(num_tokens, max_query_len) of every step shape the runner can produce."""
+        shapes = []
+        prev = 0
+        for t in self.buckets:
+            # Pure decode computes one token per sequence: only buckets reachable with at most
+            # max_num_seqs tokens get a decode shape.
+            if prev < self.max_num_seqs:
+                shapes.append((t, 1))
+            shapes.append((t, t))
+            prev = t
+        return shapes
+
+    def _abstract_inputs(self, num_tokens: int):
+        s = min(num_tokens, self.max_num_seqs)
+        i32 = jnp.int32
+
+        def spec(*shape):
+            return jax.ShapeDtypeStruct(shape, i32)
+
+        md = AttentionMetadata(spec(num_tokens), spec(s, self.max_blocks_per_seq), spec(s),
+                               spec(s + 1), spec(s))
+        return spec(num_tokens), spec(num_tokens), md
+
+    def compile(self, progress: bool = True) -> float:
+        """Compile every bucket ahead of time; returns the seconds it took."""
+        start = time.perf_counter()
+        shapes = self.bucket_shapes()
+        kv_spec = jax.ShapeDtypeStruct(self.kv_cache.shape, self.kv_cache.dtype)
+        for num_tokens, max_query_len in tqdm(shapes, desc="compiling step buckets",
+                                              unit="shape", disable=not progress):
+            ids, pos, md = self._abstract_inputs(num_tokens)
+            self._compiled[(num_tokens, max_query_len)] = self._step.lower(
+                self.params, self.rope, kv_spec, ids, pos, md,
+                max_query_len=max_query_len).compile()
+        hidden = jax.ShapeDtypeStruct((PROMPT_LOGITS_CHUNK, self.config.hidden_size), self.dtype)
+        self._compiled_logits = self._logits_fn.lower(self.params, hidden).compile()
+        return time.perf_counter() - start
+
+    def bucket_for(self, num_tokens: int) -> int:
+        for t in self.buckets:
+            if t >= num_tokens:
+                return t
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def execute_model(self, so: SchedulerOutput,
+                      prompt_logprob_reqs: dict[str, int] | None = None) -> ModelRunnerOutput:
+        """Run one step. `prompt_logprob_reqs` maps a request id to the number of prompt
+        positions whose logits it needs (it wants logprobs for its prompt)."""
+        t0 = time.perf_counter()
+        reqs = so.scheduled
+        num_tokens = so.total_num_scheduled_tokens
+        padded = self.bucket_for(num_tokens)
+        num_seqs = min(padded, self.max_num_seqs)
+        decode_only = all(r.num_tokens == 1 for r in reqs)
+        max_query_len = 1 if decode_only else padded
+        bs = self.block_size
+
+        input_ids = np.zeros(padded, np.int32)
+        positions = np.zeros(padded, np.int32)
+        slot_mapping = np.full(padded, -1, np.int32)
+        block_tables = np.zeros((num_seqs, self.max_blocks_per_seq), np.int32)
+        seq_lens = np.zeros(num_seqs, np.int32)
+        query_start_loc = np.zeros(num_seqs + 1, np.int32)
+        logits_indices = np.zeros(num_seqs, np.int32)
+        sample_req_ids = []
+        offset = 0
+        for i, r in enumerate(reqs):
+            n = r.num_tokens
+            end = offset + n
+            input_ids[offset:end] = r.token_ids
+            pos = np.arange(r.start_position, r.start_position + n, dtype=np.int32)
+            positions[offset:end] = pos
+            blocks = np.asarray(r.block_ids, np.int32)
+            block_tables[i, :len(blocks)] = blocks
+            slot_mapping[offset:end] = blocks[pos // bs] * bs + pos % bs
+            seq_lens[i] = r.seq_len
+            query_start_loc[i + 1] = end
+            if r.do_sample:
+                logits_indices[len(sample_req_ids)] = end - 1
+                sample_req_ids.append(r.request_id)
+            offset = end
+        query_start_loc[len(reqs) + 1:] = offset
+        md = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc,
+                               logits_indices)
+        t1 = time.perf_counter()
+        step = self._compiled.get((padded, max_query_len))
+        if step is None:
+            raise RuntimeError(f"step shape ({padded}, {max_query_len}) was not compiled; "
+                               f"call compile() first")
+        logits, hidden, self.kv_cache = step(self.params, self.rope, self.kv_cache, input_ids,
+                                             positions, md)
+        logits.block_until_ready()
+        t2 = time.perf_counter()
+        # Only the sampled rows are fetched; on CPU this is a view, on GPU a small copy.
+        host_logits = np.asarray(logits)[:len(sample_req_ids)]
+        prompt_logits = {}
+        if prompt_logprob_reqs:
+            offset = 0
+            for r in reqs:
+                want = prompt_logprob_reqs.get(r.request_id, 0)
+                if want > 0:
+                    rows = min(want, r.num_tokens)
+                    prompt_logits[r.request_id] = (
+                        self._logits_rows(hidden, offset, rows), r.start_position)
+                offset += r.num_tokens
+        t3 = time.perf_counter()
+        return ModelRunnerOutput(sample_req_ids, host_logits, prompt_logits,
+                                 StepTimings(t1 - t0, t2 - t1, t3 - t2))
+
+    def _logits_rows(self, hidden: jax.Array, start: int, count: int) -> np.ndarray:
+        host_hidden = np.asarray(hidden)[start:start + count]
+        out = []
+        for i in range(0, count, PROMPT_LOGITS_CHUNK):
+            chunk = host_hidden[i:i + PROMPT_LOGITS_CHUNK]
+            padded = np.zeros((PROMPT_LOGITS_CHUNK, chunk.shape[1]), chunk.dtype)
+            padded[:len(chunk)] = chunk
+            out.append(np.asarray(self._compiled_logits(self.params, padded))[:len(chunk)])
+        return np.concatenate(out, axis=0)

@@ -1,0 +1,259 @@
+"""The engine (scheduler + model runner + sampler + output processor) against HF transformers.
+
+Greedy outputs must be identical to HF's under ample KV, a pool small enough to force
+preemption, a token budget small enough to force chunked prefill, and shared prefixes that hit
+the prefix cache; nothing compiles after warm-up; every block is free again afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jaxllm import LLM, SamplingParams
+from scheduler import NULL_BLOCK_ID
+
+MAX_NEW = 24
+PROMPT_LENS = [3, 70, 17, 40, 9, 33]
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    def __init__(self) -> None:
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.count += 1
+
+
+COMPILES = CompileCounter()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    return tiny_models["untied"]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(42)
+    base = [rng.integers(0, 512, n).tolist() for n in PROMPT_LENS]
+    # Two prompts sharing a 48-token prefix with the 70-token one (3 full blocks of 16).
+    base.append(base[1][:48] + rng.integers(0, 512, 5).tolist())
+    base.append(base[1][:50] + rng.integers(0, 512, 12).tolist())
+    return base
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny):
+    _, hf = tiny
+
+    @functools.cache
+    def run(prompt: tuple[int, ...]) -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
+                              min_new_tokens=MAX_NEW, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    return run
+
+
+def make_llm(path, **kw) -> LLM:
+    args = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=8,
+                max_num_batched_tokens=64, show_progress=False)
+    args.update(kw)
+    return LLM(model=str(path), **args)
+
+
+def assert_pool_free(llm: LLM) -> None:
+    core = llm.llm_engine.engine_core
+    pool = core.scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == llm.llm_engine.num_kv_blocks - 1  # block 0 is the null block
+    assert not core.scheduler.requests and not llm.llm_engine.output_processor.parents
+    assert NULL_BLOCK_ID == 0
+
+
+def greedy(prompts, llm):
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return outs, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("regime, kwargs", [
+    ("ample", {}),
+    ("preemption", {"num_kv_blocks": 14}),
+    ("chunked_prefill", {"max_num_batched_tokens": 16}),
+    ("no_prefix_cache", {"enable_prefix_caching": False}),
+])
+def test_greedy_matches_hf_in_every_regime(tiny, prompts, hf_greedy, regime, kwargs):
+    llm = make_llm(tiny[0], **kwargs)
+    core = llm.llm_engine.engine_core
+    steps = []
+    original = core.runner.execute_model
+
+    def spy(so, *a, **k):
+        steps.append([(r.request_id, r.num_tokens, r.do_sample) for r in so.scheduled])
+        return original(so, *a, **k)
+
+    core.runner.execute_model = spy
+    before = COMPILES.count
+    outs, tokens = greedy(prompts, llm)
+    assert COMPILES.count == before, "the engine compiled after warm-up"
+    for prompt, got in zip(prompts, tokens, strict=True):
+        assert got == hf_greedy(tuple(prompt)), f"prompt of {len(prompt)} tokens"
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    if regime == "preemption":
+        assert core.scheduler.num_preemptions > 0
+    if regime == "chunked_prefill":
+        assert any(not do_sample for step in steps for _, _, do_sample in step)
+        assert max(sum(n for _, n, _ in step) for step in steps) <= 16
+    if regime == "ample":
+        assert max(len(step) for step in steps) > 1  # requests really were batched
+    assert_pool_free(llm)
+
+
+def test_prefix_cache_hits_are_reported_and_exact(tiny, prompts, hf_greedy):
+    llm = make_llm(tiny[0])
+    greedy([prompts[1]], llm)  # the 70-token prompt fills 4 full blocks
+    outs, tokens = greedy(prompts[-2:], llm)
+    assert [o.num_cached_tokens for o in outs] == [48, 48]
+    for prompt, got in zip(prompts[-2:], tokens, strict=True):
+        assert got == hf_greedy(tuple(prompt))
+    # The same prompt again: every full block but the one holding the last token is a hit.
+    again, tokens = greedy([prompts[1]], llm)
+    assert again[0].num_cached_tokens == 64
+    assert tokens[0] == hf_greedy(tuple(prompts[1]))
+    assert_pool_free(llm)
+
+
+def test_bad_request_does_not_disturb_others(tiny, prompts, hf_greedy):
+    llm = make_llm(tiny[0])
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, sp)
+    engine.add_request("b", {"prompt_token_ids": prompts[2]}, sp)
+    engine.step()
+    for bad, match in [({"prompt_token_ids": []}, "empty"),
+                       ({"prompt_token_ids": [1, 10_000]}, "outside the vocabulary"),
+                       ({"prompt_token_ids": [1] * 200}, "max_model_len")]:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request("bad", bad, sp)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", {"prompt_token_ids": [1, 2]}, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out.outputs[0].token_ids
+    assert done == {"a": hf_greedy(tuple(prompts[0])), "b": hf_greedy(tuple(prompts[2]))}
+    assert_pool_free(llm)
+
+
+def test_abort_returns_blocks(tiny, prompts):
+    llm = make_llm(tiny[0])
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("x", {"prompt_token_ids": prompts[1]}, sp)
+    engine.add_request("y", {"prompt_token_ids": prompts[3]}, sp)
+    engine.step()
+    engine.step()
+    (out,) = engine.abort_request("x")
+    assert out.outputs[0].finish_reason == "abort" and out.finished
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_free(llm)
+
+
+def test_seeded_sampling_independent_of_batch_company(tiny, prompts):
+    llm = make_llm(tiny[0])
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": prompts[2]}, seeded, use_tqdm=False)
+    crowd = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]],
+                         [other, other, seeded, other], use_tqdm=False)
+    assert crowd[2].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    # A different seed gives a different stream (12 tokens at T=0.8 on random logits).
+    third = llm.generate({"prompt_token_ids": prompts[2]},
+                         SamplingParams(temperature=0.8, top_p=0.9, seed=8, max_tokens=12,
+                                        ignore_eos=True), use_tqdm=False)
+    assert third[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
+    assert_pool_free(llm)
+
+
+def test_n_samples_share_the_prompt(tiny, prompts, hf_greedy):
+    llm = make_llm(tiny[0])
+    out = llm.generate({"prompt_token_ids": prompts[1]},
+                       SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8,
+                                      ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # top_k=1 makes n=2 greedy (temperature 0 with n > 1 is refused, as in vLLM): both
+    # children equal HF's greedy tokens, the second computed on the first's cached blocks.
+    runner = llm.llm_engine.engine_core.runner
+    cached = {}
+    original = runner.execute_model
+
+    def spy(so, *a, **k):
+        cached.update(so.num_cached_tokens)
+        return original(so, *a, **k)
+
+    runner.execute_model = spy
+    prompt = prompts[3]  # 40 tokens, new to this engine: 2 full blocks
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=MAX_NEW,
+                                      ignore_eos=True), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [hf_greedy(tuple(prompt))] * 2
+    assert sorted(cached.values()) == [0, 32]
+    assert_pool_free(llm)
+
+
+def test_logprobs_match_hf(tiny, prompts):
+    path, hf = tiny
+    llm = make_llm(path)
+    prompt = prompts[3]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3,
+                                      prompt_logprobs=2), use_tqdm=False)[0]
+    seq = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1).numpy()
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 5
+    total = 0.0
+    for i, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
+        row = ref[len(prompt) - 1 + i]
+        assert lp[tok].rank == 1  # greedy picks the top token
+        np.testing.assert_allclose(lp[tok].logprob, row[tok], atol=1e-4)
+        top3 = np.argsort(-row)[:3]
+        assert set(top3) <= set(lp)
+        total += row[tok]
+    np.testing.assert_allclose(comp.cumulative_logprob, total, atol=1e-3)
+    plp = out.prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None
+    for pos in range(1, len(prompt)):
+        entry = plp[pos]
+        np.testing.assert_allclose(entry[prompt[pos]].logprob, ref[pos - 1][prompt[pos]],
+                                   atol=1e-4)
+        assert len(entry) in (2, 3)  # top-2, plus the actual token when outside them
+    assert_pool_free(llm)
+
+
+def test_prompt_logprobs_survive_chunking(tiny, prompts):
+    path, hf = tiny
+    llm = make_llm(path, max_num_batched_tokens=16)
+    prompt = prompts[1]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1).numpy()
+    got = [out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
+    np.testing.assert_allclose(got, [ref[p - 1][prompt[p]] for p in range(1, len(prompt))],
+                               atol=1e-4)
+    assert_pool_free(llm)
