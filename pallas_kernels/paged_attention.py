@@ -66,21 +66,16 @@ _BACKENDS = ("pallas", "interpret", "reference")
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 # Reference (XLA) path tuning, read at trace time (tests shrink them to force many iterations).
-# Per-token pass: one work item = one query token x one tile of _REF_TOKEN_KEYS keys; a loop
-# iteration runs _REF_TOKEN_ITEMS items (their gathered K and V, items x keys x 1 KiB at the
-# 0.5B shapes, stay in L2).
-_REF_TOKEN_KEYS = 128
-_REF_TOKEN_ITEMS = 16
+# Keys per inner loop step, rounded up to whole blocks: the causal/ragged granularity.
+_REF_KEY_TILE = 128
+# Token pass: tokens per group; each token of a group gathers its own key tile, so a step
+# gathers group x key tile x 1 KiB (0.5B shapes: 2 MiB, L2-resident).
+_REF_TOKEN_GROUP = 16
 # Tile pass: sequences with at least _REF_TILE_MIN_QUERIES queries this step are cut into query
-# tiles of _REF_TILE_QUERIES tokens that share each gathered key tile of _REF_TILE_KEYS keys.
-_REF_TILE_QUERIES = 32
-_REF_TILE_KEYS = 128
+# tiles of _REF_QUERY_TILE tokens that share each gathered key tile (real matmuls, ~100 GFLOP/s
+# on the 2-core CPU, against ~20 for the G-row matmuls of the token pass).
+_REF_QUERY_TILE = 32
 _REF_TILE_MIN_QUERIES = 4
-
-
-def _tile_blocks(keys: int, block_size: int, max_blocks: int) -> int:
-    """Blocks per key tile: ``keys`` rounded up to whole blocks, at most the table width."""
-    return max(1, min(-(-keys // block_size), max_blocks))
 
 
 def _count_le(sorted_values, x):
@@ -89,153 +84,142 @@ def _count_le(sorted_values, x):
     return jnp.sum(sorted_values <= x[..., None], axis=-1, dtype=jnp.int32)
 
 
-def _token_pass(qs, cache_rows, head_base, block_tables, seq_of, pos, tiles, *, block_size):
-    """Attention of every token t with tiles[t] > 0 (its key tiles 0..tiles[t]-1), one work
-    item per (token, key tile), W items per loop iteration, merged into per-token running
-    softmax statistics. qs: [T, KVH, G, D] f32 pre-scaled. Returns (acc [T, KVH, G, D],
-    l [T, KVH, G]); tokens without items have l == 0."""
+def _gather_kv(cache_rows, head_base, which, blk):
+    """K (which=0) or V (1) of blocks ``blk`` (any shape) of every KV head, as
+    [KVH, *blk.shape, block_size, head_dim] f32. cache_rows: [rows, block_size, head_dim], the
+    all-layer cache with one row per (layer, K/V, head, block); head_base[which]: [KVH] the first
+    row of each head of this layer. Every index is in bounds by construction (block ids were
+    clipped), so a bare gather without clamping or negative-index fix-ups is emitted: jnp
+    indexing adds both per element, and gathered ~1.5x (fix-up) to 2x (clamp) slower."""
+    rows = head_base[which].reshape((-1,) + (1,) * blk.ndim) + blk[None]
+    dnums = lax.GatherDimensionNumbers(offset_dims=(1, 2), collapsed_slice_dims=(0,),
+                                       start_index_map=(0,))
+    out = lax.gather(cache_rows, rows.reshape(-1, 1), dnums, (1,) + cache_rows.shape[1:],
+                     mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return out.reshape(rows.shape + cache_rows.shape[1:]).astype(jnp.float32)
+
+
+def _flash_update(carry, logits, mask, v, pv_spec):
+    """One online-softmax step over a key tile; keys are axis 2 of ``logits`` and ``mask``.
+    Masked logits use a finite value, so rows with no visible key stay at l == 0, never nan."""
+    m_run, l_run, acc_run = carry
+    logits = jnp.where(mask, logits, _MASK_VALUE)
+    m_new = jnp.maximum(m_run, logits.max(axis=2))
+    alpha = jnp.exp(m_run - m_new)
+    p = jnp.where(mask, jnp.exp(logits - jnp.expand_dims(m_new, 2)), 0.0)
+    l_new = l_run * alpha + p.sum(axis=2)
+    acc_new = acc_run * alpha[..., None] + jnp.einsum(pv_spec, p, v)
+    return m_new, l_new, acc_new
+
+
+def _normalize(l_run, acc_run):
+    return acc_run / jnp.where(l_run > 0, l_run, 1.0)[..., None]
+
+
+def _token_pass(qs, cache_rows, head_base, block_tables, seq_of, pos, tiles, *, nb):
+    """Attention of every token t with tiles[t] > 0 against its own keys 0..pos[t] (tiles[t]
+    key tiles). Tokens are sorted by tile count (descending) and taken in groups of TC: the
+    outer loop runs over groups that have work, the inner loop over the key tiles of the
+    group's longest token, so the work is about sum(tiles) x key tile whatever the padding.
+    qs: [T, KVH, G, D] f32 pre-scaled. Returns [T, KVH, G, D] f32, zeros where tiles == 0."""
     num_tokens, num_kv_heads, group, head_dim = qs.shape
     max_blocks = block_tables.shape[1]
-    nb = _tile_blocks(_REF_TOKEN_KEYS, block_size, max_blocks)
-    key_tile = nb * block_size
-    num_items = max(1, min(_REF_TOKEN_ITEMS, num_tokens * -(-max_blocks // nb)))
-    window = min(num_items, num_tokens)  # W consecutive items touch at most W tokens
-    # Work on the tokens that have items, compacted (in order), so that consecutive items
-    # belong to consecutive entries; entries past the last such token point at token T.
-    (ctok,) = jnp.nonzero(tiles > 0, size=num_tokens, fill_value=num_tokens)
-    ctok = ctok.astype(jnp.int32)
-    safe = jnp.minimum(ctok, num_tokens - 1)
-    tiles = jnp.where(ctok < num_tokens, tiles[safe], 0)
-    seq_of, pos, qs = seq_of[safe], pos[safe], qs[safe]
-    item_end = jnp.cumsum(tiles)  # items of entry c: item_end[c] - tiles[c] .. item_end[c] - 1
-    item_start = item_end - tiles
-    total = item_end[-1]
+    key_tile = nb * cache_rows.shape[1]
+    tc = min(_REF_TOKEN_GROUP, num_tokens)
+    padded = -(-num_tokens // tc) * tc
+    order = jnp.argsort(-tiles, stable=True).astype(jnp.int32)
+    tiles_sorted = jnp.pad(tiles[order], (0, padded - num_tokens))
+    order = jnp.pad(order, (0, padded - num_tokens))  # pad slots: token 0 with no tiles
+    num_groups = -(-jnp.sum(tiles > 0, dtype=jnp.int32) // tc)
     key_in_tile = jnp.arange(key_tile, dtype=jnp.int32)
+    blk_in_tile = jnp.arange(nb, dtype=jnp.int32)
 
-    def body(carry):
-        it, m_run, l_run, acc_run = carry
-        w = it * num_items + jnp.arange(num_items, dtype=jnp.int32)
-        live = w < total
-        tok = jnp.minimum(_count_le(item_end, w), num_tokens - 1)
-        tile = w - item_start[tok]
-        col = jnp.minimum(tile[:, None] * nb + jnp.arange(nb, dtype=jnp.int32)[None, :],
-                          max_blocks - 1)
-        blk = block_tables[seq_of[tok][:, None], col]  # [W, nb], clipped to valid blocks
-        # Materialized: fused into the gather, the indices were recomputed per element.
-        rows = lax.optimization_barrier(head_base[:, :, None, None] + blk[None, None])
+    def group_body(carry):
+        c, out = carry
+        tok = lax.dynamic_slice_in_dim(order, c * tc, tc)
+        n_tiles = lax.dynamic_slice_in_dim(tiles_sorted, c * tc, tc)  # descending
+        seq, q_pos = seq_of[tok], pos[tok]
+        q_g = qs[tok].transpose(1, 0, 2, 3)  # [KVH, TC, G, D]
 
-        def gather(which):  # [KVH, W, KT, D]
-            x = cache_rows.at[rows[which].reshape(-1)].get(mode="promise_in_bounds")
-            return x.reshape(num_kv_heads, num_items, key_tile, head_dim).astype(jnp.float32)
+        def key_body(j, state):
+            col = jnp.minimum(j * nb + blk_in_tile, max_blocks - 1)
+            blk = block_tables[seq[:, None], col[None, :]]  # [TC, nb]
+            k = _gather_kv(cache_rows, head_base, 0, blk).reshape(num_kv_heads, tc, key_tile,
+                                                                 head_dim)
+            v = _gather_kv(cache_rows, head_base, 1, blk).reshape(k.shape)
+            key = j * key_tile + key_in_tile
+            mask = (key[None, :] <= q_pos[:, None]) & (j < n_tiles)[:, None]  # [TC, KT]
+            # Logits as [KVH, TC, KT, G]: a token's matmul has only G rows, and XLA:CPU ran
+            # this output order 2x faster than [.., G, KT].
+            logits = jnp.einsum("kwgd,kwjd->kwjg", q_g, k)
+            return _flash_update(state, logits, mask[None, :, :, None], v, "kwjg,kwjd->kwgd")
 
-        qi = jnp.take(qs, tok, axis=0).transpose(1, 0, 2, 3)  # [KVH, W, G, D]
-        key = tile[:, None] * key_tile + key_in_tile[None, :]
-        mask = ((key <= pos[tok][:, None]) & live[:, None])[None, :, :, None]  # [1, W, KT, 1]
-        # Logits as [KVH, W, KT, G]: with one query token per item the QK matmul has only G
-        # rows, and XLA:CPU ran this output order 2x faster than [.., G, KT].
-        logits = jnp.where(mask, jnp.einsum("kwgd,kwjd->kwjg", qi, gather(0)), _MASK_VALUE)
-        m_item = logits.max(axis=2)  # [KVH, W, G]
-        p = jnp.where(mask, jnp.exp(logits - m_item[:, :, None]), 0.0)
-        l_item = p.sum(axis=2)
-        acc_item = jnp.einsum("kwjg,kwjd->kwgd", p, gather(1))
+        init = (jnp.full((num_kv_heads, tc, group), _MASK_VALUE, jnp.float32),
+                jnp.zeros((num_kv_heads, tc, group), jnp.float32),
+                jnp.zeros((num_kv_heads, tc, group, head_dim), jnp.float32))
+        _, l_run, acc_run = lax.fori_loop(0, n_tiles[0], key_body, init)
+        res = _normalize(l_run, acc_run).transpose(1, 0, 2, 3)
+        return c + 1, lax.dynamic_update_slice_in_dim(out, res, c * tc, 0)
 
-        # Merge into the running statistics of the (at most W) tokens these items belong to,
-        # within a window of consecutive tokens; dead items scatter out of range (dropped).
-        start = jnp.minimum(tok[0], num_tokens - window)
-        dst = jnp.where(live, tok - start, window)
-        m_win = lax.dynamic_slice_in_dim(m_run, start, window)
-        l_win = lax.dynamic_slice_in_dim(l_run, start, window)
-        acc_win = lax.dynamic_slice_in_dim(acc_run, start, window)
-        m_item, l_item = m_item.transpose(1, 0, 2), l_item.transpose(1, 0, 2)  # [W, KVH, G]
-        acc_item = acc_item.transpose(1, 0, 2, 3)
-        m_new = m_win.at[dst].max(m_item, mode="drop")
-        alpha = jnp.exp(m_win - m_new)  # rescales what each token had so far
-        beta = jnp.exp(m_item - m_new[jnp.minimum(dst, window - 1)])  # each item onto it
-        l_win = (l_win * alpha).at[dst].add(l_item * beta, mode="drop")
-        acc_win = (acc_win * alpha[..., None]).at[dst].add(acc_item * beta[..., None],
-                                                          mode="drop")
-        return (it + 1, lax.dynamic_update_slice_in_dim(m_run, m_new, start, 0),
-                lax.dynamic_update_slice_in_dim(l_run, l_win, start, 0),
-                lax.dynamic_update_slice_in_dim(acc_run, acc_win, start, 0))
-
-    init = (jnp.int32(0),
-            jnp.full((num_tokens, num_kv_heads, group), _MASK_VALUE, jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
-    _, _, l_run, acc_run = lax.while_loop(lambda c: c[0] * num_items < total, body, init)
-    # Back to token order (fill entries point past the end and are dropped).
-    return (jnp.zeros_like(acc_run).at[ctok].set(acc_run, mode="drop"),
-            jnp.zeros_like(l_run).at[ctok].set(l_run, mode="drop"))
+    out = jnp.zeros((padded, num_kv_heads, group, head_dim), jnp.float32)
+    _, out = lax.while_loop(lambda c: c[0] < num_groups, group_body, (jnp.int32(0), out))
+    # Back to token order; order[:T] is a permutation. Tokens without tiles got zeros.
+    return jnp.zeros_like(qs).at[order[:num_tokens]].set(out[:num_tokens], unique_indices=True)
 
 
-def _tile_pass(qs, cache_rows, head_base, block_tables, seq_lens, qsl, tiled_seq, *,
-               block_size):
+def _tile_pass(qs, cache_rows, head_base, block_tables, seq_lens, qsl, tiled_seq, *, nb):
     """Attention of the tokens of sequences with tiled_seq[s]: query tiles of BQ consecutive
     tokens of one sequence share each gathered key tile; an outer loop walks the tiles, an
-    inner loop the key tiles up to the tile's last query (online softmax). Returns
-    [T, KVH, G, D] f32, zeros in rows of other sequences."""
+    inner loop the key tiles up to the tile's last query. Returns [T, KVH, G, D] f32, zeros
+    in the rows of other sequences."""
     num_tokens, num_kv_heads, group, head_dim = qs.shape
-    num_seqs, max_blocks = block_tables.shape
-    bq = max(1, min(_REF_TILE_QUERIES, num_tokens))
-    nb = _tile_blocks(_REF_TILE_KEYS, block_size, max_blocks)
-    key_tile = nb * block_size
-    num_cols = -(-max_blocks // nb) * nb
-    # Pad the table to whole key tiles (extra columns are masked keys) so a key tile's block ids
-    # are one dynamic slice.
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, num_cols - max_blocks)))
+    max_blocks = block_tables.shape[1]
+    key_tile = nb * cache_rows.shape[1]
+    bq = min(_REF_QUERY_TILE, num_tokens)
+    # Pad the table to whole key tiles (the extra columns are masked keys), so that a key
+    # tile's block ids are one dynamic slice.
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, -(-max_blocks // nb) * nb - max_blocks)))
     q_lens = qsl[1:] - qsl[:-1]
     tiles_end = jnp.cumsum(jnp.where(tiled_seq, -(-q_lens // bq), 0))
-    num_tiles = tiles_end[-1]
-    rows_pad = num_tokens + bq  # a tile's window of bq rows never clamps at the end
-    q_pad = jnp.pad(qs, ((0, bq), (0, 0), (0, 0), (0, 0)))
-    row_tok = jnp.arange(bq * group, dtype=jnp.int32) // group  # row r = (token r // G, head)
+    q_pad = jnp.pad(qs, ((0, bq), (0, 0), (0, 0), (0, 0)))  # a tile's rows never clamp
+    row_tok = jnp.arange(bq * group, dtype=jnp.int32) // group  # row r: token r // G
     key_in_tile = jnp.arange(key_tile, dtype=jnp.int32)
 
     def tile_body(carry):
         k, out = carry
-        s = _count_le(tiles_end, k)
-        first = tiles_end[s] - -(-q_lens[s] // bq)  # first tile of sequence s
-        start = qsl[s] + (k - first) * bq  # first token of the tile
+        s = _count_le(tiles_end, k)  # the tile's sequence
+        start = qsl[s + 1] - q_lens[s] + (k - (tiles_end[s] - -(-q_lens[s] // bq))) * bq
         n_rows = jnp.minimum(bq, qsl[s + 1] - start)  # real tokens in the tile
-        pos0 = seq_lens[s] - q_lens[s] + (start - qsl[s])  # position of its first token
-        q_pos = pos0 + row_tok  # [BQ * G]
+        pos0 = seq_lens[s] - (qsl[s + 1] - start)  # position of the tile's first token
+        q_pos = pos0 + row_tok
         row_ok = row_tok < n_rows
-        qt = lax.dynamic_slice_in_dim(q_pad, start, bq).transpose(1, 0, 2, 3)
-        qt = qt.reshape(num_kv_heads, bq * group, head_dim)
-        kv_end = pos0 + n_rows  # keys 0..last query's position
+        q_t = lax.dynamic_slice_in_dim(q_pad, start, bq).transpose(1, 0, 2, 3)
+        q_t = q_t.reshape(num_kv_heads, bq * group, head_dim)  # [KVH, BQ * G, D]
 
-        def key_body(j, c):
-            m_run, l_run, acc_run = c
+        def key_body(j, state):
             blk = lax.dynamic_slice(block_tables, (s, j * nb), (1, nb))[0]
-            rows = lax.optimization_barrier(head_base[:, :, None] + blk[None, None])
-
-            def gather(which):  # [KVH, KT, D]
-                x = cache_rows.at[rows[which].reshape(-1)].get(mode="promise_in_bounds")
-                return x.reshape(num_kv_heads, key_tile, head_dim).astype(jnp.float32)
-
+            k_t = _gather_kv(cache_rows, head_base, 0, blk).reshape(num_kv_heads, key_tile,
+                                                                   head_dim)
+            v_t = _gather_kv(cache_rows, head_base, 1, blk).reshape(k_t.shape)
             key = j * key_tile + key_in_tile
-            mask = ((key[None, :] <= q_pos[:, None]) & row_ok[:, None])[None]  # [1, M, KT]
-            logits = jnp.where(mask, jnp.einsum("kmd,kjd->kmj", qt, gather(0)), _MASK_VALUE)
-            m_new = jnp.maximum(m_run, logits.max(axis=-1))
-            alpha = jnp.exp(m_run - m_new)
-            p = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)
-            l_new = l_run * alpha + p.sum(axis=-1)
-            acc_new = acc_run * alpha[..., None] + jnp.einsum("kmj,kjd->kmd", p, gather(1))
-            return m_new, l_new, acc_new
+            mask = (key[None, :] <= q_pos[:, None]) & row_ok[:, None]  # [BQ * G, KT]
+            logits = jnp.einsum("kmd,kjd->kmj", q_t, k_t)
+            return _flash_update(state, logits, mask[None], v_t, "kmj,kjd->kmd")
 
         init = (jnp.full((num_kv_heads, bq * group), _MASK_VALUE, jnp.float32),
                 jnp.zeros((num_kv_heads, bq * group), jnp.float32),
                 jnp.zeros((num_kv_heads, bq * group, head_dim), jnp.float32))
-        _, l_run, acc_run = lax.fori_loop(0, -(-kv_end // key_tile), key_body, init)
-        res = acc_run / jnp.where(l_run > 0, l_run, 1.0)[..., None]
-        res = res.reshape(num_kv_heads, bq, group, head_dim).transpose(1, 0, 2, 3)
+        # Keys 0 .. position of the tile's last real token.
+        _, l_run, acc_run = lax.fori_loop(0, -(-(pos0 + n_rows) // key_tile), key_body, init)
+        res = _normalize(l_run, acc_run).reshape(num_kv_heads, bq, group, head_dim)
+        res = res.transpose(1, 0, 2, 3)
         # Rows past the tile's real tokens belong to other sequences: keep what is there.
         old = lax.dynamic_slice_in_dim(out, start, bq)
         res = jnp.where((jnp.arange(bq) < n_rows)[:, None, None, None], res, old)
         return k + 1, lax.dynamic_update_slice_in_dim(out, res, start, 0)
 
-    out = jnp.zeros((rows_pad, num_kv_heads, group, head_dim), jnp.float32)
-    _, out = lax.while_loop(lambda c: c[0] < num_tiles, tile_body, (jnp.int32(0), out))
+    out = jnp.zeros(q_pad.shape, jnp.float32)
+    _, out = lax.while_loop(lambda c: c[0] < tiles_end[-1], tile_body, (jnp.int32(0), out))
     return out[:num_tokens]
 
 
@@ -245,56 +229,57 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int,
                               max_query_len: int | None = None) -> jax.Array:
     """XLA version of ``paged_attention`` whose cost follows the real work, not the padding.
 
-    Flash attention (online softmax, float32) in loops whose trip counts are computed at run
-    time from the real lengths, so padded tokens, padded sequences, the block table width and
-    ``max_query_len`` (unused) cost nothing; K/V are gathered by whole blocks straight from the
-    all-layer cache (no copy of a layer slice), and only key tiles up to each query's own
-    position are visited. Two passes, by how many queries a sequence has this step:
+    Flash attention (online softmax, float32 throughout) in loops whose trip counts are
+    computed at run time from the real lengths: padding tokens, padding sequences and the
+    block table width cost nothing, and each query visits only the key tiles up to its own
+    position. K/V are gathered by whole blocks straight from the all-layer cache (never a copy
+    of a layer slice). Two passes, by the number of queries a sequence has this step:
 
-    * few (decode, q_len < _REF_TILE_MIN_QUERIES): token-major work list of (token, key tile)
-      items, W items per iteration, merged per token (``_token_pass``);
-    * many (prefill chunks): query tiles of BQ tokens of one sequence share each gathered key
-      tile and run as real matmuls of BQ * G rows (``_tile_pass``).
+    * fewer than _REF_TILE_MIN_QUERIES (decode): ``_token_pass``, each token against its own
+      keys, tokens grouped by similar context length;
+    * more (prefill chunks): ``_tile_pass``, query tiles of one sequence sharing each gathered
+      key tile, so the matmuls have BQ x G rows.
+
+    ``max_query_len`` (static) only prunes: below _REF_TILE_MIN_QUERIES (a pure decode step)
+    the tile pass is not even compiled and every token takes the token pass.
     """
-    del max_query_len  # everything is sized from the real lengths at run time
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     num_seqs, max_blocks = block_tables.shape
+    qmax = num_tokens if max_query_len is None else min(int(max_query_len), num_tokens)
+    nb = max(1, min(-(-_REF_KEY_TILE // block_size), max_blocks))  # blocks per key tile
 
     seq_lens = seq_lens.astype(jnp.int32)
     qsl = query_start_loc.astype(jnp.int32)
-    # Clipped once so every gather below is in bounds by construction.
     block_tables = jnp.clip(block_tables.astype(jnp.int32), 0, num_blocks - 1)
     q_lens = qsl[1:] - qsl[:-1]
-    tiled_seq = q_lens >= _REF_TILE_MIN_QUERIES
+    use_tiles = qmax >= _REF_TILE_MIN_QUERIES  # static
+    # (Without the tile pass every token goes to the token pass, so a max_query_len that is
+    # too small costs speed, never correctness.)
+    tiled_seq = (q_lens >= _REF_TILE_MIN_QUERIES) & use_tiles
 
     # Per token: its sequence (the last one starting at or before it, so zero-length padding
-    # sequences sharing that start are skipped), absolute position, key tiles of the token pass.
+    # sequences sharing that start are skipped) and absolute position.
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     seq_of = jnp.clip(_count_le(qsl, t) - 1, 0, num_seqs - 1)
     valid = t < qsl[-1]
     pos = seq_lens[seq_of] - (qsl[seq_of + 1] - t)  # seq_len - q_len + index in the sequence
     kv_end = jnp.clip(pos + 1, 0, max_blocks * block_size)
-    token_keys = _tile_blocks(_REF_TOKEN_KEYS, block_size, max_blocks) * block_size
-    token_tiles = jnp.where(valid & ~tiled_seq[seq_of], -(-kv_end // token_keys), 0)
+    token_tiles = jnp.where(valid & ~tiled_seq[seq_of], -(-kv_end // (nb * block_size)), 0)
 
-    # q as [T, KVH, G, D], pre-scaled; K/V as whole-block rows [bs, D] of the all-layer cache:
-    # row ((layer * 2 + kv) * KVH + h) * num_blocks + block.
+    # q as [T, KVH, G, D], pre-scaled; the cache as rows of one block of one head:
+    # row ((layer * 2 + kv) * KVH + head) * num_blocks + block (a free reshape).
     qs = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_dim)
     cache_rows = kv_cache.reshape(num_layers * 2 * num_kv_heads * num_blocks, block_size,
                                   head_dim)
     head_base = ((layer * 2 + jnp.arange(2, dtype=jnp.int32)[:, None]) * num_kv_heads
                  + jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]) * num_blocks  # [2, KVH]
 
-    acc, l_sum = _token_pass(qs, cache_rows, head_base, block_tables, seq_of, pos, token_tiles,
-                             block_size=block_size)
-    # Every token of the pass sees key 0, so l > 0 there; other rows get 0 from this pass.
-    out = jnp.where((l_sum > 0)[..., None], acc / jnp.where(l_sum > 0, l_sum, 1.0)[..., None],
-                    0.0)
-    if num_tokens >= _REF_TILE_MIN_QUERIES:
+    out = _token_pass(qs, cache_rows, head_base, block_tables, seq_of, pos, token_tiles, nb=nb)
+    if use_tiles:
         tiled = _tile_pass(qs, cache_rows, head_base, block_tables, seq_lens, qsl, tiled_seq,
-                           block_size=block_size)
+                           nb=nb)
         out = jnp.where((valid & tiled_seq[seq_of])[:, None, None, None], tiled, out)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 

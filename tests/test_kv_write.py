@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_attention import paged_attention
+from tests.kernel_backends import KERNEL_BACKENDS
 
 _jitted = jax.jit(write_kv, static_argnums=(1,), static_argnames=("backend",))
 
@@ -74,12 +75,13 @@ def test_bf16_cache(backend):
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(num_tokens=st.integers(1, 40), num_kv_heads=st.sampled_from([1, 2, 4]),
        head_dim=st.sampled_from([64, 128]), block_size=st.sampled_from([16, 32]),
        layer=st.integers(0, 1), seed=st.integers(0, 2**16), data=st.data())
-def test_interpret_matches_reference(num_tokens, num_kv_heads, head_dim, block_size, layer,
-                                     seed, data):
+def test_kernel_matches_reference(backend, num_tokens, num_kv_heads, head_dim, block_size, layer,
+                                  seed, data):
     num_padding = data.draw(st.integers(0, num_tokens))
     kv, k, v, slots = make_inputs(num_tokens, num_layers=2, num_kv_heads=num_kv_heads,
                                   num_blocks=-(-num_tokens // block_size) + 2,
@@ -87,7 +89,7 @@ def test_interpret_matches_reference(num_tokens, num_kv_heads, head_dim, block_s
                                   num_padding=num_padding, seed=seed)
     args = (jnp.asarray(kv), layer, k, v, jnp.asarray(slots))
     ref = np.asarray(_jitted(*args, backend="reference"))
-    out = np.asarray(_jitted(*args, backend="interpret"))
+    out = np.asarray(_jitted(*args, backend=backend))
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(ref, expected_write(kv, layer, k, v, slots))
 

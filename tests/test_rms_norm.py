@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import rms_norm
 from pallas_kernels.rms_norm import rms_norm_reference
+from tests.kernel_backends import KERNEL_BACKENDS
 
 EPS = 1e-6
 # float32: both sides compute in float32 and differ only in summation order.
@@ -58,15 +59,16 @@ def test_reference_matches_numpy(tokens: int, hidden: int, residual: bool, seed:
     assert y.dtype == x.dtype and y.shape == x.shape
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @settings(max_examples=15, deadline=None)
 @given(tokens=TOKENS, hidden=HIDDEN, residual=st.booleans(),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), seed=st.integers(0, 2**16))
-def test_interpret_matches_reference(tokens: int, hidden: int, residual: bool, dtype,
-                                     seed: int) -> None:
+def test_kernel_matches_reference(backend: str, tokens: int, hidden: int, residual: bool, dtype,
+                                  seed: int) -> None:
     x, w, r = _inputs(tokens, hidden, dtype, seed)
     tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
     res = r if residual else None
-    got = rms_norm(x, w, EPS, res, backend="interpret")
+    got = rms_norm(x, w, EPS, res, backend=backend)
     want = rms_norm(x, w, EPS, res, backend="reference")
     if residual:
         (y, h), (y_ref, h_ref) = got, want

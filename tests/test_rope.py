@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import rope, rope_cos_sin_cache
+from tests.kernel_backends import KERNEL_BACKENDS
 
 MAX_POS = 32768
 # float32: the same float32 products on both sides, up to operation order.
@@ -89,15 +90,16 @@ def test_reference_matches_hf(tokens: int, heads: tuple[int, int], head_dim: int
     assert k_out.dtype == k.dtype and k_out.shape == k.shape
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @settings(max_examples=15, deadline=None)
 @given(tokens=TOKENS, heads=HEADS, head_dim=st.sampled_from([64, 128]),
        theta=st.sampled_from([10000.0, 1000000.0]),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), seed=st.integers(0, 2**16))
-def test_interpret_matches_reference(tokens: int, heads: tuple[int, int], head_dim: int,
-                                     theta: float, dtype, seed: int) -> None:
+def test_kernel_matches_reference(backend: str, tokens: int, heads: tuple[int, int],
+                                  head_dim: int, theta: float, dtype, seed: int) -> None:
     q, k, pos = _inputs(tokens, heads, head_dim, dtype, seed)
     cache = _cache(head_dim, theta, dtype)
-    got = rope(q, k, pos, cache, backend="interpret")
+    got = rope(q, k, pos, cache, backend=backend)
     want = rope(q, k, pos, cache, backend="reference")
     tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
     for g, w in zip(got, want, strict=True):
