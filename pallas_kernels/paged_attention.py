@@ -101,27 +101,32 @@ def _gather_kv(cache_rows, head_base, which, blk):
 
 def _flash_update(carry, logits, mask, v, pv_spec):
     """One online-softmax step over a key tile; keys are axis 2 of ``logits`` and ``mask``.
-    Masked logits use a finite value, so rows with no visible key stay at l == 0, never nan."""
+    Masked logits get a finite value, so nothing computes inf - inf. Every real query sees key
+    0 in the first tile, so from then on its running max is a real logit and a masked logit
+    contributes exp(_MASK_VALUE - max) == 0 exactly; rows with no visible key at all end up
+    finite but meaningless, and the callers discard them."""
     m_run, l_run, acc_run = carry
     logits = jnp.where(mask, logits, _MASK_VALUE)
     m_new = jnp.maximum(m_run, logits.max(axis=2))
     alpha = jnp.exp(m_run - m_new)
-    p = jnp.where(mask, jnp.exp(logits - jnp.expand_dims(m_new, 2)), 0.0)
+    p = jnp.exp(logits - jnp.expand_dims(m_new, 2))
     l_new = l_run * alpha + p.sum(axis=2)
     acc_new = acc_run * alpha[..., None] + jnp.einsum(pv_spec, p, v)
     return m_new, l_new, acc_new
 
 
 def _normalize(l_run, acc_run):
-    return acc_run / jnp.where(l_run > 0, l_run, 1.0)[..., None]
+    return acc_run / l_run[..., None]  # l >= 1: at least the max term, exp(0)
 
 
-def _token_pass(qs, cache_rows, head_base, block_tables, seq_of, pos, tiles, *, nb):
+def _token_pass(qs, cache_rows, head_base, block_tables, seq_of, pos, tiles, *, nb,
+                num_blocks):
     """Attention of every token t with tiles[t] > 0 against its own keys 0..pos[t] (tiles[t]
     key tiles). Tokens are sorted by tile count (descending) and taken in groups of TC: the
     outer loop runs over groups that have work, the inner loop over the key tiles of the
     group's longest token, so the work is about sum(tiles) x key tile whatever the padding.
-    qs: [T, KVH, G, D] f32 pre-scaled. Returns [T, KVH, G, D] f32, zeros where tiles == 0."""
+    qs: [T, KVH, G, D] f32 pre-scaled. Returns [T, KVH, G, D] f32, meaningless (finite) rows
+    where tiles == 0."""
     num_tokens, num_kv_heads, group, head_dim = qs.shape
     max_blocks = block_tables.shape[1]
     key_tile = nb * cache_rows.shape[1]
@@ -143,7 +148,7 @@ def _token_pass(qs, cache_rows, head_base, block_tables, seq_of, pos, tiles, *, 
 
         def key_body(j, state):
             col = jnp.minimum(j * nb + blk_in_tile, max_blocks - 1)
-            blk = block_tables[seq[:, None], col[None, :]]  # [TC, nb]
+            blk = jnp.clip(block_tables[seq[:, None], col[None, :]], 0, num_blocks - 1)
             k = _gather_kv(cache_rows, head_base, 0, blk).reshape(num_kv_heads, tc, key_tile,
                                                                  head_dim)
             v = _gather_kv(cache_rows, head_base, 1, blk).reshape(k.shape)
@@ -167,37 +172,40 @@ def _token_pass(qs, cache_rows, head_base, block_tables, seq_of, pos, tiles, *, 
     return jnp.zeros_like(qs).at[order[:num_tokens]].set(out[:num_tokens], unique_indices=True)
 
 
-def _tile_pass(qs, cache_rows, head_base, block_tables, seq_lens, qsl, tiled_seq, *, nb):
+def _tile_pass(out, qs, cache_rows, head_base, block_tables, seq_lens, qsl, tiled_seq, *, nb,
+               num_blocks):
     """Attention of the tokens of sequences with tiled_seq[s]: query tiles of BQ consecutive
     tokens of one sequence share each gathered key tile; an outer loop walks the tiles, an
-    inner loop the key tiles up to the tile's last query. Returns [T, KVH, G, D] f32, zeros
-    in the rows of other sequences."""
+    inner loop the key tiles up to the tile's last query. Writes those rows of ``out``
+    ([T, KVH, G, D] f32) and returns it; other rows are kept."""
     num_tokens, num_kv_heads, group, head_dim = qs.shape
     max_blocks = block_tables.shape[1]
     key_tile = nb * cache_rows.shape[1]
     bq = min(_REF_QUERY_TILE, num_tokens)
-    # Pad the table to whole key tiles (the extra columns are masked keys), so that a key
-    # tile's block ids are one dynamic slice.
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, -(-max_blocks // nb) * nb - max_blocks)))
     q_lens = qsl[1:] - qsl[:-1]
     tiles_end = jnp.cumsum(jnp.where(tiled_seq, -(-q_lens // bq), 0))
-    q_pad = jnp.pad(qs, ((0, bq), (0, 0), (0, 0), (0, 0)))  # a tile's rows never clamp
-    row_tok = jnp.arange(bq * group, dtype=jnp.int32) // group  # row r: token r // G
+    row_tok = jnp.arange(bq * group, dtype=jnp.int32) // group  # row r: window token r // G
     key_in_tile = jnp.arange(key_tile, dtype=jnp.int32)
+    blk_in_tile = jnp.arange(nb, dtype=jnp.int32)
 
     def tile_body(carry):
         k, out = carry
         s = _count_le(tiles_end, k)  # the tile's sequence
         start = qsl[s + 1] - q_lens[s] + (k - (tiles_end[s] - -(-q_lens[s] // bq))) * bq
         n_rows = jnp.minimum(bq, qsl[s + 1] - start)  # real tokens in the tile
-        pos0 = seq_lens[s] - (qsl[s + 1] - start)  # position of the tile's first token
+        # The tile is read and written through a window of BQ rows that fits in [0, T): it
+        # starts ``off`` rows before the tile when the tile is near the end.
+        win = jnp.minimum(start, num_tokens - bq)
+        off = start - win
+        pos0 = seq_lens[s] - (qsl[s + 1] - win)  # position of the window's first token
         q_pos = pos0 + row_tok
-        row_ok = row_tok < n_rows
-        q_t = lax.dynamic_slice_in_dim(q_pad, start, bq).transpose(1, 0, 2, 3)
+        row_ok = (row_tok >= off) & (row_tok < off + n_rows)
+        q_t = lax.dynamic_slice_in_dim(qs, win, bq).transpose(1, 0, 2, 3)
         q_t = q_t.reshape(num_kv_heads, bq * group, head_dim)  # [KVH, BQ * G, D]
 
         def key_body(j, state):
-            blk = lax.dynamic_slice(block_tables, (s, j * nb), (1, nb))[0]
+            col = jnp.minimum(j * nb + blk_in_tile, max_blocks - 1)  # past the end: masked
+            blk = jnp.clip(block_tables[s, col], 0, num_blocks - 1)
             k_t = _gather_kv(cache_rows, head_base, 0, blk).reshape(num_kv_heads, key_tile,
                                                                    head_dim)
             v_t = _gather_kv(cache_rows, head_base, 1, blk).reshape(k_t.shape)
@@ -210,17 +218,16 @@ def _tile_pass(qs, cache_rows, head_base, block_tables, seq_lens, qsl, tiled_seq
                 jnp.zeros((num_kv_heads, bq * group), jnp.float32),
                 jnp.zeros((num_kv_heads, bq * group, head_dim), jnp.float32))
         # Keys 0 .. position of the tile's last real token.
-        _, l_run, acc_run = lax.fori_loop(0, -(-(pos0 + n_rows) // key_tile), key_body, init)
+        _, l_run, acc_run = lax.fori_loop(0, -(-(pos0 + off + n_rows) // key_tile), key_body,
+                                          init)
         res = _normalize(l_run, acc_run).reshape(num_kv_heads, bq, group, head_dim)
-        res = res.transpose(1, 0, 2, 3)
-        # Rows past the tile's real tokens belong to other sequences: keep what is there.
-        old = lax.dynamic_slice_in_dim(out, start, bq)
-        res = jnp.where((jnp.arange(bq) < n_rows)[:, None, None, None], res, old)
-        return k + 1, lax.dynamic_update_slice_in_dim(out, res, start, 0)
+        # Window rows outside the tile belong to other tokens: keep what is there.
+        old = lax.dynamic_slice_in_dim(out, win, bq)
+        res = jnp.where(row_ok[::group, None, None, None], res.transpose(1, 0, 2, 3), old)
+        return k + 1, lax.dynamic_update_slice_in_dim(out, res, win, 0)
 
-    out = jnp.zeros(q_pad.shape, jnp.float32)
     _, out = lax.while_loop(lambda c: c[0] < tiles_end[-1], tile_body, (jnp.int32(0), out))
-    return out[:num_tokens]
+    return out
 
 
 def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int,
@@ -252,7 +259,7 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int,
 
     seq_lens = seq_lens.astype(jnp.int32)
     qsl = query_start_loc.astype(jnp.int32)
-    block_tables = jnp.clip(block_tables.astype(jnp.int32), 0, num_blocks - 1)
+    block_tables = block_tables.astype(jnp.int32)  # ids are clipped where gathered
     q_lens = qsl[1:] - qsl[:-1]
     use_tiles = qmax >= _REF_TILE_MIN_QUERIES  # static
     # (Without the tile pass every token goes to the token pass, so a max_query_len that is
@@ -276,11 +283,12 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int,
     head_base = ((layer * 2 + jnp.arange(2, dtype=jnp.int32)[:, None]) * num_kv_heads
                  + jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]) * num_blocks  # [2, KVH]
 
-    out = _token_pass(qs, cache_rows, head_base, block_tables, seq_of, pos, token_tiles, nb=nb)
+    out = _token_pass(qs, cache_rows, head_base, block_tables, seq_of, pos, token_tiles, nb=nb,
+                      num_blocks=num_blocks)
     if use_tiles:
-        tiled = _tile_pass(qs, cache_rows, head_base, block_tables, seq_lens, qsl, tiled_seq,
-                           nb=nb)
-        out = jnp.where((valid & tiled_seq[seq_of])[:, None, None, None], tiled, out)
+        out = _tile_pass(out, qs, cache_rows, head_base, block_tables, seq_lens, qsl,
+                         tiled_seq, nb=nb, num_blocks=num_blocks)
+    out = jnp.where(valid[:, None, None, None], out, 0.0)  # padding rows: zeros
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 

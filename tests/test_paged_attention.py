@@ -235,17 +235,106 @@ def test_max_query_len_none_and_loose_bound(backend):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_reference_query_chunking(monkeypatch):
-    # Long prefills are split into query chunks to bound the logits memory; same answer.
-    case = make_case([(30, 40), (5, 1), (0, 26)], pad_tokens=3)
-    def run():  # a fresh jit each time: the budget is read at trace time
-        fn = jax.jit(lambda *a: paged_attention(*a[:2], case.layer, *a[3:], scale=case.scale))
-        return np.asarray(fn(*case.args()))
+def pad_case(case, *, num_tokens=None, num_seqs=None, width=None, num_blocks=None, seed=1):
+    """The same real inputs inside bigger padded shapes, as the engine's buckets make them:
+    more token rows (random q, to be ignored), more sequence slots (q_len 0, random table
+    rows), a wider block table and more physical blocks (random valid ids and large stale
+    values in the new ones)."""
+    rng = np.random.default_rng(seed)
+    seqs, max_blocks = case.block_tables.shape
+    tokens, blocks = case.q.shape[0], case.kv.shape[3]
+    num_tokens, num_seqs = num_tokens or tokens, num_seqs or seqs
+    width, num_blocks = width or max_blocks, num_blocks or blocks
+    block_tables = rng.integers(0, num_blocks, (num_seqs, width)).astype(np.int32)
+    block_tables[:seqs, :max_blocks] = case.block_tables
+    q = np.concatenate([case.q, rng.standard_normal((num_tokens - tokens,) + case.q.shape[1:])])
+    stale = 50 * rng.standard_normal(case.kv.shape[:3] + (num_blocks - blocks,)
+                                     + case.kv.shape[4:])
+    return Case(q.astype(np.float32), np.concatenate([case.kv, stale], axis=3).astype(np.float32),
+                case.layer, block_tables,
+                np.concatenate([case.seq_lens, np.zeros(num_seqs - seqs, np.int32)]),
+                np.concatenate([case.qsl, np.full(num_seqs - seqs, case.qsl[-1], np.int32)]),
+                case.scale, case.max_query_len)
 
-    whole = run()
-    monkeypatch.setattr(pa_module, "_REF_LOGITS_BUDGET", 3000)
-    chunked = run()
-    np.testing.assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
+
+# One engine-like bucket (0.5B heads, block 16) shared by the tests below, so that they share
+# its two compilations (max_query_len T and 1): 512 tokens, 64 sequence slots, a table
+# max_model_len wide (2048 blocks = 32k tokens), 1024 physical blocks.
+BUCKET = dict(num_tokens=512, num_seqs=64, width=2048, num_blocks=1024)
+
+
+def check_bucket(seqs, seed, max_query_len=None):
+    """The real batch ``seqs`` padded into BUCKET, checked against the naive model."""
+    case = pad_case(make_case(seqs, seed=seed), **BUCKET, seed=seed)
+    return check(case, "reference", max_query_len=max_query_len or BUCKET["num_tokens"])
+
+
+def test_reference_small_tiles(monkeypatch):
+    # Tiles of one block, groups of two tokens, query tiles of three tokens: every loop runs
+    # many iterations and tiles end mid-sequence; same answer as the naive model.
+    case = make_case([(30, 40), (5, 1), (0, 26), (17, 1), (50, 2), (0, 3), (33, 4)],
+                     pad_tokens=3, pad_seqs=1, seed=5)
+    monkeypatch.setattr(pa_module, "_REF_KEY_TILE", 16)
+    monkeypatch.setattr(pa_module, "_REF_TOKEN_GROUP", 2)
+    monkeypatch.setattr(pa_module, "_REF_QUERY_TILE", 3)
+    fn = jax.jit(lambda *a: paged_attention(*a[:2], case.layer, *a[3:], scale=case.scale,
+                                            max_query_len=case.max_query_len))
+    out = np.asarray(fn(*case.args()))
+    total = int(case.qsl[-1])
+    np.testing.assert_allclose(out[:total], case.expected()[:total], rtol=1e-5, atol=1e-5)
+    assert (out[total:] == 0).all()
+
+
+def test_reference_contexts_across_key_tiles():
+    # Contexts and prefill chunks that start, end and straddle key tiles (128 keys) and query
+    # tiles (32 tokens) at and around their boundaries; decodes (q_len 1..3) and tiled
+    # prefills (q_len >= 4) in one step, in a wide table with many padding slots.
+    seqs = [(126, 1), (127, 1), (128, 1), (255, 2), (256, 3), (0, 129), (95, 33), (127, 4),
+            (200, 31), (1, 1)]
+    check_bucket(seqs, seed=13)
+
+
+def test_reference_many_sequences_max_query_len_t():
+    # What the engine passes for any step with a prefill: max_query_len = T, here with 40
+    # sequences (decodes, short prefills, prefix-hit chunks).
+    rng = np.random.default_rng(17)
+    seqs = []
+    for i in range(40):
+        if i % 4 < 2:
+            seqs.append((int(rng.integers(0, 300)), 1))
+        elif i % 4 == 2:
+            seqs.append((0, int(rng.integers(2, 12))))
+        else:
+            seqs.append((int(rng.integers(1, 200)), int(rng.integers(2, 40))))
+    check_bucket(seqs, seed=17)
+
+
+def test_reference_huge_table_short_contexts():
+    # Contexts of a few blocks in a table 2048 blocks wide; pure decode too (max_query_len 1).
+    check_bucket([(3, 1), (40, 1), (0, 21), (17, 6)], seed=19)
+    check_bucket([(3, 1), (40, 1), (0, 1), (17, 1), (200, 1)], seed=19, max_query_len=1)
+
+
+def test_reference_padding_invariance():
+    # Same real inputs, exact shapes vs the bucket (T, S, table width and cache all grown).
+    base = make_case([(70, 1), (0, 45), (3, 1), (129, 9), (12, 2)], seed=23)
+    total = int(base.qsl[-1])
+    small = check(base, "reference")
+    big = check_bucket([(70, 1), (0, 45), (3, 1), (129, 9), (12, 2)], seed=23)
+    np.testing.assert_allclose(big[:total], small[:total], rtol=1e-6, atol=1e-6)
+
+
+def test_reference_max_query_len_is_only_a_hint():
+    # A pure-decode bound (1) passed for a step with prefills: the tile pass is not compiled,
+    # every token takes the token pass, and the answer is still exact.
+    check_bucket([(10, 1), (0, 13), (4, 6), (0, 40)], seed=29, max_query_len=1)
+
+
+def test_reference_all_padding_bucket():
+    # Warm-up shapes: nothing real in the bucket, max_query_len T or 1.
+    for mq in (BUCKET["num_tokens"], 1):
+        out = check_bucket([(0, 0)], seed=31, max_query_len=mq)
+        assert (out == 0).all()
 
 
 def test_jit_with_static_layer():
