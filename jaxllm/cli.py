@@ -1,10 +1,13 @@
-"""`jaxllm` command line: `jaxllm generate PROMPT...` and `jaxllm chat MESSAGE`."""
+"""`jaxllm` command line: `jaxllm generate PROMPT...`, `jaxllm chat MESSAGE` and
+`jaxllm bench throughput | latency | sweep` (see jaxllm/benchmark.py)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+
+from jaxllm.benchmark import add_bench_parser
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+    add_bench_parser(sub)
     return parser
 
 

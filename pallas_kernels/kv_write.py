@@ -21,11 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_BACKENDS = ("pallas", "interpret", "reference")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+from pallas_kernels.backend import BACKENDS, next_pow2
 
 
 def write_kv_reference(kv_cache: jax.Array, layer: int, k: jax.Array, v: jax.Array,
@@ -69,7 +65,7 @@ def _write_kv_pallas(kv_cache: jax.Array, layer: int, k: jax.Array, v: jax.Array
     num_tokens = k.shape[0]
     # A tile of tokens per program: each token lands in its own (data-dependent) block, so the
     # tile is a gather-scatter of [block_tokens, head_dim] rows; 16 keeps it a power of two.
-    block_tokens = min(16, _next_pow2(num_tokens))
+    block_tokens = min(16, next_pow2(num_tokens))
     grid = (pl.cdiv(num_tokens, block_tokens), num_kv_heads)
 
     def whole(shape):
@@ -107,7 +103,7 @@ def write_kv(kv_cache: jax.Array, layer: int, k: jax.Array, v: jax.Array,
     if backend in ("pallas", "interpret"):
         return _write_kv_pallas(kv_cache, layer, k, v, slot_mapping,
                                 interpret=backend == "interpret")
-    raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
 def _lowering_cache_shape(model, block_size: int, num_blocks: int) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-BACKENDS = ("pallas", "interpret", "reference")
+from pallas_kernels.backend import check_backend, next_pow2
 
 # Elements of one row block held in registers by one program. 4096 f32 values over
 # 4-8 warps keeps register use modest while giving each program enough work for T=1..2048.
@@ -24,10 +24,6 @@ _BLOCK_ELEMS = 4096
 # An H100 has 132 SMs; fewer programs than this leaves SMs idle.
 _MIN_PROGRAMS = 128
 
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
 # --------------------------------------------------------------------------- reference
@@ -51,9 +47,6 @@ def rms_norm_reference(
 
 # --------------------------------------------------------------------------- pallas kernel
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _prev_pow2(n: int) -> int:
@@ -97,7 +90,7 @@ def _rms_norm_kernel(*refs, eps: float, n_rows: int, hidden: int, block_rows: in
 def _rms_norm_pallas(x: jax.Array, weight: jax.Array, eps: float,
                      residual: jax.Array | None, interpret: bool):
     n_rows, hidden = x.shape
-    block_cols = _next_pow2(hidden)
+    block_cols = next_pow2(hidden)
     # Rows per program: as many as fit _BLOCK_ELEMS, but keep >= ~_MIN_PROGRAMS programs so a
     # decode batch (T ~ 64) still spreads over the SMs instead of a handful of programs.
     block_rows = min(max(1, _BLOCK_ELEMS // block_cols), _prev_pow2(n_rows // _MIN_PROGRAMS))
@@ -140,7 +133,7 @@ def rms_norm(
     With residual (vLLM's fused_add_rms_norm): h = x + residual (rounded to x.dtype);
     returns (rms_norm(h), h). Computes in float32, returns x.dtype.
     """
-    _check_backend(backend)
+    check_backend(backend)
     if x.ndim < 1 or weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm expects x [T, hidden] and weight [hidden], got "
                          f"{x.shape} and {weight.shape}")

@@ -18,17 +18,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-BACKENDS = ("pallas", "interpret", "reference")
+from pallas_kernels.backend import check_backend, next_pow2
 
 # Elements (of one half head) a program rotates per input; bounds register use per program.
 _BLOCK_ELEMS = 4096
 # An H100 has 132 SMs; fewer programs than this leaves SMs idle.
 _MIN_PROGRAMS = 128
 
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
 def rope_cos_sin_cache(
@@ -76,9 +72,6 @@ def rope_reference(
 
 # --------------------------------------------------------------------------- pallas kernel
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _prev_pow2(n: int) -> int:
@@ -129,8 +122,8 @@ def _rope_pallas(q: jax.Array, k: jax.Array, positions: jax.Array, cache: jax.Ar
     half = head_dim // 2
     if half & (half - 1):
         raise ValueError(f"pallas rope needs head_dim / 2 a power of two, got {head_dim}")
-    heads_pad = _next_pow2(num_heads)
-    kv_heads_pad = _next_pow2(num_kv_heads)
+    heads_pad = next_pow2(num_heads)
+    kv_heads_pad = next_pow2(num_kv_heads)
     # Rows per program: as many as fit _BLOCK_ELEMS, but keep >= ~_MIN_PROGRAMS programs so a
     # decode batch (T ~ 64) still spreads over the SMs instead of a handful of programs.
     block_rows = min(max(1, _BLOCK_ELEMS // (heads_pad * half)),
@@ -170,7 +163,7 @@ def rope(
     cos_sin_cache: from `rope_cos_sin_cache`. Returns (q, k) rotated, in their input dtypes.
     Positions must lie in [0, max_position); out-of-range values are not checked.
     """
-    _check_backend(backend)
+    check_backend(backend)
     if q.ndim != 3 or k.ndim != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"rope expects q [T, H, D] and k [T, Hkv, D], got {q.shape}, {k.shape}")
     if positions.shape != (q.shape[0],):

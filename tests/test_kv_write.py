@@ -149,7 +149,9 @@ def test_donated_step_updates_cache_in_place():
 
     stats = compiled.memory_analysis()
     assert stats.alias_size_in_bytes == CACHE_BYTES
-    assert stats.temp_size_in_bytes < CACHE_BYTES // 4, stats
+    # A copy of the cache would need at least CACHE_BYTES of temporaries; what the step does
+    # need (attention's gathered key tiles, a fixed ~2.5 MB here) stays well below that.
+    assert stats.temp_size_in_bytes < CACHE_BYTES // 2, stats.temp_size_in_bytes
 
     shape = "f32[" + ",".join(map(str, CACHE_SHAPE)) + "]"
     copies = [line for line in text.splitlines()

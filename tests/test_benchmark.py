@@ -1,0 +1,166 @@
+"""Smoke tests of `jaxllm bench ...` on a tiny random model: the commands run end to end, write
+their JSON with the documented keys, and the profile's split adds up. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxllm import benchmark
+from jaxllm.cli import main
+from tests.conftest import make_tiny_checkpoint
+
+# One engine shape for every test, so the compiled buckets come from the disk cache after the
+# first start-up.
+ENGINE = ["--skip-tokenizer-init", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+          "--max-model-len", "64", "--no-progress"]
+FAST_ROOFLINE = ["--roofline-gemm-size", "128", "--roofline-copy-mib", "4"]
+
+THROUGHPUT_KEYS = ("elapsed_time", "num_requests", "total_prompt_tokens", "total_output_tokens",
+                   "total_num_tokens", "requests_per_second", "output_tokens_per_second",
+                   "total_tokens_per_second")
+LATENCY_KEYS = ("avg_latency", "latency_mean", "latency_p50", "latency_p99", "ttft_mean",
+                "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99",
+                "output_tokens_per_second")
+ROOFLINE_KEYS = ("gemm_flops_per_s", "xla_flops_per_s", "numpy_flops_per_s",
+                 "bandwidth_bytes_per_s", "flops", "bytes", "ideal_time_s", "jaxllm_fraction")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench_tiny")
+    make_tiny_checkpoint(path, tied=False, seed=3)
+    return path
+
+
+def _run(args, out_json):
+    assert main([*args, "--output-json", str(out_json)]) == 0
+    return json.loads(out_json.read_text())
+
+
+def _positive(d, keys):
+    for k in keys:
+        assert d[k] > 0, k
+
+
+def test_throughput_with_hf_roofline_and_profile(tiny_path, tmp_path, capsys):
+    res = _run(["bench", "throughput", "--model", str(tiny_path), "--num-prompts", "5",
+                "--random-input-range", "3", "20", "--random-output-range", "2", "6",
+                "--ignore-eos", "--compare-hf", "--hf-batch-size", "2", *FAST_ROOFLINE,
+                "--profile", "--profile-batch-sizes", "1", "4", "8", "--profile-input-len", "5",
+                "--profile-steps", "3", *ENGINE], tmp_path / "tp.json")
+    _positive(res, THROUGHPUT_KEYS)
+    assert res["num_requests"] == 5
+    wl = res["workload"]
+    assert 3 <= wl["prompt_len_min"] <= wl["prompt_len_max"] <= 20
+    assert 2 <= wl["output_len_min"] <= wl["output_len_max"] <= 6
+    # ignore_eos: every request generates exactly its output length.
+    assert res["total_output_tokens"] == wl["total_output_tokens"]
+    _positive(res["hf"], THROUGHPUT_KEYS)
+    assert res["hf"]["total_output_tokens"] == wl["total_output_tokens"]
+    assert res["speedup_vs_hf"] > 0
+    _positive(res["roofline"], (*ROOFLINE_KEYS, "hf_fraction"))
+    assert res["engine"]["max_num_seqs"] == 4
+    prof = {p["batch_size"]: p for p in res["profile"]}
+    assert "skipped" in prof[8]  # more than max_num_seqs
+    for bs in (1, 4):
+        p = prof[bs]
+        assert p["steps"] == 3 and p["step_ms"] > 0
+        parts = [p["phases"][name]["ms"] for name in benchmark.PROFILE_PHASES]
+        assert all(x >= 0 for x in parts)
+        named = sum(parts) - p["phases"]["other"]["ms"]
+        assert named <= p["step_ms"] + 1e-9
+        assert sum(parts) == pytest.approx(p["step_ms"], rel=1e-6)
+    out = capsys.readouterr().out
+    assert "Throughput:" in out and "HF transformers" in out and "Roofline:" in out
+    assert "Step profile" in out and "device_step" in out
+
+
+def test_latency_with_hf(tiny_path, tmp_path, capsys):
+    res = _run(["bench", "latency", "--model", str(tiny_path), "--batch-size", "2",
+                "--input-len", "6", "--output-len", "4", "--num-iters", "2",
+                "--num-iters-warmup", "1", "--compare-hf", *FAST_ROOFLINE, *ENGINE],
+               tmp_path / "lat.json")
+    _positive(res, LATENCY_KEYS)
+    assert len(res["latencies"]) == 2
+    _positive(res["hf"], LATENCY_KEYS)
+    assert res["speedup_vs_hf"] > 0
+    _positive(res["roofline"], ROOFLINE_KEYS)
+    assert "TTFT" in capsys.readouterr().out
+
+
+def test_throughput_from_jsonl_dataset(tiny_path, tmp_path):
+    data = tmp_path / "data.jsonl"
+    records = [{"prompt_token_ids": [5, 6, 7, 8], "output_len": 3},
+               {"prompt_token_ids": list(range(10, 30))},
+               {"prompt_token_ids": [1, 2], "output_len": 5}]
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    res = _run(["bench", "throughput", "--model", str(tiny_path), "--dataset", str(data),
+                "--output-len", "2", "--ignore-eos", "--no-roofline", *ENGINE],
+               tmp_path / "ds.json")
+    assert res["num_requests"] == 3
+    assert res["total_prompt_tokens"] == 4 + 20 + 2
+    assert res["total_output_tokens"] == 3 + 2 + 5
+    assert "roofline" not in res and "hf" not in res
+    _positive(res, THROUGHPUT_KEYS)
+
+
+def test_sweep_json_and_png(tiny_path, tmp_path):
+    png = tmp_path / "sweep.png"
+    res = _run(["bench", "sweep", "--model", str(tiny_path), "--batch-sizes", "1", "2",
+                "--input-len", "4", "--output-len", "3", "--output-png", str(png),
+                *FAST_ROOFLINE, *ENGINE], tmp_path / "sweep.json")
+    assert [r["batch_size"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        assert r["jaxllm"]["output_tokens_per_second"] > 0
+        assert r["roofline_output_tokens_per_second"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dataset_records(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"prompt_token_ids": [1, 2, 3]}, {"prompt": "hi"}]))
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        benchmark.load_dataset(path, None, 4)
+
+    class Tok:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    wl = benchmark.load_dataset(path, Tok(), 4)
+    assert wl.prompts == [[1, 2, 3], [104, 105]] and wl.output_lens == [4, 4]
+    assert len(benchmark.load_dataset(path, Tok(), 4, num_prompts=1)) == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_token_ids": [1]}\n{oops\n')
+    with pytest.raises(ValueError, match="line 2"):
+        benchmark.load_dataset(bad, None, 4)
+
+
+def test_synthetic_prompts_avoid_special_tokens():
+    sampler = benchmark.TokenSampler(10, special_ids={0, 9})
+    wl = benchmark.synthetic_workload(sampler, 50, 8, 4, seed=1, input_range=[2, 6])
+    ids = {t for p in wl.prompts for t in p}
+    assert ids <= set(range(1, 9))
+    assert {len(p) for p in wl.prompts} <= set(range(2, 7))
+    again = benchmark.synthetic_workload(sampler, 50, 8, 4, seed=1, input_range=[2, 6])
+    assert again.prompts == wl.prompts  # seeded
+
+
+def test_workload_cost_counts():
+    cost = benchmark.ModelCost(body_params=100, head_params=10, itemsize=4, num_layers=2,
+                               num_heads=3, num_kv_heads=1, head_dim=5)
+    w = benchmark.workload_cost(cost, [2], [3], max_num_seqs=1, max_num_batched_tokens=512)
+    # Positions 0..3 are processed (the last output token is never fed back).
+    assert w["processed_tokens"] == 4 and w["sampled_tokens"] == 3
+    assert w["matmul_flops"] == 2 * 100 * 4 + 2 * 10 * 3
+    assert w["attention_flops"] == 4 * 2 * 3 * 5 * (1 + 2 + 3 + 4)
+    assert w["min_steps"] == 3
+    assert w["weight_bytes"] == 3 * 110 * 4
+    assert w["kv_read_bytes"] == (3 + 4) * 2 * 2 * 1 * 5 * 4
+    machine = {"gemm_flops_per_s": 1e3, "bandwidth_bytes_per_s": 1e3}
+    r = benchmark.roofline(machine, w, {"jaxllm": 10.0})
+    assert r["ideal_time_s"] == pytest.approx(max(w["flops"], w["bytes"]) / 1e3)
+    assert r["jaxllm_fraction"] == pytest.approx(r["ideal_time_s"] / 10.0)
+    assert np.isfinite(r["batch1_decode_bound_tok_per_s"])
