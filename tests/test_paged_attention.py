@@ -1,8 +1,11 @@
-"""paged_attention: reference vs an independent numpy model, Pallas interpret vs reference.
+"""paged_attention: reference and Pallas kernel (interpret mode; native on a GPU) vs an
+independent numpy model, kernel vs reference in bf16.
 
 The numpy model is deliberately naive: per sequence, per query, per head, it rebuilds the
 sequence's context in logical order from its block table and runs a dense causal softmax in
-float64. It shares no code with the module under test.
+float64. It shares no code with the module under test. The reference is checked on exact
+shapes and inside engine-like buckets (padded tokens, sequence slots, a 32k-wide block table):
+its cost must not depend on that padding, and neither may its answer.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.paged_attention import paged_attention
+from tests.kernel_backends import KERNEL_BACKENDS
 
 # The package re-exports the function under the module's name, so fetch the module itself.
 pa_module = importlib.import_module("pallas_kernels.paged_attention")
@@ -130,111 +134,6 @@ def cases(draw, max_seqs=4, max_q=40, max_ctx=80):
                      pad_seqs=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**16)))
 
 
-def check(case, backend, dtype=jnp.float32, tol=1e-5, max_query_len="case"):
-    out = np.asarray(case.run(backend, dtype, max_query_len).astype(jnp.float32))
-    assert out.shape == case.q.shape
-    assert np.isfinite(out).all()
-    total = int(case.qsl[-1])
-    np.testing.assert_allclose(out[:total], case.expected(dtype)[:total], rtol=tol, atol=tol)
-    assert (out[total:] == 0).all()  # padding rows: zeros
-    return out
-
-
-SETTINGS = settings(max_examples=15, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-@SETTINGS
-@given(cases(max_seqs=5, max_q=48, max_ctx=150))
-def test_reference_matches_numpy(case):
-    check(case, "reference")
-
-
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
-def test_interpret_matches_numpy(case):
-    check(case, "interpret")
-
-
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases(max_seqs=3, max_q=24, max_ctx=60))
-def test_interpret_matches_reference_bf16(case):
-    # bf16: the kernel feeds bf16 q/k into the QK matmul and rounds the softmax weights p to
-    # bf16 before the PV matmul (as a GPU flash kernel does), then rounds the output to bf16;
-    # the reference upcasts everything to f32. Each rounding is ~2^-8 relative, on outputs of
-    # magnitude <~3, so 2e-2 absolute/relative is a few bf16 ulps, not a loose bound.
-    ref = np.asarray(case.run("reference", jnp.bfloat16).astype(jnp.float32))
-    out = np.asarray(case.run("interpret", jnp.bfloat16).astype(jnp.float32))
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
-    # and both stay close to the exact answer on the bf16-rounded inputs
-    total = int(case.qsl[-1])
-    np.testing.assert_allclose(ref[:total], case.expected(jnp.bfloat16)[:total], rtol=2e-2,
-                               atol=2e-2)
-
-
-BACKENDS = ["reference", "interpret"]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_context_length_one(backend):
-    # seq_len 1: a one-token prompt, i.e. one query at position 0 seeing only itself
-    check(make_case([(0, 1)], pad_tokens=3), backend)
-    check(make_case([(0, 1), (1, 1)], pad_tokens=1), backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_exact_block_multiples(backend, block_size):
-    seqs = [(0, 2 * block_size), (block_size, block_size), (3 * block_size - 1, 1)]
-    check(make_case(seqs, block_size=block_size), backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_partly_filled_last_block_and_many_blocks(backend):
-    # 7 blocks of 16 in random physical order, last one holds 5 of 16 tokens
-    check(make_case([(100, 1), (90, 11)], block_size=16, extra_blocks=10, seed=3), backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_all_padding_rows_finite(backend):
-    case = make_case([(5, 3)], pad_tokens=29, pad_seqs=3)
-    out = check(case, backend)
-    assert (out[3:] == 0).all()
-    # a batch that is padding only (warm-up shapes): every row zeros
-    empty = make_case([(0, 0)], pad_tokens=8, pad_seqs=2)
-    out = np.asarray(empty.run(backend))
-    assert np.isfinite(out).all() and (out == 0).all()
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_mixed_prefill_and_decode(backend):
-    seqs = [(37, 1), (0, 23), (12, 1), (40, 9), (64, 1)]
-    check(make_case(seqs, pad_tokens=5, pad_seqs=1, seed=7), backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_zero_length_sequence_between_real_ones(backend):
-    check(make_case([(3, 4), (0, 0), (9, 1), (0, 5)], seed=11), backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
-                         [(14, 2, 64), (12, 2, 128), (28, 4, 128)])
-def test_qwen2_head_ratios(backend, num_heads, num_kv_heads, head_dim):
-    seqs = [(20, 1), (0, 17), (33, 6)]
-    check(make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                    block_size=32, pad_tokens=2, seed=num_heads), backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_max_query_len_none_and_loose_bound(backend):
-    case = make_case([(10, 1), (0, 13), (4, 6)], pad_tokens=4)
-    a = check(case, backend, max_query_len=None)
-    b = check(case, backend, max_query_len=32)  # a bucketed bound above the real maximum
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-
-
 def pad_case(case, *, num_tokens=None, num_seqs=None, width=None, num_blocks=None, seed=1):
     """The same real inputs inside bigger padded shapes, as the engine's buckets make them:
     more token rows (random q, to be ignored), more sequence slots (q_len 0, random table
@@ -257,16 +156,147 @@ def pad_case(case, *, num_tokens=None, num_seqs=None, width=None, num_blocks=Non
                 case.scale, case.max_query_len)
 
 
-# One engine-like bucket (0.5B heads, block 16) shared by the tests below, so that they share
-# its two compilations (max_query_len T and 1): 512 tokens, 64 sequence slots, a table
-# max_model_len wide (2048 blocks = 32k tokens), 1024 physical blocks.
+# The reference is what the engine runs on CPU, always on padded bucket shapes. The unit tests
+# run it inside one engine-like bucket: 512 tokens, 64 sequence slots, a table max_model_len
+# wide (2048 blocks = 32k tokens of 16), 1024 physical blocks, and max_query_len as the engine
+# passes it (T, or 1 for pure decode). Besides checking that padding costs nothing in
+# correctness, the tests then share a few compilations instead of compiling one per case.
 BUCKET = dict(num_tokens=512, num_seqs=64, width=2048, num_blocks=1024)
 
 
-def check_bucket(seqs, seed, max_query_len=None):
-    """The real batch ``seqs`` padded into BUCKET, checked against the naive model."""
-    case = pad_case(make_case(seqs, seed=seed), **BUCKET, seed=seed)
-    return check(case, "reference", max_query_len=max_query_len or BUCKET["num_tokens"])
+def check(case, backend, dtype=jnp.float32, tol=1e-5, max_query_len="case", bucket=None):
+    """Run ``case`` (inside ``bucket`` when given, see BUCKET) and compare with the naive model;
+    every row past the real tokens must be zeros."""
+    run = case if bucket is None else pad_case(case, **bucket)
+    if bucket is not None and max_query_len == "case":
+        max_query_len = bucket["num_tokens"] if case.max_query_len > 1 else 1
+    out = np.asarray(run.run(backend, dtype, max_query_len).astype(jnp.float32))
+    assert out.shape == run.q.shape
+    assert np.isfinite(out).all()
+    total = int(case.qsl[-1])
+    np.testing.assert_allclose(out[:total], case.expected(dtype)[:total], rtol=tol, atol=tol)
+    assert (out[total:] == 0).all()  # padding rows: zeros
+    return out
+
+
+SETTINGS = settings(max_examples=15, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# Random cases have at most 5 + 2 sequences, 5 x 48 + 9 tokens and 198 + 48 keys each.
+HYPOTHESIS_BUCKET = dict(num_tokens=256, num_seqs=8, width=32, num_blocks=96)
+
+
+@SETTINGS
+@given(cases(max_seqs=5, max_q=48, max_ctx=150), st.booleans())
+def test_reference_matches_numpy(case, in_bucket):
+    # Exact shapes, or the case inside a bucket (cases with the same head configuration and
+    # block size then share one compilation).
+    check(case, "reference", bucket=HYPOTHESIS_BUCKET if in_bucket else None)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_kernel_matches_numpy(backend, case):
+    check(case, backend)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(max_seqs=3, max_q=24, max_ctx=60))
+def test_kernel_matches_reference_bf16(backend, case):
+    # bf16: the kernel feeds bf16 q/k into the QK matmul and rounds the softmax weights p to
+    # bf16 before the PV matmul (as a GPU flash kernel does), then rounds the output to bf16;
+    # the reference upcasts everything to f32. Each rounding is ~2^-8 relative, on outputs of
+    # magnitude <~3, so 2e-2 absolute/relative is a few bf16 ulps, not a loose bound.
+    ref = np.asarray(case.run("reference", jnp.bfloat16).astype(jnp.float32))
+    out = np.asarray(case.run(backend, jnp.bfloat16).astype(jnp.float32))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+    # and both stay close to the exact answer on the bf16-rounded inputs
+    total = int(case.qsl[-1])
+    np.testing.assert_allclose(ref[:total], case.expected(jnp.bfloat16)[:total], rtol=2e-2,
+                               atol=2e-2)
+
+
+BACKENDS = ["reference", *KERNEL_BACKENDS]
+
+
+def bucket_for(backend, **overrides):
+    """The reference runs inside BUCKET (see there), the Pallas kernel on the exact shapes."""
+    return dict(BUCKET, **overrides) if backend == "reference" else None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_context_length_one(backend):
+    # seq_len 1: a one-token prompt, i.e. one query at position 0 seeing only itself
+    check(make_case([(0, 1)], pad_tokens=3), backend, bucket=bucket_for(backend))
+    check(make_case([(0, 1), (1, 1)], pad_tokens=1), backend, bucket=bucket_for(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_exact_block_multiples(backend, block_size):
+    seqs = [(0, 2 * block_size), (block_size, block_size), (3 * block_size - 1, 1)]
+    check(make_case(seqs, block_size=block_size), backend, bucket=bucket_for(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_partly_filled_last_block_and_many_blocks(backend):
+    # 7 blocks of 16 in random physical order, last one holds 5 of 16 tokens
+    check(make_case([(100, 1), (90, 11)], block_size=16, extra_blocks=10, seed=3), backend,
+          bucket=bucket_for(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_padding_rows_finite(backend):
+    case = make_case([(5, 3)], pad_tokens=29, pad_seqs=3)
+    out = check(case, backend, bucket=bucket_for(backend))
+    assert (out[3:] == 0).all()
+    # a batch that is padding only (warm-up shapes): every row zeros
+    out = check(make_case([(0, 0)], pad_tokens=8, pad_seqs=2), backend,
+                bucket=bucket_for(backend))
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_prefill_and_decode(backend):
+    seqs = [(37, 1), (0, 23), (12, 1), (40, 9), (64, 1)]
+    check(make_case(seqs, pad_tokens=5, pad_seqs=1, seed=7), backend, bucket=bucket_for(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_length_sequence_between_real_ones(backend):
+    check(make_case([(3, 4), (0, 0), (9, 1), (0, 5)], seed=11), backend,
+          bucket=bucket_for(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(14, 2, 64), (12, 2, 128), (28, 4, 128)])
+def test_qwen2_head_ratios(backend, num_heads, num_kv_heads, head_dim):
+    seqs = [(20, 1), (0, 17), (33, 6)]
+    # (head_dim 128: a smaller cache in the bucket, 1024 blocks of 32 x 128 are 0.3 GB here)
+    check(make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    block_size=32, pad_tokens=2, seed=num_heads), backend,
+          bucket=bucket_for(backend, **({"num_blocks": 64} if head_dim == 128 else {})))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_max_query_len_none_and_loose_bound(backend):
+    case = make_case([(10, 1), (0, 13), (4, 6)], pad_tokens=4)
+    bucket = bucket_for(backend)
+    a = check(case, backend, max_query_len=None, bucket=bucket)
+    # a bound above the real maximum (in the bucket: the engine's T, a shared compilation)
+    b = check(case, backend, max_query_len=32 if bucket is None else "case", bucket=bucket)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def check_bucket(seqs, seed, max_query_len="case"):
+    """The real batch ``seqs`` inside BUCKET, checked against the naive model."""
+    return check(make_case(seqs, seed=seed), "reference", max_query_len=max_query_len,
+                 bucket=BUCKET)
 
 
 def test_reference_small_tiles(monkeypatch):
@@ -320,7 +350,7 @@ def test_reference_padding_invariance():
     base = make_case([(70, 1), (0, 45), (3, 1), (129, 9), (12, 2)], seed=23)
     total = int(base.qsl[-1])
     small = check(base, "reference")
-    big = check_bucket([(70, 1), (0, 45), (3, 1), (129, 9), (12, 2)], seed=23)
+    big = check(base, "reference", bucket=BUCKET)
     np.testing.assert_allclose(big[:total], small[:total], rtol=1e-6, atol=1e-6)
 
 
@@ -333,7 +363,7 @@ def test_reference_max_query_len_is_only_a_hint():
 def test_reference_all_padding_bucket():
     # Warm-up shapes: nothing real in the bucket, max_query_len T or 1.
     for mq in (BUCKET["num_tokens"], 1):
-        out = check_bucket([(0, 0)], seed=31, max_query_len=mq)
+        out = check(make_case([(0, 0)], seed=31), "reference", max_query_len=mq, bucket=BUCKET)
         assert (out == 0).all()
 
 
