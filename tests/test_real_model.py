@@ -2,7 +2,7 @@
 
 Both sides dequantize the same Q4_K_M blocks to float32, so the weights are identical; what
 differs is float32 summation order over 24 layers (XLA vs PyTorch GEMMs, softmax, RMSNorm).
-Measured here: max |logit difference| at the last position ~1e-4 on logits of magnitude ~20,
+Measured here: max |logit difference| at the last position 1e-4 to 3e-4 on logits of magnitude ~20,
 so the test allows 2e-3 absolute; greedy tokens must be identical.
 """
 
@@ -47,13 +47,12 @@ def test_chat_template_is_embedded(real_llm):
 
 
 def test_last_position_logits_close_to_hf(real_llm, hf_real_model):
-    from jaxllm.model import rope_variables
-
     tok = real_llm.tokenizer
+    runner = real_llm.llm_engine.engine_core.runner
     prompts = [tok.encode(p) for p in PROMPTS]
-    ids, pos, kv, md = prefill_inputs(real_llm.config, prompts)
-    logits, _, _ = real_llm.model.apply({"params": real_llm.params,
-                                      "rope": rope_variables(real_llm.config)}, ids, pos, kv, md)
+    ids, pos, kv, md = prefill_inputs(runner.config, prompts)
+    logits, _, _ = runner.model.apply({"params": runner.params, "rope": runner.rope},
+                                      ids, pos, kv, md)
     logits = np.asarray(logits)
     ends = np.cumsum([len(p) for p in prompts]) - 1
     worst = 0.0
