@@ -62,14 +62,17 @@ class LLM:
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} "
                                  f"sampling_params; pass one, or one per prompt")
         engine = self.llm_engine
+        processed = []
         for i, (prompt, sp) in enumerate(zip(prompts, params_list, strict=True)):
             try:
                 engine.processor.check_params(sp)
-                engine.processor.process_prompt(prompt)
+                p = engine.processor.process_prompt(prompt)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
+            # Tokenized once: add_request takes the ids as they are.
+            processed.append({"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids})
         ids = []
-        for prompt, sp in zip(prompts, params_list, strict=True):
+        for prompt, sp in zip(processed, params_list, strict=True):
             request_id = str(self._request_counter)
             self._request_counter += 1
             engine.add_request(request_id, prompt, sp)

@@ -103,10 +103,9 @@ class LLMEngine:
         self.model_config = config = loaded.config
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path)
         self.kernel_backend = args.kernel_backend or pallas_kernels.default_backend()
-        self.max_model_len = min(args.max_model_len or config.max_position_embeddings,
-                                 config.max_position_embeddings)
-        if args.max_model_len and args.max_model_len > config.max_position_embeddings:
-            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's "
+        self.max_model_len = args.max_model_len or config.max_position_embeddings
+        if self.max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {config.max_position_embeddings}")
         self.num_kv_blocks = self._num_kv_blocks(loaded.params)
         eos = {t for t in (config.eos_token_id, getattr(self.tokenizer, "eos_token_id", None))

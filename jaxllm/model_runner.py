@@ -208,20 +208,21 @@ class ModelRunner:
         host_logits = np.asarray(logits)[:len(sample_req_ids)]
         prompt_logits = {}
         if prompt_logprob_reqs:
+            host_hidden = np.asarray(hidden)
             offset = 0
             for r in reqs:
                 want = prompt_logprob_reqs.get(r.request_id, 0)
                 if want > 0:
                     rows = min(want, r.num_tokens)
                     prompt_logits[r.request_id] = (
-                        self._logits_rows(hidden, offset, rows), r.start_position)
+                        self._logits_rows(host_hidden[offset:offset + rows]), r.start_position)
                 offset += r.num_tokens
         t3 = time.perf_counter()
         return ModelRunnerOutput(sample_req_ids, host_logits, prompt_logits,
                                  StepTimings(t1 - t0, t2 - t1, t3 - t2))
 
-    def _logits_rows(self, hidden: jax.Array, start: int, count: int) -> np.ndarray:
-        host_hidden = np.asarray(hidden)[start:start + count]
+    def _logits_rows(self, host_hidden: np.ndarray) -> np.ndarray:
+        count = len(host_hidden)
         out = []
         for i in range(0, count, PROMPT_LOGITS_CHUNK):
             chunk = host_hidden[i:i + PROMPT_LOGITS_CHUNK]

@@ -79,6 +79,18 @@ def assert_pool_free(llm: LLM) -> None:
     assert NULL_BLOCK_ID == 0
 
 
+def on_each_step(llm: LLM, record) -> None:
+    """Call record(scheduler_output) before the runner executes each step."""
+    runner = llm.llm_engine.engine_core.runner
+    original = runner.execute_model
+
+    def spy(so, *args, **kwargs):
+        record(so)
+        return original(so, *args, **kwargs)
+
+    runner.execute_model = spy
+
+
 def greedy(prompts, llm):
     sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -95,13 +107,8 @@ def test_greedy_matches_hf_in_every_regime(tiny, prompts, hf_greedy, regime, kwa
     llm = make_llm(tiny[0], **kwargs)
     core = llm.llm_engine.engine_core
     steps = []
-    original = core.runner.execute_model
-
-    def spy(so, *a, **k):
-        steps.append([(r.request_id, r.num_tokens, r.do_sample) for r in so.scheduled])
-        return original(so, *a, **k)
-
-    core.runner.execute_model = spy
+    on_each_step(llm, lambda so: steps.append(
+        [(r.request_id, r.num_tokens, r.do_sample) for r in so.scheduled]))
     before = COMPILES.count
     outs, tokens = greedy(prompts, llm)
     assert COMPILES.count == before, "the engine compiled after warm-up"
@@ -195,15 +202,8 @@ def test_n_samples_share_the_prompt(tiny, prompts, hf_greedy):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     # top_k=1 makes n=2 greedy (temperature 0 with n > 1 is refused, as in vLLM): both
     # children equal HF's greedy tokens, the second computed on the first's cached blocks.
-    runner = llm.llm_engine.engine_core.runner
     cached = {}
-    original = runner.execute_model
-
-    def spy(so, *a, **k):
-        cached.update(so.num_cached_tokens)
-        return original(so, *a, **k)
-
-    runner.execute_model = spy
+    on_each_step(llm, lambda so: cached.update(so.num_cached_tokens))
     prompt = prompts[3]  # 40 tokens, new to this engine: 2 full blocks
     out = llm.generate({"prompt_token_ids": prompt},
                        SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=MAX_NEW,
