@@ -1,8 +1,9 @@
 """Loading weights offline: Hugging Face checkpoint directories (safetensors) and GGUF files.
 
-Both paths produce the same param tree as `Qwen2ForCausalLM` (q/k/v and gate/up fused, Dense
-kernels stored [in, out]); the tree is checked against the model's abstract shapes so a foreign
-or damaged file fails with its path and what is wrong, never deep inside jit.
+Both paths produce the same param tree as `Qwen2ForCausalLM` (q/k/v and gate/up fused, linear
+weights kept [out, in] as checkpoints store them); the tree is checked against the model's
+abstract shapes so a foreign or damaged file fails with its path and what is wrong, never deep
+inside jit.
 """
 
 from __future__ import annotations
@@ -219,12 +220,12 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
             "post_attention_layernorm": {
                 "weight": dev(need(p + "post_attention_layernorm.weight"))},
             "self_attn": {
-                "qkv_proj": {"kernel": dev(qkv_w.T), "bias": dev(qkv_b)},
-                "o_proj": {"kernel": dev(need(p + "self_attn.o_proj.weight").T)},
+                "qkv_proj": {"weight": dev(qkv_w), "bias": dev(qkv_b)},
+                "o_proj": {"weight": dev(need(p + "self_attn.o_proj.weight"))},
             },
             "mlp": {
-                "gate_up_proj": {"kernel": dev(gate_up.T)},
-                "down_proj": {"kernel": dev(need(p + "mlp.down_proj.weight").T)},
+                "gate_up_proj": {"weight": dev(gate_up)},
+                "down_proj": {"weight": dev(need(p + "mlp.down_proj.weight"))},
             },
         }
     params["norm"] = {"weight": dev(need("norm.weight"))}
@@ -233,7 +234,7 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
         if lm_head is None:
             raise ModelLoadError(f"{path}: missing tensor lm_head.weight (the config does not "
                                  f"tie word embeddings)")
-        params["lm_head"] = {"kernel": dev(lm_head.T)}
+        params["lm_head"] = dev(lm_head)
     elif lm_head is not None and not np.array_equal(np.asarray(lm_head, np.float32),
                                                     np.asarray(params["embed_tokens"], np.float32)):
         raise ModelLoadError(f"{path}: config ties word embeddings but lm_head.weight differs")

@@ -257,3 +257,37 @@ def test_prompt_logprobs_survive_chunking(tiny, prompts):
     np.testing.assert_allclose(got, [ref[p - 1][prompt[p]] for p in range(1, len(prompt))],
                                atol=1e-4)
     assert_pool_free(llm)
+
+
+def test_decode_steps_use_small_buckets(tiny):
+    # A pure-decode step pads only to the next power of two of its sequences (on CPU a GEMM's
+    # time grows with its rows); mixed steps keep the token buckets from 16 up.
+    llm = make_llm(tiny[0], max_num_seqs=6)
+    runner = llm.llm_engine.engine_core.runner
+    assert runner.bucket_shapes() == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 16), (32, 32),
+                                      (64, 64)]
+    assert [runner.bucket_for(n, decode_only=True) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 8, 8]
+    assert [runner.bucket_for(n) for n in (1, 16, 17, 64)] == [16, 16, 32, 64]
+    shapes = []
+
+    class Recording(dict):
+        def get(self, key, default=None):
+            shapes.append(key)
+            return super().get(key, default)
+
+    runner._compiled = Recording(runner._compiled)
+    greedy([[5, 6, 7]], llm)
+    assert shapes == [(16, 16)] + [(1, 1)] * (MAX_NEW - 1)
+
+
+def test_no_step_shape_copies_the_kv_cache(tiny):
+    # The donated cache must be updated in place by every compiled step, including the tiny
+    # decode buckets (a one-token scatter once made XLA copy the whole cache twice per layer).
+    llm = make_llm(tiny[0], max_num_seqs=4)
+    runner = llm.llm_engine.engine_core.runner
+    shape = "f32[" + ",".join(map(str, runner.kv_cache.shape)) + "]"
+    assert len(runner._compiled) == len(runner.bucket_shapes())
+    for key, compiled in runner._compiled.items():
+        copies = [line for line in compiled.as_text().splitlines()
+                  if f"= {shape}" in line and " copy(" in line]
+        assert not copies, (key, copies[:2])
