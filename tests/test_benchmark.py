@@ -25,7 +25,8 @@ LATENCY_KEYS = ("avg_latency", "latency_mean", "latency_p50", "latency_p99", "tt
                 "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99",
                 "output_tokens_per_second")
 ROOFLINE_KEYS = ("gemm_flops_per_s", "xla_flops_per_s", "numpy_flops_per_s",
-                 "bandwidth_bytes_per_s", "flops", "bytes", "ideal_time_s", "jaxllm_fraction")
+                 "bandwidth_bytes_per_s", "gemv_read_bytes_per_s", "flops", "bytes", "ideal_time_s",
+                 "jaxllm_fraction")
 
 
 @pytest.fixture(scope="module")
