@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every number in BENCHMARKS.md: runs the workloads one after another (each in its own process,
 # HF transformers in the same process as jaxllm), writing JSON and logs to benchmarks/results/
-# and the plot to benchmarks/sweep.png. About 45 minutes on a 2-core CPU; nothing else should
-# run meanwhile. Usage: bash benchmarks/run_all.sh [a|b|c|profile|sweep ...]
+# and the plot to benchmarks/sweep.png. About 55 minutes on a 2-core CPU; nothing else should
+# run meanwhile. Usage: bash benchmarks/run_all.sh [a|b|c|profile|sweep|shapes ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/ensure_venv.sh
@@ -41,4 +41,9 @@ fi
 if [[ ${#SELECTED[@]} -eq 0 ]] || want sweep; then
   run sweep_128x64 "${BENCH[@]}" sweep --batch-sizes 1 2 4 8 16 32 64 --input-len 128 \
     --output-len 64 --compare-hf --output-png benchmarks/sweep.png
+fi
+if [[ ${#SELECTED[@]} -eq 0 ]] || want shapes; then
+  # What XLA (and PyTorch, for HF) reach on the model's own matmul shapes: explains the gaps.
+  .venv/bin/python benchmarks/gemm_rows.py --torch 1 4 16 64 256 512 | tee "$OUT/gemm_rows.txt"
+  .venv/bin/python benchmarks/gemv_shapes.py | tee "$OUT/gemv_shapes.txt"
 fi

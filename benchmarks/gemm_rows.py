@@ -1,0 +1,89 @@
+"""XLA's rate on the 0.5B model's own matmuls as a function of rows (tokens per step): 24
+decoder layers of random weights with the real shapes, kept [out, in] as the engine keeps them,
+nothing but the four GEMMs per layer (qkv, o, gate_up, down) and the SiLU between. It is the
+ceiling of any XLA-based engine on this machine, and explains the roofline gaps in
+BENCHMARKS.md. `--torch` times the same layers through PyTorch (MKL), what HF transformers runs.
+
+    .venv/bin/python benchmarks/gemm_rows.py [--torch] [rows ...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LAYERS, HIDDEN, INTER, QKV = 24, 896, 4864, 1152
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+
+
+def layers_forward(x: jax.Array, layers: list[dict[str, jax.Array]]) -> jax.Array:
+    for p in layers:
+        qkv = linear(x, p["qkv"])
+        x = x + linear(qkv[:, :HIDDEN], p["o"])
+        gate, up = jnp.split(linear(x, p["gate_up"]), 2, axis=-1)
+        x = x + linear(jax.nn.silu(gate) * up, p["down"])
+    return x
+
+
+def timed(fn, *args) -> float:
+    fn(*args)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def torch_seconds(layers: list[dict[str, jax.Array]], rows: int) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(os.cpu_count() or 1)  # as the HF runner of `jaxllm bench`
+    weights = [{k: torch.from_numpy(np.array(w)) for k, w in p.items()} for p in layers]
+    x0 = torch.randn(rows, HIDDEN) * 0.02
+
+    @torch.inference_mode()
+    def forward(x):
+        for p in weights:
+            x = x + F.linear(F.linear(x, p["qkv"])[:, :HIDDEN], p["o"])
+            gate, up = F.linear(x, p["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, p["down"])
+        return x
+
+    return timed(forward, x0)
+
+
+def main(rows: list[int], with_torch: bool) -> None:
+    rng = np.random.default_rng(0)
+
+    def mk(*shape):
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 0.02)
+
+    layers = [dict(qkv=mk(QKV, HIDDEN), o=mk(HIDDEN, HIDDEN), gate_up=mk(2 * INTER, HIDDEN),
+                   down=mk(HIDDEN, INTER)) for _ in range(LAYERS)]
+    params = sum(int(w.size) for p in layers for w in p.values())
+    step = jax.jit(layers_forward)
+    for m in rows:
+        x = mk(m, HIDDEN)
+        best = timed(lambda x: step(x, layers).block_until_ready(), x)
+        line = (f"rows {m:4d}: XLA {best * 1e3:8.1f} ms {2 * m * params / best / 1e9:6.1f} "
+                f"GFLOP/s {params * 4 / best / 1e9:5.1f} GB/s of weights")
+        if with_torch:
+            t = torch_seconds(layers, m)
+            line += f" | torch {t * 1e3:8.1f} ms {2 * m * params / t / 1e9:6.1f} GFLOP/s"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main([int(a) for a in args if a != "--torch"] or [1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+         "--torch" in args)
