@@ -715,7 +715,8 @@ def _make_llm(args: argparse.Namespace, max_num_seqs: int):
 
     kw: dict[str, Any] = dict(kernel_backend=args.kernel_backend, seed=args.seed,
                               max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
-                              skip_tokenizer_init=args.skip_tokenizer_init)
+                              skip_tokenizer_init=args.skip_tokenizer_init,
+                              show_progress=not args.no_progress)
     if args.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.num_kv_blocks is not None:
@@ -741,6 +742,10 @@ def _machine(args: argparse.Namespace, llm) -> dict[str, float] | None:
 
 
 def _hf_runner(args: argparse.Namespace, llm) -> HFRunner:
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its GGUF conversion and weight-loading bars
     return HFRunner(args.model, llm.llm_engine.describe()["dtype"])
 
 
