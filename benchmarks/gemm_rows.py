@@ -17,11 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.model import linear
+
 LAYERS, HIDDEN, INTER, QKV = 24, 896, 4864, 1152
-
-
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
 
 
 def layers_forward(x: jax.Array, layers: list[dict[str, jax.Array]]) -> jax.Array:

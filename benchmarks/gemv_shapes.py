@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.model import linear
+
 # (name, out, in) of every matrix a 0.5B decode step reads, [out, in] as the model keeps them.
 SHAPES = [("qkv_proj", 1152, 896), ("o_proj", 896, 896), ("gate_up_proj", 9728, 896),
           ("down_proj", 896, 4864), ("lm_head", 151936, 896),
@@ -21,7 +23,7 @@ COLD_BYTES = 400 << 20
 
 
 def main() -> None:
-    gemv = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))
+    gemv = jax.jit(linear)
     rng = np.random.default_rng(0)
     for name, out, inp in SHAPES:
         count = max(1, COLD_BYTES // (out * inp * 4))

@@ -424,6 +424,8 @@ def measure_bandwidth(mib: int = 256, reps: int = 5) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
+    from jaxllm.model import linear
+
     n = max(1, mib * (1 << 20) // 4)
     moved = 2.0 * n * 4
     src = np.ones(n, np.float32)
@@ -449,7 +451,7 @@ def measure_bandwidth(mib: int = 256, reps: int = 5) -> dict[str, float]:
     # over a [rows, 1024] matrix kept [out, in] like the model's weights.
     w = jnp.ones((max(1, n // 1024), 1024), jnp.float32)
     vec = jnp.ones((1, 1024), jnp.float32)
-    gemv = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))
+    gemv = jax.jit(linear)
     gemv(vec, w).block_until_ready()
     best_gemv = math.inf
     for _ in range(reps):
