@@ -4,8 +4,13 @@ Every run can put its numbers next to two references measured in the same proces
   - `--compare-hf`: the same token ids through Hugging Face transformers' batched `generate`
     (greedy, left padding, every row generating its full length), and the speed-up over it;
   - a roofline: the machine's measured GEMM rate (best of XLA's jitted `jnp.dot` and numpy's `@`)
-    and memory bandwidth (best of an XLA and a numpy array copy), the workload's useful FLOPs and
-    bytes, its ideal time max(FLOPs / GEMM rate, bytes / bandwidth) and the fraction of it we reach.
+    and memory bandwidth (best of an XLA and a numpy array copy and an XLA GEMV read), the
+    workload's useful FLOPs and bytes, its ideal time max(FLOPs / GEMM rate, bytes / bandwidth)
+    and the fraction of it we reach;
+  - with the roofline, a matmul floor: every step shape the run used, timed again through
+    nothing but the model's own weight matmuls on XLA, times the steps of that shape. It is what
+    the run would take if attention, norms, RoPE, KV writes, sampling and host work were free,
+    so it splits the gap to the roofline into "XLA's matmul rate" and "everything else".
 `--profile` adds a per-step split of host time (schedule, input preparation, device step, logits
 transfer, sampling, scheduler update, detokenization, other) in decode steady state.
 
@@ -239,6 +244,8 @@ def run_jaxllm_latency(llm, sampler: TokenSampler, batch_size: int, input_len: i
 
     for _ in tqdm(range(num_iters_warmup), desc="Warm-up iterations", disable=not use_tqdm):
         llm.generate(batch(), sp, use_tqdm=False)
+    # Only measured iterations count toward the run's step shapes (the matmul floor).
+    llm.llm_engine.engine_core.runner.step_shape_counts.clear()
     latencies, ttfts, tpots = [], [], []
     out_tokens = 0
     for _ in tqdm(range(num_iters), desc="Measured iterations", disable=not use_tqdm):
@@ -256,6 +263,71 @@ def run_jaxllm_latency(llm, sampler: TokenSampler, batch_size: int, input_len: i
             if n > 1 and m.finished_time is not None:
                 tpots.append((m.finished_time - m.first_token_time) / (n - 1))
     return latency_metrics(latencies, ttfts, tpots, out_tokens)
+
+
+# --- matmul floor ----------------------------------------------------------------------------
+
+
+def weight_matmuls(params: dict, config, x, logits_rows: int):
+    """The model's forward pass with everything but its weight matmuls removed: per layer qkv,
+    o, gate_up and down (with the SiLU gate and residual adds, which chain them as in the
+    model), then the LM head on the first `logits_rows` rows, as the engine's step runs it."""
+    import jax
+
+    from jaxllm.model import compute_logits, linear
+
+    q_width = config.num_attention_heads * config.head_dim
+    inter = config.intermediate_size
+    for i in range(config.num_hidden_layers):
+        attn, mlp = params[f"layers_{i}"]["self_attn"], params[f"layers_{i}"]["mlp"]
+        qkv = linear(x, attn["qkv_proj"]["weight"])
+        x = x + linear(qkv[:, :q_width], attn["o_proj"]["weight"])
+        gate_up = linear(x, mlp["gate_up_proj"]["weight"])
+        x = x + linear(jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:],
+                       mlp["down_proj"]["weight"])
+    return compute_logits(params, config, x[:logits_rows])
+
+
+def matmul_floor(llm, step_shape_counts: dict[tuple[int, int], int],
+                 reps: int = 3) -> dict[str, Any]:
+    """Seconds the steps in `step_shape_counts` ((num_tokens, max_query_len) -> steps, as
+    the runner counts them) take through `weight_matmuls` alone: best of `reps` per shape."""
+    import jax
+    import jax.numpy as jnp
+
+    runner = llm.llm_engine.engine_core.runner
+    config, params = runner.config, runner.params
+    step_s: dict[int, float] = {}
+    shapes = []
+    total = 0.0
+    for (num_tokens, max_query_len), steps in sorted(step_shape_counts.items()):
+        if num_tokens not in step_s:
+            rows = min(num_tokens, runner.max_num_seqs)
+            fn = jax.jit(lambda p, x, _rows=rows: weight_matmuls(p, config, x, _rows))
+            x = jnp.full((num_tokens, config.hidden_size), 0.01, runner.dtype)
+            fn(params, x).block_until_ready()
+            best = math.inf
+            for _ in range(reps):
+                t = time.perf_counter()
+                fn(params, x).block_until_ready()
+                best = min(best, time.perf_counter() - t)
+            step_s[num_tokens] = best
+        shapes.append({"num_tokens": num_tokens, "max_query_len": max_query_len,
+                       "steps": steps, "matmul_s_per_step": step_s[num_tokens]})
+        total += steps * step_s[num_tokens]
+    return {"matmul_floor_s": total, "steps": sum(step_shape_counts.values()),
+            "shapes": shapes}
+
+
+def print_matmul_floor(floor: dict[str, Any], elapsed: float, what: str) -> None:
+    shapes = ", ".join(f"{s['steps']} x {s['num_tokens']}"
+                       + ("" if s["max_query_len"] == 1 else " mixed")
+                       + f" at {_fmt_s(s['matmul_s_per_step'])}" for s in floor["shapes"])
+    print(f"Matmul floor: {what}'s {floor['steps']} steps ({shapes}) through nothing but the "
+          f"weight matmuls on XLA: {_fmt_s(floor['matmul_floor_s'])} = "
+          f"{floor['matmul_floor_s'] / max(elapsed, 1e-12) * 100:.1f}% of {_fmt_s(elapsed)}; "
+          f"attention, norms, RoPE, KV writes, sampling and host took the other "
+          f"{_fmt_s(max(0.0, elapsed - floor['matmul_floor_s']))}")
 
 
 # --- Hugging Face transformers baseline ------------------------------------------------------
@@ -794,7 +866,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     print(f"Workload: {workload.description} ({sum(workload.prompt_lens)} prompt, "
           f"{sum(workload.output_lens)} output tokens), ignore_eos={args.ignore_eos}")
     _warm_up(llm, sampler)
+    engine.engine_core.runner.step_shape_counts.clear()
     ours = run_jaxllm_throughput(llm, workload, args.ignore_eos, use_tqdm=not args.no_progress)
+    step_shapes = dict(engine.engine_core.runner.step_shape_counts)
     result.update(ours)
     print(f"Throughput: {ours['requests_per_second']:.2f} requests/s, "
           f"{ours['total_tokens_per_second']:.1f} total tokens/s, "
@@ -821,6 +895,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                              engine.engine_args.max_num_batched_tokens)
         result["roofline"] = roofline(machine, work, measured)
         print_roofline(result["roofline"])
+        result["matmul_floor"] = matmul_floor(llm, step_shapes)
+        print_matmul_floor(result["matmul_floor"], ours["elapsed_time"], "the run")
     _maybe_profile(args, llm, sampler, result)
     _finish(args, result)
     return 0
@@ -879,9 +955,46 @@ def cmd_latency(args: argparse.Namespace) -> int:
                              args.batch_size, engine.engine_args.max_num_batched_tokens)
         result["roofline"] = roofline(machine, work, measured)
         print_roofline(result["roofline"])
+        floor = matmul_floor(llm, engine.engine_core.runner.step_shape_counts)
+        result["matmul_floor"] = floor
+        print_matmul_floor(floor, sum(ours["latencies"]),
+                           f"the {args.num_iters} measured iterations")
+        result["decode"] = decode_vs_bound(floor, result["roofline"], ours.get("tpot_mean"),
+                                           result.get("hf", {}).get("tpot_mean"))
+        print_decode_vs_bound(result["decode"])
     _maybe_profile(args, llm, sampler, result)
     _finish(args, result)
     return 0
+
+
+def decode_vs_bound(floor: dict[str, Any], roof: dict[str, Any], tpot: float | None,
+                    hf_tpot: float | None) -> dict[str, Any]:
+    """A decode step against the memory bound (all weights read once at the measured
+    bandwidth): the measured TPOT, and the decode shape's matmul floor, i.e. the best any XLA
+    step of weight matmuls could do at this moment."""
+    bound_s = roof["weight_bytes_per_step"] / roof["bandwidth_bytes_per_s"]
+    decode = [s for s in floor["shapes"] if s["max_query_len"] == 1]
+    out: dict[str, Any] = {"bound_s_per_token": bound_s}
+    if decode:
+        step = max(decode, key=lambda s: s["steps"])
+        out["matmul_floor_s_per_step"] = step["matmul_s_per_step"]
+        out["matmul_floor_fraction"] = bound_s / step["matmul_s_per_step"]
+    for name, value in (("jaxllm", tpot), ("hf", hf_tpot)):
+        if value:
+            out[f"{name}_tpot_s"] = value
+            out[f"{name}_fraction"] = bound_s / value
+    return out
+
+
+def print_decode_vs_bound(d: dict[str, Any]) -> None:
+    parts = [f"{name} TPOT {d[f'{name}_tpot_s'] * 1e3:.1f} ms = {d[f'{name}_fraction'] * 100:.1f}%"
+             for name in ("jaxllm", "hf") if f"{name}_tpot_s" in d]
+    if "matmul_floor_s_per_step" in d:
+        parts.append(f"the decode step's weight matmuls alone "
+                     f"{d['matmul_floor_s_per_step'] * 1e3:.1f} ms = "
+                     f"{d['matmul_floor_fraction'] * 100:.1f}%")
+    print(f"Decode vs the memory bound ({d['bound_s_per_token'] * 1e3:.1f} ms per step: weights / "
+          f"bandwidth): " + "; ".join(parts))
 
 
 def _print_latency(name: str, m: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +116,8 @@ class ModelRunner:
         self._logits_fn = jax.jit(lambda params, h: compute_logits(params, config, h))
         self._compiled: dict[tuple[int, int], Any] = {}
         self._compiled_logits = None
+        # Steps run per (num_tokens, max_query_len) shape: benchmarks price a run's shapes.
+        self.step_shape_counts: Counter[tuple[int, int]] = Counter()
 
     def _forward(self, params, rope, kv_cache, input_ids, positions, md, max_query_len):
         return self.model.apply({"params": params, "rope": rope}, input_ids, positions, kv_cache,
@@ -205,6 +208,7 @@ class ModelRunner:
         if step is None:
             raise RuntimeError(f"step shape ({padded}, {max_query_len}) was not compiled; "
                                f"call compile() first")
+        self.step_shape_counts[(padded, max_query_len)] += 1
         logits, hidden, self.kv_cache = step(self.params, self.rope, self.kv_cache, input_ids,
                                              positions, md)
         logits.block_until_ready()

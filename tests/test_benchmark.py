@@ -74,8 +74,16 @@ def test_throughput_with_hf_roofline_and_profile(tiny_path, tmp_path, capsys):
         named = sum(parts) - p["phases"]["other"]["ms"]
         assert named <= p["step_ms"] + 1e-9
         assert sum(parts) == pytest.approx(p["step_ms"], rel=1e-6)
+    floor = res["matmul_floor"]
+    # Every request needs its output length in steps; shapes are the engine's buckets.
+    assert floor["steps"] >= wl["output_len_max"]
+    assert floor["steps"] == sum(x["steps"] for x in floor["shapes"])
+    for x in floor["shapes"]:
+        assert 1 <= x["num_tokens"] <= 16 and x["matmul_s_per_step"] > 0
+    assert 0 < floor["matmul_floor_s"] < res["elapsed_time"]
     out = capsys.readouterr().out
     assert "Throughput:" in out and "HF transformers" in out and "Roofline:" in out
+    assert "Matmul floor:" in out
     assert "Step profile" in out and "device_step" in out
 
 
@@ -89,7 +97,47 @@ def test_latency_with_hf(tiny_path, tmp_path, capsys):
     _positive(res["hf"], LATENCY_KEYS)
     assert res["speedup_vs_hf"] > 0
     _positive(res["roofline"], ROOFLINE_KEYS)
-    assert "TTFT" in capsys.readouterr().out
+    # Per measured iteration: one prefill step of 2 x 6 tokens (bucket 16) and 3 decode steps
+    # of 2 tokens; warm-up steps are not counted.
+    shapes = {(x["num_tokens"], x["max_query_len"]): x["steps"]
+              for x in res["matmul_floor"]["shapes"]}
+    assert shapes == {(16, 16): 2, (2, 1): 6}
+    dec = res["decode"]
+    assert dec["jaxllm_tpot_s"] == pytest.approx(res["tpot_mean"])
+    assert dec["jaxllm_fraction"] == pytest.approx(dec["bound_s_per_token"] / res["tpot_mean"])
+    assert dec["hf_fraction"] == pytest.approx(dec["bound_s_per_token"] / res["hf"]["tpot_mean"])
+    assert dec["matmul_floor_s_per_step"] > 0
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "Decode vs the memory bound" in out
+
+
+def test_weight_matmuls_is_the_models_matmul_chain(tiny_path):
+    from jaxllm import LLM
+
+    llm = LLM(str(tiny_path), skip_tokenizer_init=True, max_num_seqs=4,
+              max_num_batched_tokens=16, max_model_len=64, show_progress=False)
+    runner = llm.llm_engine.engine_core.runner
+    cfg = runner.config
+    params = jax_to_numpy(runner.params)
+    x = np.random.default_rng(0).standard_normal((5, cfg.hidden_size)).astype(np.float32)
+    got = np.asarray(benchmark.weight_matmuls(runner.params, cfg, x, 3))
+    h, inter = cfg.num_attention_heads * cfg.head_dim, cfg.intermediate_size
+    want = x.astype(np.float64)
+    for i in range(cfg.num_hidden_layers):
+        attn, mlp = params[f"layers_{i}"]["self_attn"], params[f"layers_{i}"]["mlp"]
+        qkv = want @ attn["qkv_proj"]["weight"].T
+        want = want + qkv[:, :h] @ attn["o_proj"]["weight"].T
+        gate_up = want @ mlp["gate_up_proj"]["weight"].T
+        gate = gate_up[:, :inter]
+        want = want + (gate / (1 + np.exp(-gate)) * gate_up[:, inter:]) @ mlp["down_proj"][
+            "weight"].T
+    head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
+    np.testing.assert_allclose(got, want[:3] @ head.T, rtol=1e-4, atol=1e-4)
+
+
+def jax_to_numpy(tree):
+    return {k: jax_to_numpy(v) if isinstance(v, dict) else np.asarray(v, np.float64)
+            for k, v in tree.items()}
 
 
 def test_throughput_from_jsonl_dataset(tiny_path, tmp_path):
