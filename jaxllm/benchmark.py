@@ -323,11 +323,14 @@ def print_matmul_floor(floor: dict[str, Any], elapsed: float, what: str) -> None
     shapes = ", ".join(f"{s['steps']} x {s['num_tokens']}"
                        + ("" if s["max_query_len"] == 1 else " mixed")
                        + f" at {_fmt_s(s['matmul_s_per_step'])}" for s in floor["shapes"])
+    rest = elapsed - floor["matmul_floor_s"]
+    tail = (f"attention, norms, RoPE, KV writes, sampling and host took the other {_fmt_s(rest)}"
+            if rest > 0 else "above the run itself: the machine was slower while the floor was "
+            "timed (after the run) than during it; it drifts, rerun to split the time")
     print(f"Matmul floor: {what}'s {floor['steps']} steps ({shapes}) through nothing but the "
           f"weight matmuls on XLA: {_fmt_s(floor['matmul_floor_s'])} = "
           f"{floor['matmul_floor_s'] / max(elapsed, 1e-12) * 100:.1f}% of {_fmt_s(elapsed)}; "
-          f"attention, norms, RoPE, KV writes, sampling and host took the other "
-          f"{_fmt_s(max(0.0, elapsed - floor['matmul_floor_s']))}")
+          + tail)
 
 
 # --- Hugging Face transformers baseline ------------------------------------------------------
@@ -1134,6 +1137,12 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _add_length_args(p: argparse.ArgumentParser, input_len: int,
+                     output_help: str = "generated tokens per request (EOS ignored)") -> None:
+    p.add_argument("--input-len", type=int, default=input_len, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help=output_help)
+
+
 def _add_profile_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("step profile")
     g.add_argument("--profile", action="store_true",
@@ -1156,9 +1165,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         formatter_class=_HelpFormatter)
     tp.add_argument("--num-prompts", type=int, default=None,
                     help="default 64 (synthetic) or every record (--dataset)")
-    tp.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    tp.add_argument("--output-len", type=int, default=128,
-                    help="also the default for dataset records without output_len")
+    _add_length_args(tp, 128, "also the default for dataset records without output_len")
     tp.add_argument("--random-input-range", type=int, nargs=2, metavar=("A", "B"), default=None,
                     help="input lengths uniform in [A, B] (seeded)")
     tp.add_argument("--random-output-range", type=int, nargs=2, metavar=("A", "B"),
@@ -1177,9 +1184,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     lat = sub.add_parser("latency", help="end-to-end latency of one batch",
                          formatter_class=_HelpFormatter)
     lat.add_argument("--batch-size", type=int, default=8, help="requests sent together")
-    lat.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
-    lat.add_argument("--output-len", type=int, default=128,
-                     help="generated tokens per request (EOS ignored)")
+    _add_length_args(lat, 32)
     lat.add_argument("--num-iters", type=int, default=10, help="measured iterations")
     lat.add_argument("--num-iters-warmup", type=int, default=2,
                      help="unmeasured iterations first")
@@ -1191,9 +1196,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         formatter_class=_HelpFormatter)
     sw.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
                     help="concurrent requests per point (that many prompts each)")
-    sw.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    sw.add_argument("--output-len", type=int, default=128,
-                    help="generated tokens per request (EOS ignored)")
+    _add_length_args(sw, 128)
     sw.add_argument("--output-png", default=None, help="plot here (needs matplotlib)")
     _add_common_args(sw)
     sw.set_defaults(func=cmd_sweep)
