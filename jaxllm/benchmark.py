@@ -28,6 +28,7 @@ import os
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,13 +306,8 @@ def matmul_floor(llm, step_shape_counts: dict[tuple[int, int], int],
             rows = min(num_tokens, runner.max_num_seqs)
             fn = jax.jit(lambda p, x, _rows=rows: weight_matmuls(p, config, x, _rows))
             x = jnp.full((num_tokens, config.hidden_size), 0.01, runner.dtype)
-            fn(params, x).block_until_ready()
-            best = math.inf
-            for _ in range(reps):
-                t = time.perf_counter()
-                fn(params, x).block_until_ready()
-                best = min(best, time.perf_counter() - t)
-            step_s[num_tokens] = best
+            step_s[num_tokens] = best_seconds(
+                lambda _fn=fn, _x=x: _fn(params, _x).block_until_ready(), reps)
         shapes.append({"num_tokens": num_tokens, "max_query_len": max_query_len,
                        "steps": steps, "matmul_s_per_step": step_s[num_tokens]})
         total += steps * step_s[num_tokens]
@@ -461,6 +457,17 @@ class HFRunner:
 # --- roofline ---------------------------------------------------------------------------------
 
 
+def best_seconds(fn: Callable[[], Any], reps: int) -> float:
+    """Fastest of `reps` timed calls of `fn` after one untimed warm-up call."""
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def measure_gemm(n: int = 2048, reps: int = 3, dtype: str = "float32") -> dict[str, float]:
     """Best-of-`reps` rate of an n x n x n GEMM: XLA (jitted jnp.dot on the default device, in
     `dtype`) and numpy (float32, host)."""
@@ -473,18 +480,8 @@ def measure_gemm(n: int = 2048, reps: int = 3, dtype: str = "float32") -> dict[s
     b = rng.standard_normal((n, n), dtype=np.float32)
     dot = jax.jit(jnp.dot)
     xa, xb = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
-    dot(xa, xb).block_until_ready()
-    best_xla = math.inf
-    for _ in range(reps):
-        t = time.perf_counter()
-        dot(xa, xb).block_until_ready()
-        best_xla = min(best_xla, time.perf_counter() - t)
-    a @ b
-    best_np = math.inf
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best_np = min(best_np, time.perf_counter() - t)
+    best_xla = best_seconds(lambda: dot(xa, xb).block_until_ready(), reps)
+    best_np = best_seconds(lambda: a @ b, reps)
     xla, numpy_rate = flops / best_xla, flops / best_np
     return {"gemm_size": n, "xla_flops_per_s": xla, "numpy_flops_per_s": numpy_rate,
             "gemm_flops_per_s": max(xla, numpy_rate)}
@@ -505,34 +502,23 @@ def measure_bandwidth(mib: int = 256, reps: int = 5) -> dict[str, float]:
     moved = 2.0 * n * 4
     src = np.ones(n, np.float32)
     dst = np.empty_like(src)
-    np.copyto(dst, src)
-    best_np = math.inf
-    for _ in range(reps):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best_np = min(best_np, time.perf_counter() - t)
+    best_np = best_seconds(lambda d=dst, s=src: np.copyto(d, s), reps)
     del dst
     scale = jax.jit(lambda x: x * 0.5, donate_argnums=0)
-    x = jnp.asarray(src)
+    held = {"x": jnp.asarray(src)}  # each call donates the previous result
     del src
-    x = scale(x).block_until_ready()
-    best_xla = math.inf
-    for _ in range(reps):
-        t = time.perf_counter()
-        x = scale(x).block_until_ready()
-        best_xla = min(best_xla, time.perf_counter() - t)
-    del x
+
+    def scale_in_place() -> None:
+        held["x"] = scale(held["x"]).block_until_ready()
+
+    best_xla = best_seconds(scale_in_place, reps)
+    held.clear()
     # Decode streams weights without writing anything back: time that pattern too, as a GEMV
     # over a [rows, 1024] matrix kept [out, in] like the model's weights.
     w = jnp.ones((max(1, n // 1024), 1024), jnp.float32)
     vec = jnp.ones((1, 1024), jnp.float32)
     gemv = jax.jit(linear)
-    gemv(vec, w).block_until_ready()
-    best_gemv = math.inf
-    for _ in range(reps):
-        t = time.perf_counter()
-        gemv(vec, w).block_until_ready()
-        best_gemv = min(best_gemv, time.perf_counter() - t)
+    best_gemv = best_seconds(lambda m=w: gemv(vec, m).block_until_ready(), reps)
     read_rate = w.size * 4 / best_gemv
     del w
     xla, numpy_rate = moved / best_xla, moved / best_np
