@@ -11,34 +11,29 @@ from __future__ import annotations
 
 import os
 import sys
-import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.model import linear
+from jaxllm.benchmark import best_seconds, decoder_matmuls
 
 LAYERS, HIDDEN, INTER, QKV = 24, 896, 4864, 1152
 
 
-def layers_forward(x: jax.Array, layers: list[dict[str, jax.Array]]) -> jax.Array:
-    for p in layers:
-        qkv = linear(x, p["qkv"])
-        x = x + linear(qkv[:, :HIDDEN], p["o"])
-        gate, up = jnp.split(linear(x, p["gate_up"]), 2, axis=-1)
-        x = x + linear(jax.nn.silu(gate) * up, p["down"])
-    return x
+# The sizes `decoder_matmuls` reads (Qwen2.5-0.5B), in place of a full ModelConfig.
+CONFIG = SimpleNamespace(num_hidden_layers=LAYERS, num_attention_heads=14, head_dim=64,
+                         intermediate_size=INTER)
 
 
-def timed(fn, *args) -> float:
-    fn(*args)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        fn(*args)
-        best = min(best, time.perf_counter() - start)
-    return best
+def model_params(layers: list[dict[str, jax.Array]]) -> dict:
+    """The flat per-layer weights in the model's param naming."""
+    return {f"layers_{i}": {"self_attn": {"qkv_proj": {"weight": p["qkv"]},
+                                          "o_proj": {"weight": p["o"]}},
+                            "mlp": {"gate_up_proj": {"weight": p["gate_up"]},
+                                    "down_proj": {"weight": p["down"]}}}
+            for i, p in enumerate(layers)}
 
 
 def torch_seconds(layers: list[dict[str, jax.Array]], rows: int) -> float:
@@ -57,7 +52,7 @@ def torch_seconds(layers: list[dict[str, jax.Array]], rows: int) -> float:
             x = x + F.linear(F.silu(gate) * up, p["down"])
         return x
 
-    return timed(forward, x0)
+    return best_seconds(lambda: forward(x0), 3)
 
 
 def main(rows: list[int], with_torch: bool) -> None:
@@ -69,10 +64,11 @@ def main(rows: list[int], with_torch: bool) -> None:
     layers = [dict(qkv=mk(QKV, HIDDEN), o=mk(HIDDEN, HIDDEN), gate_up=mk(2 * INTER, HIDDEN),
                    down=mk(HIDDEN, INTER)) for _ in range(LAYERS)]
     params = sum(int(w.size) for p in layers for w in p.values())
-    step = jax.jit(layers_forward)
+    tree = model_params(layers)
+    step = jax.jit(lambda p, x: decoder_matmuls(p, CONFIG, x))
     for m in rows:
         x = mk(m, HIDDEN)
-        best = timed(lambda x: step(x, layers).block_until_ready(), x)
+        best = best_seconds(lambda _x=x: step(tree, _x).block_until_ready(), 3)
         line = (f"rows {m:4d}: XLA {best * 1e3:8.1f} ms {2 * m * params / best / 1e9:6.1f} "
                 f"GFLOP/s {params * 4 / best / 1e9:5.1f} GB/s of weights")
         if with_torch:

@@ -269,13 +269,13 @@ def run_jaxllm_latency(llm, sampler: TokenSampler, batch_size: int, input_len: i
 # --- matmul floor ----------------------------------------------------------------------------
 
 
-def weight_matmuls(params: dict, config, x, logits_rows: int):
-    """The model's forward pass with everything but its weight matmuls removed: per layer qkv,
-    o, gate_up and down (with the SiLU gate and residual adds, which chain them as in the
-    model), then the LM head on the first `logits_rows` rows, as the engine's step runs it."""
+def decoder_matmuls(params: dict, config, x):
+    """The decoder layers with everything but their weight matmuls removed: per layer qkv, o,
+    gate_up and down, with the SiLU gate and residual adds that chain them as in the model.
+    `params` needs only `layers_{i}` in the model's naming; `config` only the sizes used."""
     import jax
 
-    from jaxllm.model import compute_logits, linear
+    from jaxllm.model import linear
 
     q_width = config.num_attention_heads * config.head_dim
     inter = config.intermediate_size
@@ -286,7 +286,15 @@ def weight_matmuls(params: dict, config, x, logits_rows: int):
         gate_up = linear(x, mlp["gate_up_proj"]["weight"])
         x = x + linear(jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:],
                        mlp["down_proj"]["weight"])
-    return compute_logits(params, config, x[:logits_rows])
+    return x
+
+
+def weight_matmuls(params: dict, config, x, logits_rows: int):
+    """`decoder_matmuls`, then the LM head on the first `logits_rows` rows, as the engine's
+    step runs it: the model's forward pass with nothing but its weight matmuls."""
+    from jaxllm.model import compute_logits
+
+    return compute_logits(params, config, decoder_matmuls(params, config, x)[:logits_rows])
 
 
 def matmul_floor(llm, step_shape_counts: dict[tuple[int, int], int],
@@ -323,7 +331,7 @@ def print_matmul_floor(floor: dict[str, Any], elapsed: float, what: str) -> None
     tail = (f"attention, norms, RoPE, KV writes, sampling and host took the other {_fmt_s(rest)}"
             if rest > 0 else "above the run itself: the machine was slower while the floor was "
             "timed (after the run) than during it; it drifts, rerun to split the time")
-    print(f"Matmul floor: {what}'s {floor['steps']} steps ({shapes}) through nothing but the "
+    print(f"Matmul floor: {what}, {floor['steps']} steps ({shapes}), through nothing but the "
           f"weight matmuls on XLA: {_fmt_s(floor['matmul_floor_s'])} = "
           f"{floor['matmul_floor_s'] / max(elapsed, 1e-12) * 100:.1f}% of {_fmt_s(elapsed)}; "
           + tail)
