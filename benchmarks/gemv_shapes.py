@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.model import linear
+from jaxllm.model_executor.models.qwen2 import linear
 
 # (name, out, in) of every matrix a 0.5B decode step reads, [out, in] as the model keeps them.
 SHAPES = [("qkv_proj", 1152, 896), ("o_proj", 896, 896), ("gate_up_proj", 9728, 896),

@@ -1,6 +1,6 @@
 """jaxllm: a JAX/Pallas reimplementation of vLLM's inference engine for Qwen2-family models."""
 
-from jaxllm.llm import LLM
+from jaxllm.entrypoints.llm import LLM
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 

@@ -275,7 +275,7 @@ def decoder_matmuls(params: dict, config, x):
     `params` needs only `layers_{i}` in the model's naming; `config` only the sizes used."""
     import jax
 
-    from jaxllm.model import linear
+    from jaxllm.model_executor.models.qwen2 import linear
 
     q_width = config.num_attention_heads * config.head_dim
     inter = config.intermediate_size
@@ -292,7 +292,7 @@ def decoder_matmuls(params: dict, config, x):
 def weight_matmuls(params: dict, config, x, logits_rows: int):
     """`decoder_matmuls`, then the LM head on the first `logits_rows` rows, as the engine's
     step runs it: the model's forward pass with nothing but its weight matmuls."""
-    from jaxllm.model import compute_logits
+    from jaxllm.model_executor.models.qwen2 import compute_logits
 
     return compute_logits(params, config, decoder_matmuls(params, config, x)[:logits_rows])
 
@@ -347,7 +347,7 @@ class HFRunner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from jaxllm.default_model import default_model_path
+        from jaxllm.model_executor.model_loader.default_model import default_model_path
 
         torch.set_num_threads(os.cpu_count() or 1)
         self.torch = torch
@@ -504,7 +504,7 @@ def measure_bandwidth(mib: int = 256, reps: int = 5) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.model import linear
+    from jaxllm.model_executor.models.qwen2 import linear
 
     n = max(1, mib * (1 << 20) // 4)
     moved = 2.0 * n * 4

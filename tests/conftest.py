@@ -44,7 +44,7 @@ def rng():
 
 @pytest.fixture(scope="session")
 def real_model_path():
-    from jaxllm.default_model import default_model_path
+    from jaxllm.model_executor.model_loader.default_model import default_model_path
 
     return default_model_path()
 

@@ -6,7 +6,7 @@ import pytest
 
 import jaxllm
 from jaxllm import LLM, RequestOutput, SamplingParams
-from jaxllm.tokenizer import load_tokenizer
+from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 from tests.conftest import make_tiny_checkpoint
 
 

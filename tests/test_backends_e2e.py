@@ -52,7 +52,7 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
     import jax.numpy as jnp
 
     import pallas_kernels
-    from jaxllm.model import (
+    from jaxllm.model_executor.models.qwen2 import (
         AttentionMetadata,
         Qwen2DecoderLayer,
         compute_logits,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxllm import benchmark
-from jaxllm.cli import main
+from jaxllm.entrypoints.cli.main import main
 from tests.conftest import make_tiny_checkpoint
 
 # One engine shape for every test, so the compiled buckets come from the disk cache after the

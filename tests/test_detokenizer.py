@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jaxllm.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
 
 FFFD = "\ufffd"
 IM_END = 151645
@@ -24,8 +24,8 @@ CHUNKINGS = ["one", "two", "three", "seven", "random"]
 
 @pytest.fixture(scope="module")
 def tok():
-    from jaxllm.default_model import default_model_path
-    from jaxllm.tokenizer import load_tokenizer
+    from jaxllm.model_executor.model_loader.default_model import default_model_path
+    from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_path())
 

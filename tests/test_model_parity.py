@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.loader import load_model
-from jaxllm.model import Qwen2ForCausalLM, rope_variables
+from jaxllm.model_executor.model_loader.loader import load_model
+from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, rope_variables
 from tests.conftest import make_tiny_checkpoint
 from tests.model_inputs import prefill_inputs
 

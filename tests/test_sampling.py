@@ -10,9 +10,9 @@ import pytest
 from scipy import stats
 from scipy.special import log_softmax, softmax
 
-from jaxllm import sampler as S
 from jaxllm.outputs import Logprob
-from jaxllm.sampler import SamplingRow, compute_prompt_logprobs, process_logits, sample
+from jaxllm.sample import sampler as S
+from jaxllm.sample.sampler import SamplingRow, compute_prompt_logprobs, process_logits, sample
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 QWEN_VOCAB = 151936

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxllm.config import ModelConfig
-from jaxllm.model import Qwen2ForCausalLM, abstract_params
+from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, abstract_params
 
 GGUF_MAGIC = b"GGUF"
 

@@ -10,9 +10,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxllm.llm_engine import EngineArgs, LLMEngine
+from jaxllm.engine.llm_engine import EngineArgs, LLMEngine
+from jaxllm.engine.processor import PromptType
 from jaxllm.outputs import RequestOutput
-from jaxllm.processor import PromptType
 from jaxllm.sampling_params import SamplingParams
 
 

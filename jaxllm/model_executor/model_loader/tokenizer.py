@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from jaxllm.default_model import cache_dir
+from jaxllm.model_executor.model_loader.default_model import cache_dir
 
 
 def _gguf_cache_key(path: Path) -> str:

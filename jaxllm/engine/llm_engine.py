@@ -17,15 +17,19 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from jaxllm.default_model import DEFAULT_MODEL_NAME, cache_dir, default_model_path
-from jaxllm.engine_core import EngineCore, EngineCoreRequest, InprocClient
-from jaxllm.loader import load_model
-from jaxllm.model_runner import ModelRunner, device_memory_bytes, kv_block_bytes
-from jaxllm.output_processor import OutputProcessor
+from jaxllm.engine.core import EngineCore, EngineCoreRequest, InprocClient
+from jaxllm.engine.output_processor import OutputProcessor
+from jaxllm.engine.processor import Processor, PromptType
+from jaxllm.model_executor.model_loader.default_model import (
+    DEFAULT_MODEL_NAME,
+    cache_dir,
+    default_model_path,
+)
+from jaxllm.model_executor.model_loader.loader import load_model
+from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 from jaxllm.outputs import RequestOutput
-from jaxllm.processor import Processor, PromptType
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.tokenizer import load_tokenizer
+from jaxllm.worker.model_runner import ModelRunner, device_memory_bytes, kv_block_bytes
 from scheduler import SchedulerConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -125,6 +129,7 @@ class LLMEngine:
         self.processor = Processor(self.tokenizer, config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_index = 0
+        self.last_output_processing_s = 0.0
         # Children of an n > 1 request wait until the first child has computed the prompt, so
         # they find its blocks in the prefix cache instead of recomputing them.
         self._pending_children: dict[str, list[EngineCoreRequest]] = {}
@@ -222,7 +227,9 @@ class LLMEngine:
             if pending is not None:
                 for req in pending:
                     self.engine_core_client.add_request(req)
+        t = time.perf_counter()
         finished, to_abort = self.output_processor.process_outputs(outputs)
+        self.last_output_processing_s = time.perf_counter() - t
         if to_abort:
             self.engine_core_client.abort_requests(to_abort)
             for cid in to_abort:
@@ -245,3 +252,42 @@ class LLMEngine:
                for f in dataclasses.fields(EngineArgs)
                if f.name in ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")},
         }
+
+    # --- what benchmarks and profilers read (utility calls on the core) ------------------------
+
+    @property
+    def last_scheduler_stats(self):
+        """The last step's stats: num_running_reqs, num_waiting_reqs, kv_cache_usage,
+        num_prefill_tokens, num_decode_tokens, step_shape, and phase seconds schedule_s,
+        prepare_s, device_s, transfer_s, sample_s, update_s."""
+        from types import SimpleNamespace
+
+        st = self.engine_core.last_stats
+        return SimpleNamespace(
+            num_prefill_tokens=st.num_prefill_tokens, num_decode_tokens=st.num_decode_tokens,
+            schedule_s=st.schedule_s, prepare_s=st.runner.prepare_s, device_s=st.runner.device_s,
+            transfer_s=st.runner.transfer_s, sample_s=st.sample_s, update_s=st.update_s)
+
+    def get_step_shape_counts(self) -> dict[tuple[int, int], int]:
+        return dict(self.engine_core.runner.step_shape_counts)
+
+    def reset_step_shape_counts(self) -> None:
+        self.engine_core.runner.step_shape_counts.clear()
+
+    def get_weight_stats(self) -> dict[str, int]:
+        """body_params (decoder layers + final norm), head_params (LM head), itemsize."""
+        import numpy as np
+
+        params, cfg = self.engine_core.runner.params, self.model_config
+        body = sum(int(x.size) for k, v in params.items()
+                   if k not in ("embed_tokens", "lm_head") for x in jax.tree.leaves(v))
+        return {"body_params": body, "head_params": cfg.vocab_size * cfg.hidden_size,
+                "itemsize": int(np.dtype(params["norm"]["weight"].dtype).itemsize)}
+
+    def time_weight_matmuls(self, num_tokens: list[int], reps: int = 3) -> dict[int, float]:
+        """Best-of-`reps` seconds of one step's weight matmuls at each token count."""
+        from jaxllm.benchmarks.matmul_floor import time_weight_matmuls
+
+        runner = self.engine_core.runner
+        return time_weight_matmuls(runner.params, runner.config, runner.dtype,
+                                   runner.max_num_seqs, num_tokens, reps)

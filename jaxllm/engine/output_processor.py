@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from jaxllm.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from scheduler import EngineCoreOutput

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from jaxllm.config import ModelConfig
+from jaxllm.model_executor.config import ModelConfig
 
 
 class AttentionMetadata(NamedTuple):

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxllm.model_runner import ModelRunner, StepTimings
-from jaxllm.sampler import SamplingRow, compute_prompt_logprobs, sample
+from jaxllm.sample.sampler import SamplingRow, compute_prompt_logprobs, sample
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.worker.model_runner import ModelRunner, StepTimings
 from scheduler import EngineCoreOutput, Request, Scheduler, SchedulerConfig
 
 

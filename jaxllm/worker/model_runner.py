@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxllm.config import ModelConfig
-from jaxllm.model import (
+from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.models.qwen2 import (
     AttentionMetadata,
     Qwen2ForCausalLM,
     compute_logits,
