@@ -20,7 +20,8 @@ class SamplingParams:
 
     temperature 0 (or below 1e-5) means greedy; then top_p, top_k and min_p are reset to their
     disabled values, as vLLM does. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0 disable
-    theirs. A request's random draws depend only on its `seed` (or the engine seed and its
+    theirs. `seed` -1 means no seed (None), as in vLLM's OpenAI server; other negative seeds are
+    refused. A request's random draws depend only on its `seed` (or the engine seed and its
     request index), never on the other requests in the batch.
 
     max_tokens None means "up to the model's max_model_len". `logprobs` N asks for the top-N
@@ -134,7 +135,12 @@ class SamplingParams:
         if not 0.0 <= self._float("min_p", "must be in [0, 1]") <= 1.0:
             raise self._bad("min_p", "must be in [0, 1]")
         if self.seed is not None:
-            self.seed = self._int(self.seed, "seed", "must be an integer or None")
+            why = "must be a non-negative integer, -1 or None (no seed)"
+            self.seed = self._int(self.seed, "seed", why)
+            if self.seed == -1:
+                self.seed = None  # as vLLM's OpenAI server: -1 means "no seed"
+            elif self.seed < 0:
+                raise self._bad("seed", why)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise self._bad("stop", "must be non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):

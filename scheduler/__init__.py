@@ -2,17 +2,17 @@
 
 from scheduler.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock, hash_block_tokens
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
+from scheduler.output import RequestResult, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler, SchedulerConfig, check_stop
 
 __all__ = [
     "NULL_BLOCK_ID",
     "BlockPool",
-    "EngineCoreOutput",
     "KVCacheBlock",
     "KVCacheManager",
     "Request",
+    "RequestResult",
     "RequestStatus",
     "ScheduledRequest",
     "Scheduler",

@@ -53,6 +53,10 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     # Prefix-cache hit tokens of the requests taken from the waiting queue this step.
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    # Tokens looked up in the prefix cache this step (the admitted requests' lengths), and how
+    # many of them were hits.
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -60,7 +64,10 @@ class SchedulerOutput:
 
 
 @dataclass
-class EngineCoreOutput:
+class RequestResult:
+    """One request's result of a step, as plain values: the tokens it accepted and, once it
+    ended, why. The engine core turns these into its wire-format outputs."""
+
     request_id: str
     new_token_ids: list[int]
     # "stop" / "length" / "abort", or None while the request goes on.
@@ -68,11 +75,6 @@ class EngineCoreOutput:
     # The stop token id that finished the request.
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    # Filled by the engine core after sampling (the scheduler never reads them): per new token
-    # its logprobs dict (or None), and the prompt-logprob entries computed this step.
-    new_logprobs: list[Any] | None = None
-    new_sampled_logprobs: list[float] | None = None
-    new_prompt_logprobs: list[Any] | None = None
 
     @property
     def finished(self) -> bool:

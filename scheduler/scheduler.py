@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
+from scheduler.output import RequestResult, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 
 
@@ -77,7 +77,7 @@ class Scheduler:
         # Finished since the last schedule(); reported in its output so the runner drops them.
         self.finished_req_ids: list[str] = []
         # Outputs of requests finished inside schedule(), returned by the next update.
-        self._pending_outputs: list[EngineCoreOutput] = []
+        self._pending_outputs: list[RequestResult] = []
         self._next_arrival_index = 0
         self.num_preemptions = 0
 
@@ -164,7 +164,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         self._free_request(request)
         self._pending_outputs.append(
-            EngineCoreOutput(
+            RequestResult(
                 request.request_id, [], request.finish_reason, None, request.num_cached_tokens
             )
         )
@@ -225,6 +225,9 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             self.running.append(request)
             out.num_cached_tokens[request.request_id] = num_hit
+            if kv.enable_caching and not request.skip_prefix_cache:
+                out.num_prefix_cache_queries += request.num_tokens
+                out.num_prefix_cache_hits += num_hit
             self._add_to_output(out, request, num_new, is_new=True)
             budget -= num_new
 
@@ -254,7 +257,7 @@ class Scheduler:
         self,
         scheduler_output: SchedulerOutput,
         sampled_token_ids: Mapping[str, Sequence[int]],
-    ) -> list[EngineCoreOutput]:
+    ) -> list[RequestResult]:
         """Apply a step's results: tokens computed, tokens sampled, stops, freed blocks.
 
         `sampled_token_ids` maps every request scheduled with do_sample to the token(s)
@@ -291,7 +294,7 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
             outputs.append(
-                EngineCoreOutput(
+                RequestResult(
                     rid,
                     accepted,
                     request.finish_reason,

@@ -61,7 +61,7 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
     )
 
     engine = llm.llm_engine
-    cfg, params = engine.model_config, engine.engine_core.runner.params
+    cfg, params = engine.model_config, engine.engine_core_client.engine_core.runner.params
     layer = Qwen2DecoderLayer(cfg, 0, jnp.float32, backend)
     cos_sin = rope_variables(cfg)["cos_sin_cache"]
 

@@ -116,7 +116,7 @@ def test_weight_matmuls_is_the_models_matmul_chain(tiny_path):
 
     llm = LLM(str(tiny_path), skip_tokenizer_init=True, max_num_seqs=4,
               max_num_batched_tokens=16, max_model_len=64, show_progress=False)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core_client.engine_core.runner
     cfg = runner.config
     params = jax_to_numpy(runner.params)
     x = np.random.default_rng(0).standard_normal((5, cfg.hidden_size)).astype(np.float32)

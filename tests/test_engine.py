@@ -72,7 +72,7 @@ def make_llm(path, **kw) -> LLM:
 
 
 def assert_pool_free(llm: LLM) -> None:
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core_client.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool
     assert pool.num_free_blocks == llm.llm_engine.num_kv_blocks - 1  # block 0 is the null block
     assert not core.scheduler.requests and not llm.llm_engine.output_processor.parents
@@ -81,7 +81,7 @@ def assert_pool_free(llm: LLM) -> None:
 
 def on_each_step(llm: LLM, record) -> None:
     """Call record(scheduler_output) before the runner executes each step."""
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core_client.engine_core.runner
     original = runner.execute_model
 
     def spy(so, *args, **kwargs):
@@ -105,7 +105,7 @@ def greedy(prompts, llm):
 ])
 def test_greedy_matches_hf_in_every_regime(tiny, prompts, hf_greedy, regime, kwargs):
     llm = make_llm(tiny[0], **kwargs)
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core_client.engine_core
     steps = []
     on_each_step(llm, lambda so: steps.append(
         [(r.request_id, r.num_tokens, r.do_sample) for r in so.scheduled]))
@@ -263,7 +263,7 @@ def test_decode_steps_use_small_buckets(tiny):
     # A pure-decode step pads only to the next power of two of its sequences (on CPU a GEMM's
     # time grows with its rows); mixed steps keep the token buckets from 16 up.
     llm = make_llm(tiny[0], max_num_seqs=6)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core_client.engine_core.runner
     assert runner.bucket_shapes() == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 16), (32, 32),
                                       (64, 64)]
     assert [runner.bucket_for(n, decode_only=True) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 8, 8]
@@ -284,7 +284,7 @@ def test_no_step_shape_copies_the_kv_cache(tiny):
     # The donated cache must be updated in place by every compiled step, including the tiny
     # decode buckets (a one-token scatter once made XLA copy the whole cache twice per layer).
     llm = make_llm(tiny[0], max_num_seqs=4)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core_client.engine_core.runner
     shape = "f32[" + ",".join(map(str, runner.kv_cache.shape)) + "]"
     assert len(runner._compiled) == len(runner.bucket_shapes())
     for key, compiled in runner._compiled.items():

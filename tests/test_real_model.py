@@ -48,7 +48,7 @@ def test_chat_template_is_embedded(real_llm):
 
 def test_last_position_logits_close_to_hf(real_llm, hf_real_model):
     tok = real_llm.tokenizer
-    runner = real_llm.llm_engine.engine_core.runner
+    runner = real_llm.llm_engine.engine_core_client.engine_core.runner
     prompts = [tok.encode(p) for p in PROMPTS]
     ids, pos, kv, md = prefill_inputs(runner.config, prompts)
     logits, _, _ = runner.model.apply({"params": runner.params, "rope": runner.rope},
@@ -102,7 +102,7 @@ def test_engine_under_pressure_matches_hf(real_model_path, real_llm, hf_real_mod
                for q in questions] + ["def fibonacci(n):"]
     llm = LLM(model=str(real_model_path), max_num_seqs=4, max_num_batched_tokens=32,
               num_kv_blocks=9, show_progress=False)
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core_client.engine_core
     sp = SamplingParams(temperature=0, max_tokens=24)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert core.scheduler.num_preemptions > 0

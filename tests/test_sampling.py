@@ -468,6 +468,11 @@ def test_same_seed_rows_in_one_batch_draw_alike(rng):
 # Logprobs
 
 
+def _logprob_dicts(out) -> list:
+    """The sampler's LogprobsLists rows as the {token: Logprob} dicts users see."""
+    return [None if x is None else x.to_dicts()[0] for x in out.logprobs]
+
+
 def test_logprobs_are_raw_log_softmax_with_ranks(rng):
     vocab = 3000
     logits = rng.normal(0, 3, (4, vocab)).astype(np.float32)
@@ -478,11 +483,12 @@ def test_logprobs_are_raw_log_softmax_with_ranks(rng):
               SamplingParams(temperature=1.0, logprobs=4, logit_bias={lowest: 1e4}),
               SamplingParams(temperature=1.0)]
     out = sample(logits, _rows(params, prompt=[1, 2], output=[3]))
+    dicts = _logprob_dicts(out)
     ref = log_softmax(logits.astype(np.float64), axis=-1)
     np.testing.assert_allclose(out.sampled_logprobs, ref[np.arange(4), out.token_ids], atol=2e-5)
-    assert out.logprobs[3] is None
+    assert dicts[3] is None
     for i in range(3):
-        n, tok, entries = params[i].logprobs, int(out.token_ids[i]), out.logprobs[i]
+        n, tok, entries = params[i].logprobs, int(out.token_ids[i]), dicts[i]
         top = np.argsort(-ref[i])[:n]
         for rank, t in enumerate(top, start=1):
             assert entries[int(t)].rank == rank
@@ -491,15 +497,16 @@ def test_logprobs_are_raw_log_softmax_with_ranks(rng):
             assert isinstance(lp, Logprob) and lp.decoded_token is None
             assert lp.logprob == pytest.approx(ref[i, t], abs=2e-5)
         assert entries[tok].rank == int((ref[i] > ref[i, tok]).sum()) + 1
-    assert out.token_ids[2] == lowest and out.logprobs[2][lowest].rank == vocab
-    assert len(out.logprobs[2]) == 5
+    assert out.token_ids[2] == lowest and dicts[2][lowest].rank == vocab
+    assert len(dicts[2]) == 5
 
 
 def test_logprobs_zero_and_full_vocab_sum_to_one(rng):
     logits = rng.normal(0, 2, (2, 16)).astype(np.float32)
     out = sample(logits, _rows([SamplingParams(logprobs=0), SamplingParams(logprobs=16)]))
-    assert list(out.logprobs[0]) == [int(out.token_ids[0])]
-    full = out.logprobs[1]
+    dicts = _logprob_dicts(out)
+    assert list(dicts[0]) == [int(out.token_ids[0])]
+    full = dicts[1]
     assert sorted(full) == list(range(16)) and sorted(lp.rank for lp in full.values()) == list(
         range(1, 17))
     assert math.isclose(sum(math.exp(lp.logprob) for lp in full.values()), 1.0, rel_tol=1e-5)
@@ -521,14 +528,14 @@ def test_logprobs_at_qwen_vocab_and_extreme_logits(rng):
     np.testing.assert_allclose(out.sampled_logprobs, ref[[0, 1], out.token_ids], atol=5e-5)
     for i in range(2):
         top = np.argsort(-ref[i])[:20]
-        assert [out.logprobs[i][int(t)].rank for t in top] == list(range(1, 21))
+        assert [_logprob_dicts(out)[i][int(t)].rank for t in top] == list(range(1, 21))
 
 
 def test_compute_prompt_logprobs_matches_direct_formula(rng):
     logits = rng.normal(0, 3, (7, 400)).astype(np.float32)
     nxt = rng.integers(0, 400, 6).tolist()  # fewer targets than rows: only those are scored
     nxt[0] = int(logits[0].argmax())
-    entries = compute_prompt_logprobs(logits, nxt, 3)
+    entries = compute_prompt_logprobs(logits, nxt, 3).to_dicts()
     assert len(entries) == 6
     ref = log_softmax(logits.astype(np.float64), axis=-1)
     for i, (tok, e) in enumerate(zip(nxt, entries, strict=True)):
@@ -539,7 +546,7 @@ def test_compute_prompt_logprobs_matches_direct_formula(rng):
         for t, lp in e.items():
             assert lp.logprob == pytest.approx(ref[i, t], abs=2e-5)
     assert entries[0][nxt[0]].rank == 1
-    assert list(compute_prompt_logprobs(logits[:1], [5], 0)[0]) == [5]
+    assert list(compute_prompt_logprobs(logits[:1], [5], 0).to_dicts()[0]) == [5]
     with pytest.raises(ValueError):
         compute_prompt_logprobs(logits[:2], [1, 2, 3], 1)
 

@@ -1,0 +1,104 @@
+"""The messages between the engine frontend (LLMEngine: Processor, OutputProcessor) and the
+engine core: plain msgspec structs, so the core can live in this process or another one.
+
+Nothing here holds a Python object the core built for the user: logprobs travel as arrays
+(`LogprobsLists`) and become `Logprob` dicts in the frontend.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from jaxllm.model_executor.config import ModelConfig
+from jaxllm.sample.logprobs import LogprobsLists
+from jaxllm.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A validated, tokenized request as the engine core receives it (one per sequence: a
+    user request with n > 1 becomes n of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int  # already capped by max_model_len
+    # Seeds this request's own numpy Generator; None: fresh entropy (the frontend fills it in
+    # from the engine seed and the request's index for requests without a seed).
+    seed: int | list[int] | None = None
+    arrival_time: float = 0.0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request got from one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # One row per new token when the request asked for logprobs.
+    new_logprobs: LogprobsLists | None = None
+    # Raw logprob of each new token (cumulative_logprob), when the request asked for logprobs.
+    new_sampled_logprobs: list[float] | None = None
+    # Prompt-logprob rows computed this step, in prompt order.
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    """The state of the core after one step, and where that step's host time went. Carried
+    with every step's outputs: the progress bar, benchmarks, the profiler and metrics read this
+    instead of reaching into the core."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0  # of them, found
+    num_preemptions: int = 0  # this step
+    num_prefill_tokens: int = 0  # prompt tokens computed this step (chunks and recomputes)
+    num_decode_tokens: int = 0  # sequences that computed one token to sample from it
+    # (num_tokens, max_query_len) of the compiled step that ran, None for an empty step.
+    step_shape: tuple[int, int] | None = None
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0  # the runner's input preparation
+    device_s: float = 0.0  # dispatch until the step's logits are ready
+    transfer_s: float = 0.0  # logits to the host (and prompt-logprob rows)
+    sample_s: float = 0.0
+    update_s: float = 0.0  # scheduler update and output building
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = msgspec.field(default_factory=time.time)
+
+
+class EngineCoreInfo(msgspec.Struct):
+    """What the frontend learns from the core once, after it loaded the model and sized the KV
+    array: the limits the Processor validates against, and a description for benchmarks."""
+
+    model_name: str
+    model_config: ModelConfig
+    dtype: str
+    kernel_backend: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int  # including the reserved null block
+    eos_token_ids: list[int]  # from the model's config
+    bucket_shapes: list[tuple[int, int]]
+    compile_time_s: float
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_kv_blocks - 1
+
+
+__all__ = ["EngineCoreInfo", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest",
+           "LogprobsLists", "SchedulerStats"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from jaxllm.engine import EngineCoreOutput
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import SamplingParams
-from scheduler import EngineCoreOutput
 
 
 @dataclass
@@ -92,6 +92,10 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
+    def owns(self, request_id: str) -> bool:
+        """Whether a live request or sequence already has this id."""
+        return request_id in self.parents or request_id in self.children
+
     def process_outputs(self, outputs: list[EngineCoreOutput]
                         ) -> tuple[list[RequestOutput], list[str]]:
         """Returns (finished RequestOutputs, child ids to abort in the core: stopped by a
@@ -109,13 +113,13 @@ class OutputProcessor:
                 parent.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs and parent.prompt_logprobs is not None \
                     and state.index == 0:
-                parent.prompt_logprobs.extend(out.new_prompt_logprobs)
+                parent.prompt_logprobs.extend(out.new_prompt_logprobs.to_dicts())
             if out.new_token_ids:
                 if parent.metrics.first_token_time is None:
                     parent.metrics.first_token_time = now
                 state.token_ids.extend(out.new_token_ids)
                 if state.logprobs is not None and out.new_logprobs:
-                    state.logprobs.extend(out.new_logprobs)
+                    state.logprobs.extend(out.new_logprobs.to_dicts())
                 if state.cumulative_logprob is not None and out.new_sampled_logprobs:
                     state.cumulative_logprob += sum(out.new_sampled_logprobs)
             stop_string = None

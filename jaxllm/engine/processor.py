@@ -1,10 +1,17 @@
-"""Processor: a user's prompt + SamplingParams -> validated, tokenized EngineCoreRequests."""
+"""Processor: a user's prompt + SamplingParams -> validated, tokenized EngineCoreRequests.
+
+All validation of a request happens here (and in SamplingParams itself), against the limits the
+engine core reported (vocabulary, max_model_len, KV capacity), before anything is queued.
+"""
 
 from __future__ import annotations
 
+import numbers
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from jaxllm.engine import EngineCoreInfo, EngineCoreRequest
 from jaxllm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -16,11 +23,74 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
 
 
+@dataclass
+class ProcessedRequest:
+    """One user request, validated: its prompt and one EngineCoreRequest per sequence."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    child_requests: list[EngineCoreRequest]
+    arrival_time: float
+
+    @property
+    def child_ids(self) -> list[str]:
+        return [r.request_id for r in self.child_requests]
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """The core's ids of a request's sequences (vLLM's parallel-sampling naming)."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
 class Processor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer, info: EngineCoreInfo, eos_token_ids: frozenset[int],
+                 max_n: int) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
+        self.vocab_size = info.model_config.vocab_size
+        self.max_model_len = info.max_model_len
+        self.block_size = info.block_size
+        self.num_usable_blocks = info.num_usable_blocks
+        self.eos_token_ids = eos_token_ids
+        self.max_n = max_n
+
+    def process_inputs(self, request_id: str, prompt: PromptType,
+                       params: SamplingParams | None = None,
+                       arrival_time: float | None = None) -> ProcessedRequest:
+        """Validate and tokenize one request; ValueError names what is wrong. Children without
+        a seed of their own get theirs from the engine when it queues them."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        params = SamplingParams() if params is None else params
+        self.check_params(params)
+        processed = self.process_prompt(prompt)
+        num_prompt = len(processed.prompt_token_ids)
+        room = self.max_model_len - num_prompt
+        if params.min_tokens > room:
+            raise ValueError(f"SamplingParams.min_tokens {params.min_tokens} exceeds the "
+                             f"{room} tokens max_model_len ({self.max_model_len}) leaves after "
+                             f"the {num_prompt}-token prompt")
+        need = -(-num_prompt // self.block_size)
+        if need > self.num_usable_blocks:
+            raise ValueError(f"the prompt of {num_prompt} tokens needs {need} KV blocks of "
+                             f"{self.block_size} tokens; the whole KV cache holds "
+                             f"{self.num_usable_blocks}")
+        arrival_time = arrival_time or time.time()
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        children = []
+        for i, cid in enumerate(child_request_ids(request_id, params.n)):
+            sp = params
+            if params.n > 1:
+                sp = params.clone()
+                sp.n = 1
+                sp.seed = None if params.seed is None else params.seed + i
+            children.append(EngineCoreRequest(
+                request_id=cid, prompt_token_ids=processed.prompt_token_ids, sampling_params=sp,
+                eos_token_ids=sorted(self.eos_token_ids),
+                seed=sp.seed, max_tokens=max_tokens,
+                arrival_time=arrival_time))
+        return ProcessedRequest(request_id, processed.prompt, processed.prompt_token_ids,
+                                children, arrival_time)
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         """Tokenize and validate one prompt; ValueError names what is wrong."""
@@ -33,7 +103,13 @@ class Processor:
             if "prompt_token_ids" in prompt:
                 text = prompt.get("prompt")
                 raw = prompt["prompt_token_ids"]
-                if not all(isinstance(t, int) or hasattr(t, "__index__") for t in raw):
+                if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
+                    raise ValueError(f"prompt_token_ids must be a list of integers, "
+                                     f"got {type(raw).__name__}")
+                raw = list(raw)
+                # bool (and numpy bool) is no token id, though Python counts it as an int.
+                if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                           and type(t).__name__ != "bool_" for t in raw):
                     raise ValueError("prompt_token_ids must be integers")
                 token_ids = [int(t) for t in raw]
             else:
@@ -52,14 +128,13 @@ class Processor:
                              f"{self.max_model_len} (room for at least one new token is needed)")
         return ProcessedPrompt(text, token_ids)
 
-    def max_tokens_for(self, params: SamplingParams, num_prompt_tokens: int) -> int:
-        room = self.max_model_len - num_prompt_tokens
-        return room if params.max_tokens is None else min(params.max_tokens, room)
-
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got "
                              f"{type(params).__name__}")
+        if params.n > self.max_n:
+            raise ValueError(f"SamplingParams.n must be at most the engine's max_n "
+                             f"({self.max_n}), got {params.n}")
         bad = [t for t in list(params.stop_token_ids) + list((params.logit_bias or {}).keys())
                if t >= self.vocab_size]
         if bad:

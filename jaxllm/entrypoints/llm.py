@@ -10,8 +10,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxllm.engine.llm_engine import EngineArgs, LLMEngine
-from jaxllm.engine.processor import PromptType
+from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.processor import ProcessedRequest, PromptType
+from jaxllm.entrypoints.utils import enable_compilation_cache
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -21,17 +23,19 @@ class LLM:
 
     Engine arguments (see EngineArgs): kernel_backend, block_size, num_kv_blocks,
     gpu_memory_utilization, kv_cache_memory_bytes, max_model_len, max_num_seqs,
-    max_num_batched_tokens, enable_prefix_caching, seed, skip_tokenizer_init, show_progress.
+    max_num_batched_tokens, max_n, enable_prefix_caching, seed, skip_tokenizer_init,
+    show_progress.
     """
 
     def __init__(self, model: str | Path | None = None, dtype: Any = None,
                  **engine_args: Any) -> None:
-        known = {f.name for f in fields(EngineArgs)}
+        known = {f.name for f in fields(EngineArgs)} - {"model", "dtype"}
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown engine argument(s) {unknown}; "
                             f"known: {sorted(known)}")
-        self.llm_engine = LLMEngine(model, dtype, EngineArgs(**engine_args))
+        enable_compilation_cache()
+        self.llm_engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **engine_args))
         self._request_counter = 0
 
     @property
@@ -46,8 +50,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt; results come back in input order.
 
-        Every prompt is validated before any is queued: a bad one raises ValueError naming its
-        index, and the engine is left as it was.
+        All or nothing: every prompt is validated before any is queued; a bad one raises
+        ValueError naming its index, and the engine is left as it was.
         """
         if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
             prompts = [prompts]
@@ -62,22 +66,23 @@ class LLM:
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} "
                                  f"sampling_params; pass one, or one per prompt")
         engine = self.llm_engine
-        processed = []
+        processed: list[ProcessedRequest] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params_list, strict=True)):
             try:
-                engine.processor.check_params(sp)
-                p = engine.processor.process_prompt(prompt)
+                processed.append(engine.processor.process_inputs(
+                    str(self._request_counter + i), prompt, sp))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
-            # Tokenized once: add_request takes the ids as they are.
-            processed.append({"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids})
-        ids = []
-        for prompt, sp in zip(processed, params_list, strict=True):
-            request_id = str(self._request_counter)
-            self._request_counter += 1
-            engine.add_request(request_id, prompt, sp)
-            ids.append(request_id)
-        return self._run_engine(ids, use_tqdm)
+        added: list[str] = []
+        try:
+            for req in processed:
+                engine.add_processed_request(req)
+                added.append(req.request_id)
+        except BaseException:
+            engine.abort_request(added)
+            raise
+        self._request_counter += len(processed)
+        return self._run_engine(added, use_tqdm)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -97,24 +102,24 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req",
                    disable=not use_tqdm, dynamic_ncols=True)
-        prefill_tokens = decode_tokens = 0
+        # As vLLM's bar: input and output tokens of the finished requests over the elapsed time.
+        in_tokens = out_tokens = 0
         start = time.perf_counter()
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     results[out.request_id] = out
                     bar.update(1)
-                stats = engine.last_step_stats
-                prefill_tokens += stats.num_prefill_tokens
-                decode_tokens += stats.num_decode_tokens
-                if use_tqdm:
+                    in_tokens += len(out.prompt_token_ids)
+                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
                     elapsed = max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix_str(f"prefill {prefill_tokens / elapsed:.1f} tok/s, "
-                                        f"decode {decode_tokens / elapsed:.1f} tok/s",
+                    bar.set_postfix_str(f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "
+                                        f"output: {out_tokens / elapsed:.2f} toks/s",
                                         refresh=False)
         except BaseException:
-            # Leave the engine clean (blocks returned) if generation is interrupted.
-            engine.abort_request(list(engine.output_processor.parents))
+            # Leave the engine clean (blocks returned) if generation is interrupted; only this
+            # call's requests: others may belong to another caller of the same engine.
+            engine.abort_request([rid for rid in request_ids if rid not in results])
             raise
         finally:
             bar.close()

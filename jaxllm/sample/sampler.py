@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxllm.outputs import Logprob
+from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sampling_params import SamplingParams
 
 # Top-p without other truncation: first look only at tokens whose probability is at least this
@@ -68,9 +68,9 @@ class SamplerOutput:
     # [R] float32: the sampled token's logprob under the raw distribution (cumulative_logprob);
     # NaN for rows without `logprobs` when sample(..., all_sampled_logprobs=False).
     sampled_logprobs: np.ndarray
-    # Per row: top-`params.logprobs` tokens (ranks 1..N) plus the sampled token with its true
-    # rank, raw distribution; None where params.logprobs is None.
-    logprobs: list[dict[int, Logprob] | None]
+    # Per row: the sampled token with its true rank, then the top-`params.logprobs` tokens
+    # (ranks 1..N), raw distribution, as one LogprobsLists row; None where params.logprobs is None.
+    logprobs: list[LogprobsLists | None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,16 +328,14 @@ def _draw(cand: np.ndarray | None, w: np.ndarray, u: float) -> int:
 # Logprobs
 
 
-def _logprob_entries(raw: np.ndarray, lse: float, num: int, token: int) -> dict[int, Logprob]:
-    """Top-`num` raw logprobs (ranks 1..num) plus `token` with its rank (1 + number of tokens
-    with a strictly larger logit)."""
-    out: dict[int, Logprob] = {}
-    for rank, t in enumerate(_top_indices(raw, num).tolist(), start=1):
-        out[t] = Logprob(logprob=float(raw[t]) - lse, rank=rank)
-    if token not in out:
-        rank = int(np.count_nonzero(raw > raw[token])) + 1
-        out[token] = Logprob(logprob=float(raw[token]) - lse, rank=rank)
-    return out
+def _logprob_row(raw: np.ndarray, lse: float, num: int,
+                 token: int) -> tuple[list[int], list[float], list[int]]:
+    """`token` with its rank (1 + number of tokens with a strictly larger logit), then the
+    top-`num` raw logprobs (ranks 1..num): one LogprobsLists row."""
+    top = _top_indices(raw, num).tolist()
+    ids = [token] + top
+    ranks = [int(np.count_nonzero(raw > raw[token])) + 1] + list(range(1, len(top) + 1))
+    return ids, [float(raw[t]) - lse for t in ids], ranks
 
 
 def _exp_scaled(z: np.ndarray, scale: float, zmax: float,
@@ -372,22 +370,25 @@ def _lse(ex: _Exp) -> float:
 
 
 def compute_prompt_logprobs(logits: np.ndarray, next_token_ids: Sequence[int],
-                            num: int) -> list[dict[int, Logprob]]:
+                            num: int) -> LogprobsLists:
     """Prompt logprobs: logits [P, vocab] of P prompt positions; row i scores next_token_ids[i].
 
-    Returns one dict per scored row (len(next_token_ids) <= P of them): the top-`num` tokens
-    (ranks 1..num) plus the actual next token with its rank, from the raw log_softmax.
+    Returns one row per scored position (len(next_token_ids) <= P of them): the actual next
+    token with its rank, then the top-`num` tokens (ranks 1..num), from the raw log_softmax.
     """
     x = np.asarray(logits, dtype=np.float32)
     if len(next_token_ids) > x.shape[0]:
         raise ValueError(f"{len(next_token_ids)} next tokens for {x.shape[0]} logits rows")
     buf = np.empty(x.shape[1], dtype=np.float32)
-    out = []
+    out = LogprobsLists([], [], [])
     for i, tok in enumerate(next_token_ids):
         raw = np.ascontiguousarray(x[i])
         m = float(raw.max())
         lse = _lse(_exp_row(raw, buf, m)) if math.isfinite(m) else m
-        out.append(_logprob_entries(raw, lse, num, int(tok)))
+        ids, lps, ranks = _logprob_row(raw, lse, num, int(tok))
+        out.token_ids.append(ids)
+        out.logprobs.append(lps)
+        out.ranks.append(ranks)
     return out
 
 
@@ -410,7 +411,7 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *,
     num_rows, vocab = x.shape
     token_ids = np.empty(num_rows, dtype=np.int64)
     sampled_lp = np.full(num_rows, np.nan, dtype=np.float32)
-    logprobs: list[dict[int, Logprob] | None] = [None] * num_rows
+    logprobs: list[LogprobsLists | None] = [None] * num_rows
     raw_buf = np.empty(vocab, dtype=np.float32)   # exponentials of the raw row
     work_buf = np.empty(vocab, dtype=np.float32)  # tempered exponentials of the processed row
 
@@ -437,5 +438,6 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *,
             lse = _lse(ex) if ex is not None else m
             sampled_lp[i] = float(raw[tok]) - lse
             if p.logprobs is not None:
-                logprobs[i] = _logprob_entries(raw, lse, p.logprobs, tok)
+                ids, lps, ranks = _logprob_row(raw, lse, p.logprobs, tok)
+                logprobs[i] = LogprobsLists([ids], [lps], [ranks])
     return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled_lp, logprobs=logprobs)

@@ -12,7 +12,8 @@ start-up, so serving never compiles:
   - the sequence count S and the number of logits rows are min(T, max_num_seqs), so they follow
     T and add no bucket dimension.
 Block tables are always max_model_len wide. The KV array is one preallocated buffer, sized from
-a memory budget, donated to every step so XLA updates it in place.
+a memory budget (`initialize_kv_cache`, after `measure_activation_bytes` on a GPU), donated to
+every step so XLA updates it in place.
 """
 
 from __future__ import annotations
@@ -92,17 +93,18 @@ class ModelRunnerOutput:
     # request id -> (logits [n, vocab] of its prompt positions computed this step, their start)
     prompt_logits: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)
     timings: StepTimings = field(default_factory=StepTimings)
+    step_shape: tuple[int, int] = (0, 0)  # (num_tokens, max_query_len) of the compiled step
 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, *, dtype: Any, kernel_backend: str,
-                 block_size: int, num_kv_blocks: int, max_model_len: int, max_num_seqs: int,
+                 block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int) -> None:
         self.config = config
         self.params = params
         self.dtype = dtype
         self.block_size = block_size
-        self.num_kv_blocks = num_kv_blocks
+        self.num_kv_blocks = 0
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -110,7 +112,7 @@ class ModelRunner:
         self.decode_buckets = decode_buckets(max_num_seqs, max_num_batched_tokens)
         self.model = Qwen2ForCausalLM(config, dtype=dtype, kernel_backend=kernel_backend)
         self.rope = rope_variables(config)
-        self.kv_cache = jnp.zeros(kv_cache_shape(config, num_kv_blocks, block_size), dtype)
+        self.kv_cache: jax.Array | None = None
         self._step = jax.jit(self._forward, static_argnames=("max_query_len",),
                              donate_argnames=("kv_cache",))
         self._logits_fn = jax.jit(lambda params, h: compute_logits(params, config, h))
@@ -140,17 +142,41 @@ class ModelRunner:
                                spec(s + 1), spec(s))
         return spec(num_tokens), spec(num_tokens), md
 
+    def _compile_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int):
+        kv_spec = jax.ShapeDtypeStruct(
+            kv_cache_shape(self.config, num_kv_blocks, self.block_size), self.dtype)
+        ids, pos, md = self._abstract_inputs(num_tokens)
+        return self._step.lower(self.params, self.rope, kv_spec, ids, pos, md,
+                                max_query_len=max_query_len).compile()
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights and RoPE tables on the device."""
+        return sum(x.nbytes for x in jax.tree.leaves((self.params, self.rope)))
+
+    def measure_activation_bytes(self, probe_blocks: int = 16) -> int:
+        """Device bytes the largest step needs besides weights and KV: its temporaries plus the
+        outputs that do not alias the donated KV array, read from XLA's memory analysis of that
+        step compiled against a small probe KV array (one extra compile)."""
+        num_tokens = self.buckets[-1]
+        ma = self._compile_step(num_tokens, num_tokens, probe_blocks).memory_analysis()
+        return int(ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the one paged KV array (all layers); compile() comes after."""
+        self.num_kv_blocks = num_blocks
+        self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size),
+                                  self.dtype)
+        self._compiled.clear()
+
     def compile(self, progress: bool = True) -> float:
         """Compile every bucket ahead of time; returns the seconds it took."""
+        if self.kv_cache is None:
+            raise RuntimeError("initialize_kv_cache() must come before compile()")
         start = time.perf_counter()
-        shapes = self.bucket_shapes()
-        kv_spec = jax.ShapeDtypeStruct(self.kv_cache.shape, self.kv_cache.dtype)
-        for num_tokens, max_query_len in tqdm(shapes, desc="compiling step buckets",
+        for num_tokens, max_query_len in tqdm(self.bucket_shapes(), desc="compiling step buckets",
                                               unit="shape", disable=not progress):
-            ids, pos, md = self._abstract_inputs(num_tokens)
-            self._compiled[(num_tokens, max_query_len)] = self._step.lower(
-                self.params, self.rope, kv_spec, ids, pos, md,
-                max_query_len=max_query_len).compile()
+            self._compiled[(num_tokens, max_query_len)] = self._compile_step(
+                num_tokens, max_query_len, self.num_kv_blocks)
         hidden = jax.ShapeDtypeStruct((PROMPT_LOGITS_CHUNK, self.config.hidden_size), self.dtype)
         self._compiled_logits = self._logits_fn.lower(self.params, hidden).compile()
         return time.perf_counter() - start
@@ -228,7 +254,7 @@ class ModelRunner:
                 offset += r.num_tokens
         t3 = time.perf_counter()
         return ModelRunnerOutput(sample_req_ids, host_logits, prompt_logits,
-                                 StepTimings(t1 - t0, t2 - t1, t3 - t2))
+                                 StepTimings(t1 - t0, t2 - t1, t3 - t2), (padded, max_query_len))
 
     def _logits_rows(self, host_hidden: np.ndarray) -> np.ndarray:
         count = len(host_hidden)

@@ -4,29 +4,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 from jaxllm.benchmark import add_bench_parser
+from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.entrypoints.utils import enable_compilation_cache
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="checkpoint directory or .gguf file (default: the embedded "
-                             "Qwen2.5-Coder-0.5B-Instruct)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="default: float32 on CPU, bfloat16 on GPU")
-    parser.add_argument("--kernel-backend", default=None,
-                        choices=["pallas", "interpret", "reference"],
-                        help="default: pallas on GPU, reference on CPU")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="default: the number of prompts (at most 64)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256,
-                        help="token budget per step (larger prompts are prefilled in chunks)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="default: from a 1 GiB budget on CPU, 90%% of memory on GPU")
+    # Every EngineArgs field, with its default; only max_num_seqs follows the prompts here (a
+    # smaller limit compiles fewer decode buckets, so a one-prompt chat starts faster).
+    EngineArgs.add_cli_args(parser, skip=("show_progress",))
+    parser.set_defaults(max_num_seqs=None)
+    for action in parser._actions:
+        if action.dest == "max_num_seqs":
+            action.help = (f"sequences per step (default: the number of prompts, at most "
+                           f"{EngineArgs.max_num_seqs})")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -41,11 +36,10 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _make_llm(args: argparse.Namespace, num_prompts: int):
     from jaxllm import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, kernel_backend=args.kernel_backend,
-               seed=args.seed, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs or min(num_prompts, 64),
-               max_num_batched_tokens=args.max_num_batched_tokens,
-               num_kv_blocks=args.num_kv_blocks)
+    engine_args = EngineArgs.from_cli_args(
+        args, max_num_seqs=args.max_num_seqs or min(num_prompts, EngineArgs.max_num_seqs))
+    kw = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)}
+    return LLM(**kw)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -108,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    enable_compilation_cache()
     try:
         return args.func(args)
     except (ValueError, TypeError, RuntimeError) as e:

@@ -1,0 +1,127 @@
+"""EngineArgs: every engine setting in one validated, serialisable dataclass (vLLM's
+`EngineArgs`). The engine core is built from it alone, so it can be built in another process;
+the CLI derives its engine options from its fields and defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import pallas_kernels
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Help for the CLI options generated from the fields below.
+_HELP = {
+    "model": "checkpoint directory or .gguf file (default: the embedded "
+             "Qwen2.5-Coder-0.5B-Instruct)",
+    "dtype": "float32 on CPU, bfloat16 on GPU when not given",
+    "kernel_backend": "pallas on GPU, reference on CPU when not given",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "overrides the KV sizing (when not given: from the memory budget)",
+    "gpu_memory_utilization": "GPU: fraction of device memory for weights, activations and KV",
+    "kv_cache_memory_bytes": "byte budget for the KV array (CPU default 1 GiB)",
+    "max_model_len": "longest prompt + output (when not given: the model's)",
+    "max_num_seqs": "sequences per step",
+    "max_num_batched_tokens": "token budget per step (longer prompts are prefilled in chunks)",
+    "max_n": "most sequences one request may ask for (SamplingParams.n)",
+    "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
+    "seed": "seeds requests that bring no seed of their own",
+    "skip_tokenizer_init": "no tokenizer: token-id prompts only, no text",
+    "show_progress": "loading and compiling progress bars",
+}
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings; unknown names are refused by LLM(), bad values raise ValueError."""
+
+    model: str | None = None  # None: the embedded default model
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    kernel_backend: str | None = None  # None: "pallas" on a GPU, "reference" on CPU
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from the memory budget below
+    gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for the engine
+    kv_cache_memory_bytes: int | None = None  # CPU budget for the KV array (default 1 GiB)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_n: int = 128
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            self.model = str(self.model)
+        if self.dtype is not None and not isinstance(self.dtype, str):
+            # jnp.float32 and friends: keep the config plain (serialisable).
+            import numpy as np
+
+            self.dtype = np.dtype(self.dtype).name
+        if self.dtype == "auto":
+            self.dtype = None
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES}")
+        backend = self.kernel_backend
+        if backend is not None and backend not in pallas_kernels.BACKENDS:
+            raise ValueError(f"kernel_backend {backend!r} is not one of {pallas_kernels.BACKENDS}")
+        if self.block_size not in (16, 32):
+            raise ValueError(f"block_size must be 16 or 32, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool) or
+                                               not isinstance(self.max_model_len, int) or
+                                               self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2 (a prompt token and a new "
+                             f"one) or None for the model's, got {self.max_model_len!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), "
+                             f"got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, "
+                             f"got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser,
+                     skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        """One `--option` per field, with the field's default, so the CLI and the Python API
+        cannot disagree."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(EngineArgs):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            help_text = _HELP.get(f.name, "")
+            if isinstance(default, bool):
+                if default:
+                    group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,
+                                       action="store_false", help=f"turn off: {help_text}")
+                else:
+                    group.add_argument(flag, action="store_true", help=help_text)
+                continue
+            kind: Any = {"gpu_memory_utilization": float}.get(f.name, int)
+            if f.name in ("model", "dtype", "kernel_backend"):
+                kind = str
+            choices = {"dtype": DTYPES, "kernel_backend": pallas_kernels.BACKENDS,
+                       "block_size": (16, 32)}.get(f.name)
+            shown = "" if default is None else f" (default: {default})"
+            group.add_argument(flag, type=kind, default=default, choices=choices,
+                               help=help_text + shown)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(args, f.name)}
+        values.update(overrides)
+        return cls(**values)
