@@ -91,17 +91,19 @@ class EngineArgs:
                              f"got {self.gpu_memory_utilization}")
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser,
-                     skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                     help_overrides: dict[str, str] | None = None) -> argparse.ArgumentParser:
         """One `--option` per field, with the field's default, so the CLI and the Python API
-        cannot disagree."""
+        cannot disagree. A field in `help_overrides` gets that help text and no default (None):
+        the caller decides its value and says how in the text."""
         group = parser.add_argument_group("engine")
+        overrides = help_overrides or {}
         for f in dataclasses.fields(EngineArgs):
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            default = f.default
-            help_text = _HELP.get(f.name, "")
+            default = None if f.name in overrides else f.default
+            help_text = overrides.get(f.name, _HELP.get(f.name, ""))
             if isinstance(default, bool):
                 if default:
                     group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,

@@ -16,12 +16,9 @@ from jaxllm.entrypoints.utils import enable_compilation_cache
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     # Every EngineArgs field, with its default; only max_num_seqs follows the prompts here (a
     # smaller limit compiles fewer decode buckets, so a one-prompt chat starts faster).
-    EngineArgs.add_cli_args(parser, skip=("show_progress",))
-    parser.set_defaults(max_num_seqs=None)
-    for action in parser._actions:
-        if action.dest == "max_num_seqs":
-            action.help = (f"sequences per step (default: the number of prompts, at most "
-                           f"{EngineArgs.max_num_seqs})")
+    EngineArgs.add_cli_args(parser, skip=("show_progress",), help_overrides={
+        "max_num_seqs": f"sequences per step (default: the number of prompts, at most "
+                        f"{EngineArgs.max_num_seqs})"})
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
