@@ -6,7 +6,7 @@ Every op takes `backend=`: "pallas" (Triton, GPU), "interpret" (same kernel on C
 
 from __future__ import annotations
 
-from pallas_kernels.backend import BACKENDS, default_backend
+from pallas_kernels.common import BACKENDS, default_backend
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.rms_norm import rms_norm

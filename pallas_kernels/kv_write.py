@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.backend import BACKENDS, next_pow2
+from pallas_kernels.common import check_backend, next_pow2, whole_block_spec
 
 
 def write_kv_reference(kv_cache: jax.Array, layer: int, k: jax.Array, v: jax.Array,
@@ -75,16 +75,14 @@ def _write_kv_pallas(kv_cache: jax.Array, layer: int, k: jax.Array, v: jax.Array
     block_tokens = min(16, next_pow2(num_tokens))
     grid = (pl.cdiv(num_tokens, block_tokens), num_kv_heads)
 
-    def whole(shape):
-        return pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
-
     # Each program sees both K and V of one layer and one KV head: [2, num_blocks, bs, head_dim].
     cache_spec = pl.BlockSpec((None, 2, None, num_blocks, block_size, head_dim),
                               lambda i, h: (layer, 0, h, 0, 0, 0))
     return pl.pallas_call(
         functools.partial(_write_kv_kernel, block_tokens=block_tokens),
         grid=grid,
-        in_specs=[whole(slot_mapping.shape), whole(k.shape), whole(v.shape), cache_spec],
+        in_specs=[whole_block_spec(slot_mapping.shape), whole_block_spec(k.shape),
+                  whole_block_spec(v.shape), cache_spec],
         out_specs=cache_spec,
         out_shape=jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
         # Layers and slots this call does not write keep their contents: the output is the
@@ -105,12 +103,11 @@ def write_kv(kv_cache: jax.Array, layer: int, k: jax.Array, v: jax.Array,
     Returns the updated kv_cache. It is in place when kv_cache is donated to the enclosing jit
     (reference: an XLA scatter with mode="drop"; pallas: input_output_aliases).
     """
+    check_backend(backend)
     if backend == "reference":
         return write_kv_reference(kv_cache, layer, k, v, slot_mapping)
-    if backend in ("pallas", "interpret"):
-        return _write_kv_pallas(kv_cache, layer, k, v, slot_mapping,
-                                interpret=backend == "interpret")
-    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    return _write_kv_pallas(kv_cache, layer, k, v, slot_mapping,
+                            interpret=backend == "interpret")
 
 
 def _lowering_cache_shape(model, block_size: int, num_blocks: int) -> tuple[int, ...]:

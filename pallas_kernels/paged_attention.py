@@ -69,7 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_BACKENDS = ("pallas", "interpret", "reference")
+from pallas_kernels.common import check_backend, next_pow2, whole_block_spec
 
 # Finite stand-in for -inf: masked logits must never produce inf - inf = nan.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -296,10 +296,6 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int,
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _paged_attention_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, o_ref, *,
                             scale: float, group: int, group_pad: int, block_q: int,
                             block_k: int):
@@ -307,7 +303,7 @@ def _paged_attention_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, 
     tile = pl.program_id(1)
     h = pl.program_id(2)
     num_tokens, num_heads, head_dim = q_ref.shape
-    num_blocks, block_size, _ = k_ref.shape
+    block_size = k_ref.shape[1]
     max_blocks = bt_ref.shape[1]
     rows_per_tile = block_q * group_pad
 
@@ -372,7 +368,7 @@ def _tile_sizes(group_pad: int, max_query_len: int, head_dim: int) -> tuple[int,
     """Query tokens per tile (BQ) and keys per step (KB), all powers of two."""
     # M = BQ * Gp rows; 16 is Triton's smallest dot tile, 64-128 the usual flash tile.
     max_rows = 128 if head_dim <= 64 else 64
-    block_q = min(_next_pow2(max_query_len), max(1, max_rows // group_pad))
+    block_q = min(next_pow2(max_query_len), max(1, max_rows // group_pad))
     block_q = max(block_q, max(1, 16 // group_pad))
     block_k = 64
     return block_q, block_k
@@ -381,10 +377,10 @@ def _tile_sizes(group_pad: int, max_query_len: int, head_dim: int) -> tuple[int,
 def _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_start_loc, *,
                             scale, max_query_len, interpret):
     num_tokens, num_heads, head_dim = q.shape
-    num_layers, _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
-    num_seqs, max_blocks = block_tables.shape
+    _, _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+    num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     qmax = num_tokens if max_query_len is None else max(1, min(int(max_query_len), num_tokens))
     block_q, block_k = _tile_sizes(group_pad, qmax, head_dim)
     num_warps = 4 if block_q * group_pad <= 64 else 8
@@ -392,9 +388,6 @@ def _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_st
     kernel = functools.partial(_paged_attention_kernel, scale=float(scale), group=group,
                                group_pad=group_pad, block_q=block_q, block_k=block_k)
     grid = (num_seqs, pl.cdiv(qmax, block_q), num_kv_heads)
-
-    def whole(shape):
-        return pl.BlockSpec(shape, lambda s, j, h: (0,) * len(shape))
 
     def cache_spec(which):
         # The kernel sees one layer's K (or V) of one KV head: [num_blocks, block_size, head_dim].
@@ -405,9 +398,10 @@ def _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_st
     out = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[whole(block_tables.shape), whole(seq_lens.shape), whole(qsl.shape),
-                  whole(q.shape), cache_spec(0), cache_spec(1)],
-        out_specs=whole(q.shape),
+        in_specs=[whole_block_spec(block_tables.shape), whole_block_spec(seq_lens.shape),
+                  whole_block_spec(qsl.shape), whole_block_spec(q.shape), cache_spec(0),
+                  cache_spec(1)],
+        out_specs=whole_block_spec(q.shape),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
@@ -431,15 +425,14 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables:
     max_query_len: static bound on any q_len (None -> T).
     Returns [T, num_heads, head_dim] in q's dtype; padding rows are zeros.
     """
+    check_backend(backend)
     if backend == "reference":
         return paged_attention_reference(q, kv_cache, layer, block_tables, seq_lens,
                                          query_start_loc, scale=scale,
                                          max_query_len=max_query_len)
-    if backend in ("pallas", "interpret"):
-        return _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens,
-                                       query_start_loc, scale=scale, max_query_len=max_query_len,
-                                       interpret=backend == "interpret")
-    raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+    return _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_start_loc,
+                                   scale=scale, max_query_len=max_query_len,
+                                   interpret=backend == "interpret")
 
 
 def lowering_cases(model, dtype, phase: str) -> list[tuple[str, Callable, tuple]]:

@@ -16,14 +16,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.backend import check_backend, next_pow2
+from pallas_kernels.common import check_backend, next_pow2, prev_pow2
 
 # Elements of one row block held in registers by one program. 4096 f32 values over
 # 4-8 warps keeps register use modest while giving each program enough work for T=1..2048.
 _BLOCK_ELEMS = 4096
 # An H100 has 132 SMs; fewer programs than this leaves SMs idle.
 _MIN_PROGRAMS = 128
-
 
 
 # --------------------------------------------------------------------------- reference
@@ -46,12 +45,6 @@ def rms_norm_reference(
 
 
 # --------------------------------------------------------------------------- pallas kernel
-
-
-
-def _prev_pow2(n: int) -> int:
-    """Largest power of two <= n, and 1 for n < 1."""
-    return 1 << max(0, n.bit_length() - 1)
 
 
 def _rms_norm_kernel(*refs, eps: float, n_rows: int, hidden: int, block_rows: int,
@@ -93,7 +86,7 @@ def _rms_norm_pallas(x: jax.Array, weight: jax.Array, eps: float,
     block_cols = next_pow2(hidden)
     # Rows per program: as many as fit _BLOCK_ELEMS, but keep >= ~_MIN_PROGRAMS programs so a
     # decode batch (T ~ 64) still spreads over the SMs instead of a handful of programs.
-    block_rows = min(max(1, _BLOCK_ELEMS // block_cols), _prev_pow2(n_rows // _MIN_PROGRAMS))
+    block_rows = min(max(1, _BLOCK_ELEMS // block_cols), prev_pow2(n_rows // _MIN_PROGRAMS))
     num_warps = 8 if block_rows * block_cols >= 4096 else 4
     has_residual = residual is not None
     kernel = functools.partial(

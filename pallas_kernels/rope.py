@@ -18,13 +18,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.backend import check_backend, next_pow2
+from pallas_kernels.common import check_backend, next_pow2, prev_pow2
 
 # Elements (of one half head) a program rotates per input; bounds register use per program.
 _BLOCK_ELEMS = 4096
 # An H100 has 132 SMs; fewer programs than this leaves SMs idle.
 _MIN_PROGRAMS = 128
-
 
 
 def rope_cos_sin_cache(
@@ -71,12 +70,6 @@ def rope_reference(
 
 
 # --------------------------------------------------------------------------- pallas kernel
-
-
-
-def _prev_pow2(n: int) -> int:
-    """Largest power of two <= n, and 1 for n < 1."""
-    return 1 << max(0, n.bit_length() - 1)
 
 
 def _rotate_tile(x_ref, o_ref, cache_ref, rows, row_mask, pos, num_heads: int, heads_pad: int,
@@ -127,7 +120,7 @@ def _rope_pallas(q: jax.Array, k: jax.Array, positions: jax.Array, cache: jax.Ar
     # Rows per program: as many as fit _BLOCK_ELEMS, but keep >= ~_MIN_PROGRAMS programs so a
     # decode batch (T ~ 64) still spreads over the SMs instead of a handful of programs.
     block_rows = min(max(1, _BLOCK_ELEMS // (heads_pad * half)),
-                     _prev_pow2(n_rows // _MIN_PROGRAMS))
+                     prev_pow2(n_rows // _MIN_PROGRAMS))
     kernel = functools.partial(
         _rope_kernel, n_rows=n_rows, block_rows=block_rows, num_heads=num_heads,
         num_kv_heads=num_kv_heads, heads_pad=heads_pad, kv_heads_pad=kv_heads_pad, half=half)

@@ -1,6 +1,6 @@
 """Microbenchmark of the kernels at Qwen2.5-0.5B shapes: time, bytes moved, bandwidth.
 
-    python -m pallas_kernels.bench [--json PATH] [--peak-gbps N] [--runs N]
+    python benchmarks/kernels.py [--json PATH] [--peak-gbps N] [--runs N] [--kernels ...]
 
 Each kernel's public function is jitted with backend "pallas" on a GPU ("interpret" on CPU) and
 "reference", timed as the median of --runs calls after warm-up (block_until_ready). Bytes moved
@@ -19,10 +19,17 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# Run as a script, Python puts benchmarks/ on the path: add the repo root so that this
+# checkout's pallas_kernels is the one imported.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels import paged_attention, rms_norm, rope, rope_cos_sin_cache, write_kv
 
 # HBM bandwidth in GB/s by a substring of jax's device_kind (datasheet figures, SXM parts).
 GPU_PEAK_GBPS: dict[str, float] = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
@@ -81,10 +88,6 @@ def _rng_array(key: int, shape: tuple[int, ...], dtype) -> jax.Array:
 
 
 def _cases(phase: Phase, dtype) -> list[Case]:
-    # pallas_kernels re-exports functions under module names, so import the functions here.
-    from pallas_kernels.rms_norm import rms_norm
-    from pallas_kernels.rope import rope, rope_cos_sin_cache
-
     t = phase.tokens
     x = _rng_array(0, (t, HIDDEN), dtype)
     res = _rng_array(1, (t, HIDDEN), dtype)
@@ -113,7 +116,7 @@ def _cases(phase: Phase, dtype) -> list[Case]:
 
 
 def _paged_cases(phase: Phase, dtype, q, k, v) -> list[Case]:
-    """write_kv and paged_attention, if the other kernel modules are importable."""
+    """write_kv and paged_attention, on a one-layer cache."""
     blocks_per_seq = -(-phase.context_len // BLOCK_SIZE)
     num_blocks = phase.num_seqs * blocks_per_seq + 1
     kv_cache = jnp.zeros((1, 2, NUM_KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM), dtype)
@@ -129,34 +132,22 @@ def _paged_cases(phase: Phase, dtype, q, k, v) -> list[Case]:
     kv_bytes = 2 * phase.num_seqs * phase.context_len * NUM_KV_HEADS * HEAD_DIM
     kv_bytes *= jnp.dtype(dtype).itemsize
 
-    cases: list[Case] = []
-    try:
-        from pallas_kernels.kv_write import write_kv
+    scale = HEAD_DIM ** -0.5
 
-        def make_write(b):
-            return jax.jit(lambda c, k, v, s: write_kv(c, 0, k, v, s, backend=b),
-                           donate_argnums=0)
+    def make_write(b):
+        return jax.jit(lambda c, k, v, s: write_kv(c, 0, k, v, s, backend=b), donate_argnums=0)
 
+    def make_attn(b):
+        return jax.jit(lambda q, c, bt, sl, qs: paged_attention(
+            q, c, 0, bt, sl, qs, scale=scale, max_query_len=phase.query_len, backend=b))
+
+    return [
         # Read K, V and slots, write the same K/V bytes into the cache.
-        cases.append(("write_kv", make_write, (kv_cache, k, v, slot_mapping),
-                      2 * _nbytes(k, v) + _nbytes(slot_mapping), True))
-    except ImportError:
-        pass
-    try:
-        from pallas_kernels.paged_attention import paged_attention
-
-        scale = HEAD_DIM ** -0.5
-
-        def make_attn(b):
-            return jax.jit(lambda q, c, bt, sl, qs: paged_attention(
-                q, c, 0, bt, sl, qs, scale=scale, max_query_len=phase.query_len, backend=b))
-
-        cases.append(("paged_attention", make_attn,
-                      (q, kv_cache, block_tables, seq_lens, qsl),
-                      2 * _nbytes(q) + kv_bytes + _nbytes(block_tables, seq_lens, qsl), False))
-    except ImportError:
-        pass
-    return cases
+        ("write_kv", make_write, (kv_cache, k, v, slot_mapping),
+         2 * _nbytes(k, v) + _nbytes(slot_mapping), True),
+        ("paged_attention", make_attn, (q, kv_cache, block_tables, seq_lens, qsl),
+         2 * _nbytes(q) + kv_bytes + _nbytes(block_tables, seq_lens, qsl), False),
+    ]
 
 
 # --------------------------------------------------------------------------- timing

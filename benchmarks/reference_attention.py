@@ -1,6 +1,6 @@
 """Benchmark of ``paged_attention_reference`` (the CPU engine's attention) at Qwen2.5-0.5B shapes.
 
-    python -m pallas_kernels.bench_reference_attention [--runs N] [--old] [--cases a,b,...]
+    python benchmarks/reference_attention.py [--runs N] [--old] [--cases a,b,...]
 
 One call = one layer (14 query / 2 KV heads, head_dim 64, block 16, float32); a model step runs
 24 of them. Shapes follow the engine: block tables ``--width`` blocks wide (max_model_len / 16),
@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# Run as a script, Python puts benchmarks/ on the path: add the repo root so that this
+# checkout's pallas_kernels is the one imported.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.paged_attention import _MASK_VALUE, paged_attention_reference
 
