@@ -89,15 +89,15 @@ class LLMEngine:
                                           req.arrival_time)
         try:
             self.engine_core_client.add_request(children[0])
+            if len(children) > 1:
+                if self.engine_args.enable_prefix_caching:
+                    self._pending_children[children[0].request_id] = children[1:]
+                else:
+                    for child in children[1:]:
+                        self.engine_core_client.add_request(child)
         except BaseException:
-            self.output_processor.abort_parent(req.request_id)
+            self.abort_request(req.request_id)  # whatever the core took, and the output state
             raise
-        if len(children) > 1:
-            if self.engine_args.enable_prefix_caching:
-                self._pending_children[children[0].request_id] = children[1:]
-            else:
-                for child in children[1:]:
-                    self.engine_core_client.add_request(child)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests (by the id given to add_request); returns their final outputs."""
