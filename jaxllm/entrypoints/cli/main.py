@@ -1,5 +1,5 @@
 """`jaxllm` command line: `jaxllm generate PROMPT...`, `jaxllm chat MESSAGE` and
-`jaxllm bench throughput | latency | sweep` (see jaxllm/benchmark.py)."""
+`jaxllm bench throughput | latency | sweep` (see jaxllm/benchmarks/)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 
-from jaxllm.benchmark import add_bench_parser
+from jaxllm.entrypoints.cli.benchmark import add_bench_parser
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
