@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.benchmark import best_seconds, decoder_matmuls
+from jaxllm.benchmarks.matmul_floor import decoder_matmuls
+from jaxllm.benchmarks.roofline import best_seconds
 
 LAYERS, HIDDEN, INTER, QKV = 24, 896, 4864, 1152
 

@@ -4,11 +4,19 @@ their JSON with the documented keys, and the profile's split adds up. No timing 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from jaxllm import benchmark
+from jaxllm.benchmarks.datasets import TokenSampler, load_dataset, synthetic_workload
+from jaxllm.benchmarks.matmul_floor import matmul_floor, time_weight_matmuls, weight_matmuls
+from jaxllm.benchmarks.profile import PROFILE_PHASES
+from jaxllm.benchmarks.roofline import ModelCost, roofline, workload_cost
 from jaxllm.entrypoints.cli.main import main
 from tests.conftest import make_tiny_checkpoint
 
@@ -69,7 +77,7 @@ def test_throughput_with_hf_roofline_and_profile(tiny_path, tmp_path, capsys):
     for bs in (1, 4):
         p = prof[bs]
         assert p["steps"] == 3 and p["step_ms"] > 0
-        parts = [p["phases"][name]["ms"] for name in benchmark.PROFILE_PHASES]
+        parts = [p["phases"][name]["ms"] for name in PROFILE_PHASES]
         assert all(x >= 0 for x in parts)
         named = sum(parts) - p["phases"]["other"]["ms"]
         assert named <= p["step_ms"] + 1e-9
@@ -112,15 +120,10 @@ def test_latency_with_hf(tiny_path, tmp_path, capsys):
 
 
 def test_weight_matmuls_is_the_models_matmul_chain(tiny_path):
-    from jaxllm import LLM
-
-    llm = LLM(str(tiny_path), skip_tokenizer_init=True, max_num_seqs=4,
-              max_num_batched_tokens=16, max_model_len=64, show_progress=False)
-    runner = llm.llm_engine.engine_core_client.engine_core.runner
-    cfg = runner.config
-    params = jax_to_numpy(runner.params)
+    cfg, raw = _tiny_weights(tiny_path)
+    params = jax_to_numpy(raw)
     x = np.random.default_rng(0).standard_normal((5, cfg.hidden_size)).astype(np.float32)
-    got = np.asarray(benchmark.weight_matmuls(runner.params, cfg, x, 3))
+    got = np.asarray(weight_matmuls(raw, cfg, x, 3))
     h, inter = cfg.num_attention_heads * cfg.head_dim, cfg.intermediate_size
     want = x.astype(np.float64)
     for i in range(cfg.num_hidden_layers):
@@ -133,6 +136,40 @@ def test_weight_matmuls_is_the_models_matmul_chain(tiny_path):
             "weight"].T
     head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
     np.testing.assert_allclose(got, want[:3] @ head.T, rtol=1e-4, atol=1e-4)
+
+
+def test_time_weight_matmuls_times_each_token_count_once(tiny_path):
+    import jax.numpy as jnp
+
+    cfg, params = _tiny_weights(tiny_path)
+    got = time_weight_matmuls(params, cfg, jnp.float32, 4, [8, 2, 8], reps=1)
+    assert sorted(got) == [2, 8]
+    assert all(s > 0 for s in got.values())
+
+
+def test_matmul_floor_prices_shapes_through_the_engine():
+    calls = []
+
+    class Engine:
+        def time_weight_matmuls(self, num_tokens, reps=3):
+            calls.append((list(num_tokens), reps))
+            return {n: n * 1e-3 for n in num_tokens}
+
+    llm = SimpleNamespace(llm_engine=Engine())
+    floor = matmul_floor(llm, {(16, 16): 2, (2, 1): 6, (16, 1): 1}, reps=2)
+    assert calls == [([2, 16], 2)]  # each token count timed once, in order
+    assert floor["steps"] == 9
+    assert floor["matmul_floor_s"] == pytest.approx(6 * 2e-3 + 3 * 16e-3)
+    assert [(x["num_tokens"], x["max_query_len"], x["steps"]) for x in floor["shapes"]] == [
+        (2, 1, 6), (16, 1, 1), (16, 16, 2)]
+
+
+def _tiny_weights(path):
+    """The tiny checkpoint's config and params, loaded as the engine loads them (float32)."""
+    from jaxllm.model_executor.model_loader.loader import load_model
+
+    loaded = load_model(path, progress=False)
+    return loaded.config, loaded.params
 
 
 def jax_to_numpy(tree):
@@ -172,35 +209,35 @@ def test_dataset_records(tmp_path):
     path = tmp_path / "d.json"
     path.write_text(json.dumps([{"prompt_token_ids": [1, 2, 3]}, {"prompt": "hi"}]))
     with pytest.raises(ValueError, match="needs the tokenizer"):
-        benchmark.load_dataset(path, None, 4)
+        load_dataset(path, None, 4)
 
     class Tok:
         def encode(self, text):
             return [ord(c) for c in text]
 
-    wl = benchmark.load_dataset(path, Tok(), 4)
+    wl = load_dataset(path, Tok(), 4)
     assert wl.prompts == [[1, 2, 3], [104, 105]] and wl.output_lens == [4, 4]
-    assert len(benchmark.load_dataset(path, Tok(), 4, num_prompts=1)) == 1
+    assert len(load_dataset(path, Tok(), 4, num_prompts=1)) == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt_token_ids": [1]}\n{oops\n')
     with pytest.raises(ValueError, match="line 2"):
-        benchmark.load_dataset(bad, None, 4)
+        load_dataset(bad, None, 4)
 
 
 def test_synthetic_prompts_avoid_special_tokens():
-    sampler = benchmark.TokenSampler(10, special_ids={0, 9})
-    wl = benchmark.synthetic_workload(sampler, 50, 8, 4, seed=1, input_range=[2, 6])
+    sampler = TokenSampler(10, special_ids={0, 9})
+    wl = synthetic_workload(sampler, 50, 8, 4, seed=1, input_range=[2, 6])
     ids = {t for p in wl.prompts for t in p}
     assert ids <= set(range(1, 9))
     assert {len(p) for p in wl.prompts} <= set(range(2, 7))
-    again = benchmark.synthetic_workload(sampler, 50, 8, 4, seed=1, input_range=[2, 6])
+    again = synthetic_workload(sampler, 50, 8, 4, seed=1, input_range=[2, 6])
     assert again.prompts == wl.prompts  # seeded
 
 
 def test_workload_cost_counts():
-    cost = benchmark.ModelCost(body_params=100, head_params=10, itemsize=4, num_layers=2,
+    cost = ModelCost(body_params=100, head_params=10, itemsize=4, num_layers=2,
                                num_heads=3, num_kv_heads=1, head_dim=5)
-    w = benchmark.workload_cost(cost, [2], [3], max_num_seqs=1, max_num_batched_tokens=512)
+    w = workload_cost(cost, [2], [3], max_num_seqs=1, max_num_batched_tokens=512)
     # Positions 0..3 are processed (the last output token is never fed back).
     assert w["processed_tokens"] == 4 and w["sampled_tokens"] == 3
     assert w["matmul_flops"] == 2 * 100 * 4 + 2 * 10 * 3
@@ -209,7 +246,25 @@ def test_workload_cost_counts():
     assert w["weight_bytes"] == 3 * 110 * 4
     assert w["kv_read_bytes"] == (3 + 4) * 2 * 2 * 1 * 5 * 4
     machine = {"gemm_flops_per_s": 1e3, "bandwidth_bytes_per_s": 1e3}
-    r = benchmark.roofline(machine, w, {"jaxllm": 10.0})
+    r = roofline(machine, w, {"jaxllm": 10.0})
     assert r["ideal_time_s"] == pytest.approx(max(w["flops"], w["bytes"]) / 1e3)
     assert r["jaxllm_fraction"] == pytest.approx(r["ideal_time_s"] / 10.0)
     assert np.isfinite(r["batch1_decode_bound_tok_per_s"])
+
+
+def test_cli_parser_does_not_import_the_benchmarks():
+    """`jaxllm chat` / `generate` (and building the `bench` parser, or parsing its flags) load
+    no benchmark code: each bench command imports its module when it runs. A fresh interpreter,
+    so modules this test process already imported cannot hide an import."""
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys\n"
+            "from jaxllm.entrypoints.cli.main import build_parser\n"
+            "parser = build_parser()\n"
+            "parser.parse_args(['bench', 'latency', '--batch-size', '2'])\n"
+            "parser.parse_args(['chat', 'hi'])\n"
+            "print(sorted(m for m in sys.modules if m.startswith('jaxllm.benchmarks')))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"

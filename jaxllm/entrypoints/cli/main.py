@@ -1,5 +1,5 @@
 """`jaxllm` command line: `jaxllm generate PROMPT...`, `jaxllm chat MESSAGE` and
-`jaxllm bench throughput | latency | sweep` (see jaxllm/benchmark.py)."""
+`jaxllm bench throughput | latency | sweep` (see jaxllm/benchmarks/)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import dataclasses
 import sys
 import time
 
-from jaxllm.benchmark import add_bench_parser
 from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.entrypoints.cli.benchmark import add_bench_parser
 from jaxllm.entrypoints.utils import enable_compilation_cache
 
 

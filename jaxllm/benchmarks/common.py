@@ -1,0 +1,89 @@
+"""What every `jaxllm bench` command shares: the engine it builds from the flags, the checks and
+references around a run (max_model_len, warm-up, machine measurement, HF runner) and writing the
+result JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxllm.benchmarks.datasets import TokenSampler, Workload
+from jaxllm.benchmarks.hf_runner import HFRunner
+from jaxllm.benchmarks.roofline import measure_machine
+
+
+def sampling_params(out_len: int, ignore_eos: bool):
+    from jaxllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=ignore_eos)
+
+
+def warm_up(llm, sampler: TokenSampler) -> None:
+    """One short request, so first-call costs do not land in the measurement."""
+    rng = np.random.default_rng(12345)
+    llm.generate([{"prompt_token_ids": sampler.sample(rng, 4)}], sampling_params(2, True),
+                 use_tqdm=False)
+
+
+def make_llm(args: argparse.Namespace, max_num_seqs: int):
+    from jaxllm import LLM
+
+    kw: dict[str, Any] = dict(kernel_backend=args.kernel_backend, seed=args.seed,
+                              max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
+                              skip_tokenizer_init=args.skip_tokenizer_init,
+                              show_progress=not args.no_progress)
+    if args.max_num_batched_tokens is not None:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.num_kv_blocks is not None:
+        kw["num_kv_blocks"] = args.num_kv_blocks
+    if args.no_prefix_caching:
+        kw["enable_prefix_caching"] = False
+    return LLM(model=args.model, dtype=args.dtype, **kw)
+
+
+def check_fits(llm, workload: Workload) -> None:
+    longest = max(p + o for p, o in zip(workload.prompt_lens, workload.output_lens, strict=True))
+    limit = llm.llm_engine.max_model_len
+    if longest > limit:
+        raise ValueError(f"a request needs {longest} tokens (prompt + output) but max_model_len "
+                         f"is {limit}; raise --max-model-len")
+
+
+def machine_for(args: argparse.Namespace, llm) -> dict[str, float] | None:
+    if args.no_roofline:
+        return None
+    return measure_machine(args.roofline_gemm_size, args.roofline_copy_mib,
+                           dtype=llm.llm_engine.describe()["dtype"])
+
+
+def make_hf_runner(args: argparse.Namespace, llm) -> HFRunner:
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its GGUF conversion and weight-loading bars
+    return HFRunner(args.model, llm.llm_engine.describe()["dtype"])
+
+
+def profile_max_seqs(args: argparse.Namespace, need: int) -> int:
+    if args.max_num_seqs is not None:
+        return args.max_num_seqs
+    if getattr(args, "profile", False):
+        need = max(need, *args.profile_batch_sizes)
+    return need
+
+
+def finish(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    if args.output_json:
+        path = Path(args.output_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        print(f"results written to {path}")
+
+
+def args_dict(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("func",)}
+

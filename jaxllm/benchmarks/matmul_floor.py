@@ -1,0 +1,118 @@
+"""The matmul floor: every step shape a run used, timed again through nothing but the model's own
+weight matmuls on XLA, times the steps of that shape. It is what the run would take if attention,
+norms, RoPE, KV writes, sampling and host work were free, so it splits the gap to the roofline
+into "XLA's matmul rate" and "everything else"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxllm.benchmarks.roofline import best_seconds, fmt_s
+
+
+def decoder_matmuls(params: dict, config, x):
+    """The decoder layers with everything but their weight matmuls removed: per layer qkv, o,
+    gate_up and down, with the SiLU gate and residual adds that chain them as in the model.
+    `params` needs only `layers_{i}` in the model's naming; `config` only the sizes used."""
+    import jax
+
+    from jaxllm.model_executor.models.qwen2 import linear
+
+    q_width = config.num_attention_heads * config.head_dim
+    inter = config.intermediate_size
+    for i in range(config.num_hidden_layers):
+        attn, mlp = params[f"layers_{i}"]["self_attn"], params[f"layers_{i}"]["mlp"]
+        qkv = linear(x, attn["qkv_proj"]["weight"])
+        x = x + linear(qkv[:, :q_width], attn["o_proj"]["weight"])
+        gate_up = linear(x, mlp["gate_up_proj"]["weight"])
+        x = x + linear(jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:],
+                       mlp["down_proj"]["weight"])
+    return x
+
+
+def weight_matmuls(params: dict, config, x, logits_rows: int):
+    """`decoder_matmuls`, then the LM head on the first `logits_rows` rows, as the engine's
+    step runs it: the model's forward pass with nothing but its weight matmuls."""
+    from jaxllm.model_executor.models.qwen2 import compute_logits
+
+    return compute_logits(params, config, decoder_matmuls(params, config, x)[:logits_rows])
+
+
+def time_weight_matmuls(params: dict, config, dtype, max_num_seqs: int, num_tokens: list[int],
+                        reps: int) -> dict[int, float]:
+    """Best-of-`reps` seconds of one jitted `weight_matmuls` step at each token count (its
+    logits rows min(num_tokens, max_num_seqs), as the engine's step computes them), on
+    activations of `dtype`. Pure: the caller passes the weights and sizes."""
+    import jax
+    import jax.numpy as jnp
+
+    out: dict[int, float] = {}
+    for n in num_tokens:
+        if n in out:
+            continue
+        rows = min(n, max_num_seqs)
+        fn = jax.jit(lambda p, x, _rows=rows: weight_matmuls(p, config, x, _rows))
+        x = jnp.full((n, config.hidden_size), 0.01, dtype)
+        out[n] = best_seconds(lambda _fn=fn, _x=x: _fn(params, _x).block_until_ready(), reps)
+    return out
+
+
+def matmul_floor(llm, step_shape_counts: dict[tuple[int, int], int],
+                 reps: int = 3) -> dict[str, Any]:
+    """Seconds the steps in `step_shape_counts` ((num_tokens, max_query_len) -> steps, as
+    the engine counts them) take through `weight_matmuls` alone: best of `reps` per shape."""
+    token_counts = sorted({num_tokens for num_tokens, _ in step_shape_counts})
+    step_s = llm.llm_engine.time_weight_matmuls(token_counts, reps)
+    shapes = []
+    total = 0.0
+    for (num_tokens, max_query_len), steps in sorted(step_shape_counts.items()):
+        shapes.append({"num_tokens": num_tokens, "max_query_len": max_query_len,
+                       "steps": steps, "matmul_s_per_step": step_s[num_tokens]})
+        total += steps * step_s[num_tokens]
+    return {"matmul_floor_s": total, "steps": sum(step_shape_counts.values()),
+            "shapes": shapes}
+
+
+def print_matmul_floor(floor: dict[str, Any], elapsed: float, what: str) -> None:
+    shapes = ", ".join(f"{s['steps']} x {s['num_tokens']}"
+                       + ("" if s["max_query_len"] == 1 else " mixed")
+                       + f" at {fmt_s(s['matmul_s_per_step'])}" for s in floor["shapes"])
+    rest = elapsed - floor["matmul_floor_s"]
+    tail = (f"attention, norms, RoPE, KV writes, sampling and host took the other {fmt_s(rest)}"
+            if rest > 0 else "above the run itself: the machine was slower while the floor was "
+            "timed (after the run) than during it; it drifts, rerun to split the time")
+    print(f"Matmul floor: {what}, {floor['steps']} steps ({shapes}), through nothing but the "
+          f"weight matmuls on XLA: {fmt_s(floor['matmul_floor_s'])} = "
+          f"{floor['matmul_floor_s'] / max(elapsed, 1e-12) * 100:.1f}% of {fmt_s(elapsed)}; "
+          + tail)
+
+
+def decode_vs_bound(floor: dict[str, Any], roof: dict[str, Any], tpot: float | None,
+                    hf_tpot: float | None) -> dict[str, Any]:
+    """A decode step against the memory bound (all weights read once at the measured
+    bandwidth): the measured TPOT, and the decode shape's matmul floor, i.e. the best any XLA
+    step of weight matmuls could do at this moment."""
+    bound_s = roof["weight_bytes_per_step"] / roof["bandwidth_bytes_per_s"]
+    decode = [s for s in floor["shapes"] if s["max_query_len"] == 1]
+    out: dict[str, Any] = {"bound_s_per_token": bound_s}
+    if decode:
+        step = max(decode, key=lambda s: s["steps"])
+        out["matmul_floor_s_per_step"] = step["matmul_s_per_step"]
+        out["matmul_floor_fraction"] = bound_s / step["matmul_s_per_step"]
+    for name, value in (("jaxllm", tpot), ("hf", hf_tpot)):
+        if value:
+            out[f"{name}_tpot_s"] = value
+            out[f"{name}_fraction"] = bound_s / value
+    return out
+
+
+def print_decode_vs_bound(d: dict[str, Any]) -> None:
+    parts = [f"{name} TPOT {d[f'{name}_tpot_s'] * 1e3:.1f} ms = {d[f'{name}_fraction'] * 100:.1f}%"
+             for name in ("jaxllm", "hf") if f"{name}_tpot_s" in d]
+    if "matmul_floor_s_per_step" in d:
+        parts.append(f"the decode step's weight matmuls alone "
+                     f"{d['matmul_floor_s_per_step'] * 1e3:.1f} ms = "
+                     f"{d['matmul_floor_fraction'] * 100:.1f}%")
+    print(f"Decode vs the memory bound ({d['bound_s_per_token'] * 1e3:.1f} ms per step: weights / "
+          f"bandwidth): " + "; ".join(parts))
+
