@@ -54,6 +54,10 @@ class LLMEngine:
         return self.core_info.model_config
 
     @property
+    def model_name(self) -> str:
+        return self.core_info.model_name
+
+    @property
     def max_model_len(self) -> int:
         return self.core_info.max_model_len
 
