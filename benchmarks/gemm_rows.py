@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.benchmarks.matmul_floor import decoder_matmuls
-from jaxllm.benchmarks.roofline import best_seconds
+from jaxllm.worker.matmul_timing import best_seconds, decoder_matmuls
 
 LAYERS, HIDDEN, INTER, QKV = 24, 896, 4864, 1152
 

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from jaxllm.benchmarks.datasets import TokenSampler, load_dataset, synthetic_workload
-from jaxllm.benchmarks.matmul_floor import matmul_floor, time_weight_matmuls, weight_matmuls
+from jaxllm.benchmarks.matmul_floor import matmul_floor
 from jaxllm.benchmarks.profile import PROFILE_PHASES
 from jaxllm.benchmarks.roofline import ModelCost, roofline, workload_cost
 from jaxllm.entrypoints.cli.main import main
+from jaxllm.worker.matmul_timing import time_weight_matmuls, weight_matmuls
 from tests.conftest import make_tiny_checkpoint
 
 # One engine shape for every test, so the compiled buckets come from the disk cache after the

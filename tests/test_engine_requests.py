@@ -13,7 +13,6 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
-from jaxllm.entrypoints.cli.main import build_parser
 from jaxllm.worker.model_runner import kv_block_bytes
 from tests.test_engine import assert_pool_free, hf_greedy, make_llm, prompts, tiny  # noqa: F401
 
@@ -156,16 +155,46 @@ def test_engine_args_are_checked():
             EngineArgs(max_model_len=bad)
     with pytest.raises(ValueError, match="max_n"):
         EngineArgs(max_n=0)
+    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
+        EngineArgs(seed=-1)  # would make every unseeded request's generator refuse it
     assert EngineArgs().max_n == 128
 
 
-def test_cli_engine_defaults_are_engine_args_defaults():
+def test_cli_passes_engine_args_defaults(monkeypatch, capsys):
+    import jaxllm
+    from jaxllm.entrypoints.cli.main import main
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            seen.append(kwargs)
+            raise RuntimeError("recorded")
+
+    monkeypatch.setattr(jaxllm, "LLM", Recorder)
     for command in (["generate", "x"], ["chat", "x"]):
-        args = build_parser().parse_args(command)
-        for f in dataclasses.fields(EngineArgs):
-            if f.name in ("max_num_seqs", "show_progress"):
-                continue  # documented: the CLI sizes max_num_seqs to its prompts
-            assert getattr(args, f.name) == f.default, (command, f.name)
+        assert main(command) == 2
+        want = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+        want["max_num_seqs"] = 1  # documented: the CLI sizes max_num_seqs to its prompts
+        assert seen.pop() == want, command
+    # A zero is refused, not replaced by a default.
+    assert main(["generate", "x", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs must be a positive integer, got 0" in capsys.readouterr().err
+    assert not seen
+
+
+def test_running_request_keeps_its_own_sampling_params(llm):
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.generate(ids(12, 30), sp, use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("mutated", ids(12, 30), sp)
+    engine.step()
+    sp.temperature, sp.top_k = 50.0, -1  # the caller reuses its object for something else
+    done = []
+    while engine.has_unfinished_requests():
+        done += engine.step()
+    assert done[0].outputs[0].token_ids == want
+    assert_pool_free(llm)
 
 
 def test_wire_messages_and_stats(llm):

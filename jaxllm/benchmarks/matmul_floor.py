@@ -7,54 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxllm.benchmarks.roofline import best_seconds, fmt_s
-
-
-def decoder_matmuls(params: dict, config, x):
-    """The decoder layers with everything but their weight matmuls removed: per layer qkv, o,
-    gate_up and down, with the SiLU gate and residual adds that chain them as in the model.
-    `params` needs only `layers_{i}` in the model's naming; `config` only the sizes used."""
-    import jax
-
-    from jaxllm.model_executor.models.qwen2 import linear
-
-    q_width = config.num_attention_heads * config.head_dim
-    inter = config.intermediate_size
-    for i in range(config.num_hidden_layers):
-        attn, mlp = params[f"layers_{i}"]["self_attn"], params[f"layers_{i}"]["mlp"]
-        qkv = linear(x, attn["qkv_proj"]["weight"])
-        x = x + linear(qkv[:, :q_width], attn["o_proj"]["weight"])
-        gate_up = linear(x, mlp["gate_up_proj"]["weight"])
-        x = x + linear(jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:],
-                       mlp["down_proj"]["weight"])
-    return x
-
-
-def weight_matmuls(params: dict, config, x, logits_rows: int):
-    """`decoder_matmuls`, then the LM head on the first `logits_rows` rows, as the engine's
-    step runs it: the model's forward pass with nothing but its weight matmuls."""
-    from jaxllm.model_executor.models.qwen2 import compute_logits
-
-    return compute_logits(params, config, decoder_matmuls(params, config, x)[:logits_rows])
-
-
-def time_weight_matmuls(params: dict, config, dtype, max_num_seqs: int, num_tokens: list[int],
-                        reps: int) -> dict[int, float]:
-    """Best-of-`reps` seconds of one jitted `weight_matmuls` step at each token count (its
-    logits rows min(num_tokens, max_num_seqs), as the engine's step computes them), on
-    activations of `dtype`. Pure: the caller passes the weights and sizes."""
-    import jax
-    import jax.numpy as jnp
-
-    out: dict[int, float] = {}
-    for n in num_tokens:
-        if n in out:
-            continue
-        rows = min(n, max_num_seqs)
-        fn = jax.jit(lambda p, x, _rows=rows: weight_matmuls(p, config, x, _rows))
-        x = jnp.full((n, config.hidden_size), 0.01, dtype)
-        out[n] = best_seconds(lambda _fn=fn, _x=x: _fn(params, _x).block_until_ready(), reps)
-    return out
+from jaxllm.benchmarks.roofline import fmt_s
 
 
 def matmul_floor(llm, step_shape_counts: dict[tuple[int, int], int],

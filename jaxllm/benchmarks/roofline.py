@@ -6,23 +6,12 @@ from __future__ import annotations
 
 import math
 import textwrap
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-
-def best_seconds(fn: Callable[[], Any], reps: int) -> float:
-    """Fastest of `reps` timed calls of `fn` after one untimed warm-up call."""
-    fn()
-    best = math.inf
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+from jaxllm.worker.matmul_timing import best_seconds
 
 
 def measure_gemm(n: int = 2048, reps: int = 3, dtype: str = "float32") -> dict[str, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,24 +72,25 @@ class EngineArgs:
             raise ValueError(f"kernel_backend {backend!r} is not one of {pallas_kernels.BACKENDS}")
         if self.block_size not in (16, 32):
             raise ValueError(f"block_size must be 16 or 32, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_n"):
+        for name, low, optional, why in (
+                ("max_num_seqs", 1, False, "a positive integer"),
+                ("max_num_batched_tokens", 1, False, "a positive integer"),
+                ("max_n", 1, False, "a positive integer"),
+                ("seed", 0, False, "a non-negative integer"),
+                ("max_model_len", 2, True, "an integer >= 2 (a prompt token and a new one) or "
+                                           "None for the model's"),
+                ("num_kv_blocks", 2, True, "an integer >= 2 (block 0 is reserved) or None"),
+                ("kv_cache_memory_bytes", 1, True, "a positive integer or None")):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (isinstance(self.max_model_len, bool) or
-                                               not isinstance(self.max_model_len, int) or
-                                               self.max_model_len < 2):
-            raise ValueError(f"max_model_len must be an integer >= 2 (a prompt token and a new "
-                             f"one) or None for the model's, got {self.max_model_len!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), "
-                             f"got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(f"kv_cache_memory_bytes must be positive, "
-                             f"got {self.kv_cache_memory_bytes}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+                    or value < low:
+                raise ValueError(f"{name} must be {why}, got {value!r}")
+            setattr(self, name, int(value))  # numpy integers stay out of the messages
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, numbers.Real) or not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),

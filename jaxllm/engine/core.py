@@ -284,7 +284,7 @@ class EngineCore:
     def time_weight_matmuls(self, num_tokens: list[int], reps: int = 3) -> dict[int, float]:
         """Best-of-`reps` seconds of one step's weight matmuls at each token count (the
         benchmarks' matmul floor; it needs the weights, which only the core holds)."""
-        from jaxllm.benchmarks.matmul_floor import time_weight_matmuls
+        from jaxllm.worker.matmul_timing import time_weight_matmuls
 
         r = self.runner
         return time_weight_matmuls(r.params, r.config, r.dtype, r.max_num_seqs, num_tokens, reps)

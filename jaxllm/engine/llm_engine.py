@@ -18,6 +18,7 @@ from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.processor import ProcessedRequest, Processor, PromptType
+from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.model_loader.default_model import default_model_path
 from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 from jaxllm.outputs import RequestOutput
@@ -27,11 +28,12 @@ from jaxllm.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, engine_args: EngineArgs | None = None) -> None:
         args = self.engine_args = engine_args or EngineArgs()
+        # The tokenizer first: a missing one fails in seconds, not after minutes of compiling.
+        path = default_model_path() if args.model is None else Path(args.model)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path)
         self.engine_core_client = EngineCoreClient.make_client(args)
         info: EngineCoreInfo = self.engine_core_client.call_utility("get_engine_info")
         self.core_info = info
-        path = default_model_path() if args.model is None else Path(args.model)
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path)
         eos = set(info.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -41,7 +43,7 @@ class LLMEngine:
         self._request_index = 0
         # Children of an n > 1 request wait until the first child has computed the prompt, so
         # they find its blocks in the prefix cache instead of recomputing them.
-        self._pending_children: dict[str, list[EngineCoreRequest]] = {}
+        self._pending_children: dict[str, tuple[str, list[EngineCoreRequest]]] = {}
         self.last_scheduler_stats = SchedulerStats()
         self.last_output_processing_s = 0.0
 
@@ -50,7 +52,7 @@ class LLMEngine:
         return cls(engine_args)
 
     @property
-    def model_config(self):
+    def model_config(self) -> ModelConfig:
         return self.core_info.model_config
 
     @property
@@ -83,25 +85,27 @@ class LLMEngine:
             raise ValueError(f"request id {req.request_id!r} is already in use (or one of its "
                              f"sequence ids {req.child_ids} is): {taken}")
         index = self._request_index
-        self._request_index += 1
         children = [c if c.seed is not None else
                     msgspec.structs.replace(c, seed=[self.engine_args.seed, index, i])
                     for i, c in enumerate(req.child_requests)]
-        self.output_processor.add_request(req.request_id, req.prompt, req.prompt_token_ids,
-                                          req.child_ids,
-                                          [c.sampling_params for c in children],
-                                          req.arrival_time)
         try:
+            self.output_processor.add_request(req.request_id, req.prompt, req.prompt_token_ids,
+                                              req.child_ids,
+                                              [c.sampling_params for c in children],
+                                              req.arrival_time)
             self.engine_core_client.add_request(children[0])
             if len(children) > 1:
                 if self.engine_args.enable_prefix_caching:
-                    self._pending_children[children[0].request_id] = children[1:]
+                    self._pending_children[children[0].request_id] = (req.request_id,
+                                                                      children[1:])
                 else:
                     for child in children[1:]:
                         self.engine_core_client.add_request(child)
         except BaseException:
             self.abort_request(req.request_id)  # whatever the core took, and the output state
             raise
+        # Only queued requests count, so a refused one does not shift later default seeds.
+        self._request_index += 1
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests (by the id given to add_request); returns their final outputs."""
@@ -113,8 +117,7 @@ class LLMEngine:
             if parent is None:
                 continue
             child_ids = [c.request_id for c in parent.children]
-            for cid in child_ids:
-                self._pending_children.pop(cid, None)
+            self._pending_children.pop(child_ids[0], None)
             self.engine_core_client.abort_requests(child_ids)
             out = self.output_processor.abort_parent(rid)
             if out is not None:
@@ -133,20 +136,30 @@ class LLMEngine:
         if core_outputs.scheduler_stats is not None:
             self.last_scheduler_stats = core_outputs.scheduler_stats
         outputs = core_outputs.outputs
-        for out in outputs:
-            pending = self._pending_children.pop(out.request_id, None)
-            if pending is not None:
-                for req in pending:
-                    self.engine_core_client.add_request(req)
         t = time.perf_counter()
         finished, to_abort = self.output_processor.process_outputs(outputs)
         self.last_output_processing_s = time.perf_counter() - t
         if to_abort:
             self.engine_core_client.abort_requests(to_abort)
-            for cid in to_abort:
-                for req in self._pending_children.pop(cid, []):
-                    self.engine_core_client.add_request(req)
+        for out in outputs:
+            # Not on a prompt-logprobs-only output of a partial prefill: the prompt is whole
+            # in the cache once the first sequence samples (or ends).
+            if not (out.new_token_ids or out.finished):
+                continue
+            pending = self._pending_children.pop(out.request_id, None)
+            if pending is not None:
+                self._add_pending_children(*pending, finished)
         return finished
+
+    def _add_pending_children(self, parent_id: str, children: list[EngineCoreRequest],
+                              finished: list[RequestOutput]) -> None:
+        """The first sequence has computed the prompt: queue the others. If the core refuses
+        one, the whole request ends as aborted (its output is returned) and the step goes on."""
+        try:
+            for child in children:
+                self.engine_core_client.add_request(child)
+        except Exception:
+            finished.extend(self.abort_request(parent_id))
 
     def describe(self) -> dict[str, Any]:
         info, args = self.core_info, self.engine_args

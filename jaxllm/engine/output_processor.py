@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from transformers import PreTrainedTokenizerBase
+
 from jaxllm.engine import EngineCoreOutput
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -64,7 +66,7 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.children: dict[str, RequestState] = {}
@@ -83,11 +85,13 @@ class OutputProcessor:
                                  logprobs=[] if sp.logprobs is not None else None,
                                  cumulative_logprob=0.0 if sp.logprobs is not None else None)
             children.append(state)
-            self.children[cid] = state
         first_params = child_params[0]
-        self.parents[parent_id] = ParentState(
+        parent = ParentState(
             parent_id, prompt, prompt_token_ids, children, RequestMetrics(arrival_time),
             prompt_logprobs=[None] if first_params.prompt_logprobs is not None else None)
+        # Registered only once everything is built: a failure above leaves nothing behind.
+        self.children.update((c.request_id, c) for c in children)
+        self.parents[parent_id] = parent
 
     def has_unfinished(self) -> bool:
         return bool(self.parents)

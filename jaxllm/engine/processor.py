@@ -75,15 +75,19 @@ class Processor:
             raise ValueError(f"the prompt of {num_prompt} tokens needs {need} KV blocks of "
                              f"{self.block_size} tokens; the whole KV cache holds "
                              f"{self.num_usable_blocks}")
-        arrival_time = arrival_time or time.time()
+        arrival_time = time.time() if arrival_time is None else arrival_time
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         children = []
         for i, cid in enumerate(child_request_ids(request_id, params.n)):
-            sp = params
+            # A copy: the caller may change or reuse its SamplingParams while this one runs.
+            sp = params.clone()
             if params.n > 1:
-                sp = params.clone()
                 sp.n = 1
                 sp.seed = None if params.seed is None else params.seed + i
+                if i > 0:
+                    # Only the first sequence reports prompt logprobs; the others then take
+                    # its prompt blocks from the prefix cache instead of recomputing them.
+                    sp.prompt_logprobs = None
             children.append(EngineCoreRequest(
                 request_id=cid, prompt_token_ids=processed.prompt_token_ids, sampling_params=sp,
                 eos_token_ids=sorted(self.eos_token_ids),
@@ -109,7 +113,7 @@ class Processor:
                 raw = list(raw)
                 # bool (and numpy bool) is no token id, though Python counts it as an int.
                 if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                           and type(t).__name__ != "bool_" for t in raw):
+                           for t in raw):
                     raise ValueError("prompt_token_ids must be integers")
                 token_ids = [int(t) for t in raw]
             else:

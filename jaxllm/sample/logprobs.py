@@ -21,11 +21,6 @@ class LogprobsLists(msgspec.Struct, array_like=True):
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def extend(self, other: LogprobsLists) -> None:
-        self.token_ids.extend(other.token_ids)
-        self.logprobs.extend(other.logprobs)
-        self.ranks.extend(other.ranks)
-
     def to_dicts(self) -> list[dict[int, Logprob]]:
         """One dict per row: the top-N tokens in rank order, then the scored token if it is not
         among them (vLLM's layout)."""

@@ -34,7 +34,8 @@ def _make_llm(args: argparse.Namespace, num_prompts: int):
     from jaxllm import LLM
 
     engine_args = EngineArgs.from_cli_args(
-        args, max_num_seqs=args.max_num_seqs or min(num_prompts, EngineArgs.max_num_seqs))
+        args, max_num_seqs=(min(num_prompts, EngineArgs.max_num_seqs)
+                      if args.max_num_seqs is None else args.max_num_seqs))
     kw = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)}
     return LLM(**kw)
 

@@ -1,0 +1,66 @@
+"""A step's weight matmuls alone, timed on the weights the worker holds: the benchmarks'
+matmul floor (jaxllm/benchmarks/matmul_floor.py) prices a run's step shapes with it through
+the engine core's `time_weight_matmuls` utility, since only the core has the weights."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.models.qwen2 import compute_logits, linear
+
+
+def best_seconds(fn: Callable[[], Any], reps: int) -> float:
+    """Fastest of `reps` timed calls of `fn` after one untimed warm-up call."""
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def decoder_matmuls(params: dict, config: ModelConfig, x: jax.Array) -> jax.Array:
+    """The decoder layers with everything but their weight matmuls removed: per layer qkv, o,
+    gate_up and down, with the SiLU gate and residual adds that chain them as in the model.
+    `params` needs only `layers_{i}` in the model's naming; `config` only the sizes used."""
+    q_width = config.num_attention_heads * config.head_dim
+    inter = config.intermediate_size
+    for i in range(config.num_hidden_layers):
+        attn, mlp = params[f"layers_{i}"]["self_attn"], params[f"layers_{i}"]["mlp"]
+        qkv = linear(x, attn["qkv_proj"]["weight"])
+        x = x + linear(qkv[:, :q_width], attn["o_proj"]["weight"])
+        gate_up = linear(x, mlp["gate_up_proj"]["weight"])
+        x = x + linear(jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:],
+                       mlp["down_proj"]["weight"])
+    return x
+
+
+def weight_matmuls(params: dict, config: ModelConfig, x: jax.Array,
+                   logits_rows: int) -> jax.Array:
+    """`decoder_matmuls`, then the LM head on the first `logits_rows` rows, as the engine's
+    step runs it: the model's forward pass with nothing but its weight matmuls."""
+    return compute_logits(params, config, decoder_matmuls(params, config, x)[:logits_rows])
+
+
+def time_weight_matmuls(params: dict, config: ModelConfig, dtype: Any, max_num_seqs: int,
+                        num_tokens: list[int], reps: int) -> dict[int, float]:
+    """Best-of-`reps` seconds of one jitted `weight_matmuls` step at each token count (its
+    logits rows min(num_tokens, max_num_seqs), as the engine's step computes them), on
+    activations of `dtype`. Pure: the caller passes the weights and sizes."""
+    out: dict[int, float] = {}
+    for n in num_tokens:
+        if n in out:
+            continue
+        rows = min(n, max_num_seqs)
+        fn = jax.jit(lambda p, x, _rows=rows: weight_matmuls(p, config, x, _rows))
+        x = jnp.full((n, config.hidden_size), 0.01, dtype)
+        out[n] = best_seconds(lambda _fn=fn, _x=x: _fn(params, _x).block_until_ready(), reps)
+    return out
