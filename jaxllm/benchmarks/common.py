@@ -5,15 +5,20 @@ result JSON."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxllm.benchmarks.datasets import TokenSampler, Workload
 from jaxllm.benchmarks.hf_runner import HFRunner
 from jaxllm.benchmarks.roofline import measure_machine
+from jaxllm.engine.arg_utils import EngineArgs
+
+if TYPE_CHECKING:
+    from jaxllm import LLM
 
 
 def sampling_params(out_len: int, ignore_eos: bool):
@@ -29,20 +34,12 @@ def warm_up(llm, sampler: TokenSampler) -> None:
                  use_tqdm=False)
 
 
-def make_llm(args: argparse.Namespace, max_num_seqs: int):
+def make_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
     from jaxllm import LLM
 
-    kw: dict[str, Any] = dict(kernel_backend=args.kernel_backend, seed=args.seed,
-                              max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
-                              skip_tokenizer_init=args.skip_tokenizer_init,
-                              show_progress=not args.no_progress)
-    if args.max_num_batched_tokens is not None:
-        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.num_kv_blocks is not None:
-        kw["num_kv_blocks"] = args.num_kv_blocks
-    if args.no_prefix_caching:
-        kw["enable_prefix_caching"] = False
-    return LLM(model=args.model, dtype=args.dtype, **kw)
+    engine_args = EngineArgs.from_cli_args(args, max_num_seqs=max_num_seqs,
+                                           show_progress=not args.no_progress)
+    return LLM(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
 def check_fits(llm, workload: Workload) -> None:

@@ -96,20 +96,21 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
                      help_overrides: dict[str, str] | None = None) -> argparse.ArgumentParser:
         """One `--option` per field, with the field's default, so the CLI and the Python API
-        cannot disagree. A field in `help_overrides` gets that help text and no default (None):
-        the caller decides its value and says how in the text."""
+        cannot disagree. `help_overrides` replaces a field's help text (a caller that derives a
+        field's value itself says so there and sets its parser default to None)."""
         group = parser.add_argument_group("engine")
         overrides = help_overrides or {}
         for f in dataclasses.fields(EngineArgs):
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            default = None if f.name in overrides else f.default
+            default = f.default
             help_text = overrides.get(f.name, _HELP.get(f.name, ""))
             if isinstance(default, bool):
                 if default:
                     group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,
-                                       action="store_false", help=f"turn off: {help_text}")
+                                       action="store_false",
+                                       help=f"turn off: {help_text} (on by default)")
                 else:
                     group.add_argument(flag, action="store_true", help=help_text)
                 continue
@@ -118,7 +119,7 @@ class EngineArgs:
                 kind = str
             choices = {"dtype": DTYPES, "kernel_backend": pallas_kernels.BACKENDS,
                        "block_size": (16, 32)}.get(f.name)
-            shown = "" if default is None else f" (default: {default})"
+            shown = "" if default is None or f.name in overrides else f" (default: {default})"
             group.add_argument(flag, type=kind, default=default, choices=choices,
                                help=help_text + shown)
         return parser

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 
+from jaxllm.engine.arg_utils import EngineArgs
+
 # The parser imports nothing from jaxllm.benchmarks: each command's module (and jax, torch, ...)
 # is imported when that command runs, so `jaxllm generate` / `jaxllm chat` never load them.
 
-DEFAULT_MAX_MODEL_LEN = 4096
 
 
 def _run_throughput(args: argparse.Namespace) -> int:
@@ -61,28 +62,17 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _add_common_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="checkpoint directory or .gguf file (default: the embedded model)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: float32 on CPU, bfloat16 on GPU")
-    g.add_argument("--kernel-backend", default=None, choices=["pallas", "interpret", "reference"],
-                   help="default: pallas on GPU, reference on CPU")
-    g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="default: what the workload runs at once (throughput: the number of "
+    # The engine's own options and defaults (EngineArgs); the bench sizes max_num_seqs to its
+    # workload unless told, and its --seed also seeds the synthetic prompts.
+    EngineArgs.add_cli_args(p, skip=("show_progress",), help_overrides={
+        "max_num_seqs": "default: what the workload runs at once (throughput: the number of "
                         "prompts, at most 256; latency: the batch size; sweep: the largest "
-                        "batch), raised to the largest --profile-batch-sizes with --profile")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default: the engine's, 512)")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="default: from the memory budget (1 GiB on CPU)")
-    g.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
-                   help="longest prompt + output")
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   help="turn the prefix cache off")
-    g.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="no tokenizer: token-id prompts only, no detokenizing")
-    g.add_argument("--seed", type=int, default=0, help="seeds the engine and the synthetic prompts")
+                        "batch), raised to the largest --profile-batch-sizes with --profile",
+        "seed": "seeds the engine and the synthetic prompts (default: 0)"})
+    p.set_defaults(max_num_seqs=None)
+    # The spelling the recorded benchmark commands use.
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help=argparse.SUPPRESS)
     r = p.add_argument_group("baselines")
     r.add_argument("--compare-hf", action="store_true",
                    help="run the same workload through HF transformers' generate")

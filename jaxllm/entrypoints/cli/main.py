@@ -19,6 +19,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, skip=("show_progress",), help_overrides={
         "max_num_seqs": f"sequences per step (default: the number of prompts, at most "
                         f"{EngineArgs.max_num_seqs})"})
+    parser.set_defaults(max_num_seqs=None)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
