@@ -9,24 +9,25 @@ from typing import Any
 @dataclass
 class ScheduledRequest:
     """One request's share of a step: compute `token_ids` at positions
-    `start_position, start_position + 1, ...`, writing their KV through `block_ids`.
+    `start_position, start_position + 1, ...`.
 
-    Slot of position p: block_ids[p // block_size] * block_size + p % block_size. The blocks
-    cover at least `start_position + len(token_ids)` tokens; the KV of positions below
-    `start_position` is already in them.
+    The runner keeps each running request's block table (its persistent batch): a request
+    scheduled `is_new` brings its whole table in `new_block_ids`; a continuing one only the
+    blocks allocated this step, to append. Slot of position p: table[p // block_size] *
+    block_size + p % block_size. The table covers at least `start_position + len(token_ids)`
+    tokens; the KV of positions below `start_position` is already in it.
     """
 
     request_id: str
     token_ids: list[int]
     # The request's num_computed_tokens before this step.
     start_position: int
-    # The whole block table, not only the blocks added this step.
-    block_ids: list[int]
+    new_block_ids: list[int]
     # False for a prefill chunk that stops short of the end of the sequence: no token is
     # sampled from it (vLLM V0's do_sample).
     do_sample: bool
     # True when the request comes from the waiting queue this step (first schedule or resumed
-    # after preemption): the runner holds no state for it.
+    # after preemption): the runner holds no state for it, and new_block_ids is its whole table.
     is_new: bool
     # Opaque Request.sampling_params, so the runner needs nothing but this object.
     sampling_params: Any = None

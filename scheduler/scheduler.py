@@ -183,7 +183,7 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             scheduled = True
-            while kv.allocate_slots(request, num_new) is None:
+            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
                 if len(self.running) == 1:
                     self.running.pop()
                     self._finish_unfittable(request)
@@ -197,7 +197,8 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            self._add_to_output(out, request, num_new, is_new=False)
+            self._add_to_output(out, request, num_new, [b.block_id for b in new_blocks],
+                                is_new=False)
             budget -= num_new
             i += 1
 
@@ -228,14 +229,20 @@ class Scheduler:
             if kv.enable_caching and not request.skip_prefix_cache:
                 out.num_prefix_cache_queries += request.num_tokens
                 out.num_prefix_cache_hits += num_hit
-            self._add_to_output(out, request, num_new, is_new=True)
+            self._add_to_output(out, request, num_new, kv.get_block_ids(request.request_id),
+                                is_new=True)
             budget -= num_new
 
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
 
     def _add_to_output(
-        self, out: SchedulerOutput, request: Request, num_new: int, is_new: bool
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        num_new: int,
+        new_block_ids: list[int],
+        is_new: bool,
     ) -> None:
         start = request.num_computed_tokens
         rid = request.request_id
@@ -244,7 +251,7 @@ class Scheduler:
                 request_id=rid,
                 token_ids=request.all_token_ids[start : start + num_new],
                 start_position=start,
-                block_ids=self.kv_cache_manager.get_block_ids(rid),
+                new_block_ids=new_block_ids,
                 do_sample=start + num_new == request.num_tokens,
                 is_new=is_new,
                 sampling_params=request.sampling_params,

@@ -81,6 +81,18 @@ class FakeRunner:
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.bs = cfg.block_size
         self.kv: list[list[int | None]] = [[None] * self.bs for _ in range(cfg.num_blocks)]
+        # Block tables kept as a runner keeps them: only from each step's new_block_ids.
+        self.tables: dict[str, list[int]] = {}
+
+    def update_tables(self, out: SchedulerOutput) -> None:
+        for rid in [*out.finished_req_ids, *out.preempted_req_ids]:
+            self.tables.pop(rid, None)
+        for item in out.scheduled:
+            if item.is_new:
+                assert item.request_id not in self.tables
+                self.tables[item.request_id] = list(item.new_block_ids)
+            else:
+                self.tables[item.request_id].extend(item.new_block_ids)
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         bs = self.bs
@@ -88,11 +100,11 @@ class FakeRunner:
         for item in out.scheduled:
             for j, tok in enumerate(item.token_ids):
                 p = item.start_position + j
-                self.kv[item.block_ids[p // bs]][p % bs] = tok
+                self.kv[self.tables[item.request_id][p // bs]][p % bs] = tok
         sampled = {}
         for item in out.scheduled:
             if item.do_sample:
-                ids = item.block_ids
+                ids = self.tables[item.request_id]
                 history = [self.kv[ids[p // bs]][p % bs] for p in range(item.seq_len)]
                 sampled[item.request_id] = [fake_next(history)]
         return sampled
@@ -124,7 +136,8 @@ def check_pool(sched: Scheduler) -> None:
     assert arrivals == sorted(arrivals)
 
 
-def check_step(sched: Scheduler, out: SchedulerOutput, stats: RunStats) -> None:
+def check_step(sched: Scheduler, out: SchedulerOutput, tables: dict[str, list[int]],
+               stats: RunStats) -> None:
     cfg = sched.config
     bs = cfg.block_size
     pool = sched.kv_cache_manager.block_pool
@@ -147,12 +160,13 @@ def check_step(sched: Scheduler, out: SchedulerOutput, stats: RunStats) -> None:
         assert out.num_scheduled_tokens[item.request_id] == n
         assert item.token_ids == req.all_token_ids[start : start + n]
         assert item.do_sample == (start + n == req.num_tokens)
-        assert len(item.block_ids) * bs >= start + n
-        assert len(item.block_ids) == -(-(start + n) // bs)
-        assert item.block_ids == sched.kv_cache_manager.get_block_ids(item.request_id)
+        table = tables[item.request_id]
+        assert len(table) * bs >= start + n
+        assert len(table) == -(-(start + n) // bs)
+        assert table == sched.kv_cache_manager.get_block_ids(item.request_id)
         assert start + n <= cfg.max_model_len
         # Blocks written this step belong to this request alone.
-        for b in item.block_ids[start // bs : (start + n - 1) // bs + 1]:
+        for b in table[start // bs : (start + n - 1) // bs + 1]:
             assert pool.blocks[b].ref_cnt == 1
         if not item.do_sample:
             stats.partial_prefills += 1
@@ -181,7 +195,8 @@ def run(
             sched.add_request(req)
             tokens[req.request_id] = []
         out = sched.schedule()
-        check_step(sched, out, stats)
+        runner.update_tables(out)
+        check_step(sched, out, runner.tables, stats)
         for o in sched.update_from_output(out, runner.execute(out)):
             assert o.request_id not in results
             tokens[o.request_id] += o.new_token_ids

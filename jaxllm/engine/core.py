@@ -163,6 +163,7 @@ class EngineCore:
         stats.prefix_cache_queries = so.num_prefix_cache_queries
         stats.prefix_cache_hits = so.num_prefix_cache_hits
         if so.is_empty:
+            self.runner.update_states(so)
             outputs = self._make_outputs(self.scheduler.update_from_output(so, {}), stats)
             self._forget_finished(outputs)
             return outputs

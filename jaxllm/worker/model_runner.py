@@ -11,9 +11,10 @@ start-up, so serving never compiles:
     max_num_batched_tokens) with max_query_len = T;
   - the sequence count S and the number of logits rows are min(T, max_num_seqs), so they follow
     T and add no bucket dimension.
-Block tables are always max_model_len wide. The KV array is one preallocated buffer, sized from
-a memory budget (`initialize_kv_cache`, after `measure_activation_bytes` on a GPU), donated to
-every step so XLA updates it in place.
+Block tables are always max_model_len wide; each running request keeps its row in the
+persistent InputBatch, updated from each SchedulerOutput's new block ids. The KV array is one
+preallocated buffer, sized from a memory budget (`initialize_kv_cache`, after
+`measure_activation_bytes` on a GPU), donated to every step so XLA updates it in place.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from jaxllm.model_executor.models.qwen2 import (
     kv_cache_shape,
     rope_variables,
 )
+from jaxllm.worker.input_batch import InputBatch
 from scheduler import SchedulerOutput
 
 # Prompt-logprob rows go through the LM head in chunks of this many rows (one compiled shape).
@@ -113,6 +115,7 @@ class ModelRunner:
         self.model = Qwen2ForCausalLM(config, dtype=dtype, kernel_backend=kernel_backend)
         self.rope = rope_variables(config)
         self.kv_cache: jax.Array | None = None
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size)
         self._step = jax.jit(self._forward, static_argnames=("max_query_len",),
                              donate_argnames=("kv_cache",))
         self._logits_fn = jax.jit(lambda params, h: compute_logits(params, config, h))
@@ -189,6 +192,11 @@ class ModelRunner:
 
     # --- one step -----------------------------------------------------------------------------
 
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply a schedule to the persistent batch; also for a step with nothing to run, so
+        that the requests it reports finished free their rows."""
+        self.input_batch.update_states(so)
+
     def execute_model(self, so: SchedulerOutput,
                       prompt_logprob_reqs: dict[str, int] | None = None) -> ModelRunnerOutput:
         """Run one step. `prompt_logprob_reqs` maps a request id to the number of prompt
@@ -196,39 +204,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         reqs = so.scheduled
         num_tokens = so.total_num_scheduled_tokens
-        decode_only = all(r.num_tokens == 1 for r in reqs)
+        decode_only = num_tokens == len(reqs)  # every request computes one token
         padded = self.bucket_for(num_tokens, decode_only)
         num_seqs = min(padded, self.max_num_seqs)
         max_query_len = 1 if decode_only else padded
-        bs = self.block_size
-
-        input_ids = np.zeros(padded, np.int32)
-        positions = np.zeros(padded, np.int32)
-        slot_mapping = np.full(padded, -1, np.int32)
-        block_tables = np.zeros((num_seqs, self.max_blocks_per_seq), np.int32)
-        seq_lens = np.zeros(num_seqs, np.int32)
-        query_start_loc = np.zeros(num_seqs + 1, np.int32)
-        logits_indices = np.zeros(num_seqs, np.int32)
-        sample_req_ids = []
-        offset = 0
-        for i, r in enumerate(reqs):
-            n = r.num_tokens
-            end = offset + n
-            input_ids[offset:end] = r.token_ids
-            pos = np.arange(r.start_position, r.start_position + n, dtype=np.int32)
-            positions[offset:end] = pos
-            blocks = np.asarray(r.block_ids, np.int32)
-            block_tables[i, :len(blocks)] = blocks
-            slot_mapping[offset:end] = blocks[pos // bs] * bs + pos % bs
-            seq_lens[i] = r.seq_len
-            query_start_loc[i + 1] = end
-            if r.do_sample:
-                logits_indices[len(sample_req_ids)] = end - 1
-                sample_req_ids.append(r.request_id)
-            offset = end
-        query_start_loc[len(reqs) + 1:] = offset
-        md = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc,
-                               logits_indices)
+        self.update_states(so)
+        inputs = self.input_batch.prepare_inputs(so, padded, num_seqs)
+        input_ids, positions = inputs.input_ids, inputs.positions
+        sample_req_ids = inputs.sample_req_ids
+        md = AttentionMetadata(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
+                               inputs.query_start_loc, inputs.logits_indices)
         t1 = time.perf_counter()
         step = self._compiled.get((padded, max_query_len))
         if step is None:
