@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -71,14 +71,27 @@ def lower_for_cuda(fn, args: Sequence) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def run_checks(
+@dataclass(frozen=True)
+class Case:
+    """One lowering case; `fn(*args)` is None when its module or case builder failed (`error`)."""
+
+    module: str
+    kernel: str
+    model: str
+    dtype: str
+    phase: str
+    fn: Callable | None = None
+    args: tuple = ()
+    error: str = ""
+
+
+def iter_cases(
     modules: Sequence[str] = KERNEL_MODULES,
     models: Sequence[ModelShape] = MODEL_SHAPES,
     dtypes: Sequence = DTYPES,
     phases: Sequence[str] = PHASES,
-) -> list[Result]:
-    """Lower every case of every module; failures are recorded, never raised."""
-    results: list[Result] = []
+) -> Iterator[Case]:
+    """Every case of every module (check_compile walks the same list); failures are yielded."""
     for mod_name in modules:
         try:
             # importlib, not attribute access: the package re-exports functions under the same
@@ -86,8 +99,7 @@ def run_checks(
             mod = importlib.import_module(f"pallas_kernels.{mod_name}")
             cases_fn = mod.lowering_cases
         except (ImportError, AttributeError) as exc:
-            results.append(Result(mod_name, mod_name, "*", "*", "*", False,
-                                  f"missing: {_first_line(exc)}"))
+            yield Case(mod_name, mod_name, "*", "*", "*", error=f"missing: {_first_line(exc)}")
             continue
         for model in models:
             for dtype in dtypes:
@@ -96,18 +108,32 @@ def run_checks(
                     try:
                         cases = cases_fn(model, dtype, phase)
                     except Exception as exc:  # a broken case builder is a failure, not a crash
-                        results.append(Result(mod_name, mod_name, model.name, dname, phase,
-                                              False, _first_line(exc)))
+                        yield Case(mod_name, mod_name, model.name, dname, phase,
+                                   error=_first_line(exc))
                         continue
                     for kernel, fn, args in cases:
-                        try:
-                            text = lower_for_cuda(fn, args)
-                            ok = _TRITON_CALL in text
-                            err = "" if ok else "no Triton custom call in the lowered module"
-                        except Exception as exc:
-                            ok, err = False, _first_line(exc)
-                        results.append(Result(mod_name, kernel, model.name, dname, phase, ok,
-                                              err))
+                        yield Case(mod_name, kernel, model.name, dname, phase, fn, tuple(args))
+
+
+def run_checks(
+    modules: Sequence[str] = KERNEL_MODULES,
+    models: Sequence[ModelShape] = MODEL_SHAPES,
+    dtypes: Sequence = DTYPES,
+    phases: Sequence[str] = PHASES,
+) -> list[Result]:
+    """Lower every case of every module; failures are recorded, never raised."""
+    results: list[Result] = []
+    for case in iter_cases(modules, models, dtypes, phases):
+        ok, err = False, case.error
+        if case.fn is not None:
+            try:
+                text = lower_for_cuda(case.fn, case.args)
+                ok = _TRITON_CALL in text
+                err = "" if ok else "no Triton custom call in the lowered module"
+            except Exception as exc:
+                ok, err = False, _first_line(exc)
+        results.append(Result(case.module, case.kernel, case.model, case.dtype, case.phase, ok,
+                              err))
     return results
 
 
