@@ -1,5 +1,5 @@
 """Every kernel compiles to sm_90a machine code that fits an H100 SM without spilling registers, or
-is on the known-failures list (pip triton, no GPU; see pallas_kernels/check_compile.py)."""
+is on the known-failures list (pip triton, no GPU; see pallas_kernels/check_compile.py and triton_compile.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import pytest
 import triton  # noqa: F401
 
 from pallas_kernels import check_compile as cc
+from pallas_kernels import triton_compile as tc
 from pallas_kernels.check_lowering import MODEL_SHAPES, iter_cases
 
-H100 = cc.ARCHES["sm_90a"]
-A100 = cc.ARCHES["sm_80"]
+H100 = tc.ARCHES["sm_90a"]
+A100 = tc.ARCHES["sm_80"]
 KIB = 1024
 
 
@@ -80,34 +81,34 @@ def test_sm80_compiles_in_process() -> None:
 def test_occupancy_arithmetic() -> None:
     # 255 registers -> 8192 per warp (255 * 32 = 8160, rounded up to 256s): 2 warps in each of
     # the 4 sub-partitions of 16384 -> 8 warps -> 2 blocks of 4 warps.
-    occ = cc.occupancy(H100, 255, 4, 0)
+    occ = tc.occupancy(H100, 255, 4, 0)
     assert (occ.blocks, occ.warps, occ.fraction, occ.limiter) == (2, 8, 0.125, "regs")
     # Allocation granularity: 33 registers -> 1056 -> 1280 per warp -> 12 warps per
     # sub-partition -> 48 warps -> 12 blocks of 4 (unrounded 1056 would give 15).
-    assert cc.occupancy(H100, 33, 4, 0).blocks == 12
+    assert tc.occupancy(H100, 33, 4, 0).blocks == 12
     # Sub-partitions: 96 registers -> 3072 per warp; 16384 // 3072 = 5 -> 20 one-warp blocks
     # (65536 // 3072 = 21 if the register file were one pool).
-    assert cc.occupancy(H100, 96, 1, 0).by_limit["regs"] == 20
+    assert tc.occupancy(H100, 96, 1, 0).by_limit["regs"] == 20
     # Shared memory: 80 KiB + the 1 KiB reserve = 81 KiB -> 228 // 81 = 2 blocks on an H100.
-    occ = cc.occupancy(H100, 32, 8, 80 * KIB)
+    occ = tc.occupancy(H100, 32, 8, 80 * KIB)
     assert (occ.blocks, occ.limiter, occ.by_limit["regs"]) == (2, "shared", 8)
     # 113 KiB + 1 KiB = 114 KiB: exactly 2 blocks of 228 KiB; one byte more rounds up to the
     # next 128-byte unit and leaves 1.
-    assert cc.occupancy(H100, 32, 4, 113 * KIB).blocks == 2
-    assert cc.occupancy(H100, 32, 4, 113 * KIB + 1).blocks == 1
+    assert tc.occupancy(H100, 32, 4, 113 * KIB).blocks == 2
+    assert tc.occupancy(H100, 32, 4, 113 * KIB + 1).blocks == 1
     # The per-block opt-in maximum is 227 KiB (+ reserve) on an H100, 163 KiB on an A100.
-    assert cc.occupancy(H100, 32, 4, 227 * KIB).blocks == 1
-    assert cc.occupancy(H100, 32, 4, 227 * KIB + 1).blocks == 0
-    assert cc.occupancy(A100, 32, 4, 163 * KIB).blocks == 1
-    assert cc.occupancy(A100, 32, 4, 163 * KIB + 1).blocks == 0
-    assert cc.occupancy(A100, 32, 4, 80 * KIB).blocks == 2  # 164 // 81
+    assert tc.occupancy(H100, 32, 4, 227 * KIB).blocks == 1
+    assert tc.occupancy(H100, 32, 4, 227 * KIB + 1).blocks == 0
+    assert tc.occupancy(A100, 32, 4, 163 * KIB).blocks == 1
+    assert tc.occupancy(A100, 32, 4, 163 * KIB + 1).blocks == 0
+    assert tc.occupancy(A100, 32, 4, 80 * KIB).blocks == 2  # 164 // 81
     # Block and warp limits: tiny one-warp blocks stop at 32 blocks (50% of 64 warps); 8-warp
     # blocks at 8 (64 warps); more than 1024 threads never fit.
-    occ = cc.occupancy(H100, 24, 1, 0)
+    occ = tc.occupancy(H100, 24, 1, 0)
     assert (occ.blocks, occ.fraction, occ.limiter) == (32, 0.5, "blocks")
-    occ = cc.occupancy(H100, 32, 8, 0)
+    occ = tc.occupancy(H100, 32, 8, 0)
     assert (occ.blocks, occ.fraction, occ.limiter) == (8, 1.0, "regs+warps")
-    assert cc.occupancy(H100, 16, 33, 0).blocks == 0
+    assert tc.occupancy(H100, 16, 33, 0).blocks == 0
 
 
 def test_tool_output_parsers() -> None:
@@ -115,19 +116,19 @@ def test_tool_output_parsers() -> None:
            "ptxas info    : Function properties for paged_attention\n"
            "    240 bytes stack frame, 412 bytes spill stores, 324 bytes spill loads\n"
            "ptxas info    : Used 255 registers, used 1 barriers, 240 bytes cumulative stack size\n")
-    assert cc.parse_ptxas_log(log) == {"registers": 255, "stack": 240, "spill_stores": 412,
+    assert tc.parse_ptxas_log(log) == {"registers": 255, "stack": 240, "spill_stores": 412,
                                        "spill_loads": 324}
     usage = ("Resource usage:\n Common:\n  GLOBAL:11 CONSTANT[4]:8\n Function paged_attention:\n"
              "  REG:255 STACK:240 SHARED:1024 LOCAL:0 CONSTANT[0]:600 TEXTURE:0 SURFACE:0\n")
-    assert cc.parse_resource_usage(usage) == {"registers": 255, "stack": 240,
+    assert tc.parse_resource_usage(usage) == {"registers": 255, "stack": 240,
                                               "static_shared": 1024, "local": 0}
     with pytest.raises(ValueError):
-        cc.parse_ptxas_log("ptxas info    : Compile time = 1 ms")
+        tc.parse_ptxas_log("ptxas info    : Compile time = 1 ms")
     dot = "%0 = tt.dot %a, %b, %c"
-    assert cc.matmul_kind(dot, "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == "wgmma"
-    assert cc.matmul_kind(dot, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == "mma"
-    assert cc.matmul_kind(dot, "fma.rn.f32 %f1, %f2, %f3, %f4;") == "FMA"
-    assert cc.matmul_kind("tt.load", "fma.rn.f32") == "-"
+    assert tc.matmul_kind(dot, "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == "wgmma"
+    assert tc.matmul_kind(dot, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == "mma"
+    assert tc.matmul_kind(dot, "fma.rn.f32 %f1, %f2, %f3, %f4;") == "FMA"
+    assert tc.matmul_kind("tt.load", "fma.rn.f32") == "-"
 
 
 def test_known_failures_list_parses() -> None:
