@@ -1,5 +1,6 @@
 """Every kernel compiles to sm_90a machine code that fits an H100 SM without spilling registers, or
-is on the known-failures list (pip triton, no GPU; see pallas_kernels/check_compile.py and triton_compile.py)."""
+is on the known-failures list (pip triton, no GPU; see pallas_kernels/check_compile.py and
+triton_compile.py)."""
 
 from __future__ import annotations
 
