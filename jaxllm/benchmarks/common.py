@@ -27,7 +27,7 @@ def sampling_params(out_len: int, ignore_eos: bool):
     return SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=ignore_eos)
 
 
-def warm_up(llm, sampler: TokenSampler) -> None:
+def warm_up(llm: LLM, sampler: TokenSampler) -> None:
     """One short request, so first-call costs do not land in the measurement."""
     rng = np.random.default_rng(12345)
     llm.generate([{"prompt_token_ids": sampler.sample(rng, 4)}], sampling_params(2, True),
@@ -42,7 +42,7 @@ def make_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
     return LLM(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
-def check_fits(llm, workload: Workload) -> None:
+def check_fits(llm: LLM, workload: Workload) -> None:
     longest = max(p + o for p, o in zip(workload.prompt_lens, workload.output_lens, strict=True))
     limit = llm.llm_engine.max_model_len
     if longest > limit:
@@ -50,14 +50,14 @@ def check_fits(llm, workload: Workload) -> None:
                          f"is {limit}; raise --max-model-len")
 
 
-def machine_for(args: argparse.Namespace, llm) -> dict[str, float] | None:
+def machine_for(args: argparse.Namespace, llm: LLM) -> dict[str, float] | None:
     if args.no_roofline:
         return None
     return measure_machine(args.roofline_gemm_size, args.roofline_copy_mib,
                            dtype=llm.llm_engine.describe()["dtype"])
 
 
-def make_hf_runner(args: argparse.Namespace, llm) -> HFRunner:
+def make_hf_runner(args: argparse.Namespace, llm: LLM) -> HFRunner:
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 

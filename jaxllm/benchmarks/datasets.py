@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxllm import LLM
 
 
 @dataclass
@@ -55,7 +58,7 @@ class TokenSampler:
         return [int(t) for t in rng.choice(self.allowed, size=length)]
 
 
-def token_sampler_for(llm) -> TokenSampler:
+def token_sampler_for(llm: LLM) -> TokenSampler:
     engine = llm.llm_engine
     cfg = engine.model_config
     special = {t for t in (cfg.bos_token_id, cfg.eos_token_id) if t is not None}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -34,8 +34,11 @@ from jaxllm.benchmarks.metrics import latency_metrics
 from jaxllm.benchmarks.profile import maybe_profile
 from jaxllm.benchmarks.roofline import ModelCost, print_roofline, roofline, workload_cost
 
+if TYPE_CHECKING:
+    from jaxllm import LLM
 
-def run_jaxllm_latency(llm, sampler: TokenSampler, batch_size: int, input_len: int,
+
+def run_jaxllm_latency(llm: LLM, sampler: TokenSampler, batch_size: int, input_len: int,
                        output_len: int, num_iters: int, num_iters_warmup: int, seed: int,
                        use_tqdm: bool = True) -> dict[str, Any]:
     """Each iteration sends a fresh batch (so the prefix cache cannot skip prefills)."""

@@ -5,12 +5,15 @@ into "XLA's matmul rate" and "everything else"."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxllm.benchmarks.roofline import fmt_s
 
+if TYPE_CHECKING:
+    from jaxllm import LLM
 
-def matmul_floor(llm, step_shape_counts: dict[tuple[int, int], int],
+
+def matmul_floor(llm: LLM, step_shape_counts: dict[tuple[int, int], int],
                  reps: int = 3) -> dict[str, Any]:
     """Seconds the steps in `step_shape_counts` ((num_tokens, max_query_len) -> steps, as
     the engine counts them) take through `weight_matmuls` alone: best of `reps` per shape."""

@@ -7,13 +7,16 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.benchmarks.common import sampling_params
 from jaxllm.benchmarks.datasets import TokenSampler
+
+if TYPE_CHECKING:
+    from jaxllm import LLM
 
 PROFILE_PHASES = ("schedule", "prepare_inputs", "device_step", "logits_transfer", "sampling",
                   "update", "detokenize", "other")
@@ -25,7 +28,7 @@ class _StepRecord:
     parts: dict[str, float] = field(default_factory=dict)
 
 
-def profile_steps(llm, sampler: TokenSampler, batch_sizes: list[int], input_len: int,
+def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input_len: int,
                   num_steps: int, seed: int = 0, warmup_steps: int = 2,
                   use_tqdm: bool = True) -> list[dict[str, Any]]:
     """Host time per engine step in decode steady state (every request of the batch decoding,
@@ -115,7 +118,7 @@ def print_profile(results: list[dict[str, Any]]) -> None:
         f"{r['decode_tokens_per_second']:>20.1f}" for r in done))
 
 
-def maybe_profile(args: argparse.Namespace, llm, sampler: TokenSampler,
+def maybe_profile(args: argparse.Namespace, llm: LLM, sampler: TokenSampler,
                   result: dict[str, Any]) -> None:
     """With --profile, run `profile_steps` after the benchmark and print its table."""
     if not args.profile:

@@ -7,11 +7,14 @@ from __future__ import annotations
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxllm.worker.matmul_timing import best_seconds
+
+if TYPE_CHECKING:
+    from jaxllm import LLM
 
 
 def measure_gemm(n: int = 2048, reps: int = 3, dtype: str = "float32") -> dict[str, float]:
@@ -91,7 +94,7 @@ class ModelCost:
     head_dim: int
 
     @classmethod
-    def from_llm(cls, llm) -> ModelCost:
+    def from_llm(cls, llm: LLM) -> ModelCost:
         engine = llm.llm_engine
         cfg = engine.model_config
         w = engine.get_weight_stats()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxllm.benchmarks.common import (
     args_dict,
@@ -30,8 +30,11 @@ from jaxllm.benchmarks.metrics import throughput_metrics
 from jaxllm.benchmarks.profile import maybe_profile
 from jaxllm.benchmarks.roofline import ModelCost, print_roofline, roofline, workload_cost
 
+if TYPE_CHECKING:
+    from jaxllm import LLM
 
-def run_jaxllm_throughput(llm, workload: Workload, ignore_eos: bool,
+
+def run_jaxllm_throughput(llm: LLM, workload: Workload, ignore_eos: bool,
                           use_tqdm: bool = True) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = [sampling_params(n, ignore_eos) for n in workload.output_lens]
