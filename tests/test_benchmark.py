@@ -269,3 +269,35 @@ def test_cli_parser_does_not_import_the_benchmarks():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.real_model  # its tokenizer is the embedded model's
+def test_tiny_qwen2_is_a_real_qwen2_and_benches_the_host_path(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.benchmarks.tiny_model import tiny_qwen2_path
+
+    path = tiny_qwen2_path()
+    assert tiny_qwen2_path() == path  # written once, then reused
+    # Hugging Face reads the same checkpoint: identical greedy tokens through both.
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompt = [9707, 1879, 11, 1246]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                           min_new_tokens=8)[0, len(prompt):].tolist()
+    llm = LLM(model=str(path), max_model_len=64, max_num_seqs=2, show_progress=False)
+    got = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want
+    assert llm.get_tokenizer().encode("Hello world") == [9707, 1879]
+    res = _run(["bench", "latency", "--model", "tiny-qwen2", "--batch-size", "2",
+                "--input-len", "8", "--output-len", "4", "--num-iters", "1",
+                "--num-iters-warmup", "0", "--no-roofline", "--profile",
+                "--profile-batch-sizes", "2", "--profile-input-len", "8", "--profile-steps", "2",
+                "--max-model-len", "64", "--no-progress"], tmp_path / "tiny.json")
+    assert res["engine"]["model"] == str(path)
+    (prof,) = res["profile"]
+    assert prof["batch_size"] == 2 and prof["step_ms"] > 0
