@@ -21,7 +21,16 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import check_backend, next_pow2, prev_pow2
 
 # Elements (of one half head) a program rotates per input; bounds register use per program.
-_BLOCK_ELEMS = 4096
+_BLOCK_ELEMS = 2048
+# Warps per program: enough that each thread holds about this many elements of each of the four
+# [rows, heads x half] f32 tiles it keeps live (x1, x2, cos, sin). Register use, and so
+# occupancy, is set by elements per thread: with 4096 elements on 4 warps (32 per thread per
+# tile) rope prefill took 159-224 registers, 2-3 blocks of 4 warps per H100 SM (12-19%);
+# 2048 elements at 4 per thread compile to 32-40 registers, 48-64 warps per SM (75-100%).
+# More warps per program rather than only smaller tiles, because one token's row (every head)
+# is the smallest tile: for 7B (32 padded heads x 64) a row alone is 2048 elements.
+_ELEMS_PER_THREAD = 4
+_MIN_WARPS, _MAX_WARPS = 4, 16
 # An H100 has 132 SMs; fewer programs than this leaves SMs idle.
 _MIN_PROGRAMS = 128
 
@@ -121,6 +130,8 @@ def _rope_pallas(q: jax.Array, k: jax.Array, positions: jax.Array, cache: jax.Ar
     # decode batch (T ~ 64) still spreads over the SMs instead of a handful of programs.
     block_rows = min(max(1, _BLOCK_ELEMS // (heads_pad * half)),
                      prev_pow2(n_rows // _MIN_PROGRAMS))
+    num_warps = min(_MAX_WARPS, max(_MIN_WARPS,
+                                    block_rows * heads_pad * half // (32 * _ELEMS_PER_THREAD)))
     kernel = functools.partial(
         _rope_kernel, n_rows=n_rows, block_rows=block_rows, num_heads=num_heads,
         num_kv_heads=num_kv_heads, heads_pad=heads_pad, kv_heads_pad=kv_heads_pad, half=half)
@@ -132,7 +143,7 @@ def _rope_pallas(q: jax.Array, k: jax.Array, positions: jax.Array, cache: jax.Ar
         out_shape=(jax.ShapeDtypeStruct(q2.shape, q.dtype),
                    jax.ShapeDtypeStruct(k2.shape, k.dtype)),
         grid=(pl.cdiv(n_rows, block_rows),),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="rope",
     )(q2, k2, positions.astype(jnp.int32), cache)
