@@ -291,3 +291,23 @@ def test_no_step_shape_copies_the_kv_cache(tiny):
         copies = [line for line in compiled.as_text().splitlines()
                   if f"= {shape}" in line and " copy(" in line]
         assert not copies, (key, copies[:2])
+
+
+def test_repetition_penalty_matches_hf(tiny, prompts, hf_greedy):
+    # HF's repetition penalty is vLLM's (prompt and output tokens; positive logits divided,
+    # negative multiplied); the engine keeps the seen tokens per request, updated each step.
+    path, hf = tiny
+    llm = make_llm(path)
+    changed = []
+    for prompt in (prompts[0], prompts[3]):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
+                               min_new_tokens=MAX_NEW, repetition_penalty=1.8,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        got = llm.generate({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                          repetition_penalty=1.8), use_tqdm=False)
+        assert got[0].outputs[0].token_ids == want
+        changed.append(want != hf_greedy(tuple(prompt)))
+    assert any(changed), "the penalty changed nothing: the test would not see a wrong one"
+    assert_pool_free(llm)

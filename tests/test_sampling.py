@@ -581,3 +581,25 @@ def test_speed_sanity_print(rng):
         t2 = time.perf_counter()
         print(f"\nsample {rows_n} x {QWEN_VOCAB} {name}: {1e3 * (t1 - t0):.1f} ms "
               f"({1e3 * (t2 - t1):.1f} ms without sampled logprobs)")
+
+
+def test_penalty_state_updated_per_token_equals_rebuilt(rng):
+    from jaxllm.sample.penalties import PenaltyState
+
+    prompt = rng.integers(0, 40, 25).tolist()
+    state = PenaltyState(prompt)
+    outputs: list[int] = []
+    sp = SamplingParams(temperature=0, repetition_penalty=1.7, frequency_penalty=0.6,
+                        presence_penalty=-0.4)
+    for token in rng.integers(0, 60, 40).tolist():
+        state.append(token)
+        outputs.append(token)
+        fresh = PenaltyState(prompt, outputs)
+        for kept, rebuilt in zip(state.arrays()[:2], fresh.arrays()[:2], strict=True):
+            np.testing.assert_array_equal(kept, rebuilt)
+        assert set(state.arrays()[2].tolist()) == set(prompt) | set(outputs)
+        logits = rng.normal(0, 3, (1, 60)).astype(np.float32)
+        kept_row = SamplingRow(sp, None, prompt, list(outputs), penalties=state)
+        plain_row = SamplingRow(sp, None, prompt, list(outputs))
+        np.testing.assert_array_equal(process_logits(logits, [kept_row]),
+                                      process_logits(logits, [plain_row]))

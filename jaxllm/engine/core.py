@@ -30,6 +30,7 @@ from jaxllm.model_executor.model_loader.default_model import (
     DEFAULT_MODEL_NAME,
     default_model_path,
 )
+from jaxllm.sample.penalties import PenaltyState
 from jaxllm.sample.sampler import SamplingRow, compute_prompt_logprobs, sample
 from jaxllm.worker.model_runner import ModelRunner, device_memory_bytes, kv_block_bytes
 from scheduler import Request, RequestResult, Scheduler, SchedulerConfig
@@ -113,6 +114,8 @@ class EngineCore:
         # Next prompt position whose logprob entry is still owed (survives preemption, so a
         # recomputed prompt does not emit its entries twice).
         self._prompt_lp_next: dict[str, int] = {}
+        # Penalty statistics of the requests that use penalties, updated by each new token.
+        self._penalties: dict[str, PenaltyState] = {}
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -136,6 +139,8 @@ class EngineCore:
         self.scheduler.add_request(request)  # validates before it changes anything
         self._requests[req.request_id] = req
         self._generators[req.request_id] = generator
+        if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
+            self._penalties[req.request_id] = PenaltyState(req.prompt_token_ids)
         if sp.prompt_logprobs is not None:
             self._prompt_lp_next[req.request_id] = 0
 
@@ -151,6 +156,7 @@ class EngineCore:
         self._requests.pop(rid, None)
         self._generators.pop(rid, None)
         self._prompt_lp_next.pop(rid, None)
+        self._penalties.pop(rid, None)
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -195,7 +201,8 @@ class EngineCore:
             rows.append(SamplingRow(
                 params=req.sampling_params, generator=self._generators[rid],
                 prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
-                eos_token_ids=frozenset(self._requests[rid].eos_token_ids)))
+                eos_token_ids=frozenset(self._requests[rid].eos_token_ids),
+                penalties=self._penalties.get(rid)))
         # The sampled token's raw logprob costs a pass over the vocabulary: only when asked.
         want_logprobs = any(row.params.logprobs is not None for row in rows)
         sampled = sample(out.logits, rows, all_sampled_logprobs=want_logprobs) if rows else None
@@ -209,6 +216,11 @@ class EngineCore:
         results = self.scheduler.update_from_output(so, sampled_ids)
         outputs = self._make_outputs(results, stats)
         by_id = {o.request_id: o for o in outputs.outputs}
+        for rid, state in self._penalties.items():
+            o = by_id.get(rid)
+            if o is not None:
+                for token in o.new_token_ids:
+                    state.append(token)
         if sampled is not None:
             for i, rid in enumerate(out.sample_req_ids):
                 o = by_id.get(rid)

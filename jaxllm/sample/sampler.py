@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxllm.sample.logprobs import LogprobsLists
+from jaxllm.sample.penalties import PenaltyState
 from jaxllm.sampling_params import SamplingParams
 
 # Top-p without other truncation: first look only at tokens whose probability is at least this
@@ -60,6 +61,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()    # generated so far (penalties, min_tokens)
     eos_token_ids: frozenset[int] = frozenset()  # masked with stop_token_ids during min_tokens
+    # The request's penalty statistics, kept by the engine; None: built from the token ids above.
+    penalties: PenaltyState | None = None
 
 
 @dataclass
@@ -108,16 +111,22 @@ def _process_row(raw: np.ndarray, row: SamplingRow) -> np.ndarray | None:
         stop_ids = set(p.stop_token_ids) | set(row.eos_token_ids)
         if stop_ids:
             z[_ids_in_vocab(sorted(stop_ids), vocab)] = -np.inf
-    out_ids = _ids_in_vocab(row.output_token_ids, vocab)
+    if p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
+        return z
+    state = row.penalties
+    if state is None:
+        state = PenaltyState(row.prompt_token_ids, row.output_token_ids)
+    out_ids, counts, seen = state.arrays()
+    out_ok = (out_ids >= 0) & (out_ids < vocab)
+    out_ids, counts = out_ids[out_ok], counts[out_ok]
     if p.repetition_penalty != 1.0:
-        # Duplicate ids are harmless: every copy writes the value computed from the original.
-        seen = np.concatenate([_ids_in_vocab(row.prompt_token_ids, vocab), out_ids])
+        seen = seen[(seen >= 0) & (seen < vocab)]
         v = z[seen]
         z[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-    if out_ids.size and p.frequency_penalty != 0.0:
-        np.subtract.at(z, out_ids, np.float32(p.frequency_penalty))  # once per occurrence
-    if out_ids.size and p.presence_penalty != 0.0:
-        z[out_ids] = z[out_ids] - np.float32(p.presence_penalty)  # once per distinct token
+    if out_ids.size and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+        # Distinct ids: frequency once per occurrence (count), presence once per token.
+        z[out_ids] -= (np.float32(p.frequency_penalty) * counts
+                       + np.float32(p.presence_penalty))
     return z
 
 
