@@ -22,7 +22,12 @@ no GPU is present, whatever --arch says.
 A case fails if it does not compile, does not fit an SM (0 resident blocks) or spills registers.
 Failures listed in known_compile_failures.txt are tolerated; a listed case that no longer fails
 that way is reported too, so the list can only shrink. Exit status 1 on a new failure or a stale
-entry. Run: python -m pallas_kernels.check_compile [--arch sm_90a|sm_80] [--json]
+entry. Run: python -m pallas_kernels.check_compile [--arch sm_90a|sm_80] [--json] [--model-time]
+
+--model-time adds perf_model's H100 estimates (a model, not a measurement): per case the bytes,
+FLOPs, roofline bound and what the compiled grid and occupancy suggest, then the Qwen2.5
+decode-step estimate before and after split-K. The model needs the grids and blocks per SM, so
+it runs after the compile (its own cost is negligible).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pallas_kernels import perf_model
 from pallas_kernels.check_lowering import (
     _TRITON_CALL,
     DTYPES,
@@ -311,6 +317,31 @@ def format_verdict(verdict: Verdict, results: Sequence[Result], arch: str, secon
     return "\n".join(lines)
 
 
+def model_rows(results: Sequence[Result]) -> list[tuple[str, str, str, str,
+                                                        perf_model.CaseModel]]:
+    """perf_model's estimate for every compiled case (failed ones have no grid: skipped)."""
+    shapes = {m.name: m for m in MODEL_SHAPES}
+    return [(r.kernel, r.model, r.dtype, r.phase,
+             perf_model.case_model(r.kernel, shapes[r.model], r.dtype, r.phase, r.grid,
+                                   r.num_warps, r.blocks_per_sm))
+            for r in results if not r.error and r.model in shapes]
+
+
+def format_model_time(results: Sequence[Result]) -> str:
+    pm = perf_model
+    return "\n".join([
+        f"Per-kernel model on an H100 SXM: MODEL, NOT MEASUREMENT (HBM "
+        f"{pm.HBM_BYTES_PER_S / 1e12:.2f} TB/s; {pm.BF16_TENSOR_FLOPS / 1e12:.0f} TFLOP/s bf16 "
+        f"dots, {pm.FP32_FLOPS / 1e12:.0f} TFLOP/s FP32; {pm.NUM_SMS} SMs; floor "
+        f"{pm.FLOOR_US:g} us). decode: 64 sequences x {pm.CASE_DECODE_CONTEXT} keys; prefill: "
+        "4 x 512 tokens. programs: working/launched.",
+        pm.format_case_models(model_rows(results)),
+        "",
+        "Decode step, bfloat16 (model, not measurement; python -m pallas_kernels.perf_model):",
+        pm.format_steps(pm.default_steps()),
+    ])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=tuple(ARCHES), default="sm_90a",
@@ -322,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="compile processes (default: one per CPU)")
     parser.add_argument("--known", type=Path, default=KNOWN_FAILURES_PATH,
                         help="known-failures list (default: %(default)s)")
+    parser.add_argument("--model-time", action="store_true",
+                        help="also print perf_model's H100 time estimates (a model)")
     ns = parser.parse_args(argv)
     known = load_known_failures(ns.known)
     start = time.perf_counter()
@@ -336,6 +369,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ok": verdict.ok,
             "results": [{**asdict(r), "status": r.status, "known": r in verdict.known}
                         for r in results],
+            **({"model": [{"kernel": k, "model": m, "dtype": d, "phase": p,
+                           "bytes": c.cost.bytes, "flops": c.cost.flops,
+                           "bound_us": c.cost.bound_s * 1e6, "model_us": c.time_s * 1e6,
+                           "programs": c.cost.programs or c.launched, "note": c.note}
+                          for k, m, d, p, c in model_rows(results)]}
+               if ns.model_time else {}),
             "new_failures": [r.key for r in verdict.new],
             "stale_known_failures": [{"entry": e.line(), "now": now} for e, now in verdict.stale],
         }, indent=1))
@@ -343,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_table(results, verdict.known))
         print()
         print(format_verdict(verdict, results, ns.arch, seconds, ns.known))
+        if ns.model_time:
+            print()
+            print(format_model_time(results))
     return 0 if verdict.ok else 1
 
 

@@ -1,0 +1,156 @@
+"""perf_model's byte/FLOP formulas on hand-computed cases, its parallelism and split-K rules, and
+check_compile --model-time on stand-in results (nothing here compiles a kernel)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import check_compile as cc
+from pallas_kernels import perf_model as pm
+from pallas_kernels.check_lowering import MODEL_SHAPES, iter_cases
+
+
+def test_elementwise_kernel_bytes_and_flops() -> None:
+    # 2 tokens x hidden 4, float32: x read + y written (16 elements) + the weight (4).
+    c = pm.rms_norm_cost(2, 4, "float32")
+    assert (c.bytes, c.flops) == ((16 + 4) * 4, 3 * 8)
+    c = pm.rms_norm_cost(2, 4, "float32", residual=True)  # + residual read and written
+    assert (c.bytes, c.flops) == ((32 + 4) * 4, 4 * 8)
+    # rope: q (2 heads) and k (1 head) of 2 tokens x head_dim 4 = 24 elements, bf16, read and
+    # written; per token an int32 position and a cos/sin row of 4.
+    c = pm.rope_cost(2, 2, 1, 4, "bfloat16")
+    assert (c.bytes, c.flops) == (2 * 24 * 2 + 2 * (4 + 4 * 2), 3 * 24)
+    # write_kv: k and v (3 tokens x 2 heads x 4) read and written, plus 3 int32 slots.
+    c = pm.write_kv_cost(3, 2, 4, "float32")
+    assert (c.bytes, c.flops) == (4 * 24 * 4 + 3 * 4, 0)
+    c = pm.matmul_cost(2, 3, 5, "bfloat16", bias=True)
+    assert (c.bytes, c.flops, c.peak) == ((15 + 6 + 10 + 5) * 2, 2 * 2 * 3 * 5,
+                                          pm.BF16_TENSOR_FLOPS)
+
+
+def test_attention_bytes_and_flops() -> None:
+    # 2 sequences x 10 keys, 4 query heads on 2 KV heads, head_dim 8, bf16, blocks of 4.
+    c = pm.decode_attention_cost(2, 10, 4, 2, 8, "bfloat16", block_size=4)
+    kv = 2 * 2 * 10 * 2 * 8 * 2  # K and V, per sequence and KV head, once
+    q = o = 2 * 4 * 8 * 2
+    table = 2 * 3 * 4  # ceil(10 / 4) int32 entries per sequence
+    assert (c.bytes, c.flops, c.programs) == (kv + q + o + table, 4 * 2 * 4 * 10 * 8, 4)
+    assert c.peak == pm.BF16_TENSOR_FLOPS
+    # 3 partitions: o is replaced by float32 partials of head_dim + 2 per head and partition.
+    c = pm.decode_attention_cost(2, 10, 4, 2, 8, "bfloat16", block_size=4, splits=3)
+    partial = 2 * 4 * 3 * (8 + 2) * 4
+    assert (c.bytes, c.programs) == (kv + q + partial + table, 12)
+    comb = pm.combine_cost(2, 4, 8, "bfloat16", 3)
+    assert (comb.bytes, comb.programs) == (partial + o, 8)
+    # Causal prefill of one sequence of 3 tokens, 2 heads on 1 KV head, head_dim 4, float32:
+    # query i sees i + 1 keys -> 6 (query, key) pairs.
+    c = pm.prefill_attention_cost(1, 3, 2, 1, 4, "float32", block_size=2)
+    assert c.bytes == 2 * 3 * 1 * 4 * 4 + 2 * 3 * 2 * 4 * 4 + 2 * 4
+    assert (c.flops, c.peak) == (4 * 2 * 4 * 6, pm.FP32_FLOPS)
+
+
+def test_roofline_and_sm_share() -> None:
+    c = pm.Cost(bytes=3.35e6, flops=0, peak=pm.FP32_FLOPS)
+    assert c.bound_s == pytest.approx(1e-6)
+    c = pm.Cost(bytes=0, flops=989e6, peak=pm.BF16_TENSOR_FLOPS, programs=2)
+    assert c.bound_s == pytest.approx(1e-6)
+    assert c.time_s(0) == pytest.approx(66e-6)  # 2 programs draw 2/132 of the machine
+    assert c.time_s(100) == pytest.approx(100e-6)  # the per-kernel floor
+    assert pm.sm_share(2) == pytest.approx(2 / 132)
+    assert pm.sm_share(132) == pm.sm_share(264) == 1.0
+    assert pm.sm_share(133) == pytest.approx(133 / 264)
+    assert pm.waves(264, 1) == 2 and pm.waves(264, 2) == 1 and pm.waves(1, 0) == 1
+    with pytest.raises(ValueError):
+        pm.sm_share(0)
+
+
+def test_qwen2_parameter_counts() -> None:
+    # The published counts (tied embeddings for 0.5B, a separate LM head for 7B).
+    assert pm.QWEN2_CONFIGS["qwen2.5-0.5b"].params() == 494_032_768
+    assert pm.QWEN2_CONFIGS["qwen2.5-7b"].params() == 7_615_616_512
+    # A decode step reads the tied table once (as the LM head): every parameter, 2 bytes.
+    assert pm.QWEN2_CONFIGS["qwen2.5-0.5b"].weight_bytes_per_step() == 2 * 494_032_768
+
+
+def test_split_count_rule() -> None:
+    assert pm.split_count(1, 2, 8192) == 64  # ceil(132 / 2) = 66, capped at 8192 / 128 keys
+    assert pm.split_count(1, 4, 8192) == 33  # ceil(132 / 4)
+    assert pm.split_count(1, 2, 1024) == 8  # 128 keys per partition at least
+    assert pm.split_count(1, 2, 100) == 1  # too short to split
+    assert pm.split_count(64, 4, 8192) == 1  # 256 programs already
+    assert pm.split_count(64, 2, 8192) == 2  # 128 < 132
+
+
+def test_split_k_never_costs_more() -> None:
+    for (name, cfg), batch, context, floor in itertools.product(
+            pm.QWEN2_CONFIGS.items(), (1, 2, 3, 8, 16, 33, 64, 128), (16, 100, 1024, 8192, 65536),
+            (0.0, pm.FLOOR_US)):
+        args = (batch, context, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, "bfloat16")
+        plain, one = pm.decode_attention_time(*args, split=False, floor_us=floor)
+        split, parts = pm.decode_attention_time(*args, split=True, floor_us=floor)
+        assert one == 1 and split <= plain, (name, batch, context, floor)
+        step = pm.decode_step(cfg, batch, context, floor_us=floor)
+        assert step.step_split_s <= step.step_s
+        assert step.step_split_s >= step.bound_s * 0.999  # nothing beats the bandwidth bound
+    # Scale: at batch 1 and a 64k context the unsplit kernel runs 2 of 132 SMs, so split-K
+    # gains tens of times on attention (flash-decoding on an A100: 2300 -> 64 us).
+    cfg = pm.QWEN2_CONFIGS["qwen2.5-0.5b"]
+    args = (1, 65536, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, "bfloat16")
+    plain, _ = pm.decode_attention_time(*args, split=False)
+    split, parts = pm.decode_attention_time(*args, split=True)
+    assert parts == 66 and plain / split > 20
+
+
+def test_case_shapes_match_the_lowering_cases() -> None:
+    """perf_model's idea of each case (tokens, sequences, context) is check_lowering's."""
+    for case in iter_cases(models=MODEL_SHAPES[:1], dtypes=(jnp.bfloat16,)):
+        if case.module in ("rms_norm", "rope", "kv_write"):
+            q = case.args[1] if case.module == "kv_write" else case.args[0]
+            assert q.shape[0] == pm.CASE_TOKENS[case.phase], case
+        else:
+            q, cache, tables = case.args[:3]
+            assert q.shape[0] == pm.CASE_TOKENS[case.phase]
+            assert tables.shape[0] == pm.CASE_SEQS[case.phase]
+            if case.phase == "decode":
+                assert tables.shape[1] * cache.shape[-2] == pm.CASE_DECODE_CONTEXT
+
+
+def _fake_results() -> list[cc.Result]:
+    model = MODEL_SHAPES[0]  # qwen2.5-0.5b: 2 KV heads; prefill BQ = 16 for bf16
+    base = dict(module="m", model=model.name, dtype="bfloat16", arch="sm_90a", num_warps=4,
+                num_stages=1, registers=32, blocks_per_sm=8, occupancy=0.5, limiter="regs")
+    return [
+        cc.Result(kernel="rms_norm+residual", phase="decode", grid=(64, 1, 1), **base),
+        cc.Result(kernel="rope", phase="prefill", grid=(512, 1, 1), **base),
+        cc.Result(kernel="write_kv", phase="decode", grid=(4, 2, 1), **base),
+        cc.Result(kernel="paged_attention_bs16", phase="decode", grid=(64, 1, 2), **base),
+        cc.Result(kernel="paged_attention_bs16", phase="prefill", grid=(4, 128, 2), **base),
+    ]
+
+
+def test_model_rows_and_main_model_time(monkeypatch, tmp_path, capsys) -> None:
+    rows = cc.model_rows(_fake_results())
+    assert len(rows) == 5
+    prefill = rows[-1][-1]
+    assert (prefill.launched, prefill.cost.programs) == (1024, 4 * 32 * 2)
+    assert "768 programs exit at once" in prefill.note
+    write_kv = rows[2][-1]
+    assert "under-filled: 8 programs" in write_kv.note and write_kv.time_s == pm.FLOOR_US * 1e-6
+    decode = rows[3][-1]  # 64 x 4096 keys x 2 KV heads x 64 x 2 (K, V) x 2 bytes = 134 MB
+    assert decode.cost.bytes == pytest.approx(134.5e6, rel=1e-3)
+
+    monkeypatch.setattr(cc, "run_checks", lambda *args, **kwargs: _fake_results())
+    known = tmp_path / "known.txt"
+    known.write_text("")
+    assert cc.main(["--known", str(known), "--model-time"]) == 0
+    out = capsys.readouterr().out
+    assert "MODEL, NOT MEASUREMENT" in out and "| qwen2.5-7b | 64 | 8192 |" in out
+    assert cc.main(["--known", str(known), "--model-time", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["model"]) == 5 and data["model"][0]["model_us"] >= pm.FLOOR_US
+    assert pm.main([]) == 0
+    assert "before / after split-K" in capsys.readouterr().out
