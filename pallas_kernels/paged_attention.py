@@ -47,8 +47,26 @@ its own tile size from the static ``max_query_len`` (1 for a pure decode step).
 * Rows of padding tokens (>= query_start_loc[-1]) belong to no program; the wrapper zeroes them
   after the call (one cheap select) rather than launching programs just to write zeros.
 
-Not done (future work): splitting long contexts across programs for decode (flash-decoding);
-with few sequences a decode step uses only S x num_kv_heads programs.
+Split-K decode (flash-decoding, ``num_splits`` > 1, max_query_len 1). A decode step has only
+S x num_kv_heads programs, too few to fill the GPU when the batch is small; split-K cuts each
+context into ``num_splits`` parts that run in parallel and merges them exactly:
+
+* Split kernel, grid ``(S, num_splits, num_kv_heads)``: program (s, p, h) takes the Gp query
+  heads of KV head h (padded to M = 16 rows as in decode) over the key tiles of split p and
+  runs the same online softmax. The cdiv(seq_len, KB) key tiles of a sequence are dealt out in
+  runs of cdiv(tiles, num_splits) (``_decode_partition``), so any context length spreads over
+  the splits; splits past a short context (and padding sequences) exit at once, writing
+  nothing. Each real head row writes its unnormalised float32 accumulator to
+  acc [S, num_splits, num_heads, head_dim] and its running max and sum to two
+  [S, num_splits, num_heads] float32 arrays (scratch outputs: head_dim x 4 + 8 bytes per
+  sequence, split and head, small next to the K/V a split reads).
+* Combine kernel, grid ``(S,)``: one program per sequence merges the splits of all its heads
+  (rows padded to the next power of two) in a loop over the splits with the online-softmax
+  rescaling, and writes the normalised output. An empty split is loaded (masked) as max
+  _MASK_VALUE, sum 0, acc 0, the finite stand-in for (-inf, 0, 0): it contributes exactly
+  nothing and no NaN, even for a context of one key over 16 splits.
+* ``num_splits`` is static (a power of two, part of the compiled decode bucket; lengths never
+  recompile); ``decode_num_splits`` sizes it from max_model_len and the bucket's programs.
 
 Reference design (XLA, what the engine runs on CPU at every layer of every step). Its cost
 follows the real work, never the padded bucket shapes: loop trip counts are computed at run
@@ -298,6 +316,41 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int,
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
+def _key_step(bt_ref, k_ref, v_ref, s, q, q_pos, kv_end, kb, carry, *, scale: float,
+              block_k: int):
+    """One online-softmax step of the Triton kernels over key tile ``kb`` (keys kb * KB ..
+    kb * KB + KB - 1) of sequence ``s``: gathers K/V through the block table (keys at or past
+    ``kv_end`` load as zeros), masks keys past each row's position ``q_pos``. carry: (acc [M, D],
+    running max [M], running sum [M]), float32."""
+    acc, m_prev, l_prev = carry
+    block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    max_blocks = bt_ref.shape[1]
+    d = jnp.arange(head_dim)
+    key = kb * block_k + jnp.arange(block_k)
+    key_ok = key < kv_end
+    col = jnp.minimum(key // block_size, max_blocks - 1)
+    blk = plgpu.load(bt_ref.at[s, col], mask=key_ok, other=0)
+    off = key % block_size
+    kv_idx = (blk[:, None], off[:, None], d[None, :])
+    k = plgpu.load(k_ref.at[kv_idx], mask=key_ok[:, None], other=0.0)
+    v = plgpu.load(v_ref.at[kv_idx], mask=key_ok[:, None], other=0.0)
+
+    logits = plgpu.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
+    mask = (key[None, :] <= q_pos[:, None]) & key_ok[None, :]
+    logits = jnp.where(mask, logits, _MASK_VALUE)
+    m_next = jnp.maximum(m_prev, logits.max(axis=1))
+    correction = jnp.exp(m_prev - m_next)
+    p = jnp.exp(logits - m_next[:, None])
+    l_next = l_prev * correction + p.sum(axis=1)
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
+    return acc * correction[:, None] + pv, m_next, l_next
+
+
+def _kernel_init_state(rows: int, head_dim: int):
+    return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
 def _paged_attention_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, o_ref, *,
                             scale: float, group: int, group_pad: int, block_q: int,
                             block_k: int):
@@ -305,8 +358,6 @@ def _paged_attention_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, 
     tile = pl.program_id(1)
     h = pl.program_id(2)
     num_tokens, num_heads, head_dim = q_ref.shape
-    block_size = k_ref.shape[1]
-    max_blocks = bt_ref.shape[1]
     rows_per_tile = block_q * group_pad
 
     q_start = qsl_ref[s]
@@ -335,31 +386,10 @@ def _paged_attention_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, 
         # Causal: the tile's last real query needs keys up to its own position only.
         kv_end = jnp.minimum(seq_len, ctx_len + jnp.minimum(q_len, tile_start + block_q))
 
-        def body(kb, carry):
-            acc, m_prev, l_prev = carry
-            key = kb * block_k + jnp.arange(block_k)
-            key_ok = key < kv_end
-            col = jnp.minimum(key // block_size, max_blocks - 1)
-            blk = plgpu.load(bt_ref.at[s, col], mask=key_ok, other=0)
-            off = key % block_size
-            kv_idx = (blk[:, None], off[:, None], d[None, :])
-            k = plgpu.load(k_ref.at[kv_idx], mask=key_ok[:, None], other=0.0)
-            v = plgpu.load(v_ref.at[kv_idx], mask=key_ok[:, None], other=0.0)
-
-            logits = plgpu.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
-            mask = (key[None, :] <= q_pos[:, None]) & key_ok[None, :]
-            logits = jnp.where(mask, logits, _MASK_VALUE)
-            m_next = jnp.maximum(m_prev, logits.max(axis=1))
-            correction = jnp.exp(m_prev - m_next)
-            p = jnp.exp(logits - m_next[:, None])
-            l_next = l_prev * correction + p.sum(axis=1)
-            pv = plgpu.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
-            return acc * correction[:, None] + pv, m_next, l_next
-
-        acc = jnp.zeros((rows_per_tile, head_dim), jnp.float32)
-        m_i = jnp.full((rows_per_tile,), _MASK_VALUE, jnp.float32)
-        l_i = jnp.zeros((rows_per_tile,), jnp.float32)
-        acc, m_i, l_i = lax.fori_loop(0, pl.cdiv(kv_end, block_k), body, (acc, m_i, l_i))
+        body = functools.partial(_key_step, bt_ref, k_ref, v_ref, s, q, q_pos, kv_end,
+                                 scale=scale, block_k=block_k)
+        acc, m_i, l_i = lax.fori_loop(0, pl.cdiv(kv_end, block_k), body,
+                                      _kernel_init_state(rows_per_tile, head_dim))
         # Every real row sees key 0, so l > 0 there; the guard only keeps masked rows finite.
         out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
         plgpu.store(o_ref.at[tok_idx, head_idx, d[None, :]], out.astype(o_ref.dtype),
@@ -429,9 +459,170 @@ def _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_st
     return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
 
 
+def _decode_partition(seq_len, p, num_splits: int, block_k: int):
+    """Key tiles [start, end) of split ``p`` of a decode context of ``seq_len`` keys: the
+    cdiv(seq_len, KB) key tiles are dealt out in runs of cdiv(tiles, num_splits), so every
+    sequence spreads over all splits whatever its length (a short one fills the first splits
+    and leaves the rest empty: start >= end). The split kernel and the combine both use it."""
+    num_tiles = pl.cdiv(seq_len, block_k)
+    per_split = pl.cdiv(num_tiles, num_splits)
+    start = p * per_split
+    return start, jnp.minimum(start + per_split, num_tiles)
+
+
+def _decode_split_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, acc_ref, m_ref,
+                         l_ref, *, scale: float, group: int, rows: int, block_k: int,
+                         num_splits: int):
+    """Split-K decode, pass 1: program (s, p, h) runs the online softmax of the G query heads
+    of KV head h of sequence s over the key tiles of split p and writes the unnormalised
+    accumulator, running max and running sum of each head to the scratch outputs. Padding
+    sequences (q_len 0) and empty splits write nothing; the combine never reads those."""
+    s = pl.program_id(0)
+    p = pl.program_id(1)
+    h = pl.program_id(2)
+    num_heads, head_dim = q_ref.shape[1], q_ref.shape[2]
+    tok = qsl_ref[s]
+    q_len = qsl_ref[s + 1] - tok
+    seq_len = seq_lens_ref[s]
+    kb_start, kb_end = _decode_partition(seq_len, p, num_splits, block_k)
+
+    @pl.when((q_len > 0) & (kb_start < kb_end))
+    def _():
+        g = jnp.arange(rows)  # row g: query head h * G + g; rows >= G are padding
+        row_ok = g < group
+        head_idx = jnp.where(row_ok, h * group + g, num_heads)  # out of bounds when masked
+        d = jnp.arange(head_dim)
+        q = plgpu.load(q_ref.at[tok, head_idx[:, None], d[None, :]], mask=row_ok[:, None],
+                       other=0.0)
+        q_pos = jnp.full((rows,), seq_len - 1)  # the decode token sees the whole context
+        body = functools.partial(_key_step, bt_ref, k_ref, v_ref, s, q, q_pos, seq_len,
+                                 scale=scale, block_k=block_k)
+        acc, m_i, l_i = lax.fori_loop(kb_start, kb_end, body,
+                                      _kernel_init_state(rows, head_dim))
+        plgpu.store(acc_ref.at[s, p, head_idx[:, None], d[None, :]], acc, mask=row_ok[:, None])
+        plgpu.store(m_ref.at[s, p, head_idx], m_i, mask=row_ok)
+        plgpu.store(l_ref.at[s, p, head_idx], l_i, mask=row_ok)
+
+
+def _decode_combine_kernel(seq_lens_ref, qsl_ref, acc_ref, m_ref, l_ref, o_ref, *,
+                           heads_pad: int, block_k: int, num_splits: int):
+    """Split-K decode, pass 2: program s merges the splits of sequence s for all its query
+    heads at once, exactly (the same rescaling as one more online-softmax step per split).
+    Empty splits load as (max _MASK_VALUE, sum 0, acc 0), a finite stand-in for (-inf, 0, 0):
+    exp(_MASK_VALUE - max) is 0, or 1 times zeros, never inf - inf, so no NaN even where every
+    split is empty."""
+    s = pl.program_id(0)
+    num_heads, head_dim = o_ref.shape[1], o_ref.shape[2]
+    tok = qsl_ref[s]
+    q_len = qsl_ref[s + 1] - tok
+    seq_len = seq_lens_ref[s]
+
+    @pl.when(q_len > 0)
+    def _():
+        head = jnp.arange(heads_pad)
+        head_ok = head < num_heads
+        head_idx = jnp.where(head_ok, head, num_heads)
+        d = jnp.arange(head_dim)
+
+        def merge(p, carry):
+            acc, m_run, l_run = carry
+            start, end = _decode_partition(seq_len, p, num_splits, block_k)
+            ok = head_ok & (start < end)
+            m_p = plgpu.load(m_ref.at[s, p, head_idx], mask=ok, other=_MASK_VALUE)
+            l_p = plgpu.load(l_ref.at[s, p, head_idx], mask=ok, other=0.0)
+            acc_p = plgpu.load(acc_ref.at[s, p, head_idx[:, None], d[None, :]],
+                               mask=ok[:, None], other=0.0)
+            m_new = jnp.maximum(m_run, m_p)
+            a = jnp.exp(m_run - m_new)
+            b = jnp.exp(m_p - m_new)
+            return acc * a[:, None] + acc_p * b[:, None], m_new, l_run * a + l_p * b
+
+        acc, _, l_i = lax.fori_loop(0, num_splits, merge,
+                                    _kernel_init_state(heads_pad, head_dim))
+        out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+        plgpu.store(o_ref.at[tok, head_idx[:, None], d[None, :]], out.astype(o_ref.dtype),
+                    mask=head_ok[:, None])
+
+
+def _paged_attention_decode_split_pallas(q, kv_cache, layer, block_tables, seq_lens,
+                                         query_start_loc, *, scale, num_splits, interpret):
+    """Split-K (flash-decoding) version of ``_paged_attention_pallas`` for max_query_len 1:
+    grid (S, num_splits, KVH) writing float32 scratch (acc [S, splits, H, D], max and sum
+    [S, splits, H]), then a combine kernel over grid (S,)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    group_pad = next_pow2(group)
+    block_q, block_k, num_warps, num_stages = _launch_config(group_pad, 1, head_dim, q.dtype)
+    rows = block_q * group_pad  # >= 16, Triton's smallest dot tile
+
+    def cache_spec(which):
+        return pl.BlockSpec((None, None, None, num_blocks, block_size, head_dim),
+                            lambda s, p, h: (layer, which, h, 0, 0, 0))
+
+    qsl = query_start_loc.astype(jnp.int32)
+    seq_lens = seq_lens.astype(jnp.int32)
+    stats_shape = (num_seqs, num_splits, num_heads)
+    acc_shape = stats_shape + (head_dim,)
+    acc, m_run, l_run = pl.pallas_call(
+        functools.partial(_decode_split_kernel, scale=float(scale), group=group, rows=rows,
+                          block_k=block_k, num_splits=num_splits),
+        grid=(num_seqs, num_splits, num_kv_heads),
+        in_specs=[whole_block_spec(block_tables.shape), whole_block_spec(seq_lens.shape),
+                  whole_block_spec(qsl.shape), whole_block_spec(q.shape), cache_spec(0),
+                  cache_spec(1)],
+        out_specs=[whole_block_spec(acc_shape), whole_block_spec(stats_shape),
+                   whole_block_spec(stats_shape)],
+        out_shape=[jax.ShapeDtypeStruct(acc_shape, jnp.float32),
+                   jax.ShapeDtypeStruct(stats_shape, jnp.float32),
+                   jax.ShapeDtypeStruct(stats_shape, jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_attention_split",
+    )(block_tables.astype(jnp.int32), seq_lens, qsl, q, kv_cache, kv_cache)
+    out = pl.pallas_call(
+        functools.partial(_decode_combine_kernel, heads_pad=next_pow2(num_heads),
+                          block_k=block_k, num_splits=num_splits),
+        grid=(num_seqs,),
+        in_specs=[whole_block_spec(seq_lens.shape), whole_block_spec(qsl.shape),
+                  whole_block_spec(acc_shape), whole_block_spec(stats_shape),
+                  whole_block_spec(stats_shape)],
+        out_specs=whole_block_spec(q.shape),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="paged_attention_combine",
+    )(seq_lens, qsl, acc, m_run, l_run)
+    valid = jnp.arange(num_tokens) < qsl[-1]
+    return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+def decode_num_splits(max_model_len: int, num_seqs: int, num_kv_heads: int, *,
+                      num_sms: int = 132, min_split_len: int = 256,
+                      max_splits: int = 16) -> int:
+    """Split-K factor for a decode bucket of ``num_seqs`` sequences (static per bucket).
+
+    The smallest power of two such that num_seqs x num_kv_heads x splits programs fill the
+    ``num_sms`` SMs (132: H100 SXM) once, capped so that a context of ``max_model_len`` keys
+    still gives each split at least ``min_split_len`` keys (shorter splits cost more in scratch
+    traffic and combine than they gain), and at ``max_splits``. 1 (today's kernel) when the
+    bucket alone has >= num_sms programs. Contexts shorter than max_model_len spread over the
+    same splits with fewer keys each (``_decode_partition``); splits past a very short context
+    exit at once.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    splits = 1
+    while (splits < max_splits and programs * splits < num_sms
+           and 2 * splits * min_split_len <= max_model_len):
+        splits *= 2
+    return splits
+
+
 def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables: jax.Array,
                     seq_lens: jax.Array, query_start_loc: jax.Array, *, scale: float,
-                    max_query_len: int | None = None, backend: str = "reference") -> jax.Array:
+                    max_query_len: int | None = None, backend: str = "reference",
+                    num_splits: int = 1) -> jax.Array:
     """Causal attention of a ragged batch of queries against the paged KV cache.
 
     q: [T, num_heads, head_dim]; rows at index >= query_start_loc[-1] are padding.
@@ -441,13 +632,27 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables:
     query_start_loc: [S+1] int32 cumulative query lengths.
     Query i of sequence s sits at position seq_lens[s] - q_len_s + i and sees keys 0..position.
     max_query_len: static bound on any q_len (None -> T).
+    num_splits: static power of two; > 1 selects split-K decode (flash-decoding: each context
+    is cut into num_splits parts that run in parallel, then merged exactly), which needs
+    max_query_len == 1; ``decode_num_splits`` sizes it. The reference backend computes the same
+    attention unsplit.
     Returns [T, num_heads, head_dim] in q's dtype; padding rows are zeros.
     """
     check_backend(backend)
+    num_splits = int(num_splits)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    if num_splits > 1 and max_query_len != 1:
+        raise ValueError(f"num_splits > 1 is for decode steps (max_query_len 1), got "
+                         f"max_query_len={max_query_len}")
     if backend == "reference":
         return paged_attention_reference(q, kv_cache, layer, block_tables, seq_lens,
                                          query_start_loc, scale=scale,
                                          max_query_len=max_query_len)
+    if num_splits > 1:
+        return _paged_attention_decode_split_pallas(
+            q, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale=scale,
+            num_splits=num_splits, interpret=backend == "interpret")
     return _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_start_loc,
                                    scale=scale, max_query_len=max_query_len,
                                    interpret=backend == "interpret")
@@ -456,32 +661,39 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables:
 def lowering_cases(model, dtype, phase: str) -> list[tuple[str, Callable, tuple]]:
     """Shapes for lowering ``paged_attention`` (backend="pallas") to CUDA without a GPU.
 
-    decode: 64 sequences x 1 token, contexts up to 4096 (256 blocks of 16), max_query_len 1.
+    decode: 64 sequences x 1 token, contexts up to 4096 (256 blocks of 16), max_query_len 1;
+    and split-K decode of 8 sequences (a small batch) with ``decode_num_splits`` for a
+    max_model_len of 4096 (16 splits for 2 KV heads, 8 for 4): two kernels, split and combine.
     prefill: 2048 tokens over 4 sequences, blocks of 16 and of 32, max_query_len 2048.
     The cache spans all layers (64 x 4096 tokens), > 4 GiB for the larger models, so the
     64-bit addressing path of the Triton lowering is exercised too.
     """
+    max_model_len = 4096
     if phase == "decode":
-        shapes = [(64, 64, 1, 16)]  # tokens, sequences, max_query_len, block_size
+        # tokens, sequences, max_query_len, block_size, num_splits
+        shapes = [(64, 64, 1, 16, 1),
+                  (8, 8, 1, 16, decode_num_splits(max_model_len, 8, model.num_kv_heads))]
     elif phase == "prefill":
-        shapes = [(2048, 4, 2048, 16), (2048, 4, 2048, 32)]
+        shapes = [(2048, 4, 2048, 16, 1), (2048, 4, 2048, 32, 1)]
     else:
         raise ValueError(f"unknown phase {phase!r}")
     num_layers = getattr(model, "num_layers", None) or getattr(model, "num_hidden_layers", 24)
     cases = []
-    for num_tokens, num_seqs, max_query_len, block_size in shapes:
-        max_blocks = 4096 // block_size
+    for num_tokens, num_seqs, max_query_len, block_size, num_splits in shapes:
+        max_blocks = max_model_len // block_size
         cache = (num_layers, 2, model.num_kv_heads, 64 * max_blocks, block_size, model.head_dim)
 
-        def fn(q, kv_cache, block_tables, seq_lens, query_start_loc, _mq=max_query_len):
+        def fn(q, kv_cache, block_tables, seq_lens, query_start_loc, _mq=max_query_len,
+               _ns=num_splits):
             return paged_attention(q, kv_cache, num_layers - 1, block_tables, seq_lens,
                                    query_start_loc, scale=model.head_dim ** -0.5,
-                                   max_query_len=_mq, backend="pallas")
+                                   max_query_len=_mq, backend="pallas", num_splits=_ns)
 
         args = (jax.ShapeDtypeStruct((num_tokens, model.num_heads, model.head_dim), dtype),
                 jax.ShapeDtypeStruct(cache, dtype),
                 jax.ShapeDtypeStruct((num_seqs, max_blocks), jnp.int32),
                 jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
                 jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
-        cases.append((f"paged_attention_bs{block_size}", fn, args))
+        name = "paged_attention_splitk" if num_splits > 1 else "paged_attention"
+        cases.append((f"{name}_bs{block_size}", fn, args))
     return cases

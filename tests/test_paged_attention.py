@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.common import next_pow2
+from pallas_kernels.paged_attention import decode_num_splits, paged_attention
 from tests.kernel_backends import KERNEL_BACKENDS
 
 # The package re-exports the function under the module's name, so fetch the module itself.
@@ -55,7 +56,7 @@ def naive_attention(q, kv, layer, block_tables, seq_lens, qsl, scale):
 # One compilation per shape instead of eager op-by-op dispatch (which compiles every small op
 # and made these tests several times slower); the engine always calls inside a jit too.
 _jitted = jax.jit(paged_attention, static_argnums=(2,),
-                  static_argnames=("scale", "max_query_len", "backend"))
+                  static_argnames=("scale", "max_query_len", "backend", "num_splits"))
 
 
 @dataclass
@@ -74,9 +75,10 @@ class Case:
                 jnp.asarray(self.block_tables), jnp.asarray(self.seq_lens),
                 jnp.asarray(self.qsl))
 
-    def run(self, backend, dtype=jnp.float32, max_query_len="case"):
+    def run(self, backend, dtype=jnp.float32, max_query_len="case", num_splits=1):
         mq = self.max_query_len if max_query_len == "case" else max_query_len
-        return _jitted(*self.args(dtype), scale=self.scale, max_query_len=mq, backend=backend)
+        return _jitted(*self.args(dtype), scale=self.scale, max_query_len=mq, backend=backend,
+                       num_splits=num_splits)
 
     def expected(self, dtype=jnp.float32):
         # Round inputs to the tested dtype first so only the kernel's own arithmetic differs.
@@ -164,13 +166,14 @@ def pad_case(case, *, num_tokens=None, num_seqs=None, width=None, num_blocks=Non
 BUCKET = dict(num_tokens=512, num_seqs=64, width=2048, num_blocks=1024)
 
 
-def check(case, backend, dtype=jnp.float32, tol=1e-5, max_query_len="case", bucket=None):
+def check(case, backend, dtype=jnp.float32, tol=1e-5, max_query_len="case", bucket=None,
+          num_splits=1):
     """Run ``case`` (inside ``bucket`` when given, see BUCKET) and compare with the naive model;
     every row past the real tokens must be zeros."""
     run = case if bucket is None else pad_case(case, **bucket)
     if bucket is not None and max_query_len == "case":
         max_query_len = bucket["num_tokens"] if case.max_query_len > 1 else 1
-    out = np.asarray(run.run(backend, dtype, max_query_len).astype(jnp.float32))
+    out = np.asarray(run.run(backend, dtype, max_query_len, num_splits).astype(jnp.float32))
     assert out.shape == run.q.shape
     assert np.isfinite(out).all()
     total = int(case.qsl[-1])
@@ -291,6 +294,83 @@ def test_max_query_len_none_and_loose_bound(backend):
     # a bound above the real maximum (in the bucket: the engine's T, a shared compilation)
     b = check(case, backend, max_query_len=32 if bucket is None else "case", bucket=bucket)
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def split_decode_lengths(num_splits, block_k, block_size=16):
+    """Decode context lengths around the edges of split-K decode with ``num_splits`` splits of
+    key tiles of ``block_k`` keys: 1 (one split busy, the rest empty), one block, one tile per
+    split (num_splits x KB, -1 and +1: the per-split run goes from 1 to 2 tiles), runs that
+    leave the last splits empty or short (5 tiles, 2 x splits + 1 tiles), odd block counts
+    (7 and 9 blocks, full and partial) and 4096."""
+    edge = num_splits * block_k
+    return [1, block_size, edge - 1, edge, edge + 1, 5 * block_k - 3, (2 * num_splits + 1) *
+            block_k, 7 * block_size, 9 * block_size - 5, 4096]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype,num_splits", [(jnp.float32, 2), (jnp.float32, 4),
+                                              (jnp.float32, 8), (jnp.bfloat16, 8)],
+                         ids=["f32-2", "f32-4", "f32-8", "bf16-8"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(14, 2, 64), (28, 4, 128)])
+def test_split_k_decode(backend, dtype, num_splits, num_heads, num_kv_heads, head_dim):
+    # One batched decode step (max_query_len 1) over the edge lengths, plus a padding sequence
+    # and padding token rows: split-K against the unsplit reference, float32 also against the
+    # numpy model. Tolerances as in the tests above (bf16: a few ulps).
+    block_k = pa_module._launch_config(next_pow2(num_heads // num_kv_heads), 1, head_dim,
+                                       dtype)[1]
+    lengths = split_decode_lengths(num_splits, block_k)
+    seqs = [(n - 1, 1) for n in lengths]
+    seqs.insert(3, (0, 0))  # a padding sequence among real ones
+    case = make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     pad_tokens=3, pad_seqs=1, seed=num_splits + head_dim)
+    out = np.asarray(case.run(backend, dtype, 1, num_splits).astype(jnp.float32))
+    assert np.isfinite(out).all()
+    total = int(case.qsl[-1])
+    assert (out[total:] == 0).all()
+    ref = np.asarray(case.run("reference", dtype, 1).astype(jnp.float32))
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(out[:total], case.expected()[:total], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_split_k_decode_short_contexts_many_splits(backend):
+    # 16 splits of contexts of 1..3 keys (all but the first split empty) and a batch that is
+    # padding only: finite, exact, zeros where padding.
+    case = make_case([(0, 1), (1, 1), (2, 1)], pad_tokens=2, pad_seqs=2, seed=37)
+    out = check(case, backend, max_query_len=1, num_splits=16)
+    np.testing.assert_allclose(out, np.asarray(case.run(backend, max_query_len=1)), rtol=1e-6,
+                               atol=1e-6)
+    out = np.asarray(make_case([(0, 0)], pad_tokens=4, pad_seqs=1).run(backend, jnp.float32, 1,
+                                                                        16))
+    assert (out == 0).all()
+
+
+def test_split_k_argument_checks():
+    case = make_case([(4, 1)])
+    for bad in (0, 3, 6):
+        with pytest.raises(ValueError, match="power of two"):
+            case.run("reference", max_query_len=1, num_splits=bad)
+    with pytest.raises(ValueError, match="max_query_len"):
+        case.run("interpret", max_query_len=2, num_splits=2)
+    # The reference computes the same attention unsplit.
+    np.testing.assert_array_equal(np.asarray(case.run("reference", max_query_len=1, num_splits=4)),
+                                  np.asarray(case.run("reference", max_query_len=1)))
+
+
+def test_decode_num_splits_rule():
+    # Enough (sequence, KV head) programs already: no split.
+    assert decode_num_splits(32768, 128, 2) == 1
+    assert decode_num_splits(32768, 64, 4) == 1
+    # Small batches: the smallest power of two filling 132 SMs once...
+    assert decode_num_splits(32768, 1, 2) == 16  # capped at max_splits
+    assert decode_num_splits(32768, 8, 4) == 8  # 32 programs x 8 = 256 >= 132 (x 4 = 128)
+    assert decode_num_splits(32768, 40, 2) == 2
+    # ... and no split shorter than min_split_len keys at max_model_len.
+    assert decode_num_splits(1024, 1, 2) == 4
+    assert decode_num_splits(256, 1, 2) == 1
+    assert decode_num_splits(4096, 8, 2, num_sms=108) == 8
 
 
 def check_bucket(seqs, seed, max_query_len="case"):
