@@ -149,7 +149,10 @@ def decode_attention_cost(seqs: int, context: int, num_heads: int, num_kv_heads:
 
 
 def combine_cost(seqs: int, num_heads: int, head_dim: int, dtype: str, splits: int) -> Cost:
-    """The split-K reduction: reads the partials, writes o; one program per (sequence, head)."""
+    """The split-K reduction: reads the partials, writes o; modelled with one program per
+    (sequence, head). paged_attention's combine kernel runs one per sequence (all its heads):
+    the per-program bandwidth share of this model would price that far too high at batch 1 (it
+    moves ~0.2 MB), so the wider grid is the assumption until a GPU measures the kernel."""
     partial = seqs * num_heads * splits * (head_dim + 2) * 4
     return Cost(bytes=partial + seqs * num_heads * head_dim * itemsize(dtype),
                 flops=3 * seqs * num_heads * splits * head_dim, peak=FP32_FLOPS,
@@ -227,6 +230,9 @@ def decode_attention_time(seqs: int, context: int, num_heads: int, num_kv_heads:
 CASE_TOKENS = {"decode": 64, "prefill": 2048}
 CASE_SEQS = {"decode": 64, "prefill": 4}
 CASE_DECODE_CONTEXT = 4096
+# paged_attention's split-K decode cases: a few sequences (the shape split-K is for), as many
+# splits as paged_attention.decode_num_splits gives them at that context.
+SPLIT_K_CASE_SEQS = 8
 
 
 @dataclass(frozen=True)
@@ -253,6 +259,17 @@ def case_cost(kernel: str, model, dtype: str, phase: str, grid: Sequence[int]) -
         cost = rope_cost(tokens, model.num_heads, model.num_kv_heads, model.head_dim, dtype)
     elif base == "write_kv":
         cost = write_kv_cost(tokens, model.num_kv_heads, model.head_dim, dtype)
+    elif base.startswith("paged_attention_splitk_bs"):
+        from pallas_kernels.paged_attention import decode_num_splits
+
+        seqs = SPLIT_K_CASE_SEQS
+        splits = decode_num_splits(CASE_DECODE_CONTEXT, seqs, model.num_kv_heads)
+        if kernel.endswith("/paged_attention_combine"):
+            return combine_cost(seqs, model.num_heads, model.head_dim, dtype, splits)
+        block_size = int(base.removeprefix("paged_attention_splitk_bs"))
+        return decode_attention_cost(seqs, CASE_DECODE_CONTEXT, model.num_heads,
+                                     model.num_kv_heads, model.head_dim, dtype, block_size,
+                                     splits=splits)
     elif base.startswith("paged_attention_bs"):
         block_size = int(base.removeprefix("paged_attention_bs"))
         seqs = CASE_SEQS[phase]

@@ -111,6 +111,10 @@ def test_case_shapes_match_the_lowering_cases() -> None:
         if case.module in ("rms_norm", "rope", "kv_write"):
             q = case.args[1] if case.module == "kv_write" else case.args[0]
             assert q.shape[0] == pm.CASE_TOKENS[case.phase], case
+        elif case.kernel.startswith("paged_attention_splitk"):
+            q, cache, tables = case.args[:3]
+            assert q.shape[0] == tables.shape[0] == pm.SPLIT_K_CASE_SEQS
+            assert tables.shape[1] * cache.shape[-2] == pm.CASE_DECODE_CONTEXT
         else:
             q, cache, tables = case.args[:3]
             assert q.shape[0] == pm.CASE_TOKENS[case.phase]
