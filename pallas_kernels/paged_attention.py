@@ -47,26 +47,8 @@ its own tile size from the static ``max_query_len`` (1 for a pure decode step).
 * Rows of padding tokens (>= query_start_loc[-1]) belong to no program; the wrapper zeroes them
   after the call (one cheap select) rather than launching programs just to write zeros.
 
-Split-K decode (flash-decoding, ``num_splits`` > 1, max_query_len 1). A decode step has only
-S x num_kv_heads programs, too few to fill the GPU when the batch is small; split-K cuts each
-context into ``num_splits`` parts that run in parallel and merges them exactly:
-
-* Split kernel, grid ``(S, num_splits, num_kv_heads)``: program (s, p, h) takes the Gp query
-  heads of KV head h (padded to M = 16 rows as in decode) over the key tiles of split p and
-  runs the same online softmax. The cdiv(seq_len, KB) key tiles of a sequence are dealt out in
-  runs of cdiv(tiles, num_splits) (``_decode_partition``), so any context length spreads over
-  the splits; splits past a short context (and padding sequences) exit at once, writing
-  nothing. Each real head row writes its unnormalised float32 accumulator to
-  acc [S, num_splits, num_heads, head_dim] and its running max and sum to two
-  [S, num_splits, num_heads] float32 arrays (scratch outputs: head_dim x 4 + 8 bytes per
-  sequence, split and head, small next to the K/V a split reads).
-* Combine kernel, grid ``(S,)``: one program per sequence merges the splits of all its heads
-  (rows padded to the next power of two) in a loop over the splits with the online-softmax
-  rescaling, and writes the normalised output. An empty split is loaded (masked) as max
-  _MASK_VALUE, sum 0, acc 0, the finite stand-in for (-inf, 0, 0): it contributes exactly
-  nothing and no NaN, even for a context of one key over 16 splits.
-* ``num_splits`` is static (a power of two, part of the compiled decode bucket; lengths never
-  recompile); ``decode_num_splits`` sizes it from max_model_len and the bucket's programs.
+Split-K decode (``num_splits`` > 1, flash-decoding) lives in split_k_decode.py; the public
+``paged_attention`` below dispatches to it.
 
 Reference design (XLA, what the engine runs on CPU at every layer of every step). Its cost
 follows the real work, never the padded bucket shapes: loop trip counts are computed at run
@@ -459,166 +441,6 @@ def _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_st
     return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
 
 
-def _decode_partition(seq_len, p, num_splits: int, block_k: int):
-    """Key tiles [start, end) of split ``p`` of a decode context of ``seq_len`` keys: the
-    cdiv(seq_len, KB) key tiles are dealt out in runs of cdiv(tiles, num_splits), so every
-    sequence spreads over all splits whatever its length (a short one fills the first splits
-    and leaves the rest empty: start >= end). The split kernel and the combine both use it."""
-    num_tiles = pl.cdiv(seq_len, block_k)
-    per_split = pl.cdiv(num_tiles, num_splits)
-    start = p * per_split
-    return start, jnp.minimum(start + per_split, num_tiles)
-
-
-def _decode_split_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, acc_ref, m_ref,
-                         l_ref, *, scale: float, group: int, rows: int, block_k: int,
-                         num_splits: int):
-    """Split-K decode, pass 1: program (s, p, h) runs the online softmax of the G query heads
-    of KV head h of sequence s over the key tiles of split p and writes the unnormalised
-    accumulator, running max and running sum of each head to the scratch outputs. Padding
-    sequences (q_len 0) and empty splits write nothing; the combine never reads those."""
-    s = pl.program_id(0)
-    p = pl.program_id(1)
-    h = pl.program_id(2)
-    num_heads, head_dim = q_ref.shape[1], q_ref.shape[2]
-    tok = qsl_ref[s]
-    q_len = qsl_ref[s + 1] - tok
-    seq_len = seq_lens_ref[s]
-    kb_start, kb_end = _decode_partition(seq_len, p, num_splits, block_k)
-
-    @pl.when((q_len > 0) & (kb_start < kb_end))
-    def _():
-        g = jnp.arange(rows)  # row g: query head h * G + g; rows >= G are padding
-        row_ok = g < group
-        head_idx = jnp.where(row_ok, h * group + g, num_heads)  # out of bounds when masked
-        d = jnp.arange(head_dim)
-        q = plgpu.load(q_ref.at[tok, head_idx[:, None], d[None, :]], mask=row_ok[:, None],
-                       other=0.0)
-        q_pos = jnp.full((rows,), seq_len - 1)  # the decode token sees the whole context
-        body = functools.partial(_key_step, bt_ref, k_ref, v_ref, s, q, q_pos, seq_len,
-                                 scale=scale, block_k=block_k)
-        acc, m_i, l_i = lax.fori_loop(kb_start, kb_end, body,
-                                      _kernel_init_state(rows, head_dim))
-        plgpu.store(acc_ref.at[s, p, head_idx[:, None], d[None, :]], acc, mask=row_ok[:, None])
-        plgpu.store(m_ref.at[s, p, head_idx], m_i, mask=row_ok)
-        plgpu.store(l_ref.at[s, p, head_idx], l_i, mask=row_ok)
-
-
-def _decode_combine_kernel(seq_lens_ref, qsl_ref, acc_ref, m_ref, l_ref, o_ref, *,
-                           heads_pad: int, block_k: int, num_splits: int):
-    """Split-K decode, pass 2: program s merges the splits of sequence s for all its query
-    heads at once, exactly (the same rescaling as one more online-softmax step per split).
-    Empty splits load as (max _MASK_VALUE, sum 0, acc 0), a finite stand-in for (-inf, 0, 0):
-    exp(_MASK_VALUE - max) is 0, or 1 times zeros, never inf - inf, so no NaN even where every
-    split is empty."""
-    s = pl.program_id(0)
-    num_heads, head_dim = o_ref.shape[1], o_ref.shape[2]
-    tok = qsl_ref[s]
-    q_len = qsl_ref[s + 1] - tok
-    seq_len = seq_lens_ref[s]
-
-    @pl.when(q_len > 0)
-    def _():
-        head = jnp.arange(heads_pad)
-        head_ok = head < num_heads
-        head_idx = jnp.where(head_ok, head, num_heads)
-        d = jnp.arange(head_dim)
-
-        def merge(p, carry):
-            acc, m_run, l_run = carry
-            start, end = _decode_partition(seq_len, p, num_splits, block_k)
-            ok = head_ok & (start < end)
-            m_p = plgpu.load(m_ref.at[s, p, head_idx], mask=ok, other=_MASK_VALUE)
-            l_p = plgpu.load(l_ref.at[s, p, head_idx], mask=ok, other=0.0)
-            acc_p = plgpu.load(acc_ref.at[s, p, head_idx[:, None], d[None, :]],
-                               mask=ok[:, None], other=0.0)
-            m_new = jnp.maximum(m_run, m_p)
-            a = jnp.exp(m_run - m_new)
-            b = jnp.exp(m_p - m_new)
-            return acc * a[:, None] + acc_p * b[:, None], m_new, l_run * a + l_p * b
-
-        acc, _, l_i = lax.fori_loop(0, num_splits, merge,
-                                    _kernel_init_state(heads_pad, head_dim))
-        out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
-        plgpu.store(o_ref.at[tok, head_idx[:, None], d[None, :]], out.astype(o_ref.dtype),
-                    mask=head_ok[:, None])
-
-
-def _paged_attention_decode_split_pallas(q, kv_cache, layer, block_tables, seq_lens,
-                                         query_start_loc, *, scale, num_splits, interpret):
-    """Split-K (flash-decoding) version of ``_paged_attention_pallas`` for max_query_len 1:
-    grid (S, num_splits, KVH) writing float32 scratch (acc [S, splits, H, D], max and sum
-    [S, splits, H]), then a combine kernel over grid (S,)."""
-    num_tokens, num_heads, head_dim = q.shape
-    _, _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
-    num_seqs = block_tables.shape[0]
-    group = num_heads // num_kv_heads
-    group_pad = next_pow2(group)
-    block_q, block_k, num_warps, num_stages = _launch_config(group_pad, 1, head_dim, q.dtype)
-    rows = block_q * group_pad  # >= 16, Triton's smallest dot tile
-
-    def cache_spec(which):
-        return pl.BlockSpec((None, None, None, num_blocks, block_size, head_dim),
-                            lambda s, p, h: (layer, which, h, 0, 0, 0))
-
-    qsl = query_start_loc.astype(jnp.int32)
-    seq_lens = seq_lens.astype(jnp.int32)
-    stats_shape = (num_seqs, num_splits, num_heads)
-    acc_shape = stats_shape + (head_dim,)
-    acc, m_run, l_run = pl.pallas_call(
-        functools.partial(_decode_split_kernel, scale=float(scale), group=group, rows=rows,
-                          block_k=block_k, num_splits=num_splits),
-        grid=(num_seqs, num_splits, num_kv_heads),
-        in_specs=[whole_block_spec(block_tables.shape), whole_block_spec(seq_lens.shape),
-                  whole_block_spec(qsl.shape), whole_block_spec(q.shape), cache_spec(0),
-                  cache_spec(1)],
-        out_specs=[whole_block_spec(acc_shape), whole_block_spec(stats_shape),
-                   whole_block_spec(stats_shape)],
-        out_shape=[jax.ShapeDtypeStruct(acc_shape, jnp.float32),
-                   jax.ShapeDtypeStruct(stats_shape, jnp.float32),
-                   jax.ShapeDtypeStruct(stats_shape, jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="paged_attention_split",
-    )(block_tables.astype(jnp.int32), seq_lens, qsl, q, kv_cache, kv_cache)
-    out = pl.pallas_call(
-        functools.partial(_decode_combine_kernel, heads_pad=next_pow2(num_heads),
-                          block_k=block_k, num_splits=num_splits),
-        grid=(num_seqs,),
-        in_specs=[whole_block_spec(seq_lens.shape), whole_block_spec(qsl.shape),
-                  whole_block_spec(acc_shape), whole_block_spec(stats_shape),
-                  whole_block_spec(stats_shape)],
-        out_specs=whole_block_spec(q.shape),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="paged_attention_combine",
-    )(seq_lens, qsl, acc, m_run, l_run)
-    valid = jnp.arange(num_tokens) < qsl[-1]
-    return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
-
-
-def decode_num_splits(max_model_len: int, num_seqs: int, num_kv_heads: int, *,
-                      num_sms: int = 132, min_split_len: int = 256,
-                      max_splits: int = 16) -> int:
-    """Split-K factor for a decode bucket of ``num_seqs`` sequences (static per bucket).
-
-    The smallest power of two such that num_seqs x num_kv_heads x splits programs fill the
-    ``num_sms`` SMs (132: H100 SXM) once, capped so that a context of ``max_model_len`` keys
-    still gives each split at least ``min_split_len`` keys (shorter splits cost more in scratch
-    traffic and combine than they gain), and at ``max_splits``. 1 (today's kernel) when the
-    bucket alone has >= num_sms programs. Contexts shorter than max_model_len spread over the
-    same splits with fewer keys each (``_decode_partition``); splits past a very short context
-    exit at once.
-    """
-    programs = max(1, num_seqs * num_kv_heads)
-    splits = 1
-    while (splits < max_splits and programs * splits < num_sms
-           and 2 * splits * min_split_len <= max_model_len):
-        splits *= 2
-    return splits
-
-
 def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables: jax.Array,
                     seq_lens: jax.Array, query_start_loc: jax.Array, *, scale: float,
                     max_query_len: int | None = None, backend: str = "reference",
@@ -634,8 +456,8 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables:
     max_query_len: static bound on any q_len (None -> T).
     num_splits: static power of two; > 1 selects split-K decode (flash-decoding: each context
     is cut into num_splits parts that run in parallel, then merged exactly), which needs
-    max_query_len == 1; ``decode_num_splits`` sizes it. The reference backend computes the same
-    attention unsplit.
+    max_query_len == 1; ``split_k_decode.decode_num_splits`` sizes it. The reference backend
+    computes the same attention unsplit.
     Returns [T, num_heads, head_dim] in q's dtype; padding rows are zeros.
     """
     check_backend(backend)
@@ -650,6 +472,9 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables:
                                          query_start_loc, scale=scale,
                                          max_query_len=max_query_len)
     if num_splits > 1:
+        # Imported here: split_k_decode builds on this module's kernel pieces.
+        from pallas_kernels.split_k_decode import _paged_attention_decode_split_pallas
+
         return _paged_attention_decode_split_pallas(
             q, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale=scale,
             num_splits=num_splits, interpret=backend == "interpret")
@@ -668,6 +493,8 @@ def lowering_cases(model, dtype, phase: str) -> list[tuple[str, Callable, tuple]
     The cache spans all layers (64 x 4096 tokens), > 4 GiB for the larger models, so the
     64-bit addressing path of the Triton lowering is exercised too.
     """
+    from pallas_kernels.split_k_decode import decode_num_splits
+
     max_model_len = 4096
     if phase == "decode":
         # tokens, sequences, max_query_len, block_size, num_splits

@@ -231,7 +231,7 @@ CASE_TOKENS = {"decode": 64, "prefill": 2048}
 CASE_SEQS = {"decode": 64, "prefill": 4}
 CASE_DECODE_CONTEXT = 4096
 # paged_attention's split-K decode cases: a few sequences (the shape split-K is for), as many
-# splits as paged_attention.decode_num_splits gives them at that context.
+# splits as split_k_decode.decode_num_splits gives them at that context.
 SPLIT_K_CASE_SEQS = 8
 
 
@@ -260,7 +260,7 @@ def case_cost(kernel: str, model, dtype: str, phase: str, grid: Sequence[int]) -
     elif base == "write_kv":
         cost = write_kv_cost(tokens, model.num_kv_heads, model.head_dim, dtype)
     elif base.startswith("paged_attention_splitk_bs"):
-        from pallas_kernels.paged_attention import decode_num_splits
+        from pallas_kernels.split_k_decode import decode_num_splits
 
         seqs = SPLIT_K_CASE_SEQS
         splits = decode_num_splits(CASE_DECODE_CONTEXT, seqs, model.num_kv_heads)

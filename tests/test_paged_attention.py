@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.common import next_pow2
-from pallas_kernels.paged_attention import decode_num_splits, paged_attention
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.split_k_decode import decode_num_splits
 from tests.kernel_backends import KERNEL_BACKENDS
 
 # The package re-exports the function under the module's name, so fetch the module itself.
