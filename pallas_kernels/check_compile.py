@@ -63,6 +63,9 @@ from pallas_kernels.triton_compile import (
     triton_kernels,
 )
 
+# One kernel compiles in ~1-10 s here; far past that, a worker is stuck, never worth waiting on.
+COMPILE_TIMEOUT_S = 300
+
 KNOWN_FAILURES_PATH = Path(__file__).with_name("known_compile_failures.txt")
 
 
@@ -161,6 +164,7 @@ def run_checks(
     if jobs > 1:
         pool = concurrent.futures.ProcessPoolExecutor(
             jobs, mp_context=multiprocessing.get_context("spawn"))
+    hung = False
     compiled: dict[tuple, concurrent.futures.Future | CompileStats] = {}
     pending: list[tuple] = []  # (case, kernel, name, key) or (case, None, name, error)
     try:
@@ -191,14 +195,22 @@ def run_checks(
             stats = compiled[key]
             if isinstance(stats, concurrent.futures.Future):
                 try:
-                    stats = compiled[key] = stats.result()
+                    stats = compiled[key] = stats.result(timeout=COMPILE_TIMEOUT_S)
+                except concurrent.futures.TimeoutError:
+                    hung = True
+                    stats = compiled[key] = CompileStats(
+                        error=f"no result within {COMPILE_TIMEOUT_S} s")
                 except Exception as exc:  # a crashed worker
                     stats = compiled[key] = CompileStats(error=_first_line(exc))
             results.append(_result(case, arch, kernel, stats, name))
         return results
     finally:
         if pool is not None:
-            pool.shutdown(cancel_futures=True)
+            if hung:
+                # A hung compile would block shutdown forever: end the workers instead.
+                for proc in list(getattr(pool, "_processes", {}).values()):
+                    proc.kill()
+            pool.shutdown(wait=not hung, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------- known failures

@@ -267,7 +267,7 @@ def _compile_kernel(ttir: str, capability: int, num_warps: int, num_stages: int,
         cubin = Path(tmp, "kernel.cubin")
         cubin.write_bytes(kernel.asm["cubin"])
         dump = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(cubin)],
-                              check=True, capture_output=True, text=True).stdout
+                              check=True, capture_output=True, text=True, timeout=120).stdout
         usage = parse_resource_usage(dump)
     if usage["registers"] != ptxas["registers"]:
         raise ValueError(f"ptxas says {ptxas['registers']} registers, cuobjdump "

@@ -267,7 +267,7 @@ def test_cli_parser_does_not_import_the_benchmarks():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                         text=True, check=True).stdout
+                         text=True, check=True, timeout=300).stdout
     assert out.strip().splitlines()[-1] == "[]"
 
 
