@@ -66,7 +66,7 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
     ) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` tokens after the request's computed ones.
+        """Make room for `num_new_tokens` tokens after the request's computed and in-flight ones.
 
         `new_computed_blocks` (from get_computed_blocks, only for a request without blocks)
         are referenced and prepended. Returns the newly allocated blocks, or None (changing
@@ -75,7 +75,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks and blocks:
             raise ValueError(f"request {request.request_id!r} already has blocks")
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = (request.num_computed_tokens + request.num_inflight_tokens
+                        + len(new_computed_blocks) * self.block_size)
         num_needed = self.num_blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = max(0, num_needed - len(blocks) - len(new_computed_blocks))
         # A hit on a free cached block takes it out of the free queue as well.

@@ -68,6 +68,10 @@ class Request:
     # Prefix-cache hit tokens at the first schedule (not updated by later recomputes).
     num_cached_tokens: int = field(default=0, init=False)
     num_preemptions: int = field(default=0, init=False)
+    # Async scheduling: tokens of scheduled steps whose results are not applied yet, and how
+    # many of those steps sample a token for this request (its next tokens, unknown so far).
+    num_inflight_tokens: int = field(default=0, init=False)
+    num_output_placeholders: int = field(default=0, init=False)
     # The stop token id that finished the request, or a stop string set by the output side.
     stop_reason: int | str | None = field(default=None, init=False)
     # Hash of each full block of `all_token_ids`, chained; filled lazily by KVCacheManager.

@@ -58,7 +58,11 @@ class Scheduler:
 
     Call schedule() and update_from_output() alternately, the latter even for an empty step:
     num_computed_tokens advances only there, and requests finished inside schedule() report
-    through it.
+    through it. Async scheduling calls schedule() once more before applying the previous
+    step's output: a request that step samples for counts one placeholder token (unknown id,
+    -1 in `token_ids`) and computes it next, unless that token certainly ends it (max_tokens,
+    max_model_len). One ending by a stop token is in the next step anyway; its result there
+    is dropped, since it is gone by then.
 
     Invariant the preemption choice rests on: `running` is in arrival order and every running
     request arrived before every waiting one (the waiting queue is FCFS and never skipped;
@@ -153,6 +157,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # In-flight KV is lost with the blocks; a token in flight still arrives and is kept.
+        request.num_inflight_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -181,7 +187,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pending = request.num_output_placeholders
+            if pending and (request.num_output_tokens + pending >= request.max_tokens
+                            or request.num_tokens + pending >= cfg.max_model_len):
+                i += 1  # its in-flight token is its last
+                continue
+            num_new = min(request.num_tokens + pending - request.num_computed_tokens
+                          - request.num_inflight_tokens, budget)
             scheduled = True
             while (new_blocks := kv.allocate_slots(request, num_new)) is None:
                 if len(self.running) == 1:
@@ -244,19 +256,25 @@ class Scheduler:
         new_block_ids: list[int],
         is_new: bool,
     ) -> None:
-        start = request.num_computed_tokens
+        start = request.num_computed_tokens + request.num_inflight_tokens
         rid = request.request_id
+        token_ids = request.all_token_ids[start : start + num_new]
+        if len(token_ids) < num_new:  # placeholders for tokens still being sampled
+            token_ids += [-1] * (num_new - len(token_ids))
+        do_sample = start + num_new == request.num_tokens + request.num_output_placeholders
         out.scheduled.append(
             ScheduledRequest(
                 request_id=rid,
-                token_ids=request.all_token_ids[start : start + num_new],
+                token_ids=token_ids,
                 start_position=start,
                 new_block_ids=new_block_ids,
-                do_sample=start + num_new == request.num_tokens,
+                do_sample=do_sample,
                 is_new=is_new,
                 sampling_params=request.sampling_params,
             )
         )
+        request.num_inflight_tokens += num_new
+        request.num_output_placeholders += do_sample
         out.num_scheduled_tokens[rid] = num_new
         out.total_num_scheduled_tokens += num_new
 
@@ -275,14 +293,19 @@ class Scheduler:
         for item in scheduler_output.scheduled:
             rid = item.request_id
             request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished from outside between schedule() and now
-            if request.num_computed_tokens != item.start_position:
-                raise RuntimeError(
-                    f"request {rid!r}: output of a step applied twice or out of order"
-                )
-            request.num_computed_tokens += item.num_tokens
-            kv.cache_blocks(request, request.num_computed_tokens)
+            if request is None:
+                continue  # finished (aborted, stopped) between schedule() and now
+            running = request.status == RequestStatus.RUNNING
+            if running:
+                if request.num_computed_tokens != item.start_position:
+                    raise RuntimeError(
+                        f"request {rid!r}: output of a step applied twice or out of order"
+                    )
+                request.num_computed_tokens += item.num_tokens
+                request.num_inflight_tokens -= item.num_tokens
+                kv.cache_blocks(request, request.num_computed_tokens)
+            # Else preempted after this step was scheduled (async scheduling): its KV is gone,
+            # but a sampled token is kept, so a seeded stream stays the same.
             # int(): a runner may hand over numpy integers; keep the request's lists plain.
             new_ids = [int(t) for t in sampled_token_ids.get(rid, ())]
             if not item.do_sample:
@@ -291,6 +314,7 @@ class Scheduler:
                 continue
             if not new_ids:
                 raise ValueError(f"request {rid!r}: no sampled token for a do_sample step")
+            request.num_output_placeholders -= 1
             accepted: list[int] = []
             for token_id in new_ids:
                 request.append_output_token_ids(token_id)
@@ -298,7 +322,7 @@ class Scheduler:
                 if check_stop(request, self.config.max_model_len):
                     break
             if request.is_finished:
-                self.running.remove(request)
+                (self.running if running else self.waiting).remove(request)
                 self._free_request(request)
             outputs.append(
                 RequestResult(

@@ -82,13 +82,13 @@ def assert_pool_free(llm: LLM) -> None:
 def on_each_step(llm: LLM, record) -> None:
     """Call record(scheduler_output) before the runner executes each step."""
     runner = llm.llm_engine.engine_core_client.engine_core.runner
-    original = runner.execute_model
+    original = runner.prepare
 
     def spy(so, *args, **kwargs):
         record(so)
         return original(so, *args, **kwargs)
 
-    runner.execute_model = spy
+    runner.prepare = spy
 
 
 def greedy(prompts, llm):
@@ -271,9 +271,9 @@ def test_decode_steps_use_small_buckets(tiny):
     shapes = []
 
     class Recording(dict):
-        def get(self, key, default=None):
+        def __getitem__(self, key):
             shapes.append(key)
-            return super().get(key, default)
+            return super().__getitem__(key)
 
     runner._compiled = Recording(runner._compiled)
     greedy([[5, 6, 7]], llm)

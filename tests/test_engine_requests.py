@@ -205,6 +205,8 @@ def test_wire_messages_and_stats(llm):
                                                        prompt_logprobs=1, ignore_eos=True))
     engine.add_request("cached", prompt, GREEDY)
     core_outputs = engine.engine_core_client.get_output()
+    if not core_outputs.outputs:  # async scheduling: the first call only dispatched the step
+        core_outputs = engine.engine_core_client.get_output()
     # Through msgpack and back, as between processes: nothing lost.
     wire = msgspec.msgpack.encode(core_outputs)
     back = msgspec.msgpack.decode(wire, type=EngineCoreOutputs)
@@ -245,8 +247,10 @@ def test_kv_array_sized_from_measured_activations(tiny, monkeypatch):  # noqa: F
 
     plain = make_llm(tiny[0])  # CPU: the 1 GiB default, no measurement
     runner = core_of(plain).runner
-    weights, activations = runner.weight_bytes(), runner.measure_activation_bytes()
-    assert activations > 0
+    # The kept logits buffers (one per step-shape row count) count as activations too.
+    weights = runner.weight_bytes()
+    activations = runner.measure_activation_bytes() + runner.logits_buffer_bytes()
+    assert runner.logits_buffer_bytes() > 0 and activations > runner.logits_buffer_bytes()
     per_block = kv_block_bytes(runner.config, runner.block_size, runner.dtype)
     device_bytes = int((weights + activations + 50.5 * per_block) / 0.9)
     measured = []

@@ -54,7 +54,8 @@ def test_persistent_inputs_equal_stateless_construction(data):
         max_num_seqs=data.draw(st.integers(1, 6), label="max_num_seqs"),
         max_num_batched_tokens=data.draw(st.sampled_from([6, 8, 16, 32]), label="budget"),
         max_model_len=48, block_size=bs,
-        num_blocks=data.draw(st.integers(16 // bs + 2, 64 // bs), label="num_blocks"),
+        # The longest prompt (8 + 14 tokens) must fit the usable blocks.
+        num_blocks=data.draw(st.integers(24 // bs + 2, 64 // bs), label="num_blocks"),
         enable_prefix_caching=data.draw(st.booleans(), label="prefix_caching"))
     sched = Scheduler(cfg)
     max_blocks = -(-cfg.max_model_len // bs)

@@ -1,6 +1,14 @@
 """`--profile`: a per-step split of host time (schedule, input preparation, device step, logits
 transfer, sampling, scheduler update, detokenization, other) in decode steady state, from the
-engine's per-step stats."""
+engine's per-step stats, and the host's critical path.
+
+Synchronous steps run every phase one after another, so the phases partition the step. With
+async scheduling the device runs step N while the host schedules and prepares N+1 and applies
+N-1's results; the step's wall time is then the device step (dispatch to its candidates on the
+host) plus the host's critical section (`host_critical`: candidates on the host to the next
+dispatch: transfer, sampling, the dispatch), and "other" is the rest, i.e. host work the device
+did not hide (from the means; 0 when the device step and the critical section fill the step).
+The overlapped phases are still listed, with their own times."""
 
 from __future__ import annotations
 
@@ -20,12 +28,15 @@ if TYPE_CHECKING:
 
 PROFILE_PHASES = ("schedule", "prepare_inputs", "device_step", "logits_transfer", "sampling",
                   "update", "detokenize", "other")
+# With async scheduling the step is device_step + host_critical + other; these overlap them.
+OVERLAPPED_PHASES = ("schedule", "prepare_inputs", "update", "detokenize")
 
 
 @dataclass
 class _StepRecord:
     wall_s: float
     parts: dict[str, float] = field(default_factory=dict)
+    host_critical_s: float | None = None
 
 
 def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input_len: int,
@@ -73,8 +84,12 @@ def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input
                          "device_step": st.device_s, "logits_transfer": st.transfer_s,
                          "sampling": st.sample_s, "update": st.update_s,
                          "detokenize": engine.last_output_processing_s}
-                parts["other"] = max(0.0, wall - sum(parts.values()))
-                steady.append(_StepRecord(wall, parts))
+                critical = st.host_critical_s
+                # Async: set from the means below (a call's wall time and its step's device
+                # time do not line up one to one; their means do).
+                parts["other"] = (max(0.0, wall - sum(parts.values())) if critical is None
+                                  else 0.0)
+                steady.append(_StepRecord(wall, parts, critical))
         finally:
             engine.abort_request(ids)
             bar.close()
@@ -83,13 +98,19 @@ def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input
             results.append({"batch_size": bs, "skipped": "no steady-state decode step"})
             continue
         step_ms = 1e3 * float(np.mean([s.wall_s for s in steady]))
+        critical = [s.host_critical_s for s in steady]
+        critical_ms = (None if any(c is None for c in critical)
+                       else 1e3 * float(np.mean(critical)))
         phases = {}
         for name in PROFILE_PHASES:
             ms = 1e3 * float(np.mean([s.parts[name] for s in steady]))
+            if name == "other" and critical_ms is not None:
+                ms = max(0.0, step_ms - phases["device_step"]["ms"] - critical_ms)
             phases[name] = {"ms": ms, "percent": 100.0 * ms / max(step_ms, 1e-12)}
         host_ms = step_ms - phases["device_step"]["ms"]
         results.append({"batch_size": bs, "input_len": input_len, "steps": len(steady),
-                        "step_ms": step_ms, "host_ms": host_ms,
+                        "step_ms": step_ms, "host_ms": host_ms, "host_critical_ms": critical_ms,
+                        "async_scheduling": critical_ms is not None,
                         "host_percent": 100.0 * host_ms / max(step_ms, 1e-12),
                         "decode_tokens_per_second": bs * 1e3 / max(step_ms, 1e-12),
                         "phases": phases})
@@ -107,15 +128,26 @@ def print_profile(results: list[dict[str, Any]]) -> None:
           "of the step")
     head = f"{'phase':<16}" + "".join(f"{'batch ' + str(r['batch_size']):>20}" for r in done)
     print(head)
+    overlapped = any(r["async_scheduling"] for r in done)
     for name in PROFILE_PHASES:
-        print(f"{name:<16}" + "".join(
+        label = name + ("*" if overlapped and name in OVERLAPPED_PHASES else "")
+        print(f"{label:<16}" + "".join(
             f"{r['phases'][name]['ms']:>11.2f} ms {r['phases'][name]['percent']:>5.1f}%"
             for r in done))
+    if overlapped:
+        print(f"{'host_critical':<16}" + "".join(
+            f"{r['host_critical_ms']:>11.2f} ms {100 * r['host_critical_ms'] / r['step_ms']:>5.1f}%"
+            if r["host_critical_ms"] is not None else f"{'-':>20}" for r in done))
     print(f"{'step':<16}" + "".join(f"{r['step_ms']:>11.2f} ms {100.0:>5.1f}%" for r in done))
     print(f"{'host (non-dev)':<16}" + "".join(
         f"{r['host_ms']:>11.2f} ms {r['host_percent']:>5.1f}%" for r in done))
     print(f"{'decode tok/s':<16}" + "".join(
         f"{r['decode_tokens_per_second']:>20.1f}" for r in done))
+    if overlapped:
+        print("async scheduling: step = device_step + host_critical (the device's idle gap: "
+              "candidates on the host -> next dispatch) + other (host work the device did not "
+              "hide); * marks phases that overlap the device step; logits_transfer and "
+              "sampling lie inside host_critical")
 
 
 def maybe_profile(args: argparse.Namespace, llm: LLM, sampler: TokenSampler,

@@ -72,6 +72,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     transfer_s: float = 0.0  # logits to the host (and prompt-logprob rows)
     sample_s: float = 0.0
     update_s: float = 0.0  # scheduler update and output building
+    # Async scheduling: the previous step's candidates on the host until this step's dispatch
+    # (the device's idle gap); None in synchronous steps.
+    host_critical_s: float | None = None
+    num_full_row_samples: int = 0  # rows sampled from full logits, not top-K candidates
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -32,6 +32,11 @@ _HELP = {
     "seed": "seeds requests that bring no seed of their own",
     "skip_tokenizer_init": "no tokenizer: token-id prompts only, no text",
     "show_progress": "loading and compiling progress bars",
+    "async_scheduling": "schedule and prepare step N+1 while step N runs on the device "
+                        "(when not given: on for GPU and CPU)",
+    "topk_sampling": "the device returns each sampled row's top-64 logits and log-sum-exp; "
+                     "the host samples from them when exact (when not given: on for GPU, "
+                     "off on CPU, where the device top-k costs more than the host saves)",
 }
 
 
@@ -54,6 +59,8 @@ class EngineArgs:
     seed: int = 0
     skip_tokenizer_init: bool = False
     show_progress: bool = True
+    async_scheduling: bool | None = None  # None: per platform (see _HELP)
+    topk_sampling: bool | None = None  # None: per platform (see _HELP)
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -88,6 +95,9 @@ class EngineArgs:
                     or value < low:
                 raise ValueError(f"{name} must be {why}, got {value!r}")
             setattr(self, name, int(value))  # numpy integers stay out of the messages
+        for name in ("async_scheduling", "topk_sampling"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, numbers.Real) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
@@ -106,6 +116,10 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             default = f.default
             help_text = overrides.get(f.name, _HELP.get(f.name, ""))
+            if f.type == "bool | None":
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
+                continue
             if isinstance(default, bool):
                 if default:
                     group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,

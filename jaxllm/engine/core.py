@@ -10,9 +10,11 @@ so the core can live in another process.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,10 +32,18 @@ from jaxllm.model_executor.model_loader.default_model import (
     DEFAULT_MODEL_NAME,
     default_model_path,
 )
+from jaxllm.sample.candidates import exact_rows, sample_from_topk
+from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
-from jaxllm.sample.sampler import SamplingRow, compute_prompt_logprobs, sample
-from jaxllm.worker.model_runner import ModelRunner, device_memory_bytes, kv_block_bytes
-from scheduler import Request, RequestResult, Scheduler, SchedulerConfig
+from jaxllm.sample.sampler import SamplingRow, compute_prompt_logprobs, needs_processing, sample
+from jaxllm.worker.model_runner import (
+    ModelRunner,
+    ModelRunnerOutput,
+    StepHandle,
+    device_memory_bytes,
+    kv_block_bytes,
+)
+from scheduler import Request, RequestResult, Scheduler, SchedulerConfig, SchedulerOutput
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -46,8 +56,6 @@ UTILITY_METHODS = frozenset({"get_engine_info", "get_step_shape_counts",
 
 def resolve_dtype(name: str | None) -> Any:
     """None -> float32 on CPU, bfloat16 on GPU (bf16 GEMV is ~18x slower than f32 on CPU)."""
-    import jax
-
     if name is None:
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     return _JNP_DTYPES[name]
@@ -67,16 +75,25 @@ def num_kv_blocks_for(args: EngineArgs, runner: ModelRunner) -> int:
         budget, how = DEFAULT_CPU_KV_BYTES, "the CPU default of 1 GiB"
     else:
         weights = runner.weight_bytes()
-        activations = runner.measure_activation_bytes()
+        activations = runner.measure_activation_bytes() + runner.logits_buffer_bytes()
         budget = int(total * args.gpu_memory_utilization) - weights - activations
         how = (f"{args.gpu_memory_utilization} x {total} device bytes - {weights} of weights - "
-               f"{activations} of activations (largest step, measured)")
+               f"{activations} of activations (largest step, measured) and kept logits buffers")
     blocks = max(budget, 0) // per_block
     if blocks < 2:
         raise ValueError(f"the KV budget ({how}) holds {blocks} blocks of {per_block} bytes; "
                          f"raise kv_cache_memory_bytes or gpu_memory_utilization, or lower "
                          f"max_num_batched_tokens")
     return int(blocks)
+
+
+@dataclass
+class _Sampled:
+    """One request's sampled token of a step, its raw logprob and (when asked) its logprob row."""
+
+    token: int
+    logprob: float
+    logprobs: LogprobsLists | None
 
 
 class EngineCore:
@@ -92,10 +109,15 @@ class EngineCore:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {config.max_position_embeddings}")
         backend = args.kernel_backend or pallas_kernels.default_backend()
+        on_gpu = jax.default_backend() != "cpu"
+        self.async_scheduling = (True if args.async_scheduling is None
+                                 else args.async_scheduling)
+        topk_sampling = on_gpu if args.topk_sampling is None else args.topk_sampling
         self.runner = ModelRunner(
             config, loaded.params, dtype=dtype, kernel_backend=backend,
             block_size=args.block_size, max_model_len=max_model_len,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            topk_sampling=topk_sampling)
         num_blocks = num_kv_blocks_for(args, self.runner)
         self.runner.initialize_kv_cache(num_blocks)
         compile_time_s = self.runner.compile(progress=args.show_progress)
@@ -110,6 +132,9 @@ class EngineCore:
             eos_token_ids=[] if config.eos_token_id is None else [config.eos_token_id],
             bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s)
         self._generators: dict[str, np.random.Generator] = {}
+        self._eos: dict[str, frozenset[int]] = {}
+        # Async scheduling: the dispatched step whose results are not applied yet.
+        self._inflight: tuple[SchedulerOutput, StepHandle, SchedulerStats] | None = None
         self._requests: dict[str, EngineCoreRequest] = {}
         # Next prompt position whose logprob entry is still owed (survives preemption, so a
         # recomputed prompt does not emit its entries twice).
@@ -139,6 +164,7 @@ class EngineCore:
         self.scheduler.add_request(request)  # validates before it changes anything
         self._requests[req.request_id] = req
         self._generators[req.request_id] = generator
+        self._eos[req.request_id] = frozenset(req.eos_token_ids)
         if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
             self._penalties[req.request_id] = PenaltyState(req.prompt_token_ids)
         if sp.prompt_logprobs is not None:
@@ -155,65 +181,158 @@ class EngineCore:
     def _forget(self, rid: str) -> None:
         self._requests.pop(rid, None)
         self._generators.pop(rid, None)
+        self._eos.pop(rid, None)
         self._prompt_lp_next.pop(rid, None)
         self._penalties.pop(rid, None)
 
     # --- one step -----------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
+        """One step: with async scheduling, the outputs of the step dispatched by the previous
+        call (see step_with_batch_queue); else schedule, run, sample and return this one."""
+        if self.async_scheduling:
+            return self.step_with_batch_queue()
         stats = SchedulerStats()
+        so = self._schedule(stats)
+        if so.is_empty:
+            self.runner.update_states(so)
+            return self._update(so, None, {}, stats)
+        out = self.runner.execute_model(so, self._prompt_rows(so))
+        sampled = self._sample(out, stats)
+        self.runner.release(out)
+        return self._update(so, out, sampled, stats)
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Async scheduling (vLLM's name): schedule and prepare step N+1 while step N runs,
+        then wait for N's small outputs, sample, fill N+1's placeholder tokens and dispatch it;
+        only then apply N's results (scheduler update, outputs). Returns step N's outputs (none
+        on the call that starts the pipeline). The host's critical section, from N's
+        candidates being on the host to N+1's dispatch, is sampling and the dispatch itself.
+        """
+        stats = SchedulerStats()  # travels with the step it schedules
+        so = self._schedule(stats)
+        prepared = self.runner.prepare(so) if not so.is_empty else None
+        if prepared is None:
+            self.runner.update_states(so)
+        inflight, self._inflight = self._inflight, None
+        sampled: dict[str, _Sampled] = {}
+        out = None
+        if inflight is not None:
+            prev_so, handle, prev_stats = inflight
+            out = self.runner.wait(handle)
+            self.runner.add_prompt_logits(out, self._prompt_rows(prev_so))
+            sampled = self._sample(out, prev_stats)
+            self.runner.release(out)
+        if prepared is not None:
+            handle = self.runner.dispatch(prepared, {r: s.token for r, s in sampled.items()})
+            if out is not None:
+                prev_stats.host_critical_s = handle.dispatch_time - out.ready_time
+            self._inflight = (so, handle, stats)
+        if inflight is not None:
+            return self._update(prev_so, out, sampled, prev_stats)
+        if prepared is None:  # nothing ran: what schedule() itself finished, if anything
+            return self._update(so, None, {}, stats)
+        # The pipeline starts: no step's results yet.
+        return self._update(SchedulerOutput(), None, {}, SchedulerStats())
+
+    def _schedule(self, stats: SchedulerStats) -> SchedulerOutput:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         stats.schedule_s = time.perf_counter() - t0
         stats.num_preemptions = len(so.preempted_req_ids)
         stats.prefix_cache_queries = so.num_prefix_cache_queries
         stats.prefix_cache_hits = so.num_prefix_cache_hits
-        if so.is_empty:
-            self.runner.update_states(so)
-            outputs = self._make_outputs(self.scheduler.update_from_output(so, {}), stats)
-            self._forget_finished(outputs)
-            return outputs
-        sched_reqs = {r.request_id: r for r in so.scheduled}
+        return so
+
+    def _prompt_rows(self, so: SchedulerOutput) -> dict[str, int]:
+        """Request id -> prompt positions of this step whose logprob entries are owed (position
+        p predicts token p + 1: rows for p < num_prompt - 1)."""
+        if not self._prompt_lp_next:
+            return {}
+        want = {}
         for r in so.scheduled:
-            if r.do_sample and r.num_tokens == 1:
-                stats.num_decode_tokens += 1
-            else:
-                stats.num_prefill_tokens += r.num_tokens
+            if r.request_id in self._prompt_lp_next:
+                num_prompt = len(self._requests[r.request_id].prompt_token_ids)
+                want[r.request_id] = max(0, min(r.seq_len, num_prompt - 1) - r.start_position)
+        return want
 
-        # Prompt positions p predict token p + 1: rows for p < num_prompt - 1 are owed.
-        want_prompt_rows = {}
-        for rid in self._prompt_lp_next:
-            r = sched_reqs.get(rid)
-            if r is None:
+    def _sample(self, out: ModelRunnerOutput, stats: SchedulerStats) -> dict[str, _Sampled]:
+        """Sample each row whose request is still here (with async scheduling a row may belong
+        to a request that finished or was aborted since its step was scheduled). Rows the
+        device's top-K candidates sample exactly go through the vectorized candidate sampler,
+        the rest through the full-row sampler on their fetched logits."""
+        t0 = time.perf_counter()
+        live, rows = [], []
+        for i, rid in enumerate(out.sample_req_ids):
+            req = self.scheduler.requests.get(rid)
+            if req is None:
                 continue
-            num_prompt = len(self._requests[rid].prompt_token_ids)
-            want_prompt_rows[rid] = max(0, min(r.seq_len, num_prompt - 1) - r.start_position)
-        out = self.runner.execute_model(so, want_prompt_rows)
-        stats.step_shape = out.step_shape
-        stats.prepare_s = out.timings.prepare_s
-        stats.device_s = out.timings.device_s
-        stats.transfer_s = out.timings.transfer_s
-
-        t2 = time.perf_counter()
-        rows = []
-        for rid in out.sample_req_ids:
-            req = self.scheduler.requests[rid]
+            live.append(i)
             rows.append(SamplingRow(
                 params=req.sampling_params, generator=self._generators[rid],
                 prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
-                eos_token_ids=frozenset(self._requests[rid].eos_token_ids),
-                penalties=self._penalties.get(rid)))
-        # The sampled token's raw logprob costs a pass over the vocabulary: only when asked.
-        want_logprobs = any(row.params.logprobs is not None for row in rows)
-        sampled = sample(out.logits, rows, all_sampled_logprobs=want_logprobs) if rows else None
-        t3 = time.perf_counter()
-        stats.sample_s = t3 - t2
+                eos_token_ids=self._eos[rid], penalties=self._penalties.get(rid)))
+        result: dict[str, _Sampled] = {}
+        if not rows:
+            stats.sample_s = time.perf_counter() - t0
+            return result
+        n = len(rows)
+        tokens = np.empty(n, np.int64)
+        sampled_lp = np.full(n, np.nan, np.float32)
+        logprobs: list[LogprobsLists | None] = [None] * n
+        topk = out.topk
+        if topk is not None:
+            topk = topk.rows(np.asarray(live))
+            exact = exact_rows([r.params for r in rows], [needs_processing(r) for r in rows],
+                               topk)
+        else:
+            exact = np.zeros(n, bool)
+        fast = np.flatnonzero(exact)
+        if fast.size:
+            u = np.zeros(len(fast))
+            for j, i in enumerate(fast.tolist()):
+                if not rows[i].params.greedy:
+                    u[j] = rows[i].generator.random()  # exactly one draw per sampled token
+            t, lp, lps = sample_from_topk(topk.rows(fast), [rows[i].params for i in fast.tolist()],
+                                          u)
+            tokens[fast], sampled_lp[fast] = t, lp
+            for j, i in enumerate(fast.tolist()):
+                logprobs[i] = lps[j]
+        full = np.flatnonzero(~exact)
+        if full.size:
+            full_rows = [rows[i] for i in full.tolist()]
+            logits = out.logits_rows([live[i] for i in full.tolist()])
+            if topk is not None:
+                res = sample(logits, full_rows, lse=topk.lse[full])
+            else:  # the raw log-normaliser costs a pass over the vocabulary: only when asked
+                res = sample(logits, full_rows, all_sampled_logprobs=any(
+                    r.params.logprobs is not None for r in full_rows))
+            tokens[full], sampled_lp[full] = res.token_ids, res.sampled_logprobs
+            for j, i in enumerate(full.tolist()):
+                logprobs[i] = res.logprobs[j]
+        stats.num_full_row_samples = int(full.size)
+        for j, i in enumerate(live):
+            result[out.sample_req_ids[i]] = _Sampled(int(tokens[j]), float(sampled_lp[j]),
+                                                     logprobs[j])
+        stats.sample_s = time.perf_counter() - t0
+        return result
 
-        sampled_ids = {}
-        if sampled is not None:
-            for i, rid in enumerate(out.sample_req_ids):
-                sampled_ids[rid] = [int(sampled.token_ids[i])]
-        results = self.scheduler.update_from_output(so, sampled_ids)
+    def _update(self, so: SchedulerOutput, out: ModelRunnerOutput | None,
+                sampled: dict[str, _Sampled], stats: SchedulerStats) -> EngineCoreOutputs:
+        """Apply a step's sampled tokens to the scheduler and build its outputs."""
+        t0 = time.perf_counter()
+        if out is not None:
+            stats.step_shape = out.step_shape
+            stats.prepare_s = out.timings.prepare_s
+            stats.device_s = out.timings.device_s
+            stats.transfer_s = out.timings.transfer_s
+            for r in so.scheduled:
+                if r.do_sample and r.num_tokens == 1:
+                    stats.num_decode_tokens += 1
+                else:
+                    stats.num_prefill_tokens += r.num_tokens
+        results = self.scheduler.update_from_output(
+            so, {rid: (s.token,) for rid, s in sampled.items()})
         outputs = self._make_outputs(results, stats)
         by_id = {o.request_id: o for o in outputs.outputs}
         for rid, state in self._penalties.items():
@@ -221,17 +340,17 @@ class EngineCore:
             if o is not None:
                 for token in o.new_token_ids:
                     state.append(token)
-        if sampled is not None:
-            for i, rid in enumerate(out.sample_req_ids):
-                o = by_id.get(rid)
-                if o is None or not o.new_token_ids or sampled.logprobs[i] is None:
-                    continue
-                o.new_sampled_logprobs = [float(sampled.sampled_logprobs[i])]
-                o.new_logprobs = sampled.logprobs[i]
-        for rid, (logits, start) in out.prompt_logits.items():
-            self._emit_prompt_logprobs(rid, logits, start, by_id, outputs.outputs)
+        for rid, s in sampled.items():
+            o = by_id.get(rid)
+            if o is None or not o.new_token_ids or s.logprobs is None:
+                continue
+            o.new_sampled_logprobs = [s.logprob]
+            o.new_logprobs = s.logprobs
+        if out is not None:
+            for rid, (logits, start) in out.prompt_logits.items():
+                self._emit_prompt_logprobs(rid, logits, start, by_id, outputs.outputs)
         self._forget_finished(outputs)
-        stats.update_s = time.perf_counter() - t3
+        stats.update_s = time.perf_counter() - t0
         return outputs
 
     def _forget_finished(self, outputs: EngineCoreOutputs) -> None:
@@ -286,8 +405,6 @@ class EngineCore:
 
     def get_weight_stats(self) -> dict[str, int]:
         """body_params (decoder layers + final norm), head_params (LM head), itemsize."""
-        import jax
-
         params, cfg = self.runner.params, self.runner.config
         body = sum(int(x.size) for k, v in params.items()
                    if k not in ("embed_tokens", "lm_head") for x in jax.tree.leaves(v))

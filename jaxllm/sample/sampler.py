@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxllm.sample.candidates import candidate_weights, inverse_cdf, min_p_threshold
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
 from jaxllm.sampling_params import SamplingParams
@@ -80,7 +81,7 @@ class SamplerOutput:
 # Logits processing (bias, min_tokens, penalties)
 
 
-def _needs_processing(row: SamplingRow) -> bool:
+def needs_processing(row: SamplingRow) -> bool:
     p = row.params
     return bool(p.logit_bias
                 or (p.min_tokens > 0 and len(row.output_token_ids) < p.min_tokens)
@@ -95,7 +96,7 @@ def _ids_in_vocab(ids: Sequence[int] | np.ndarray, vocab: int) -> np.ndarray:
 
 def _process_row(raw: np.ndarray, row: SamplingRow) -> np.ndarray | None:
     """The processed copy of one raw logits row, or None when nothing applies to it."""
-    if not _needs_processing(row):
+    if not needs_processing(row):
         return None
     p = row.params
     vocab = raw.shape[0]
@@ -252,7 +253,9 @@ def _candidates(z: np.ndarray, p: SamplingParams, buf: np.ndarray,
     """The tokens a random row may draw and their unnormalised weights.
 
     Returns (indices, weights): indices None means the whole vocabulary, with `weights` a
-    vocabulary-sized float32 array (`buf` or the cache's); otherwise float64 weights per index.
+    vocabulary-sized float32 array (`buf` or the cache's); otherwise float64 weights per index
+    (zero for tokens top_p cut). A top_k or min_p set is weighed by `candidate_weights`, as the
+    top-K sampler weighs the device's candidates, so both paths give the same token.
     `cached`: the row's exponentials when the caller has them and temperature is 1.
     """
     vocab = z.shape[0]
@@ -263,8 +266,7 @@ def _candidates(z: np.ndarray, p: SamplingParams, buf: np.ndarray,
 
     cand: np.ndarray | None = None
     if p.min_p > 0.0:
-        # p_i >= min_p * p_max  <=>  z_i >= z_max + T * log(min_p)
-        cand = np.flatnonzero(z >= zmax + temp * math.log(p.min_p))
+        cand = np.flatnonzero(z >= min_p_threshold(zmax, temp, p.min_p))
     k = p.top_k
     if 0 < k < vocab:
         if cand is None:
@@ -275,11 +277,10 @@ def _candidates(z: np.ndarray, p: SamplingParams, buf: np.ndarray,
             cand = cand[zc >= kth]  # ties with the k-th value stay, as in vLLM
 
     if cand is not None:
-        w = np.exp((z[cand].astype(np.float64) - zmax) / temp)
-        if p.top_p < 1.0:
-            mask = _top_p_mask(w, p.top_p * _total(w))
-            cand, w = cand[mask], w[mask]
-        return cand, w
+        one = np.ones(1)
+        return cand, candidate_weights(z[cand][None], np.ones((1, cand.shape[0]), bool),
+                                       np.array([zmax], np.float32), one * temp,
+                                       one * p.top_p)[0]
 
     # No top-k or min_p cut: the whole vocabulary's tempered exponentials.
     if cached is not None:
@@ -323,14 +324,18 @@ def _top_p_candidates(e: np.ndarray, emax: float, target: float
 
 def _draw(cand: np.ndarray | None, w: np.ndarray, u: float) -> int:
     """Inverse CDF of the weights at u in [0, 1): the first token whose cumulative weight
-    exceeds u * total (in index order). Zero-weight tokens are never returned."""
+    exceeds u * total (in index order). Zero-weight tokens are never returned. A candidate set
+    goes through `inverse_cdf` (sequential sums, as the top-K sampler draws); the whole
+    vocabulary through block sums (numpy's cumsum over it is sequential and slow)."""
+    if cand is not None:
+        return int(cand[inverse_cdf(w[None], np.array([u]))[0]])
     j = _cum_search(w, u * _total(w), "right")
     if not w[j] > 0:  # only float rounding at the very end can land here
         pos = np.flatnonzero(w > 0)
         if pos.size:
             before = pos[pos <= j]
             j = int(before[-1]) if before.size else int(pos[0])
-    return j if cand is None else int(cand[j])
+    return j
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,11 +409,14 @@ def compute_prompt_logprobs(logits: np.ndarray, next_token_ids: Sequence[int],
 # ---------------------------------------------------------------------------------------------
 
 
-def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *,
+def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *, lse: np.ndarray | None = None,
            all_sampled_logprobs: bool = True) -> SamplerOutput:
     """Sample one token per row. logits: [R, vocab] (float32, or anything numpy casts to it).
 
-    all_sampled_logprobs=False skips the raw log-normaliser (one exp pass over the vocabulary)
+    lse: the rows' raw log-sum-exp as the device computed it. When given, it is the normaliser
+    of every logprob, so these rows and rows sampled from the device's top-K candidates give
+    identical numbers, and every row's sampled logprob is filled. Without it the normaliser is
+    computed here, and all_sampled_logprobs=False skips it (one exp pass over the vocabulary)
     for rows whose params.logprobs is None; their sampled_logprobs are NaN then (vLLM reports
     no cumulative_logprob for such requests).
     """
@@ -428,25 +436,28 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *,
         p = row.params
         raw = np.ascontiguousarray(x[i])
         z = _process_row(raw, row)
-        want_lp = all_sampled_logprobs or p.logprobs is not None
+        if lse is not None:
+            want_lp, row_lse = True, float(lse[i])
+        else:
+            want_lp, row_lse = all_sampled_logprobs or p.logprobs is not None, None
         if p.greedy:
             tok = int(np.argmax(raw if z is None else z))
-            m = float(raw[tok]) if z is None else (float(raw.max()) if want_lp else math.nan)
-        else:
-            if row.generator is None:
-                raise ValueError(f"row {i}: a random-sampling row needs a generator")
-            u = float(row.generator.random())  # exactly one draw per sampled token
-            m = float(raw.max()) if want_lp else math.nan
-        ex = _exp_row(raw, raw_buf, m) if want_lp and math.isfinite(m) else None
+        elif row.generator is None:
+            raise ValueError(f"row {i}: a random-sampling row needs a generator")
+        ex = None
+        if row_lse is None and want_lp:
+            m = float(raw[tok]) if p.greedy and z is None else float(raw.max())
+            ex = _exp_row(raw, raw_buf, m) if math.isfinite(m) else None
+            row_lse = _lse(ex) if ex is not None else m
         if not p.greedy:
+            u = float(row.generator.random())  # exactly one draw per sampled token
             cached = ex if (z is None and p.temperature == 1.0) else None
             cand, w = _candidates(raw if z is None else z, p, work_buf, cached)
             tok = _draw(cand, w, u)
         token_ids[i] = tok
         if want_lp:
-            lse = _lse(ex) if ex is not None else m
-            sampled_lp[i] = float(raw[tok]) - lse
+            sampled_lp[i] = float(raw[tok]) - row_lse
             if p.logprobs is not None:
-                ids, lps, ranks = _logprob_row(raw, lse, p.logprobs, tok)
+                ids, lps, ranks = _logprob_row(raw, row_lse, p.logprobs, tok)
                 logprobs[i] = LogprobsLists([ids], [lps], [ranks])
     return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled_lp, logprobs=logprobs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,9 @@ from jaxllm.model_executor.models.qwen2 import (
     kv_cache_shape,
     rope_variables,
 )
-from jaxllm.worker.input_batch import InputBatch
+from jaxllm.sample.candidates import TopKLogits
+from jaxllm.sample.topk import TOPK, top_k_logits
+from jaxllm.worker.input_batch import InputBatch, StepInputs
 from scheduler import SchedulerOutput
 
 # Prompt-logprob rows go through the LM head in chunks of this many rows (one compiled shape).
@@ -82,26 +85,74 @@ def device_memory_bytes() -> int | None:
 @dataclass
 class StepTimings:
     prepare_s: float = 0.0
-    device_s: float = 0.0
+    device_s: float = 0.0  # dispatch to the small outputs being on the host
     transfer_s: float = 0.0
 
 
 @dataclass
+class PreparedStep:
+    """A step's host inputs, built from its SchedulerOutput while the previous step may still
+    run. Tokens the previous step has yet to sample are placeholders (-1) in `input_ids`, one
+    per listed request, filled by `ModelRunner.dispatch`."""
+
+    so: SchedulerOutput
+    inputs: StepInputs
+    shape: tuple[int, int]  # (num_tokens, max_query_len) of the compiled step
+    placeholder_index: np.ndarray  # [P] flat token index of each placeholder
+    placeholder_req_ids: list[str]
+    prepare_s: float
+
+
+@dataclass
+class StepHandle:
+    """A dispatched step: its outputs are device arrays until `ModelRunner.wait`."""
+
+    prepared: PreparedStep
+    values: jax.Array | None  # [S, K] top-K logits per sampled row (None: top-K off)
+    token_ids: jax.Array | None  # [S, K]
+    lse: jax.Array | None  # [S]
+    logits: jax.Array  # [S, vocab], stays on the device unless a row needs it
+    hidden: jax.Array  # [T, hidden], for prompt logprobs
+    dispatch_time: float
+
+
+@dataclass
 class ModelRunnerOutput:
-    """Logits of the rows that sample this step, and prompt-logprob logits where asked."""
+    """The sampled rows' top-K candidates on the host; full logits rows and prompt-logprob
+    logits on request (`logits_rows`, `prompt_logits`)."""
 
     sample_req_ids: list[str]
-    logits: np.ndarray  # [len(sample_req_ids), vocab] float32
-    # request id -> (logits [n, vocab] of its prompt positions computed this step, their start)
-    prompt_logits: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)
+    topk: TopKLogits | None  # rows follow sample_req_ids; None when the runner has top-K off
+    handle: StepHandle
+    # When the small outputs were on the host (perf_counter): the start of the host's critical
+    # section, which ends when the next step is dispatched.
+    ready_time: float = 0.0
     timings: StepTimings = field(default_factory=StepTimings)
     step_shape: tuple[int, int] = (0, 0)  # (num_tokens, max_query_len) of the compiled step
+    # Precompiled one-row fetch for this step's logits shape; None on CPU.
+    row_slice: Any = None
+    # request id -> (logits [n, vocab] of its prompt positions computed this step, their start)
+    prompt_logits: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)
+
+    def logits_rows(self, rows: Sequence[int]) -> np.ndarray:
+        """Full logits [len(rows), vocab] of the given sampled rows; valid until the runner's
+        `release` of this output (the buffer then serves a later step)."""
+        logits = self.handle.logits
+        if self.row_slice is None:  # CPU: host memory already; rows 0..n-1 need no copy
+            host = np.asarray(logits)
+            rows = list(rows)
+            return host[:len(rows)] if rows == list(range(len(rows))) else host[rows]
+        return np.stack([np.asarray(self.row_slice(logits, np.int32(r))) for r in rows])
+
+
+def _row_slice(logits: jax.Array, row: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(logits, row, keepdims=False)
 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, *, dtype: Any, kernel_backend: str,
                  block_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, topk_sampling: bool = False) -> None:
         self.config = config
         self.params = params
         self.dtype = dtype
@@ -116,17 +167,30 @@ class ModelRunner:
         self.rope = rope_variables(config)
         self.kv_cache: jax.Array | None = None
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size)
+        # 0: the step returns full logits only (the host finds candidates and normalisers).
+        self.top_k = min(TOPK, config.vocab_size) if topk_sampling else 0
+        # The logits output reuses the previous step's buffer of its shape (donated): no
+        # vocabulary-sized allocation and release per step (~4 ms at 64 rows on CPU).
         self._step = jax.jit(self._forward, static_argnames=("max_query_len",),
-                             donate_argnames=("kv_cache",))
+                             donate_argnames=("kv_cache", "logits_buf"), keep_unused=True)
         self._logits_fn = jax.jit(lambda params, h: compute_logits(params, config, h))
         self._compiled: dict[tuple[int, int], Any] = {}
         self._compiled_logits = None
+        self._row_slices: dict[int, Any] = {}
+        self._logits_bufs: dict[int, jax.Array] = {}
         # Steps run per (num_tokens, max_query_len) shape: benchmarks price a run's shapes.
         self.step_shape_counts: Counter[tuple[int, int]] = Counter()
 
-    def _forward(self, params, rope, kv_cache, input_ids, positions, md, max_query_len):
-        return self.model.apply({"params": params, "rope": rope}, input_ids, positions, kv_cache,
-                                md, max_query_len=max_query_len)
+    def _forward(self, params, rope, kv_cache, logits_buf, input_ids, positions, md,
+                 max_query_len):
+        del logits_buf  # only its buffer is wanted, for the logits output
+        logits, hidden, kv_cache = self.model.apply(
+            {"params": params, "rope": rope}, input_ids, positions, kv_cache, md,
+            max_query_len=max_query_len)
+        if not self.top_k:
+            return None, None, None, logits, hidden, kv_cache
+        values, token_ids, lse = top_k_logits(logits, self.top_k)
+        return values, token_ids, lse, logits, hidden, kv_cache
 
     # --- compilation --------------------------------------------------------------------------
 
@@ -149,12 +213,21 @@ class ModelRunner:
         kv_spec = jax.ShapeDtypeStruct(
             kv_cache_shape(self.config, num_kv_blocks, self.block_size), self.dtype)
         ids, pos, md = self._abstract_inputs(num_tokens)
-        return self._step.lower(self.params, self.rope, kv_spec, ids, pos, md,
-                                max_query_len=max_query_len).compile()
+        return self._step.lower(self.params, self.rope, kv_spec, self._logits_spec(num_tokens),
+                                ids, pos, md, max_query_len=max_query_len).compile()
+
+    def _logits_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((min(num_tokens, self.max_num_seqs), self.config.vocab_size),
+                                    jnp.float32)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights and RoPE tables on the device."""
         return sum(x.nbytes for x in jax.tree.leaves((self.params, self.rope)))
+
+    def logits_buffer_bytes(self) -> int:
+        """Device bytes of the kept logits buffers once every step shape has run."""
+        rows = {min(t, self.max_num_seqs) for t, _ in self.bucket_shapes()}
+        return sum(rows) * self.config.vocab_size * 4
 
     def measure_activation_bytes(self, probe_blocks: int = 16) -> int:
         """Device bytes the largest step needs besides weights and KV: its temporaries plus the
@@ -182,6 +255,15 @@ class ModelRunner:
                 num_tokens, max_query_len, self.num_kv_blocks)
         hidden = jax.ShapeDtypeStruct((PROMPT_LOGITS_CHUNK, self.config.hidden_size), self.dtype)
         self._compiled_logits = self._logits_fn.lower(self.params, hidden).compile()
+        self._logits_bufs.clear()
+        self._row_slices.clear()
+        if jax.default_backend() != "cpu":
+            row = jax.ShapeDtypeStruct((), jnp.int32)
+            for num_tokens, _ in self.bucket_shapes():
+                spec = self._logits_spec(num_tokens)
+                if spec.shape[0] not in self._row_slices:
+                    self._row_slices[spec.shape[0]] = jax.jit(_row_slice).lower(spec,
+                                                                               row).compile()
         return time.perf_counter() - start
 
     def bucket_for(self, num_tokens: int, decode_only: bool = False) -> int:
@@ -197,49 +279,96 @@ class ModelRunner:
         that the requests it reports finished free their rows."""
         self.input_batch.update_states(so)
 
-    def execute_model(self, so: SchedulerOutput,
-                      prompt_logprob_reqs: dict[str, int] | None = None) -> ModelRunnerOutput:
-        """Run one step. `prompt_logprob_reqs` maps a request id to the number of prompt
-        positions whose logits it needs (it wants logprobs for its prompt)."""
+    def prepare(self, so: SchedulerOutput) -> PreparedStep:
+        """Host inputs of a non-empty step (after applying it to the persistent batch)."""
         t0 = time.perf_counter()
-        reqs = so.scheduled
         num_tokens = so.total_num_scheduled_tokens
-        decode_only = num_tokens == len(reqs)  # every request computes one token
+        decode_only = num_tokens == len(so.scheduled)  # every request computes one token
         padded = self.bucket_for(num_tokens, decode_only)
-        num_seqs = min(padded, self.max_num_seqs)
-        max_query_len = 1 if decode_only else padded
+        shape = (padded, 1 if decode_only else padded)
+        if shape not in self._compiled:
+            raise RuntimeError(f"step shape {shape} was not compiled; call compile() first")
         self.update_states(so)
-        inputs = self.input_batch.prepare_inputs(so, padded, num_seqs)
-        input_ids, positions = inputs.input_ids, inputs.positions
-        sample_req_ids = inputs.sample_req_ids
+        inputs = self.input_batch.prepare_inputs(so, padded, min(padded, self.max_num_seqs))
+        index = np.flatnonzero(inputs.input_ids[:num_tokens] < 0)
+        req_ids = []
+        if index.size:
+            owner = np.searchsorted(inputs.query_start_loc[1:len(so.scheduled) + 1], index,
+                                    side="right")
+            req_ids = [so.scheduled[i].request_id for i in owner.tolist()]
+        return PreparedStep(so, inputs, shape, index, req_ids, time.perf_counter() - t0)
+
+    def dispatch(self, prepared: PreparedStep,
+                 sampled: dict[str, int] | None = None) -> StepHandle:
+        """Fill the placeholders with the previous step's tokens (`sampled`; a request missing
+        there finished meanwhile and computes a token nobody reads) and launch the step. Only
+        the top-K candidates start their copy to the host."""
+        inputs = prepared.inputs
+        if prepared.placeholder_req_ids:
+            sampled = sampled or {}
+            inputs.input_ids[prepared.placeholder_index] = [
+                sampled.get(rid, 0) for rid in prepared.placeholder_req_ids]
         md = AttentionMetadata(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
                                inputs.query_start_loc, inputs.logits_indices)
-        t1 = time.perf_counter()
-        step = self._compiled.get((padded, max_query_len))
-        if step is None:
-            raise RuntimeError(f"step shape ({padded}, {max_query_len}) was not compiled; "
-                               f"call compile() first")
-        self.step_shape_counts[(padded, max_query_len)] += 1
-        logits, hidden, self.kv_cache = step(self.params, self.rope, self.kv_cache, input_ids,
-                                             positions, md)
-        logits.block_until_ready()
-        t2 = time.perf_counter()
-        # Only the sampled rows are fetched; on CPU this is a view, on GPU a small copy.
-        host_logits = np.asarray(logits)[:len(sample_req_ids)]
-        prompt_logits = {}
-        if prompt_logprob_reqs:
-            host_hidden = np.asarray(hidden)
-            offset = 0
-            for r in reqs:
-                want = prompt_logprob_reqs.get(r.request_id, 0)
-                if want > 0:
-                    rows = min(want, r.num_tokens)
-                    prompt_logits[r.request_id] = (
-                        self._logits_rows(host_hidden[offset:offset + rows]), r.start_position)
-                offset += r.num_tokens
-        t3 = time.perf_counter()
-        return ModelRunnerOutput(sample_req_ids, host_logits, prompt_logits,
-                                 StepTimings(t1 - t0, t2 - t1, t3 - t2), (padded, max_query_len))
+        self.step_shape_counts[prepared.shape] += 1
+        num_seqs = inputs.seq_lens.shape[0]
+        buf = self._logits_bufs.pop(num_seqs, None)
+        if buf is None:  # first step of this shape (a transfer, not a compile)
+            buf = jax.device_put(np.zeros((num_seqs, self.config.vocab_size), np.float32))
+        t = time.perf_counter()
+        values, token_ids, lse, logits, hidden, self.kv_cache = self._compiled[prepared.shape](
+            self.params, self.rope, self.kv_cache, buf, inputs.input_ids, inputs.positions, md)
+        for x in (values, token_ids, lse) if self.top_k else (logits,):
+            x.copy_to_host_async()
+        return StepHandle(prepared, values, token_ids, lse, logits, hidden, t)
+
+    def wait(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Block until the step's candidates are on the host. The full logits stay on the
+        device (their buffer goes to the next step of the same shape once this output is
+        released via `release`)."""
+        n = len(handle.prepared.inputs.sample_req_ids)
+        if self.top_k:
+            values = np.asarray(handle.values)[:n]
+            ready = time.perf_counter()
+            topk = TopKLogits(values, np.asarray(handle.token_ids)[:n],
+                              np.asarray(handle.lse)[:n], self.top_k == self.config.vocab_size)
+        else:
+            handle.logits.block_until_ready()
+            ready, topk = time.perf_counter(), None
+        prepared = handle.prepared
+        return ModelRunnerOutput(
+            prepared.inputs.sample_req_ids, topk, handle, ready,
+            StepTimings(prepared.prepare_s, ready - handle.dispatch_time,
+                        time.perf_counter() - ready),
+            prepared.shape, self._row_slices.get(handle.logits.shape[0]))
+
+    def release(self, out: ModelRunnerOutput) -> None:
+        """The step's full logits are no longer needed: their buffer serves the next step."""
+        logits = out.handle.logits
+        self._logits_bufs[logits.shape[0]] = logits
+
+    def add_prompt_logits(self, out: ModelRunnerOutput,
+                          prompt_logprob_reqs: dict[str, int]) -> None:
+        """Logits of the prompt positions each listed request wants logprobs for (request id
+        -> number of positions from its start in this step), into `out.prompt_logits`."""
+        if not prompt_logprob_reqs:
+            return
+        host_hidden = np.asarray(out.handle.hidden)
+        offset = 0
+        for r in out.handle.prepared.so.scheduled:
+            want = prompt_logprob_reqs.get(r.request_id, 0)
+            if want > 0:
+                rows = min(want, r.num_tokens)
+                out.prompt_logits[r.request_id] = (
+                    self._logits_rows(host_hidden[offset:offset + rows]), r.start_position)
+            offset += r.num_tokens
+
+    def execute_model(self, so: SchedulerOutput,
+                      prompt_logprob_reqs: dict[str, int] | None = None) -> ModelRunnerOutput:
+        """Run one step synchronously: prepare, dispatch, wait (and the prompt logits)."""
+        out = self.wait(self.dispatch(self.prepare(so)))
+        self.add_prompt_logits(out, prompt_logprob_reqs or {})
+        return out
 
     def _logits_rows(self, host_hidden: np.ndarray) -> np.ndarray:
         count = len(host_hidden)

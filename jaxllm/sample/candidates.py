@@ -1,0 +1,159 @@
+"""Sampling from the device's top-K candidates, vectorized over rows, and the rule saying when
+that gives exactly what the full row would.
+
+The full-row sampler (`sampler.py`) weighs and draws a candidate set through
+`candidate_weights` and `inverse_cdf` too,
+so a row sampled from its top-K and the same row sampled from its full logits go through the
+same float operations on the same values in the same order: identical tokens, seeded or not.
+
+The candidates are the row's K largest values, sorted by value then token id; which tokens
+tied at the K-th value made it is unspecified. So a cut is safe only strictly above the K-th
+value (or when the K candidates are the whole vocabulary). Exact when the row needs no logits
+processing (bias, penalties, min_tokens), its top-N logprobs (if any) end strictly above the
+K-th value, and:
+  - greedy: the top value lies strictly above the K-th: candidate 0 is numpy's argmax;
+  - 0 < top_k < K and the K-th value lies strictly below the top_k-th: every token tied with
+    the top_k-th (the sampler keeps ties, as vLLM does) is among the candidates;
+  - min_p whose threshold lies strictly above the K-th value: every token it keeps is a
+    candidate. top_p on top of either only narrows the set.
+A sampled token's rank counts the tokens with a larger logit, all of them candidates too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxllm.sample.logprobs import LogprobsLists
+from jaxllm.sampling_params import SamplingParams
+
+
+@dataclass
+class TopKLogits:
+    """What the device returns per sampled row besides the full logits."""
+
+    values: np.ndarray  # [R, K] float32, descending; ties lower token id first
+    token_ids: np.ndarray  # [R, K] int32
+    lse: np.ndarray  # [R] float32: log-sum-exp of the row's raw logits
+    complete: bool = False  # K is the vocabulary size: every token is a candidate
+
+    def rows(self, index: np.ndarray) -> TopKLogits:
+        return TopKLogits(self.values[index], self.token_ids[index], self.lse[index],
+                          self.complete)
+
+
+def min_p_threshold(zmax: float, temperature: float, min_p: float) -> np.float32:
+    """Logit threshold of min_p: p_i >= min_p * p_max <=> z_i >= z_max + T * log(min_p).
+    float32 so that every path compares float32 logits against the same number."""
+    return np.float32(zmax + temperature * math.log(min_p))
+
+
+def exact_rows(params: Sequence[SamplingParams], processed: Sequence[bool],
+               topk: TopKLogits) -> np.ndarray:
+    """Which rows the candidates sample exactly (see the module docstring)."""
+    vals = topk.values
+    k_max = vals.shape[1]
+    # Values a cut must lie strictly above; -inf when the candidates are the whole vocabulary.
+    last = np.full(len(vals), -np.inf, np.float32) if topk.complete else vals[:, k_max - 1]
+    ok = np.zeros(len(params), dtype=bool)
+    for i, p in enumerate(params):
+        if processed[i] or (p.logprobs is not None and (
+                p.logprobs > k_max or (p.logprobs and not vals[i, p.logprobs - 1] > last[i]))):
+            continue
+        if p.greedy:
+            ok[i] = bool(vals[i, 0] > last[i])
+            continue
+        if 0 < p.top_k < k_max and last[i] < vals[i, p.top_k - 1]:
+            ok[i] = True
+        elif p.min_p > 0.0 and last[i] < min_p_threshold(
+                float(vals[i, 0]), p.temperature, p.min_p):
+            ok[i] = True
+    return ok
+
+
+def candidate_weights(z: np.ndarray, valid: np.ndarray, zmax: np.ndarray,
+                      temperature: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """Draw weights of candidate logits z [n, W] (float32, in token-id order, `valid` marking
+    each row's candidates): exp((z - zmax) / T) in float64, then top_p (vLLM's rule: keep the
+    largest weights until their sum reaches top_p of the total; ties at the cut in token
+    order). Cut and invalid entries weigh 0. Sums are sequential cumulative sums, which zero
+    entries do not change, so a row's weights do not depend on W or on its padding."""
+    w = np.exp((z.astype(np.float64) - zmax.astype(np.float64)[:, None])
+               / temperature[:, None])
+    w[~valid] = 0.0
+    cut = top_p < 1.0
+    if cut.any():
+        wc = w[cut]
+        s = -np.sort(-wc, axis=1)
+        cum = np.cumsum(s, axis=1)
+        target = top_p[cut] * cum[:, -1]
+        keep = np.count_nonzero(cum < target[:, None], axis=1) + 1
+        thr = s[np.arange(len(s)), keep - 1][:, None]
+        mask = wc > thr
+        need = keep - np.count_nonzero(mask, axis=1)
+        ties = wc == thr
+        mask |= ties & (np.cumsum(ties, axis=1) <= need[:, None])
+        w[cut] = np.where(mask, wc, 0.0)
+    return w
+
+
+def inverse_cdf(w: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Per row of weights w [n, W] (float64), the column where the sequential cumulative weight
+    first exceeds u * total; never a zero-weight column."""
+    cum = np.cumsum(w, axis=1)
+    target = u * cum[:, -1]
+    col = np.minimum(np.count_nonzero(cum <= target[:, None], axis=1), w.shape[1] - 1)
+    for r in np.flatnonzero(~(w[np.arange(len(w)), col] > 0)):  # float rounding at the end
+        pos = np.flatnonzero(w[r] > 0)
+        before = pos[pos <= col[r]]
+        col[r] = before[-1] if before.size else pos[0]
+    return col
+
+
+def sample_from_topk(topk: TopKLogits, params: Sequence[SamplingParams], u: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, list[LogprobsLists | None]]:
+    """Sample every row from its candidates (all rows exact, see `exact_rows`); `u` holds each
+    random row's uniform draw (ignored for greedy rows).
+
+    Returns (token ids [R], sampled logprobs [R] (raw, device normaliser), logprob rows)."""
+    vals, ids, lse = topk.values, topk.token_ids, topk.lse
+    num, k_max = vals.shape
+    greedy = np.fromiter((p.greedy for p in params), bool, num)
+    col = np.zeros(num, dtype=np.intp)
+    tokens = ids[:, 0].astype(np.int64)
+    rand = np.flatnonzero(~greedy)
+    if rand.size:
+        rp = [params[i] for i in rand]
+        z = vals[rand]
+        zmax = z[:, 0]
+        valid = np.ones(z.shape, dtype=bool)
+        for j, p in enumerate(rp):
+            if 0 < p.top_k < k_max:
+                valid[j] &= z[j] >= z[j, p.top_k - 1]
+            if p.min_p > 0.0:
+                valid[j] &= z[j] >= min_p_threshold(float(zmax[j]), p.temperature, p.min_p)
+        order = np.argsort(ids[rand], axis=1, kind="stable")
+        temp = np.fromiter((p.temperature for p in rp), np.float64, len(rp))
+        top_p = np.fromiter((p.top_p for p in rp), np.float64, len(rp))
+        w = candidate_weights(np.take_along_axis(z, order, 1),
+                              np.take_along_axis(valid, order, 1), zmax, temp, top_p)
+        c = order[np.arange(len(rand)), inverse_cdf(w, np.asarray(u, np.float64)[rand])]
+        tokens[rand] = ids[rand, c]
+        col[rand] = c
+    chosen = vals[np.arange(num), col].astype(np.float64)
+    sampled_lp = (chosen - lse.astype(np.float64)).astype(np.float32)
+    logprobs: list[LogprobsLists | None] = [None] * num
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            continue
+        top = p.logprobs
+        row_ids = [int(tokens[i])] + ids[i, :top].tolist()
+        row_vals = [float(chosen[i])] + vals[i, :top].tolist()
+        lse_i = float(lse[i])
+        rank = int(np.count_nonzero(vals[i] > vals[i, col[i]])) + 1
+        logprobs[i] = LogprobsLists([row_ids], [[v - lse_i for v in row_vals]],
+                                    [[rank] + list(range(1, top + 1))])
+    return tokens, sampled_lp, logprobs
