@@ -35,9 +35,10 @@ step. Attention reads the K/V of each sequence's context once per (sequence, KV 
 * before split-K: the kernel as it is, one program per (sequence, KV head): B x KVH programs.
 * after split-K (flash-decoding): each (sequence, KV head) is cut into `split_count`
   partitions of the context, whose partial outputs (head_dim floats + max + sum per query head,
-  float32) are written and then combined by a second kernel (its own floor). The rule: the
-  fewest partitions that give >= 132 programs, but no partition shorter than 128 keys (two key
-  tiles of 64), and no split at all when the model says it would not be faster, so the split
+  float32) are written and then combined by a second kernel (its own floor). The rule is the
+  kernel's (`split_k_decode.decode_num_splits`, as the runner applies it per decode bucket): the
+  smallest power of two giving >= 132 programs, at most 16, no partition under 256 keys of the
+  context; and no split at all when the model says it would not be faster, so the split
   estimate never exceeds the unsplit one.
 
 Run: python -m pallas_kernels.perf_model (the decode-step table; check_compile --model-time adds
@@ -58,7 +59,6 @@ FP32_FLOPS = 67e12
 NUM_SMS = 132
 FLOOR_US = 2.0
 LOW_WARPS = 16  # resident warps per SM below which latency hiding is doubtful
-MIN_SPLIT_KEYS = 128
 
 
 def itemsize(dtype: str) -> int:
@@ -191,16 +191,13 @@ def silu_mul_cost(tokens: int, intermediate: int, dtype: str) -> Cost:
 # --------------------------------------------------------------------------- split-K
 
 
-def split_count(seqs: int, num_kv_heads: int, context: int, sms: int = NUM_SMS,
-                min_keys: int = MIN_SPLIT_KEYS) -> int:
-    """Partitions per (sequence, KV head): the fewest that give >= `sms` programs, capped so
-    that no partition holds fewer than `min_keys` keys; 1 when the batch already fills the SMs.
-    """
-    base = seqs * num_kv_heads
-    if base >= sms:
-        return 1
-    want = math.ceil(sms / base)
-    return max(1, min(want, context // min_keys))
+def split_count(seqs: int, num_kv_heads: int, context: int, sms: int = NUM_SMS) -> int:
+    """Partitions per (sequence, KV head): the kernel's own rule
+    (`split_k_decode.decode_num_splits`, which the runner applies per decode bucket), with the
+    context in the place of max_model_len."""
+    from pallas_kernels.split_k_decode import decode_num_splits
+
+    return decode_num_splits(context, seqs, num_kv_heads, num_sms=sms)
 
 
 def decode_attention_time(seqs: int, context: int, num_heads: int, num_kv_heads: int,

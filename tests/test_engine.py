@@ -241,6 +241,13 @@ def test_logprobs_match_hf(tiny, prompts):
         np.testing.assert_allclose(entry[prompt[pos]].logprob, ref[pos - 1][prompt[pos]],
                                    atol=1e-4)
         assert len(entry) in (2, 3)  # top-2, plus the actual token when outside them
+        # The top-2 with their ranks and logprobs (computed on the device from the step's
+        # hidden states), and the actual token's rank among the HF row's values.
+        for rank, tok in enumerate(np.argsort(-ref[pos - 1], kind="stable")[:2], start=1):
+            assert entry[int(tok)].rank == rank
+            np.testing.assert_allclose(entry[int(tok)].logprob, ref[pos - 1][tok], atol=1e-4)
+        want_rank = 1 + int(np.sum(ref[pos - 1] > ref[pos - 1][prompt[pos]] + 1e-6))
+        assert abs(entry[prompt[pos]].rank - want_rank) <= 1
     assert_pool_free(llm)
 
 
@@ -311,3 +318,24 @@ def test_repetition_penalty_matches_hf(tiny, prompts, hf_greedy):
         changed.append(want != hf_greedy(tuple(prompt)))
     assert any(changed), "the penalty changed nothing: the test would not see a wrong one"
     assert_pool_free(llm)
+
+
+def test_split_k_decode_per_bucket_in_the_runner_table():
+    """Split-K decode (issue 13 item 3) is static per decode bucket: Qwen2.5-0.5B's 2 KV heads
+    at max_model_len 4096 fill 132 SMs with powers of two up to 16 splits of >= 256 keys; the
+    reference backend (CPU) never splits; prefill buckets never do."""
+    from jaxllm.model_executor.config import ModelConfig
+    from jaxllm.worker.model_runner import ModelRunner
+
+    cfg = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                      num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=32768)
+    kw = dict(dtype=jax.numpy.bfloat16, block_size=16, max_model_len=4096, max_num_seqs=64,
+              max_num_batched_tokens=512)
+    table = ModelRunner(cfg, {}, kernel_backend="pallas", **kw).bucket_table()
+    assert table == [(1, 1, 16), (2, 1, 16), (4, 1, 16), (8, 1, 16), (16, 1, 8), (32, 1, 4),
+                     (64, 1, 2)] + [(t, t, 1) for t in (16, 32, 64, 128, 256, 512)]
+    short = ModelRunner(cfg, {}, kernel_backend="pallas", **{**kw, "max_model_len": 1024})
+    assert [s for _, q, s in short.bucket_table() if q == 1] == [4, 4, 4, 4, 4, 4, 2]
+    ref = ModelRunner(cfg, {}, kernel_backend="reference", **kw).bucket_table()
+    assert all(s == 1 for _, _, s in ref)

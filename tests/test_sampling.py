@@ -12,7 +12,7 @@ from scipy.special import log_softmax, softmax
 
 from jaxllm.outputs import Logprob
 from jaxllm.sample import sampler as S
-from jaxllm.sample.sampler import SamplingRow, compute_prompt_logprobs, process_logits, sample
+from jaxllm.sample.sampler import SamplingRow, process_logits, sample
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 QWEN_VOCAB = 151936
@@ -529,30 +529,6 @@ def test_logprobs_at_qwen_vocab_and_extreme_logits(rng):
     for i in range(2):
         top = np.argsort(-ref[i])[:20]
         assert [_logprob_dicts(out)[i][int(t)].rank for t in top] == list(range(1, 21))
-
-
-def test_compute_prompt_logprobs_matches_direct_formula(rng):
-    logits = rng.normal(0, 3, (7, 400)).astype(np.float32)
-    nxt = rng.integers(0, 400, 6).tolist()  # fewer targets than rows: only those are scored
-    nxt[0] = int(logits[0].argmax())
-    entries = compute_prompt_logprobs(logits, nxt, 3).to_dicts()
-    assert len(entries) == 6
-    ref = log_softmax(logits.astype(np.float64), axis=-1)
-    for i, (tok, e) in enumerate(zip(nxt, entries, strict=True)):
-        top = np.argsort(-ref[i])[:3]
-        assert set(e) == set(top.tolist()) | {tok}
-        assert [e[int(t)].rank for t in top] == [1, 2, 3]
-        assert e[tok].rank == int((ref[i] > ref[i, tok]).sum()) + 1
-        for t, lp in e.items():
-            assert lp.logprob == pytest.approx(ref[i, t], abs=2e-5)
-    assert entries[0][nxt[0]].rank == 1
-    assert list(compute_prompt_logprobs(logits[:1], [5], 0).to_dicts()[0]) == [5]
-    with pytest.raises(ValueError):
-        compute_prompt_logprobs(logits[:2], [1, 2, 3], 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Speed (printed, not asserted)
 
 
 def test_speed_sanity_print(rng):

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.benchmarks.common import sampling_params
 from jaxllm.benchmarks.datasets import TokenSampler
+from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxllm import LLM
@@ -41,12 +42,13 @@ class _StepRecord:
 
 def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input_len: int,
                   num_steps: int, seed: int = 0, warmup_steps: int = 2,
-                  use_tqdm: bool = True) -> list[dict[str, Any]]:
+                  use_tqdm: bool = True, sampling: str = "greedy") -> list[dict[str, Any]]:
     """Host time per engine step in decode steady state (every request of the batch decoding,
     none prefilling), split by phase; mean over `num_steps` such steps after `warmup_steps`.
     "detokenize" is the engine's output processing (incremental detokenizing, RequestOutputs),
     as the engine times it; "update" is the scheduler's update_from_output; "other" is the
-    step's wall time minus the rest."""
+    step's wall time minus the rest. `sampling`: "greedy", or "seeded-top-k-top-p" (request i
+    seeded with seed + i, temperature 0.8, top_k 50, top_p 0.9)."""
     engine = llm.llm_engine
     args = engine.engine_args
     rng = np.random.default_rng(seed)
@@ -66,7 +68,10 @@ def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input
                              f"{1 + warmup_steps + num_steps}")
         sp = sampling_params(room, True)
         ids = [f"profile-{bs}-{i}-{time.monotonic_ns()}" for i in range(bs)]
-        for rid in ids:
+        for i, rid in enumerate(ids):
+            if sampling != "greedy":
+                sp = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=seed + i,
+                                    max_tokens=room, ignore_eos=True)
             engine.add_request(rid, {"prompt_token_ids": sampler.sample(rng, input_len)}, sp)
         steady: list[_StepRecord] = []
         bar = tqdm(desc=f"profile batch {bs}", unit="step", disable=not use_tqdm)
@@ -109,6 +114,7 @@ def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input
             phases[name] = {"ms": ms, "percent": 100.0 * ms / max(step_ms, 1e-12)}
         host_ms = step_ms - phases["device_step"]["ms"]
         results.append({"batch_size": bs, "input_len": input_len, "steps": len(steady),
+                        "sampling": sampling,
                         "step_ms": step_ms, "host_ms": host_ms, "host_critical_ms": critical_ms,
                         "async_scheduling": critical_ms is not None,
                         "host_percent": 100.0 * host_ms / max(step_ms, 1e-12),
@@ -156,7 +162,8 @@ def maybe_profile(args: argparse.Namespace, llm: LLM, sampler: TokenSampler,
     if not args.profile:
         return
     prof = profile_steps(llm, sampler, args.profile_batch_sizes, args.profile_input_len,
-                         args.profile_steps, seed=args.seed + 1, use_tqdm=not args.no_progress)
+                         args.profile_steps, seed=args.seed + 1, use_tqdm=not args.no_progress,
+                         sampling=args.profile_sampling)
     result["profile"] = prof
     print_profile(prof)
 

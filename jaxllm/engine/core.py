@@ -35,10 +35,11 @@ from jaxllm.model_executor.model_loader.default_model import (
 from jaxllm.sample.candidates import exact_rows, sample_from_topk
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
-from jaxllm.sample.sampler import SamplingRow, compute_prompt_logprobs, needs_processing, sample
+from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
 from jaxllm.worker.model_runner import (
     ModelRunner,
     ModelRunnerOutput,
+    PromptLogprobRows,
     StepHandle,
     device_memory_bytes,
     kv_block_bytes,
@@ -220,7 +221,7 @@ class EngineCore:
         if inflight is not None:
             prev_so, handle, prev_stats = inflight
             out = self.runner.wait(handle)
-            self.runner.add_prompt_logits(out, self._prompt_rows(prev_so))
+            self.runner.add_prompt_logprobs(out, self._prompt_rows(prev_so))
             sampled = self._sample(out, prev_stats)
             self.runner.release(out)
         if prepared is not None:
@@ -244,16 +245,23 @@ class EngineCore:
         stats.prefix_cache_hits = so.num_prefix_cache_hits
         return so
 
-    def _prompt_rows(self, so: SchedulerOutput) -> dict[str, int]:
-        """Request id -> prompt positions of this step whose logprob entries are owed (position
-        p predicts token p + 1: rows for p < num_prompt - 1)."""
+    def _prompt_rows(self, so: SchedulerOutput) -> dict[str, tuple[int, list[int]]]:
+        """Request id -> (first prompt position of this step whose logprob entry is still owed,
+        relative to the request's start in the step; the next prompt token of each owed
+        position). Position p predicts token p + 1: entries for p < num_prompt - 1. Positions
+        emitted before a preemption are not owed again."""
         if not self._prompt_lp_next:
             return {}
         want = {}
         for r in so.scheduled:
-            if r.request_id in self._prompt_lp_next:
-                num_prompt = len(self._requests[r.request_id].prompt_token_ids)
-                want[r.request_id] = max(0, min(r.seq_len, num_prompt - 1) - r.start_position)
+            next_pos = self._prompt_lp_next.get(r.request_id)
+            if next_pos is None:
+                continue
+            prompt = self._requests[r.request_id].prompt_token_ids
+            first = max(r.start_position, next_pos)
+            end = min(r.seq_len, len(prompt) - 1)
+            if end > first:
+                want[r.request_id] = (first - r.start_position, list(prompt[first + 1:end + 1]))
         return want
 
     def _sample(self, out: ModelRunnerOutput, stats: SchedulerStats) -> dict[str, _Sampled]:
@@ -347,8 +355,8 @@ class EngineCore:
             o.new_sampled_logprobs = [s.logprob]
             o.new_logprobs = s.logprobs
         if out is not None:
-            for rid, (logits, start) in out.prompt_logits.items():
-                self._emit_prompt_logprobs(rid, logits, start, by_id, outputs.outputs)
+            for rid, stats in out.prompt_logprobs.items():
+                self._emit_prompt_logprobs(rid, stats, by_id, outputs.outputs)
         self._forget_finished(outputs)
         stats.update_s = time.perf_counter() - t0
         return outputs
@@ -369,21 +377,22 @@ class EngineCore:
         stats.kv_cache_usage = sched.usage
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
 
-    def _emit_prompt_logprobs(self, rid: str, logits: np.ndarray, start: int,
+    def _emit_prompt_logprobs(self, rid: str, stats: PromptLogprobRows,
                               by_id: dict[str, EngineCoreOutput],
                               outputs: list[EngineCoreOutput]) -> None:
         req = self._requests.get(rid)
         if req is None:
             return
-        next_pos = self._prompt_lp_next[rid]
-        skip = max(0, next_pos - start)
-        if skip >= len(logits):
-            return
-        first = start + skip
-        targets = req.prompt_token_ids[first + 1:first + 1 + len(logits) - skip]
-        rows = compute_prompt_logprobs(logits[skip:], targets,
-                                       req.sampling_params.prompt_logprobs)
-        self._prompt_lp_next[rid] = first + len(rows)
+        num = req.sampling_params.prompt_logprobs
+        rows = LogprobsLists([], [], [])
+        targets = req.prompt_token_ids[stats.first_position + 1:]
+        for i in range(len(stats.lse)):
+            lse = float(stats.lse[i])
+            rows.token_ids.append([int(targets[i])] + stats.token_ids[i, :num].tolist())
+            rows.logprobs.append([float(stats.target_logit[i]) - lse]
+                                 + [v - lse for v in stats.values[i, :num].tolist()])
+            rows.ranks.append([int(stats.target_rank[i])] + list(range(1, num + 1)))
+        self._prompt_lp_next[rid] = stats.first_position + len(stats.lse)
         o = by_id.get(rid)
         if o is None:
             o = EngineCoreOutput(request_id=rid, new_token_ids=[])

@@ -383,29 +383,6 @@ def _lse(ex: _Exp) -> float:
     return ex.zmax + math.log(_total(ex.e) / ex.emax)
 
 
-def compute_prompt_logprobs(logits: np.ndarray, next_token_ids: Sequence[int],
-                            num: int) -> LogprobsLists:
-    """Prompt logprobs: logits [P, vocab] of P prompt positions; row i scores next_token_ids[i].
-
-    Returns one row per scored position (len(next_token_ids) <= P of them): the actual next
-    token with its rank, then the top-`num` tokens (ranks 1..num), from the raw log_softmax.
-    """
-    x = np.asarray(logits, dtype=np.float32)
-    if len(next_token_ids) > x.shape[0]:
-        raise ValueError(f"{len(next_token_ids)} next tokens for {x.shape[0]} logits rows")
-    buf = np.empty(x.shape[1], dtype=np.float32)
-    out = LogprobsLists([], [], [])
-    for i, tok in enumerate(next_token_ids):
-        raw = np.ascontiguousarray(x[i])
-        m = float(raw.max())
-        lse = _lse(_exp_row(raw, buf, m)) if math.isfinite(m) else m
-        ids, lps, ranks = _logprob_row(raw, lse, num, int(tok))
-        out.token_ids.append(ids)
-        out.logprobs.append(lps)
-        out.ranks.append(ranks)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 
 

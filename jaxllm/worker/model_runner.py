@@ -41,11 +41,14 @@ from jaxllm.model_executor.models.qwen2 import (
 )
 from jaxllm.sample.candidates import TopKLogits
 from jaxllm.sample.topk import TOPK, top_k_logits
+from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.worker.input_batch import InputBatch, StepInputs
+from pallas_kernels.split_k_decode import decode_num_splits
 from scheduler import SchedulerOutput
 
-# Prompt-logprob rows go through the LM head in chunks of this many rows (one compiled shape).
-PROMPT_LOGITS_CHUNK = 32
+# Prompt-logprob rows go through the LM head in chunks of this many rows, top-N up to the
+# logprobs limit.
+PROMPT_LOGPROB_ROWS = 32
 MIN_TOKEN_BUCKET = 16
 
 
@@ -71,6 +74,13 @@ def decode_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: Any) -> int:
     return (math.prod(kv_cache_shape(config, 1, block_size)) * jnp.dtype(dtype).itemsize)
+
+
+def gpu_sm_count(default: int = 132) -> int:
+    """Streaming multiprocessors of the first GPU (what split-K decode fills); `default` (an
+    H100 SXM's 132) where the platform does not say, e.g. when lowering on a CPU."""
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or default) if dev.platform == "gpu" else default
 
 
 def device_memory_bytes() -> int | None:
@@ -117,9 +127,23 @@ class StepHandle:
 
 
 @dataclass
+class PromptLogprobRows:
+    """Raw-distribution statistics of n consecutive prompt positions from `first_position`,
+    each scoring the prompt's next token: its logit and rank, the top values and ids (sorted by
+    value, then id) and the row's log-sum-exp."""
+
+    first_position: int
+    target_logit: np.ndarray  # [n] float32
+    target_rank: np.ndarray  # [n] int32: 1 + tokens with a larger logit
+    values: np.ndarray  # [n, MAX_LOGPROBS] float32
+    token_ids: np.ndarray  # [n, MAX_LOGPROBS] int32
+    lse: np.ndarray  # [n] float32
+
+
+@dataclass
 class ModelRunnerOutput:
     """The sampled rows' top-K candidates on the host; full logits rows and prompt-logprob
-    logits on request (`logits_rows`, `prompt_logits`)."""
+    logits on request (`logits_rows`); prompt logprob statistics where asked."""
 
     sample_req_ids: list[str]
     topk: TopKLogits | None  # rows follow sample_req_ids; None when the runner has top-K off
@@ -131,8 +155,8 @@ class ModelRunnerOutput:
     step_shape: tuple[int, int] = (0, 0)  # (num_tokens, max_query_len) of the compiled step
     # Precompiled one-row fetch for this step's logits shape; None on CPU.
     row_slice: Any = None
-    # request id -> (logits [n, vocab] of its prompt positions computed this step, their start)
-    prompt_logits: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)
+    # request id -> the prompt positions it wants logprobs for, computed on the device
+    prompt_logprobs: dict[str, PromptLogprobRows] = field(default_factory=dict)
 
     def logits_rows(self, rows: Sequence[int]) -> np.ndarray:
         """Full logits [len(rows), vocab] of the given sampled rows; valid until the runner's
@@ -164,6 +188,14 @@ class ModelRunner:
         self.buckets = token_buckets(max_num_batched_tokens)
         self.decode_buckets = decode_buckets(max_num_seqs, max_num_batched_tokens)
         self.model = Qwen2ForCausalLM(config, dtype=dtype, kernel_backend=kernel_backend)
+        # Split-K decode (flash-decoding) per decode bucket: static, sized from max_model_len
+        # and the bucket's sequences against the GPU's SM count. The reference backend (CPU)
+        # has one XLA attention for every split count: 1 keeps its executables as they were.
+        self.decode_splits = {
+            t: 1 if kernel_backend == "reference" else decode_num_splits(
+                max_model_len, min(t, max_num_seqs), config.num_key_value_heads,
+                num_sms=gpu_sm_count())
+            for t in self.decode_buckets}
         self.rope = rope_variables(config)
         self.kv_cache: jax.Array | None = None
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size)
@@ -171,32 +203,45 @@ class ModelRunner:
         self.top_k = min(TOPK, config.vocab_size) if topk_sampling else 0
         # The logits output reuses the previous step's buffer of its shape (donated): no
         # vocabulary-sized allocation and release per step (~4 ms at 64 rows on CPU).
-        self._step = jax.jit(self._forward, static_argnames=("max_query_len",),
+        self._step = jax.jit(self._forward, static_argnames=("max_query_len", "num_splits"),
                              donate_argnames=("kv_cache", "logits_buf"), keep_unused=True)
-        self._logits_fn = jax.jit(lambda params, h: compute_logits(params, config, h))
         self._compiled: dict[tuple[int, int], Any] = {}
-        self._compiled_logits = None
+        # Prompt logprobs: one small executable per hidden-state row count, reading the step's
+        # hidden states where they are (see `add_prompt_logprobs`).
+        self._prompt_fn = jax.jit(self._prompt_stats)
+        self._compiled_prompt: dict[int, Any] = {}
         self._row_slices: dict[int, Any] = {}
         self._logits_bufs: dict[int, jax.Array] = {}
         # Steps run per (num_tokens, max_query_len) shape: benchmarks price a run's shapes.
         self.step_shape_counts: Counter[tuple[int, int]] = Counter()
 
     def _forward(self, params, rope, kv_cache, logits_buf, input_ids, positions, md,
-                 max_query_len):
+                 max_query_len, num_splits):
         del logits_buf  # only its buffer is wanted, for the logits output
         logits, hidden, kv_cache = self.model.apply(
             {"params": params, "rope": rope}, input_ids, positions, kv_cache, md,
-            max_query_len=max_query_len)
+            max_query_len=max_query_len, num_splits=num_splits)
         if not self.top_k:
             return None, None, None, logits, hidden, kv_cache
         values, token_ids, lse = top_k_logits(logits, self.top_k)
         return values, token_ids, lse, logits, hidden, kv_cache
+
+    def _prompt_stats(self, params, hidden, rows, targets):
+        logits = compute_logits(params, self.config, jnp.take(hidden, rows, axis=0))
+        target = jnp.take_along_axis(logits, targets[:, None], axis=1)
+        rank = 1 + jnp.sum(logits > target, axis=1, dtype=jnp.int32)
+        values, ids, lse = top_k_logits(logits, min(MAX_LOGPROBS, self.config.vocab_size))
+        return target[:, 0], rank, values, ids, lse
 
     # --- compilation --------------------------------------------------------------------------
 
     def bucket_shapes(self) -> list[tuple[int, int]]:
         """(num_tokens, max_query_len) of every step shape the runner can produce."""
         return [(t, 1) for t in self.decode_buckets] + [(t, t) for t in self.buckets]
+
+    def bucket_table(self) -> list[tuple[int, int, int]]:
+        """(num_tokens, max_query_len, attention split count) of every compiled step."""
+        return [(t, q, self.decode_splits[t] if q == 1 else 1) for t, q in self.bucket_shapes()]
 
     def _abstract_inputs(self, num_tokens: int):
         s = min(num_tokens, self.max_num_seqs)
@@ -213,8 +258,10 @@ class ModelRunner:
         kv_spec = jax.ShapeDtypeStruct(
             kv_cache_shape(self.config, num_kv_blocks, self.block_size), self.dtype)
         ids, pos, md = self._abstract_inputs(num_tokens)
+        splits = self.decode_splits[num_tokens] if max_query_len == 1 else 1
         return self._step.lower(self.params, self.rope, kv_spec, self._logits_spec(num_tokens),
-                                ids, pos, md, max_query_len=max_query_len).compile()
+                                ids, pos, md, max_query_len=max_query_len,
+                                num_splits=splits).compile()
 
     def _logits_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((min(num_tokens, self.max_num_seqs), self.config.vocab_size),
@@ -253,8 +300,13 @@ class ModelRunner:
                                               unit="shape", disable=not progress):
             self._compiled[(num_tokens, max_query_len)] = self._compile_step(
                 num_tokens, max_query_len, self.num_kv_blocks)
-        hidden = jax.ShapeDtypeStruct((PROMPT_LOGITS_CHUNK, self.config.hidden_size), self.dtype)
-        self._compiled_logits = self._logits_fn.lower(self.params, hidden).compile()
+        rows = jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS,), jnp.int32)
+        self._compiled_prompt.clear()
+        for num_tokens, _ in self.bucket_shapes():
+            if num_tokens not in self._compiled_prompt:
+                hidden = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size), self.dtype)
+                self._compiled_prompt[num_tokens] = self._prompt_fn.lower(
+                    self.params, hidden, rows, rows).compile()
         self._logits_bufs.clear()
         self._row_slices.clear()
         if jax.default_backend() != "cpu":
@@ -347,35 +399,56 @@ class ModelRunner:
         logits = out.handle.logits
         self._logits_bufs[logits.shape[0]] = logits
 
-    def add_prompt_logits(self, out: ModelRunnerOutput,
-                          prompt_logprob_reqs: dict[str, int]) -> None:
-        """Logits of the prompt positions each listed request wants logprobs for (request id
-        -> number of positions from its start in this step), into `out.prompt_logits`."""
-        if not prompt_logprob_reqs:
+    def add_prompt_logprobs(self, out: ModelRunnerOutput,
+                            wants: dict[str, tuple[int, list[int]]]) -> None:
+        """Prompt logprob statistics into `out.prompt_logprobs`: request id -> (first position
+        wanted, relative to the request's start in this step; the next prompt token of each
+        wanted position from there). The LM head, log-sum-exp, top-N and the target's rank run
+        on the device over the step's hidden states, PROMPT_LOGPROB_ROWS rows per call; only
+        those statistics come to the host.
+
+        Why a second executable rather than the rows inside the step: a static budget of prompt
+        rows in the step would put that many extra rows through the LM head (a [rows, hidden] x
+        [hidden, vocab] GEMM) in every step, asked for or not, while steps with prompt logprobs
+        are rare; this costs nothing on the others (the hidden states stay on the device)."""
+        if not wants:
             return
-        host_hidden = np.asarray(out.handle.hidden)
+        rows, targets, owners = [], [], []
         offset = 0
         for r in out.handle.prepared.so.scheduled:
-            want = prompt_logprob_reqs.get(r.request_id, 0)
-            if want > 0:
-                rows = min(want, r.num_tokens)
-                out.prompt_logits[r.request_id] = (
-                    self._logits_rows(host_hidden[offset:offset + rows]), r.start_position)
+            want = wants.get(r.request_id)
+            if want is not None:
+                skip, tokens = want
+                rows.extend(range(offset + skip, offset + skip + len(tokens)))
+                targets.extend(tokens)
+                owners.append((r.request_id, r.start_position + skip, len(tokens)))
             offset += r.num_tokens
+        if not rows:
+            return
+        hidden = out.handle.hidden
+        fn = self._compiled_prompt[hidden.shape[0]]
+        parts = []
+        for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            chunk_rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+            chunk_targets = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+            n = min(PROMPT_LOGPROB_ROWS, len(rows) - i)
+            chunk_rows[:n] = rows[i:i + n]
+            chunk_targets[:n] = targets[i:i + n]
+            parts.append([np.asarray(x)[:n] for x in fn(self.params, hidden, chunk_rows,
+                                                        chunk_targets)])
+        target, rank, values, ids, lse = (np.concatenate(xs) for xs in zip(*parts, strict=True))
+        start = 0
+        for rid, first, n in owners:
+            end = start + n
+            out.prompt_logprobs[rid] = PromptLogprobRows(
+                first, target[start:end], rank[start:end], values[start:end], ids[start:end],
+                lse[start:end])
+            start = end
 
     def execute_model(self, so: SchedulerOutput,
-                      prompt_logprob_reqs: dict[str, int] | None = None) -> ModelRunnerOutput:
-        """Run one step synchronously: prepare, dispatch, wait (and the prompt logits)."""
+                      prompt_logprobs: dict[str, tuple[int, list[int]]] | None = None
+                      ) -> ModelRunnerOutput:
+        """Run one step synchronously: prepare, dispatch, wait (and the prompt logprobs)."""
         out = self.wait(self.dispatch(self.prepare(so)))
-        self.add_prompt_logits(out, prompt_logprob_reqs or {})
+        self.add_prompt_logprobs(out, prompt_logprobs or {})
         return out
-
-    def _logits_rows(self, host_hidden: np.ndarray) -> np.ndarray:
-        count = len(host_hidden)
-        out = []
-        for i in range(0, count, PROMPT_LOGITS_CHUNK):
-            chunk = host_hidden[i:i + PROMPT_LOGITS_CHUNK]
-            padded = np.zeros((PROMPT_LOGITS_CHUNK, chunk.shape[1]), chunk.dtype)
-            padded[:len(chunk)] = chunk
-            out.append(np.asarray(self._compiled_logits(self.params, padded))[:len(chunk)])
-        return np.concatenate(out, axis=0)

@@ -105,6 +105,9 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens of each profiled request")
     g.add_argument("--profile-steps", type=int, default=8,
                    help="steady-state decode steps averaged per batch size")
+    g.add_argument("--profile-sampling", choices=("greedy", "seeded-top-k-top-p"),
+                   default="greedy", help="the profiled requests' sampling: greedy, or each "
+                   "seeded with temperature 0.8, top_k 50, top_p 0.9")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:

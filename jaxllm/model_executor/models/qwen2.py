@@ -68,7 +68,7 @@ class Qwen2Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, md: AttentionMetadata, cos_sin_cache,
-                 max_query_len: int | None):
+                 max_query_len: int | None, num_splits: int = 1):
         cfg = self.config
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # One fused GEMM for q, k and v (vLLM's QKVParallelLinear): fewer, larger matmuls.
@@ -82,7 +82,8 @@ class Qwen2Attention(nn.Module):
                                            backend=self.backend)
         out = pallas_kernels.paged_attention(
             q, kv_cache, self.layer_idx, md.block_tables, md.seq_lens, md.query_start_loc,
-            scale=hd ** -0.5, max_query_len=max_query_len, backend=self.backend)
+            scale=hd ** -0.5, max_query_len=max_query_len, backend=self.backend,
+            num_splits=num_splits)
         out = Linear(cfg.hidden_size, False, self.dtype, name="o_proj")(out.reshape(-1, nh * hd))
         return out, kv_cache
 
@@ -118,7 +119,8 @@ class Qwen2DecoderLayer(nn.Module):
     backend: str
 
     @nn.compact
-    def __call__(self, h, residual, positions, kv_cache, md, cos_sin_cache, max_query_len):
+    def __call__(self, h, residual, positions, kv_cache, md, cos_sin_cache, max_query_len,
+                 num_splits=1):
         cfg = self.config
         # vLLM's fused_add_rms_norm: the residual add rides along with the norm.
         if residual is None:
@@ -129,7 +131,7 @@ class Qwen2DecoderLayer(nn.Module):
                                   name="input_layernorm")(h, residual)
         h, kv_cache = Qwen2Attention(cfg, self.layer_idx, self.dtype, self.backend,
                                      name="self_attn")(h, positions, kv_cache, md, cos_sin_cache,
-                                                       max_query_len)
+                                                       max_query_len, num_splits)
         h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
                               name="post_attention_layernorm")(h, residual)
         h = Qwen2MLP(cfg, self.dtype, name="mlp")(h)
@@ -146,7 +148,9 @@ class Qwen2ForCausalLM(nn.Module):
 
     @nn.compact
     def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata,
-                 max_query_len: int | None = None):
+                 max_query_len: int | None = None, num_splits: int = 1):
+        """num_splits > 1: split-K decode attention (needs max_query_len 1, see
+        pallas_kernels.paged_attention)."""
         cfg = self.config
         embed = self.param("embed_tokens", nn.initializers.normal(0.02),
                            (cfg.vocab_size, cfg.hidden_size), self.dtype)
@@ -161,7 +165,8 @@ class Qwen2ForCausalLM(nn.Module):
         for i in range(cfg.num_hidden_layers):
             h, residual, kv_cache = Qwen2DecoderLayer(
                 cfg, i, self.dtype, self.kernel_backend, name=f"layers_{i}")(
-                    h, residual, positions, kv_cache, md, cos_sin_cache, max_query_len)
+                    h, residual, positions, kv_cache, md, cos_sin_cache, max_query_len,
+                    num_splits)
         hidden_states, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend,
                                    name="norm")(h, residual)
         # Only the sampled rows go through the LM head (the vocabulary GEMM is the costly part);
