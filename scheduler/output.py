@@ -31,6 +31,10 @@ class ScheduledRequest:
     is_new: bool
     # Opaque Request.sampling_params, so the runner needs nothing but this object.
     sampling_params: Any = None
+    # The request's Request.arrival_index: a result applies only to the request it was
+    # scheduled for, not to a later one reusing the id (async scheduling applies results a
+    # step late).
+    arrival_index: int = -1
 
     @property
     def num_tokens(self) -> int:

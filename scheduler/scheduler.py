@@ -271,6 +271,7 @@ class Scheduler:
                 do_sample=do_sample,
                 is_new=is_new,
                 sampling_params=request.sampling_params,
+                arrival_index=request.arrival_index,
             )
         )
         request.num_inflight_tokens += num_new
@@ -293,7 +294,7 @@ class Scheduler:
         for item in scheduler_output.scheduled:
             rid = item.request_id
             request = self.requests.get(rid)
-            if request is None:
+            if request is None or request.arrival_index != item.arrival_index:
                 continue  # finished (aborted, stopped) between schedule() and now
             running = request.status == RequestStatus.RUNNING
             if running:

@@ -178,3 +178,23 @@ def test_async_aborts_and_stops_leave_every_block_free(sync_full, async_topk):
     again = llm.generate({"prompt_token_ids": prompts[0]}, sp, use_tqdm=False)
     assert again[0].outputs[0].token_ids == want[0]
     assert_pool_free(llm)
+
+
+def test_a_reused_request_id_never_gets_the_old_requests_results(sync_full, async_topk):
+    """With async scheduling a step's results are applied a step late: an id aborted and
+    added again at once must get only its new request's tokens."""
+    engine = async_topk.llm_engine
+    rng = np.random.default_rng(2)
+    first, second = rng.integers(0, VOCAB, 9).tolist(), rng.integers(0, VOCAB, 21).tolist()
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = sync_full.generate({"prompt_token_ids": second}, sp, use_tqdm=False)
+    engine.add_request("x", {"prompt_token_ids": first}, sp)
+    for _ in range(4):
+        engine.step()
+    engine.abort_request(["x"])
+    engine.add_request("x", {"prompt_token_ids": second}, sp)
+    done = []
+    while engine.has_unfinished_requests():
+        done += engine.step()
+    assert [o.outputs[0].token_ids for o in done] == [want[0].outputs[0].token_ids]
+    assert_pool_free(async_topk)

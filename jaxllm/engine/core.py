@@ -271,9 +271,10 @@ class EngineCore:
         the rest through the full-row sampler on their fetched logits."""
         t0 = time.perf_counter()
         live, rows = [], []
+        stamp = {r.request_id: r.arrival_index for r in out.handle.prepared.so.scheduled}
         for i, rid in enumerate(out.sample_req_ids):
             req = self.scheduler.requests.get(rid)
-            if req is None:
+            if req is None or req.arrival_index != stamp[rid]:  # gone, or its id reused
                 continue
             live.append(i)
             rows.append(SamplingRow(
