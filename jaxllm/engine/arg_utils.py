@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +34,42 @@ _HELP = {
     "seed": "seeds requests that bring no seed of their own",
     "skip_tokenizer_init": "no tokenizer: token-id prompts only, no text",
     "show_progress": "loading and compiling progress bars",
+    "multiprocess_mode": "run the engine core in its own process (default: per platform, see "
+                         "README; the env var JAXLLM_ENABLE_V1_MULTIPROCESSING=0/1 wins)",
 }
+
+MP_ENV_VAR = "JAXLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def gpu_platform_installed() -> bool:
+    """Whether JAX would pick a GPU, judged without starting a backend (that would take most of
+    the GPU's memory in the frontend process): JAX_PLATFORMS if set, else an installed CUDA
+    plugin."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        return any(p in platforms for p in ("cuda", "gpu", "rocm"))
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))
+
+
+def resolve_multiprocess_mode(value: bool | None, default_cpu: bool | None = None) -> bool:
+    """JAXLLM_ENABLE_V1_MULTIPROCESSING (0/1) when set, else `value`, else the platform's
+    default: on a GPU the core's own process (the frontend's host work then overlaps the device
+    step), on CPU `default_cpu` if given, else in process (measured: README)."""
+    env = os.environ.get(MP_ENV_VAR)
+    if env is not None and env.strip() != "":
+        if env.strip() not in ("0", "1"):
+            raise ValueError(f"{MP_ENV_VAR} must be 0 or 1, got {env!r}")
+        return env.strip() == "1"
+    if value is not None:
+        return bool(value)
+    if gpu_platform_installed():
+        return True
+    return DEFAULT_CPU_MULTIPROCESS if default_cpu is None else default_cpu
+
+
+# On CPU the frontend and the core share the same few cores: see README for the measurement.
+DEFAULT_CPU_MULTIPROCESS = False
 
 
 @dataclass
@@ -54,6 +91,7 @@ class EngineArgs:
     seed: int = 0
     skip_tokenizer_init: bool = False
     show_progress: bool = True
+    multiprocess_mode: bool | None = None  # None: per platform (resolve_multiprocess_mode)
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -88,6 +126,9 @@ class EngineArgs:
                     or value < low:
                 raise ValueError(f"{name} must be {why}, got {value!r}")
             setattr(self, name, int(value))  # numpy integers stay out of the messages
+        if self.multiprocess_mode is not None and not isinstance(self.multiprocess_mode, bool):
+            raise ValueError(f"multiprocess_mode must be True, False or None, "
+                             f"got {self.multiprocess_mode!r}")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, numbers.Real) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
@@ -106,6 +147,10 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             default = f.default
             help_text = overrides.get(f.name, _HELP.get(f.name, ""))
+            if f.name == "multiprocess_mode":  # three states: on, off, per platform
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
+                continue
             if isinstance(default, bool):
                 if default:
                     group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,

@@ -13,10 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from jaxllm.engine import UTILITY_METHODS as UTILITY_METHODS
 from jaxllm.engine import (
     EngineCoreInfo,
     EngineCoreOutput,
@@ -38,16 +40,9 @@ from scheduler import Request, RequestResult, Scheduler, SchedulerConfig
 DEFAULT_CPU_KV_BYTES = 1 << 30
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-# What a client may call on the core besides add/abort/step (vLLM's call_utility).
-UTILITY_METHODS = frozenset({"get_engine_info", "get_step_shape_counts",
-                             "reset_step_shape_counts", "get_weight_stats",
-                             "time_weight_matmuls"})
-
 
 def resolve_dtype(name: str | None) -> Any:
     """None -> float32 on CPU, bfloat16 on GPU (bf16 GEMV is ~18x slower than f32 on CPU)."""
-    import jax
-
     if name is None:
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     return _JNP_DTYPES[name]
@@ -108,7 +103,8 @@ class EngineCore:
             kernel_backend=backend, max_model_len=max_model_len, block_size=args.block_size,
             num_kv_blocks=num_blocks,
             eos_token_ids=[] if config.eos_token_id is None else [config.eos_token_id],
-            bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s)
+            bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s,
+            platform=jax.default_backend())
         self._generators: dict[str, np.random.Generator] = {}
         self._requests: dict[str, EngineCoreRequest] = {}
         # Next prompt position whose logprob entry is still owed (survives preemption, so a
@@ -277,6 +273,12 @@ class EngineCore:
     def get_engine_info(self) -> EngineCoreInfo:
         return self.info
 
+    def get_kv_block_counts(self) -> tuple[int, int]:
+        """(free, usable) KV blocks: all usable ones are free once no request holds any (free
+        prefix-cached blocks count as free)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return pool.num_free_blocks, pool.num_usable_blocks
+
     def get_step_shape_counts(self) -> list[tuple[int, int, int]]:
         """(num_tokens, max_query_len, steps) of every step shape run since the last reset."""
         return [(t, q, n) for (t, q), n in sorted(self.runner.step_shape_counts.items())]
@@ -286,8 +288,6 @@ class EngineCore:
 
     def get_weight_stats(self) -> dict[str, int]:
         """body_params (decoder layers + final norm), head_params (LM head), itemsize."""
-        import jax
-
         params, cfg = self.runner.params, self.runner.config
         body = sum(int(x.size) for k, v in params.items()
                    if k not in ("embed_tokens", "lm_head") for x in jax.tree.leaves(v))
