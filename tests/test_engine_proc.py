@@ -379,3 +379,66 @@ def test_gc_of_mp_llm_leaves_nothing_behind(engines):
     del llm, client
     gc.collect()
     assert _gone(pid) and not os.path.exists(tmpdir)
+
+
+def test_wire_numpy_arrays_and_utility_results():
+    """numpy arrays cross as raw buffers (a msgpack extension, no pickle); utility results
+    decode to the type the caller expects."""
+    import numpy as np
+
+    from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityOutput
+
+    enc = MsgpackEncoder()
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    back = MsgpackDecoder().decode(enc.encode({"a": arr, "n": np.int64(3)}))
+    assert back["n"] == 3 and back["a"].dtype == np.float32
+    np.testing.assert_array_equal(back["a"], arr)
+    assert b"pickle" not in enc.encode(arr) and len(enc.encode(arr)) < arr.nbytes + 64
+    with pytest.raises(TypeError):
+        enc.encode(np.array([object()]))
+    out = MsgpackDecoder(UtilityOutput).decode(enc.encode(
+        UtilityOutput(5, msgspec.Raw(enc.encode([[16, 16, 3]])))))
+    assert out.call_id == 5 and out.error is None
+    assert MsgpackDecoder().decode(out.result) == [[16, 16, 3]]
+
+
+def test_core_start_up_failure_is_reported(tmp_path, monkeypatch):
+    """A core that cannot start raises in the caller with the core's error, and leaves nothing
+    behind."""
+    from jaxllm.engine import mp_client
+
+    made, real = [], tempfile.mkdtemp
+
+    def mkdtemp(**kw):
+        made.append(real(**kw))
+        return made[-1]
+
+    monkeypatch.setattr(mp_client.tempfile, "mkdtemp", mkdtemp)
+    with pytest.raises(RuntimeError, match="engine core failed to start"):
+        LLM(str(tmp_path / "no-such-model"), multiprocess_mode=True, skip_tokenizer_init=True,
+            **ENGINE_KW)
+    assert len(made) == 1 and not os.path.exists(made[0])
+
+
+def test_async_llm_in_process(engines, tiny_path):
+    """AsyncLLM over InprocClient (steps inline on the event loop) streams the same tokens."""
+    from jaxllm.engine.core_client import InprocClient
+
+    engine = AsyncLLM(tiny_path, multiprocess_mode=False, **ENGINE_KW)
+    try:
+        assert isinstance(engine.engine_core, InprocClient)
+        prompts = ["in process", "streams too", "third"]
+        params = [SamplingParams(temperature=0.8, seed=i, max_tokens=6, ignore_eos=True,
+                                 output_kind=RequestOutputKind.FINAL_ONLY) for i in range(3)]
+        want = engines["inproc"].generate(prompts, params, use_tqdm=False)
+
+        async def main():
+            return await asyncio.wait_for(asyncio.gather(*[
+                _collect(engine, p, sp, f"i{i}") for i, (p, sp) in
+                enumerate(zip(prompts, params, strict=True))]), timeout=60)
+
+        for outs, w in zip(asyncio.run(main()), want, strict=True):
+            assert len(outs) == 1
+            assert_same(outs[0], w)
+    finally:
+        engine.shutdown()

@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import shutil
+import signal
 import sys
 import threading
 import traceback
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     jaxllm_logger = logging.getLogger("jaxllm")
     jaxllm_logger.addHandler(handler)
     jaxllm_logger.setLevel(logging.INFO)
+    # Ctrl-C in a terminal reaches the whole process group: the user means the frontend (whose
+    # generate() then aborts its requests), not the core; it ends with its parent.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(a.death_fd, _ipc_dir(a.input_address)),
                      daemon=True,
                      name="ParentWatch").start()
