@@ -115,7 +115,7 @@ class EngineCoreProc:
         # EngineDeadError to every caller (requests are validated before they get here).
         self.output_queue.put((OutputType.OUTPUTS, self._step_once()))
 
-    def _handle(self, kind: RequestType, payload: Any) -> None:
+    def _handle(self, kind: RequestType | None, payload: Any) -> None:
         if kind is RequestType.ADD:
             self._add_request(payload)
         elif kind is RequestType.ABORT:
@@ -124,6 +124,8 @@ class EngineCoreProc:
             self._call_utility(payload)
         elif kind is RequestType.SHUTDOWN:
             self._shutdown = True
+        else:
+            raise RuntimeError("the engine core's input thread failed") from payload
 
     def _add_request(self, req: EngineCoreRequest) -> None:
         try:
@@ -152,13 +154,18 @@ class EngineCoreProc:
     def _process_input_socket(self, address: str) -> None:
         sock = self.ctx.socket(zmq.PULL)
         sock.connect(address)
-        while True:
-            kind_frame, payload = sock.recv_multipart(copy=False)
-            kind = RequestType(kind_frame.bytes)
-            if kind is RequestType.SHUTDOWN:
-                self.input_queue.put((kind, None))
-                break
-            self.input_queue.put((kind, REQUEST_DECODERS[kind].decode(payload.buffer)))
+        try:
+            while True:
+                kind_frame, payload = sock.recv_multipart(copy=False)
+                kind = RequestType(kind_frame.bytes)
+                if kind is RequestType.SHUTDOWN:
+                    self.input_queue.put((kind, None))
+                    break
+                self.input_queue.put((kind, REQUEST_DECODERS[kind].decode(payload.buffer)))
+        except Exception as e:
+            # A core that cannot hear its frontend must die (the frontend then reports
+            # EngineDeadError) rather than idle forever.
+            self.input_queue.put((None, e))
         sock.close(linger=0)
 
     def _process_output_socket(self, address: str) -> None:

@@ -152,17 +152,25 @@ class CoreProcess:
 
     def _process_output_socket(self) -> None:
         sock = self.output_socket
-        while not self.closing:
-            if not sock.poll(_POLL_MS):
-                continue
-            kind_frame, payload = sock.recv_multipart(copy=False)
-            kind = OutputType(kind_frame.bytes)
-            msg = OUTPUT_DECODERS[kind].decode(payload.buffer)
-            if kind is OutputType.OUTPUTS:
-                self.outputs.put(msg)
-                self._wake()
-            elif kind is OutputType.UTILITY:
-                self._resolve_utility(msg)
+        try:
+            while not self.closing:
+                if not sock.poll(_POLL_MS):
+                    continue
+                kind_frame, payload = sock.recv_multipart(copy=False)
+                kind = OutputType(kind_frame.bytes)
+                msg = OUTPUT_DECODERS[kind].decode(payload.buffer)
+                if kind is OutputType.OUTPUTS:
+                    self.outputs.put(msg)
+                    self._wake()
+                elif kind is OutputType.UTILITY:
+                    self._resolve_utility(msg)
+        except Exception as e:
+            if self.closing:
+                return
+            # Nobody would ever hear from the core again: fail every caller instead.
+            logger.exception("engine core client output thread failed")
+            self._fail(EngineDeadError(f"reading the engine core's outputs failed: "
+                                       f"{type(e).__name__}: {e}"))
 
     def _resolve_utility(self, msg: Any) -> None:
         fut, method = self.pending.pop(msg.call_id, (None, ""))
