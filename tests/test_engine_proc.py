@@ -28,7 +28,7 @@ from jaxllm.engine import EngineDeadError
 from jaxllm.engine.arg_utils import MP_ENV_VAR, EngineArgs, resolve_multiprocess_mode
 from jaxllm.engine.mp_client import AsyncMPClient, SyncMPClient
 
-ENGINE_KW = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+ENGINE_KW = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64,
                  num_kv_blocks=96, show_progress=False)
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -214,9 +214,9 @@ def test_async_llm_64_streams_equal_non_streamed(engines, async_llm):
 def test_async_cancel_and_abort_free_blocks(async_llm):
     """Each way of stopping a stream aborts its request in the core. The utility call goes
     over the same socket right after the abort, so the core has handled the abort when it
-    answers (the requests, 200 tokens long, would otherwise still hold their blocks)."""
+    answers (the requests, 400 tokens long, would otherwise still hold their blocks)."""
     usable = ENGINE_KW["num_kv_blocks"] - 1
-    sp = SamplingParams(temperature=0.8, max_tokens=200, ignore_eos=True,
+    sp = SamplingParams(temperature=0.8, max_tokens=400, ignore_eos=True,
                         output_kind=RequestOutputKind.DELTA)
 
     async def blocks():

@@ -102,7 +102,7 @@ class EngineCoreInfo(msgspec.Struct):
 
 
 # What a client may call on the core besides add/abort/step (vLLM's call_utility). Here, not in
-# core.py, so a frontend that only talks to a core in another process never imports JAX's side.
+# core.py: the multiprocess clients check names without importing the core (model, runner).
 UTILITY_METHODS = frozenset({"get_engine_info", "get_step_shape_counts",
                              "reset_step_shape_counts", "get_weight_stats",
                              "time_weight_matmuls", "get_kv_block_counts"})
