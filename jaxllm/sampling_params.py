@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import math
 import numbers
 from dataclasses import dataclass
@@ -11,6 +12,14 @@ from dataclasses import dataclass
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a streaming caller (AsyncLLM.generate) gets per step, as vLLM's."""
+
+    CUMULATIVE = 0  # everything so far, each time
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
@@ -28,6 +37,8 @@ class SamplingParams:
     log-probabilities (plus the sampled token's) per generated token; `prompt_logprobs` N the same
     per prompt token; both are of the model's raw distribution and at most MAX_LOGPROBS.
     `logit_bias` maps token id -> value added to that token's logit before anything else.
+    `output_kind` (RequestOutputKind) is what AsyncLLM.generate yields per step; LLM.generate
+    always returns final outputs.
     """
 
     n: int = 1
@@ -49,6 +60,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -166,6 +178,10 @@ class SamplingParams:
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise self._bad(name, why)
                 setattr(self, name, value)
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise self._bad("output_kind", "must be a RequestOutputKind") from None
         if self.n > 1 and self.greedy:
             raise self._bad("n", "must be 1 when using greedy sampling (temperature 0)")
 

@@ -98,11 +98,24 @@ class EngineCoreInfo(msgspec.Struct):
     eos_token_ids: list[int]  # from the model's config
     bucket_shapes: list[tuple[int, int]]
     compile_time_s: float
+    platform: str = ""  # JAX's backend in the core ("cpu", "gpu"): the frontend starts none
 
     @property
     def num_usable_blocks(self) -> int:
         return self.num_kv_blocks - 1
 
 
-__all__ = ["EngineCoreInfo", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest",
-           "LogprobsLists", "SchedulerStats"]
+# What a client may call on the core besides add/abort/step (vLLM's call_utility). Here, not in
+# core.py: the multiprocess clients check names without importing the core (model, runner).
+UTILITY_METHODS = frozenset({"get_engine_info", "get_step_shape_counts",
+                             "reset_step_shape_counts", "get_weight_stats",
+                             "time_weight_matmuls", "get_kv_block_counts"})
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core's process died (killed, or an exception in its busy loop): every caller
+    waiting on it gets this instead of waiting forever. The engine cannot be used again."""
+
+
+__all__ = ["UTILITY_METHODS", "EngineCoreInfo", "EngineCoreOutput", "EngineCoreOutputs",
+           "EngineCoreRequest", "EngineDeadError", "LogprobsLists", "SchedulerStats"]

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +39,42 @@ _HELP = {
     "topk_sampling": "the device returns each sampled row's top-64 logits and log-sum-exp; "
                      "the host samples from them when exact (when not given: on for GPU, "
                      "off on CPU, where the device top-k costs more than the host saves)",
+    "multiprocess_mode": "run the engine core in its own process (default: per platform, see "
+                         "README; the env var JAXLLM_ENABLE_V1_MULTIPROCESSING=0/1 wins)",
 }
+
+MP_ENV_VAR = "JAXLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def gpu_platform_installed() -> bool:
+    """Whether JAX would pick a GPU, judged without starting a backend (that would take most of
+    the GPU's memory in the frontend process): JAX_PLATFORMS if set, else an installed CUDA
+    plugin."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        return any(p in platforms for p in ("cuda", "gpu", "rocm"))
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))
+
+
+def resolve_multiprocess_mode(value: bool | None, default_cpu: bool | None = None) -> bool:
+    """JAXLLM_ENABLE_V1_MULTIPROCESSING (0/1) when set, else `value`, else the platform's
+    default: on a GPU the core's own process (the frontend's host work then overlaps the device
+    step), on CPU `default_cpu` if given, else in process (measured: README)."""
+    env = os.environ.get(MP_ENV_VAR)
+    if env is not None and env.strip() != "":
+        if env.strip() not in ("0", "1"):
+            raise ValueError(f"{MP_ENV_VAR} must be 0 or 1, got {env!r}")
+        return env.strip() == "1"
+    if value is not None:
+        return bool(value)
+    if gpu_platform_installed():
+        return True
+    return DEFAULT_CPU_MULTIPROCESS if default_cpu is None else default_cpu
+
+
+# On CPU the frontend and the core share the same few cores: see README for the measurement.
+DEFAULT_CPU_MULTIPROCESS = False
 
 
 @dataclass
@@ -61,6 +98,7 @@ class EngineArgs:
     show_progress: bool = True
     async_scheduling: bool | None = None  # None: per platform (see _HELP)
     topk_sampling: bool | None = None  # None: per platform (see _HELP)
+    multiprocess_mode: bool | None = None  # None: per platform (resolve_multiprocess_mode)
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -95,7 +133,7 @@ class EngineArgs:
                     or value < low:
                 raise ValueError(f"{name} must be {why}, got {value!r}")
             setattr(self, name, int(value))  # numpy integers stay out of the messages
-        for name in ("async_scheduling", "topk_sampling"):
+        for name in ("async_scheduling", "topk_sampling", "multiprocess_mode"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         util = self.gpu_memory_utilization

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from jaxllm.engine import UTILITY_METHODS as UTILITY_METHODS
 from jaxllm.engine import (
     EngineCoreInfo,
     EngineCoreOutput,
@@ -48,11 +49,6 @@ from scheduler import Request, RequestResult, Scheduler, SchedulerConfig, Schedu
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-# What a client may call on the core besides add/abort/step (vLLM's call_utility).
-UTILITY_METHODS = frozenset({"get_engine_info", "get_step_shape_counts",
-                             "reset_step_shape_counts", "get_weight_stats",
-                             "time_weight_matmuls"})
 
 
 def resolve_dtype(name: str | None) -> Any:
@@ -131,7 +127,8 @@ class EngineCore:
             kernel_backend=backend, max_model_len=max_model_len, block_size=args.block_size,
             num_kv_blocks=num_blocks,
             eos_token_ids=[] if config.eos_token_id is None else [config.eos_token_id],
-            bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s)
+            bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s,
+            platform=jax.default_backend())
         self._generators: dict[str, np.random.Generator] = {}
         self._eos: dict[str, frozenset[int]] = {}
         # Async scheduling: the dispatched step whose results are not applied yet.
@@ -405,6 +402,12 @@ class EngineCore:
 
     def get_engine_info(self) -> EngineCoreInfo:
         return self.info
+
+    def get_kv_block_counts(self) -> tuple[int, int]:
+        """(free, usable) KV blocks: all usable ones are free once no request holds any (free
+        prefix-cached blocks count as free)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return pool.num_free_blocks, pool.num_usable_blocks
 
     def get_step_shape_counts(self) -> list[tuple[int, int, int]]:
         """(num_tokens, max_query_len, steps) of every step shape run since the last reset."""

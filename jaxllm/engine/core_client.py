@@ -1,43 +1,90 @@
-"""EngineCoreClient: how the frontend talks to the engine core (vLLM's names). Today the core
-runs in the caller's process (InprocClient); the interface is the one a client for a core in
-another process implements: requests in, EngineCoreOutputs out, utility calls by name."""
+"""EngineCoreClient: how the frontend talks to the engine core (vLLM's names).
+
+`make_client(multiprocess_mode, asyncio_mode, engine_args)` picks one of three (seed 002):
+
+  InprocClient   the core in this process and thread; get_output() runs one step
+  SyncMPClient   the core in its own process (core_proc.py) over ZMQ; blocking calls
+  AsyncMPClient  the same process and wire; `*_async` calls for an asyncio event loop
+
+All three take requests in, give EngineCoreOutputs out and answer utility calls by name. The
+multiprocess clients live in mp_client.py and never import the core (nor start a JAX backend).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jaxllm.engine import EngineCoreOutputs, EngineCoreRequest
+from jaxllm.engine import UTILITY_METHODS, EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
-from jaxllm.engine.core import UTILITY_METHODS, EngineCore
+
+if TYPE_CHECKING:
+    from jaxllm.engine.core import EngineCore
 
 
 class EngineCoreClient(ABC):
     @staticmethod
-    def make_client(engine_args: EngineArgs) -> EngineCoreClient:
+    def make_client(multiprocess_mode: bool, asyncio_mode: bool,
+                    engine_args: EngineArgs) -> EngineCoreClient:
+        if multiprocess_mode:
+            from jaxllm.engine.mp_client import AsyncMPClient, SyncMPClient
+
+            return AsyncMPClient(engine_args) if asyncio_mode else SyncMPClient(engine_args)
+        from jaxllm.engine.core import EngineCore
+
         return InprocClient(EngineCore(engine_args))
 
     @abstractmethod
-    def add_request(self, request: EngineCoreRequest) -> None: ...
+    def get_engine_info(self) -> EngineCoreInfo:
+        """What the core reported once it was ready (no round trip)."""
 
-    @abstractmethod
-    def abort_requests(self, request_ids: list[str]) -> None: ...
+    # Blocking API (InprocClient, SyncMPClient).
 
-    @abstractmethod
-    def get_output(self) -> EngineCoreOutputs: ...
+    def add_request(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has only the *_async methods")
 
-    @abstractmethod
-    def call_utility(self, method: str, *args: Any) -> Any: ...
+    def abort_requests(self, request_ids: list[str]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has only the *_async methods")
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise NotImplementedError(f"{type(self).__name__} has only the *_async methods")
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has only the *_async methods")
+
+    # asyncio API (InprocClient, AsyncMPClient).
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no *_async methods")
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no *_async methods")
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        raise NotImplementedError(f"{type(self).__name__} has no *_async methods")
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no *_async methods")
 
     def shutdown(self) -> None:  # noqa: B027 - nothing to release in process
         pass
 
 
+def check_utility(method: str) -> None:
+    if method not in UTILITY_METHODS:
+        raise ValueError(f"{method!r} is not an engine-core utility; "
+                         f"known: {sorted(UTILITY_METHODS)}")
+
+
 class InprocClient(EngineCoreClient):
-    """The engine core lives in this process and thread; get_output() runs one step."""
+    """The engine core lives in this process and thread; get_output() runs one step. Its async
+    methods run inline too (a step blocks the event loop: for debugging and tests)."""
 
     def __init__(self, engine_core: EngineCore) -> None:
         self.engine_core = engine_core
+
+    def get_engine_info(self) -> EngineCoreInfo:
+        return self.engine_core.get_engine_info()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
@@ -49,7 +96,17 @@ class InprocClient(EngineCoreClient):
         return self.engine_core.step()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        if method not in UTILITY_METHODS:
-            raise ValueError(f"{method!r} is not an engine-core utility; "
-                             f"known: {sorted(UTILITY_METHODS)}")
+        check_utility(method)
         return getattr(self.engine_core, method)(*args)
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self.add_request(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self.abort_requests(request_ids)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        return self.get_output()
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return self.call_utility(method, *args)

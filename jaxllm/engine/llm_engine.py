@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from jaxllm.engine import EngineCoreInfo, EngineCoreRequest, SchedulerStats
-from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.engine.arg_utils import EngineArgs, resolve_multiprocess_mode
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.processor import ProcessedRequest, Processor, PromptType
@@ -31,8 +31,10 @@ class LLMEngine:
         # The tokenizer first: a missing one fails in seconds, not after minutes of compiling.
         path = default_model_path() if args.model is None else Path(args.model)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path)
-        self.engine_core_client = EngineCoreClient.make_client(args)
-        info: EngineCoreInfo = self.engine_core_client.call_utility("get_engine_info")
+        self.multiprocess_mode = resolve_multiprocess_mode(args.multiprocess_mode)
+        self.engine_core_client = EngineCoreClient.make_client(
+            multiprocess_mode=self.multiprocess_mode, asyncio_mode=False, engine_args=args)
+        info: EngineCoreInfo = self.engine_core_client.get_engine_info()
         self.core_info = info
         eos = set(info.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -172,6 +174,7 @@ class LLMEngine:
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "enable_prefix_caching": args.enable_prefix_caching,
+            "multiprocess_mode": self.multiprocess_mode, "platform": info.platform,
         }
 
     # --- what benchmarks and profilers read (utility calls on the core) ------------------------

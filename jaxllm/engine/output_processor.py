@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from jaxllm.engine import EngineCoreOutput
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -29,6 +29,39 @@ class RequestState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Streaming (DELTA): how much was already sent; whether the final output was.
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    sent_final: bool = False
+
+    def completion_partial(self) -> CompletionOutput:
+        """CUMULATIVE while unfinished: the text holds back what a stop string might still
+        take away (the detokenizer's streaming buffer)."""
+        if self.finish_reason is not None:
+            return self.completion()
+        text = "" if self.detokenizer is None else \
+            self.detokenizer.get_next_output_text(finished=False, delta=False)
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs))
+
+    def completion_delta(self) -> CompletionOutput:
+        """DELTA: only what was not sent before (the cumulative logprob stays cumulative)."""
+        finished = self.finish_reason is not None
+        text = "" if self.detokenizer is None else \
+            self.detokenizer.get_next_output_text(finished=finished, delta=True)
+        ids = self.token_ids[self.sent_tokens:]
+        self.sent_tokens = len(self.token_ids)
+        lps = None
+        if self.logprobs is not None:
+            lps = self.logprobs[self.sent_logprobs:]
+            self.sent_logprobs = len(self.logprobs)
+        self.sent_final = finished
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=ids,
+            cumulative_logprob=self.cumulative_logprob, logprobs=lps,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
     def completion(self) -> CompletionOutput:
         text = ""
@@ -52,16 +85,44 @@ class ParentState:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    sent_prompt_logprobs: int = 0  # DELTA: entries already sent
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
 
-    def output(self) -> RequestOutput:
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        return self.children[0].params.output_kind
+
+    def stream_output(self) -> RequestOutput | None:
+        """What a streaming caller gets now, by the request's output_kind (None: nothing)."""
+        finished = self.finished
+        kind = self.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY:
+            return self.output() if finished else None
+        if kind is RequestOutputKind.CUMULATIVE:
+            return self.output(partial=True)
+        completions = [c.completion_delta() for c in self.children
+                       if c.sent_tokens < len(c.token_ids)
+                       or (c.finish_reason is not None and not c.sent_final)]
+        plp = None
+        if self.prompt_logprobs is not None:
+            plp = self.prompt_logprobs[self.sent_prompt_logprobs:]
+            self.sent_prompt_logprobs = len(self.prompt_logprobs)
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids, prompt_logprobs=self.prompt_logprobs,
-            outputs=[c.completion() for c in self.children], finished=self.finished,
+            prompt_token_ids=self.prompt_token_ids, prompt_logprobs=plp, outputs=completions,
+            finished=finished, metrics=self.metrics, num_cached_tokens=self.num_cached_tokens)
+
+    def output(self, partial: bool = False) -> RequestOutput:
+        plp = self.prompt_logprobs
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=list(plp) if partial and plp is not None else plp,
+            outputs=[c.completion_partial() if partial else c.completion()
+                     for c in self.children], finished=self.finished,
             metrics=self.metrics, num_cached_tokens=self.num_cached_tokens)
 
 
@@ -100,14 +161,16 @@ class OutputProcessor:
         """Whether a live request or sequence already has this id."""
         return request_id in self.parents or request_id in self.children
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]
+    def process_outputs(self, outputs: list[EngineCoreOutput], stream: bool = False
                         ) -> tuple[list[RequestOutput], list[str]]:
         """Returns (finished RequestOutputs, child ids to abort in the core: stopped by a
-        stop string, which only the text side can see)."""
+        stop string, which only the text side can see). With `stream`, the first list holds
+        every output due by the requests' output_kind (streaming callers), finished or not."""
         finished: list[RequestOutput] = []
         to_abort: list[str] = []
         now = time.time()
         touched: dict[str, ParentState] = {}
+        progressed: set[str] = set()  # parents with new tokens or an ending this step
         for out in outputs:
             state = self.children.get(out.request_id)
             if state is None:
@@ -139,14 +202,22 @@ class OutputProcessor:
             if state.finish_reason is not None:
                 self.children.pop(state.request_id, None)
             touched[parent.request_id] = parent
+            if out.new_token_ids or state.finish_reason is not None:
+                progressed.add(parent.request_id)
         for parent in touched.values():
-            if parent.finished and parent.request_id in self.parents:
+            if parent.request_id not in self.parents:
+                continue
+            if parent.finished:
                 parent.metrics.finished_time = now
-                finished.append(parent.output())
+                finished.append(parent.stream_output() if stream else parent.output())
                 del self.parents[parent.request_id]
+            elif stream and parent.request_id in progressed:
+                out = parent.stream_output()
+                if out is not None:
+                    finished.append(out)
         return finished, to_abort
 
-    def abort_parent(self, parent_id: str) -> RequestOutput | None:
+    def abort_parent(self, parent_id: str, stream: bool = False) -> RequestOutput | None:
         parent = self.parents.pop(parent_id, None)
         if parent is None:
             return None
@@ -155,4 +226,4 @@ class OutputProcessor:
                 c.finish_reason = "abort"
             self.children.pop(c.request_id, None)
         parent.metrics.finished_time = time.time()
-        return parent.output()
+        return parent.stream_output() if stream else parent.output()

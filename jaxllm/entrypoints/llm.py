@@ -24,7 +24,9 @@ class LLM:
     Engine arguments (see EngineArgs): kernel_backend, block_size, num_kv_blocks,
     gpu_memory_utilization, kv_cache_memory_bytes, max_model_len, max_num_seqs,
     max_num_batched_tokens, max_n, enable_prefix_caching, seed, skip_tokenizer_init,
-    show_progress.
+    show_progress, multiprocess_mode (the engine core in its own process; None: per platform,
+    JAXLLM_ENABLE_V1_MULTIPROCESSING=0/1 wins). In multiprocess mode, `shutdown()` (or dropping
+    the LLM) stops the core's process.
     """
 
     def __init__(self, model: str | Path | None = None, dtype: Any = None,
@@ -37,6 +39,10 @@ class LLM:
         enable_compilation_cache()
         self.llm_engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **engine_args))
         self._request_counter = 0
+
+    def shutdown(self) -> None:
+        """Release the engine core (its process, in multiprocess mode); idempotent."""
+        self.llm_engine.shutdown()
 
     @property
     def tokenizer(self):

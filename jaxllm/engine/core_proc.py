@@ -1,0 +1,248 @@
+"""EngineCoreProc: the engine core in its own process (vLLM's EngineCoreProc).
+
+Started by the multiprocess clients as `python -m jaxllm.engine.core_proc ...` (a subprocess, not
+multiprocessing's spawn, which would re-import the user's `__main__`). Three threads:
+
+  input thread   ZMQ PULL socket -> decode -> input queue
+  busy loop      (main thread) take new requests / aborts / utility calls from the input queue,
+                 step the core, put its outputs on the output queue; blocks on the input queue
+                 when no request is unfinished
+  output thread  output queue -> encode -> ZMQ PUSH socket
+
+so socket I/O and (de)serialization never wait on the device step, and the step never waits on a
+slow reader. The first message on the output socket is the ready handshake (or the start-up
+error). The child exits when its parent dies: the parent holds the write end of a pipe whose read
+end a watcher thread here blocks on; EOF means the parent is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from jaxllm.engine import (
+    UTILITY_METHODS,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+)
+from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.engine.serial_utils import (
+    REQUEST_DECODERS,
+    MsgpackEncoder,
+    OutputType,
+    ReadyMessage,
+    RequestType,
+    UtilityOutput,
+    UtilityRequest,
+)
+
+logger = logging.getLogger("jaxllm.engine.core_proc")
+
+_SHUTDOWN = object()
+
+
+class EngineCoreProc:
+    """Runs an EngineCore behind two sockets; `run_busy_loop` returns on a SHUTDOWN message."""
+
+    def __init__(self, engine_args: EngineArgs, input_address: str,
+                 output_address: str) -> None:
+        self.input_queue: queue.Queue[tuple[RequestType, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[tuple[OutputType, Any] | object] = queue.Queue()
+        self.ctx = zmq.Context()
+        self._encoder = MsgpackEncoder()
+        # The output thread starts first, so that a start-up failure can still be reported.
+        self.output_thread = threading.Thread(target=self._process_output_socket,
+                                              args=(output_address,), daemon=True,
+                                              name="EngineCoreOutputThread")
+        self.output_thread.start()
+        try:
+            from jaxllm.engine.core import EngineCore
+
+            self.engine_core = EngineCore(engine_args)
+        except BaseException:
+            self.output_queue.put((OutputType.STARTUP_FAILED, traceback.format_exc()))
+            self.output_queue.put(_SHUTDOWN)
+            self.output_thread.join(timeout=5)
+            raise
+        self.output_queue.put((OutputType.READY, ReadyMessage(
+            info=self.engine_core.get_engine_info(), pid=os.getpid())))
+        self.input_thread = threading.Thread(target=self._process_input_socket,
+                                             args=(input_address,), daemon=True,
+                                             name="EngineCoreInputThread")
+        self.input_thread.start()
+        self._shutdown = False
+
+    # --- the busy loop (main thread) ----------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        while not self._shutdown:
+            self._process_input_queue()
+            if self._shutdown:
+                break
+            self._process_engine_step()
+        self.output_queue.put(_SHUTDOWN)
+        self.output_thread.join(timeout=5)
+
+    def _process_input_queue(self) -> None:
+        # Idle: block (no spinning) until something arrives; busy: take what is there.
+        while not self._shutdown and not self.engine_core.has_unfinished_requests():
+            self._handle(*self.input_queue.get())
+        while not self._shutdown:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(*item)
+
+    def _step_once(self) -> EngineCoreOutputs:
+        """The one place the loop steps the core (an asynchronous step slots in here)."""
+        return self.engine_core.step()
+
+    def _process_engine_step(self) -> None:
+        # An exception here is fatal: the process exits and the frontend's monitor reports
+        # EngineDeadError to every caller (requests are validated before they get here).
+        self.output_queue.put((OutputType.OUTPUTS, self._step_once()))
+
+    def _handle(self, kind: RequestType | None, payload: Any) -> None:
+        if kind is RequestType.ADD:
+            self._add_request(payload)
+        elif kind is RequestType.ABORT:
+            self.engine_core.abort_requests(payload)
+        elif kind is RequestType.UTILITY:
+            self._call_utility(payload)
+        elif kind is RequestType.SHUTDOWN:
+            self._shutdown = True
+        else:
+            raise RuntimeError("the engine core's input thread failed") from payload
+
+    def _add_request(self, req: EngineCoreRequest) -> None:
+        try:
+            self.engine_core.add_request(req)
+        except Exception:
+            # The Processor validates every request, so this is a bug; the frontend still gets
+            # an answer (the request ends as aborted) rather than waiting for it forever.
+            logger.exception("engine core refused request %r", req.request_id)
+            self.output_queue.put((OutputType.OUTPUTS, EngineCoreOutputs(outputs=[
+                EngineCoreOutput(request_id=req.request_id, new_token_ids=[],
+                                 finish_reason="abort")])))
+
+    def _call_utility(self, call: UtilityRequest) -> None:
+        try:
+            if call.method not in UTILITY_METHODS:
+                raise ValueError(f"{call.method!r} is not an engine-core utility; "
+                                 f"known: {sorted(UTILITY_METHODS)}")
+            result = getattr(self.engine_core, call.method)(*call.args)
+            out = UtilityOutput(call.call_id, msgspec.Raw(self._encoder.encode(result)))
+        except Exception as e:
+            out = UtilityOutput(call.call_id, error=f"{type(e).__name__}: {e}")
+        self.output_queue.put((OutputType.UTILITY, out))
+
+    # --- socket threads -----------------------------------------------------------------------
+
+    def _process_input_socket(self, address: str) -> None:
+        sock = self.ctx.socket(zmq.PULL)
+        sock.connect(address)
+        try:
+            while True:
+                kind_frame, payload = sock.recv_multipart(copy=False)
+                kind = RequestType(kind_frame.bytes)
+                if kind is RequestType.SHUTDOWN:
+                    self.input_queue.put((kind, None))
+                    break
+                self.input_queue.put((kind, REQUEST_DECODERS[kind].decode(payload.buffer)))
+        except Exception as e:
+            # A core that cannot hear its frontend must die (the frontend then reports
+            # EngineDeadError) rather than idle forever.
+            self.input_queue.put((None, e))
+        sock.close(linger=0)
+
+    def _process_output_socket(self, address: str) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.connect(address)
+        while True:
+            item = self.output_queue.get()
+            if item is _SHUTDOWN:
+                break
+            kind, obj = item
+            sock.send_multipart((kind.value, self._encoder.encode(obj)), copy=False)
+        # Whatever is queued still goes out (the last outputs, a start-up error).
+        sock.close(linger=5000)
+
+
+def _watch_parent(death_fd: int, socket_dir: str | None) -> None:
+    """Blocks until the parent's end of the death pipe closes (the parent exited or was
+    killed), then ends this process at once: nobody is left to read its outputs. A parent
+    killed outright could not remove the socket directory: done here."""
+    try:
+        while os.read(death_fd, 1):
+            pass
+    except OSError:
+        pass
+    logger.warning("parent process gone: engine core exiting")
+    if socket_dir is not None:
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    os._exit(1)
+
+
+def _ipc_dir(address: str) -> str | None:
+    return os.path.dirname(address[len("ipc://"):]) if address.startswith("ipc://") else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="jaxllm engine core process (started by the "
+                                "multiprocess engine-core clients)")
+    p.add_argument("--input-address", required=True)
+    p.add_argument("--output-address", required=True)
+    p.add_argument("--death-fd", type=int, required=True)
+    p.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
+    p.add_argument("--compilation-cache-dir", default=None)
+    a = p.parse_args(argv)
+    # Our own logger only (JAX's INFO lines about absent backends are noise), to the inherited
+    # stderr: the parent's.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"(EngineCore pid={os.getpid()}) %(levelname)s %(message)s"))
+    jaxllm_logger = logging.getLogger("jaxllm")
+    jaxllm_logger.addHandler(handler)
+    jaxllm_logger.setLevel(logging.INFO)
+    # Ctrl-C in a terminal reaches the whole process group: the user means the frontend (whose
+    # generate() then aborts its requests), not the core; it ends with its parent.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(a.death_fd, _ipc_dir(a.input_address)),
+                     daemon=True,
+                     name="ParentWatch").start()
+    import jax
+
+    if a.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", a.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    engine_args = msgspec.json.decode(a.engine_args, type=EngineArgs)
+    try:
+        proc = EngineCoreProc(engine_args, a.input_address, a.output_address)
+    except BaseException:
+        logger.exception("engine core failed to start")
+        sys.exit(1)
+    try:
+        proc.run_busy_loop()
+    except BaseException:
+        logger.exception("engine core died")
+        # Skip interpreter teardown: the socket threads may be blocked in ZMQ calls.
+        sys.stderr.flush()
+        os._exit(1)
+    logger.info("engine core shut down")
+
+
+if __name__ == "__main__":
+    main()
