@@ -83,20 +83,26 @@ def candidate_weights(z: np.ndarray, valid: np.ndarray, zmax: np.ndarray,
     entries do not change, so a row's weights do not depend on W or on its padding."""
     w = np.exp((z.astype(np.float64) - zmax.astype(np.float64)[:, None])
                / temperature[:, None])
-    w[~valid] = 0.0
-    cut = top_p < 1.0
-    if cut.any():
-        wc = w[cut]
+    w *= valid
+    cut = np.flatnonzero(top_p < 1.0)
+    if cut.size:
+        wc = w if cut.size == len(w) else w[cut]
         s = -np.sort(-wc, axis=1)
         cum = np.cumsum(s, axis=1)
         target = top_p[cut] * cum[:, -1]
         keep = np.count_nonzero(cum < target[:, None], axis=1) + 1
         thr = s[np.arange(len(s)), keep - 1][:, None]
-        mask = wc > thr
-        need = keep - np.count_nonzero(mask, axis=1)
-        ties = wc == thr
-        mask |= ties & (np.cumsum(ties, axis=1) <= need[:, None])
-        w[cut] = np.where(mask, wc, 0.0)
+        mask = wc >= thr
+        # More than `keep` at or above the cut only with ties at it: keep the first in token
+        # order (rare: a per-row fix).
+        for r in np.flatnonzero(np.count_nonzero(mask, axis=1) > keep):
+            ties = np.flatnonzero(wc[r] == thr[r, 0])
+            mask[r, ties[keep[r] - np.count_nonzero(wc[r] > thr[r, 0]):]] = False
+        wc = wc * mask
+        if cut.size == len(w):
+            w = wc
+        else:
+            w[cut] = wc
     return w
 
 
@@ -127,20 +133,26 @@ def sample_from_topk(topk: TopKLogits, params: Sequence[SamplingParams], u: np.n
     rand = np.flatnonzero(~greedy)
     if rand.size:
         rp = [params[i] for i in rand]
+        n = len(rp)
         z = vals[rand]
         zmax = z[:, 0]
-        valid = np.ones(z.shape, dtype=bool)
-        for j, p in enumerate(rp):
-            if 0 < p.top_k < k_max:
-                valid[j] &= z[j] >= z[j, p.top_k - 1]
-            if p.min_p > 0.0:
-                valid[j] &= z[j] >= min_p_threshold(float(zmax[j]), p.temperature, p.min_p)
+        # Per row: top_k's cut (the top_k-th value; ties stay) and min_p's threshold, float32
+        # as the full-row sampler compares them; -inf where the row has none.
+        top_k = np.fromiter((p.top_k if 0 < p.top_k < k_max else 0 for p in rp), np.intp, n)
+        cut = np.where(top_k > 0, z[np.arange(n), top_k - 1], np.float32(-np.inf))
+        min_p = [(j, p) for j, p in enumerate(rp) if p.min_p > 0.0]
+        if min_p:
+            thr = np.full(n, -np.inf, np.float32)
+            for j, p in min_p:
+                thr[j] = min_p_threshold(float(zmax[j]), p.temperature, p.min_p)
+            cut = np.maximum(cut, thr)
+        valid = z >= cut[:, None]
         order = np.argsort(ids[rand], axis=1, kind="stable")
-        temp = np.fromiter((p.temperature for p in rp), np.float64, len(rp))
-        top_p = np.fromiter((p.top_p for p in rp), np.float64, len(rp))
+        temp = np.fromiter((p.temperature for p in rp), np.float64, n)
+        top_p = np.fromiter((p.top_p for p in rp), np.float64, n)
         w = candidate_weights(np.take_along_axis(z, order, 1),
                               np.take_along_axis(valid, order, 1), zmax, temp, top_p)
-        c = order[np.arange(len(rand)), inverse_cdf(w, np.asarray(u, np.float64)[rand])]
+        c = order[np.arange(n), inverse_cdf(w, np.asarray(u, np.float64)[rand])]
         tokens[rand] = ids[rand, c]
         col[rand] = c
     chosen = vals[np.arange(num), col].astype(np.float64)

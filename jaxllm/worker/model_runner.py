@@ -123,7 +123,8 @@ class StepHandle:
     lse: jax.Array | None  # [S]
     logits: jax.Array  # [S, vocab], stays on the device unless a row needs it
     hidden: jax.Array  # [T, hidden], for prompt logprobs
-    dispatch_time: float
+    dispatch_time: float  # perf_counter just before the executable was called
+    launched_time: float  # ... and once the call returned (the launch cost is host time too)
 
 
 @dataclass
@@ -372,7 +373,8 @@ class ModelRunner:
             self.params, self.rope, self.kv_cache, buf, inputs.input_ids, inputs.positions, md)
         for x in (values, token_ids, lse) if self.top_k else (logits,):
             x.copy_to_host_async()
-        return StepHandle(prepared, values, token_ids, lse, logits, hidden, t)
+        return StepHandle(prepared, values, token_ids, lse, logits, hidden, t,
+                          time.perf_counter())
 
     def wait(self, handle: StepHandle) -> ModelRunnerOutput:
         """Block until the step's candidates are on the host. The full logits stay on the
