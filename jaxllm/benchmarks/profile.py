@@ -38,6 +38,7 @@ class _StepRecord:
     wall_s: float
     parts: dict[str, float] = field(default_factory=dict)
     host_critical_s: float | None = None
+    launch_s: float | None = None
 
 
 def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input_len: int,
@@ -94,7 +95,7 @@ def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input
                 # time do not line up one to one; their means do).
                 parts["other"] = (max(0.0, wall - sum(parts.values())) if critical is None
                                   else 0.0)
-                steady.append(_StepRecord(wall, parts, critical))
+                steady.append(_StepRecord(wall, parts, critical, st.launch_s))
         finally:
             engine.abort_request(ids)
             bar.close()
@@ -106,6 +107,8 @@ def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input
         critical = [s.host_critical_s for s in steady]
         critical_ms = (None if any(c is None for c in critical)
                        else 1e3 * float(np.mean(critical)))
+        launch_ms = (None if critical_ms is None
+                     else 1e3 * float(np.mean([s.launch_s for s in steady])))
         phases = {}
         for name in PROFILE_PHASES:
             ms = 1e3 * float(np.mean([s.parts[name] for s in steady]))
@@ -116,6 +119,7 @@ def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input
         results.append({"batch_size": bs, "input_len": input_len, "steps": len(steady),
                         "sampling": sampling,
                         "step_ms": step_ms, "host_ms": host_ms, "host_critical_ms": critical_ms,
+                        "launch_ms": launch_ms,
                         "async_scheduling": critical_ms is not None,
                         "host_percent": 100.0 * host_ms / max(step_ms, 1e-12),
                         "decode_tokens_per_second": bs * 1e3 / max(step_ms, 1e-12),
@@ -141,9 +145,10 @@ def print_profile(results: list[dict[str, Any]]) -> None:
             f"{r['phases'][name]['ms']:>11.2f} ms {r['phases'][name]['percent']:>5.1f}%"
             for r in done))
     if overlapped:
-        print(f"{'host_critical':<16}" + "".join(
-            f"{r['host_critical_ms']:>11.2f} ms {100 * r['host_critical_ms'] / r['step_ms']:>5.1f}%"
-            if r["host_critical_ms"] is not None else f"{'-':>20}" for r in done))
+        for key, label in (("host_critical_ms", "host_critical"), ("launch_ms", "launch call")):
+            print(f"{label:<16}" + "".join(
+                f"{r[key]:>11.2f} ms {100 * r[key] / r['step_ms']:>5.1f}%"
+                if r[key] is not None else f"{'-':>20}" for r in done))
     print(f"{'step':<16}" + "".join(f"{r['step_ms']:>11.2f} ms {100.0:>5.1f}%" for r in done))
     print(f"{'host (non-dev)':<16}" + "".join(
         f"{r['host_ms']:>11.2f} ms {r['host_percent']:>5.1f}%" for r in done))
@@ -153,7 +158,9 @@ def print_profile(results: list[dict[str, Any]]) -> None:
         print("async scheduling: step = device_step + host_critical (the device's idle gap: "
               "candidates on the host -> next dispatch) + other (host work the device did not "
               "hide); * marks phases that overlap the device step; logits_transfer and "
-              "sampling lie inside host_critical")
+              "sampling lie inside host_critical; launch call: the call that starts the next "
+              "step, from its start (where host_critical ends) to its return (on CPU the "
+              "started step takes the cores from the caller at once)")
 
 
 def maybe_profile(args: argparse.Namespace, llm: LLM, sampler: TokenSampler,

@@ -75,6 +75,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     # Async scheduling: the previous step's candidates on the host until this step's dispatch
     # (the device's idle gap); None in synchronous steps.
     host_critical_s: float | None = None
+    # How long the call launching the next step took to return (on CPU the step it starts takes
+    # the cores from the calling thread at once, so this mostly measures the device's start).
+    launch_s: float | None = None
     num_full_row_samples: int = 0  # rows sampled from full logits, not top-K candidates
 
 

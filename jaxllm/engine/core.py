@@ -224,7 +224,8 @@ class EngineCore:
         if prepared is not None:
             handle = self.runner.dispatch(prepared, {r: s.token for r, s in sampled.items()})
             if out is not None:
-                prev_stats.host_critical_s = handle.launched_time - out.ready_time
+                prev_stats.host_critical_s = handle.dispatch_time - out.ready_time
+                prev_stats.launch_s = handle.launched_time - handle.dispatch_time
             self._inflight = (so, handle, stats)
         if inflight is not None:
             return self._update(prev_so, out, sampled, prev_stats)

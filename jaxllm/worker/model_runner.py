@@ -1,4 +1,10 @@
-"""ModelRunner: SchedulerOutput -> padded device inputs -> one jitted step -> sampled-row logits.
+"""ModelRunner: SchedulerOutput -> padded device inputs -> one jitted step -> the sampled rows'
+top-K candidates and log-sum-exp (full logits rows on request).
+
+A step runs in three calls, so the engine core can overlap them with the device (async
+scheduling): `prepare` (host inputs, while the previous step may still run; tokens that step
+has yet to sample are placeholders), `dispatch` (fill them, launch) and `wait` (the small
+outputs on the host). `execute_model` chains the three.
 
 Every step's shapes come from a small fixed set of buckets, all compiled ahead of time at
 start-up, so serving never compiles:
@@ -14,7 +20,9 @@ start-up, so serving never compiles:
 Block tables are always max_model_len wide; each running request keeps its row in the
 persistent InputBatch, updated from each SchedulerOutput's new block ids. The KV array is one
 preallocated buffer, sized from a memory budget (`initialize_kv_cache`, after
-`measure_activation_bytes` on a GPU), donated to every step so XLA updates it in place.
+`measure_activation_bytes` on a GPU), donated to every step so XLA updates it in place; so is
+each shape's logits buffer (`release` hands it back once a step's rows are sampled). Decode
+buckets carry a static split-K partition count for paged attention (`bucket_table`).
 """
 
 from __future__ import annotations
