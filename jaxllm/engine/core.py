@@ -85,7 +85,8 @@ class EngineCore:
         dtype = resolve_dtype(args.dtype)
         path = default_model_path() if args.model is None else Path(args.model)
         self.model_name = DEFAULT_MODEL_NAME if args.model is None else args.model
-        loaded = load_model(path, dtype=dtype, progress=args.show_progress)
+        loaded = load_model(path, dtype=dtype, progress=args.show_progress,
+                            quantization=args.quantization)
         config = loaded.config
         max_model_len = args.max_model_len or config.max_position_embeddings
         if max_model_len > config.max_position_embeddings:
@@ -95,7 +96,8 @@ class EngineCore:
         self.runner = ModelRunner(
             config, loaded.params, dtype=dtype, kernel_backend=backend,
             block_size=args.block_size, max_model_len=max_model_len,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            gemv_params=loaded.gemv_params)
         num_blocks = num_kv_blocks_for(args, self.runner)
         self.runner.initialize_kv_cache(num_blocks)
         compile_time_s = self.runner.compile(progress=args.show_progress)

@@ -11,6 +11,10 @@ start-up, so serving never compiles:
     max_num_batched_tokens) with max_query_len = T;
   - the sequence count S and the number of logits rows are min(T, max_num_seqs), so they follow
     T and add no bucket dimension.
+With quantization="gguf" the decode buckets up to GGUF_GEMV_MAX_ROWS run on `gemv_params` (GGUF
+blocks kept quantized, fused dequant GEMVs: fewer bytes per step), every other bucket on
+`params` (float32 copies of the same values, fastest for multi-row dots); the choice is made per
+bucket when it is compiled.
 Block tables are always max_model_len wide; each running request keeps its row in the
 persistent InputBatch, updated from each SchedulerOutput's new block ids. The KV array is one
 preallocated buffer, sized from a memory budget (`initialize_kv_cache`, after
@@ -44,6 +48,9 @@ from scheduler import SchedulerOutput
 # Prompt-logprob rows go through the LM head in chunks of this many rows (one compiled shape).
 PROMPT_LOGITS_CHUNK = 32
 MIN_TOKEN_BUCKET = 16
+# quantization="gguf": decode buckets of at most this many rows use the quantized GEMVs (one per
+# row, so the int8 weights are read once per row); measured in BENCHMARKS.md (issue 17).
+GGUF_GEMV_MAX_ROWS = 4
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -101,9 +108,10 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, *, dtype: Any, kernel_backend: str,
                  block_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, gemv_params: dict | None = None) -> None:
         self.config = config
         self.params = params
+        self.gemv_params = gemv_params
         self.dtype = dtype
         self.block_size = block_size
         self.num_kv_blocks = 0
@@ -134,6 +142,13 @@ class ModelRunner:
         """(num_tokens, max_query_len) of every step shape the runner can produce."""
         return [(t, 1) for t in self.decode_buckets] + [(t, t) for t in self.buckets]
 
+    def params_for(self, num_tokens: int, max_query_len: int) -> dict:
+        """The param tree a bucket's executable is compiled for and runs with."""
+        if self.gemv_params is not None and max_query_len == 1 \
+                and num_tokens <= GGUF_GEMV_MAX_ROWS:
+            return self.gemv_params
+        return self.params
+
     def _abstract_inputs(self, num_tokens: int):
         s = min(num_tokens, self.max_num_seqs)
         i32 = jnp.int32
@@ -149,12 +164,14 @@ class ModelRunner:
         kv_spec = jax.ShapeDtypeStruct(
             kv_cache_shape(self.config, num_kv_blocks, self.block_size), self.dtype)
         ids, pos, md = self._abstract_inputs(num_tokens)
-        return self._step.lower(self.params, self.rope, kv_spec, ids, pos, md,
+        return self._step.lower(self.params_for(num_tokens, max_query_len), self.rope, kv_spec,
+                                ids, pos, md,
                                 max_query_len=max_query_len).compile()
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights and RoPE tables on the device."""
-        return sum(x.nbytes for x in jax.tree.leaves((self.params, self.rope)))
+        """Bytes of the weights and RoPE tables on the device (arrays both trees share once)."""
+        leaves = jax.tree.leaves((self.params, self.gemv_params, self.rope))
+        return sum({id(x): x.nbytes for x in leaves}.values())
 
     def measure_activation_bytes(self, probe_blocks: int = 16) -> int:
         """Device bytes the largest step needs besides weights and KV: its temporaries plus the
@@ -220,8 +237,8 @@ class ModelRunner:
             raise RuntimeError(f"step shape ({padded}, {max_query_len}) was not compiled; "
                                f"call compile() first")
         self.step_shape_counts[(padded, max_query_len)] += 1
-        logits, hidden, self.kv_cache = step(self.params, self.rope, self.kv_cache, input_ids,
-                                             positions, md)
+        logits, hidden, self.kv_cache = step(self.params_for(padded, max_query_len), self.rope,
+                                             self.kv_cache, input_ids, positions, md)
         logits.block_until_ready()
         t2 = time.perf_counter()
         # Only the sampled rows are fetched; on CPU this is a view, on GPU a small copy.
