@@ -11,10 +11,13 @@ start-up, so serving never compiles:
     max_num_batched_tokens) with max_query_len = T;
   - the sequence count S and the number of logits rows are min(T, max_num_seqs), so they follow
     T and add no bucket dimension.
-With quantization="gguf" the decode buckets up to GGUF_GEMV_MAX_ROWS run on `gemv_params` (GGUF
-blocks kept quantized, fused dequant GEMVs: fewer bytes per step), every other bucket on
-`params` (float32 copies of the same values, fastest for multi-row dots); the choice is made per
-bucket when it is compiled.
+Weights are picked per bucket when it is compiled (`params_for`), between two trees of the same
+values: with quantization="gguf" the decode buckets up to GGUF_GEMV_MAX_ROWS run on
+`gemv_params` (GGUF blocks kept quantized, fused dequant GEMVs: fewer bytes per step), every
+other bucket on `params` (float32 copies, fastest for multi-row dots). With dtype bfloat16 on
+CPU, buckets under MIN_TOKEN_BUCKET rows run on float32 copies of the bfloat16 weights (a bf16
+GEMV is ~12x slower than a float32 one there), the others on the bfloat16 weights (bf16 GEMMs
+run ~2x the float32 rate on AVX512-BF16 cores).
 Block tables are always max_model_len wide; each running request keeps its row in the
 persistent InputBatch, updated from each SchedulerOutput's new block ids. The KV array is one
 preallocated buffer, sized from a memory budget (`initialize_kv_cache`, after
@@ -50,7 +53,7 @@ PROMPT_LOGITS_CHUNK = 32
 MIN_TOKEN_BUCKET = 16
 # quantization="gguf": decode buckets of at most this many rows use the quantized GEMVs (one per
 # row, so the int8 weights are read once per row); measured in BENCHMARKS.md (issue 17).
-GGUF_GEMV_MAX_ROWS = 4
+GGUF_GEMV_MAX_ROWS = 8
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -71,6 +74,12 @@ def decode_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
     while buckets[-1] < limit:
         buckets.append(min(buckets[-1] * 2, max_num_batched_tokens))
     return buckets
+
+
+def float32_weights(params: dict) -> dict:
+    """The tree with float32 copies of its matrices (exactly the same values); vectors (norms,
+    biases) stay shared. For GEMVs of a bfloat16 model on CPU."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if x.ndim == 2 else x, params)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: Any) -> int:
@@ -112,6 +121,11 @@ class ModelRunner:
         self.config = config
         self.params = params
         self.gemv_params = gemv_params
+        self.gemv_max_rows = GGUF_GEMV_MAX_ROWS
+        if gemv_params is None and jnp.dtype(dtype) == jnp.bfloat16 \
+                and jax.default_backend() == "cpu":
+            self.gemv_params = float32_weights(params)
+            self.gemv_max_rows = MIN_TOKEN_BUCKET - 1
         self.dtype = dtype
         self.block_size = block_size
         self.num_kv_blocks = 0
@@ -145,7 +159,7 @@ class ModelRunner:
     def params_for(self, num_tokens: int, max_query_len: int) -> dict:
         """The param tree a bucket's executable is compiled for and runs with."""
         if self.gemv_params is not None and max_query_len == 1 \
-                and num_tokens <= GGUF_GEMV_MAX_ROWS:
+                and num_tokens <= self.gemv_max_rows:
             return self.gemv_params
         return self.params
 

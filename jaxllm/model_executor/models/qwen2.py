@@ -44,6 +44,9 @@ def linear(x: jax.Array, weight: jax.Array | GGUFWeight) -> jax.Array:
     layers: 57 vs 102 ms at T=1, 172 vs 265 ms at T=16), which is what decode is bound by."""
     if isinstance(weight, GGUFWeight):
         return gguf_linear(x, weight)
+    if weight.dtype != x.dtype:  # float32 weights of a bfloat16 model's GEMV buckets (runner)
+        return jax.lax.dot_general(x.astype(weight.dtype), weight,
+                                   (((x.ndim - 1,), (1,)), ((), ()))).astype(x.dtype)
     return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
 
 
@@ -171,7 +174,7 @@ class Qwen2ForCausalLM(nn.Module):
         if isinstance(embed, GGUFWeight):  # only the step's rows are dequantized
             h = dequantize(embed, input_ids).astype(self.dtype)
         else:
-            h = jnp.take(embed, input_ids, axis=0)
+            h = jnp.take(embed, input_ids, axis=0).astype(self.dtype)
         residual = None
         # Unrolled on purpose: a lax.scan over stacked layers copies weight slices every step
         # on CPU (measured 2x slower at 16 tokens, DESIGN.md).
