@@ -20,7 +20,12 @@ import torch
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.arg_utils import EngineArgs
-from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, dequantize, gguf_linear
+from jaxllm.model_executor.layers.quantization.gguf import (
+    GGUFWeight,
+    dequantize,
+    gemv_chunks,
+    gguf_linear,
+)
 from jaxllm.model_executor.model_loader import gguf_repack
 from jaxllm.model_executor.model_loader.loader import ModelLoadError, load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, linear, rope_variables
@@ -78,13 +83,24 @@ def test_unsupported_type_names_tensor_and_type(rng):
         gguf_repack.repack(raw, "Q4_1", (4, 64), "blk.3.ffn_up.weight")
 
 
-def test_gemv_rows_do_not_depend_on_the_batch(rng):
+def _materialized(compiled_text: str, weights: list[GGUFWeight]) -> list[str]:
+    """Instructions of a compiled step that hold a whole dequantized weight (either layout)."""
+    shapes = {f"f32[{o},{i}]" for w in weights for o, i in (w.shape, w.shape[::-1])}
+    entry = compiled_text[compiled_text.index("ENTRY"):]
+    return [line for line in entry.splitlines() if "parameter(" not in line
+            and any(f" = {s}" in line for s in shapes)]
+
+
+@pytest.mark.parametrize("fmt,shape", [("Q4_K", (384, 512)), ("Q6_K", (64, 4608))])
+def test_gemv_rows_do_not_depend_on_the_batch(fmt, shape, rng):
     """The fused GEMV: weights exactly gguf's inside the dot; row i's result is bit-identical
     whatever rows share the bucket (the float32 GEMM's is not); the summation order differs
-    from the float32 path's, so only closeness to it is claimed."""
-    r = gguf_repack.repack(random_blocks(rng, "Q4_K", 384, 512), "Q4_K", (384, 512))
+    from the float32 path's, so only closeness to it is claimed. 4608-wide rows are over XLA's
+    fusion limit and run in two chunks; neither shape materialises the float32 weight."""
+    r = gguf_repack.repack(random_blocks(rng, fmt, *shape), fmt, shape)
     w, dense = _device(r), jnp.asarray(gguf_repack.dequantize(r))
-    x = jnp.asarray(rng.standard_normal((8, 512)).astype(np.float32))
+    assert len(gemv_chunks(shape[1], w.block_size)) == (1 if shape[1] < 4096 else 2)
+    x = jnp.asarray(rng.standard_normal((8, shape[1])).astype(np.float32))
     full = np.asarray(jax.jit(gguf_linear)(x, w))
     for rows in (1, 2, 4):
         np.testing.assert_array_equal(np.asarray(jax.jit(gguf_linear)(x[:rows], w)),
@@ -92,6 +108,7 @@ def test_gemv_rows_do_not_depend_on_the_batch(rng):
     np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, w)), full)  # the dispatch
     want = np.asarray(jax.jit(linear)(x, dense))
     np.testing.assert_allclose(full, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert not _materialized(jax.jit(gguf_linear).lower(x[:2], w).compile().as_text(), [w])
 
 
 # --- a tiny GGUF end to end ------------------------------------------------------------------
@@ -147,6 +164,13 @@ def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng):
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
         assert alone.outputs[0].token_ids == out.outputs[0].token_ids
     assert set(runner.step_shape_counts) <= {(1, 1), (16, 16), (32, 32)}
+    # XLA fused every dequantization into its GEMV (biases included: see Linear).
+    quantized = [w for w in jax.tree.leaves(runner.gemv_params,
+                                            is_leaf=lambda x: isinstance(x, GGUFWeight))
+                 if isinstance(w, GGUFWeight)]
+    assert len(quantized) == 4 + 3 + 2  # 4 per layer (layer 1 o_proj: F16), embedding, head
+    for shape in ((1, 1), (4, 1)):
+        assert not _materialized(runner._compiled[shape].as_text(), quantized)
 
 
 def test_quantization_arg_and_its_errors(tiny_gguf, tiny_models):

@@ -1,10 +1,11 @@
 """quantization="gguf": the two param trees the runner picks from per bucket.
 
-- `gemv_params` (small decode buckets): every GGUF block weight XLA can stream quantized in a
-  fused GEMV is a `GGUFWeight` (int8 + per-block scale/offset); the rest are float32.
+- `gemv_params` (small decode buckets): GGUF block weights are `GGUFWeight`s (int8 + per-block
+  scale/offset) read through fused dequant GEMVs, except rows too wide for one fused GEMV
+  (`single_chunk`: down_proj), which were faster in float32; float tensors stay float32.
 - `params` (every other bucket, and prompt-logprob chunks): float32 copies of the same exact
   values, since multi-row dots are fastest in float32 here; they share their arrays with
-  `gemv_params` wherever that tree is float32 too (norms, biases, wide weights), so only the
+  `gemv_params` wherever that tree is float32 too (norms, biases, down_proj), so only the
   quantized weights exist twice. The embedding table is gathered from its quantized form in both
   trees (a gather reads a few rows: nothing to gain from float32), unless the LM head is tied to
   it, where the float32 head needs it.
@@ -20,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxllm.model_executor.config import ModelConfig
-from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, fuses_as_gemv
+from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, single_chunk
 from jaxllm.model_executor.model_loader.gguf_repack import (
     RepackedBlocks,
     UnsupportedGGUFType,
@@ -71,9 +72,8 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         for group in ("self_attn", "mlp"):
             layer[group] = {name: dict(p) for name, p in layer[group].items()}
         for (group, mod), hf_names in _LAYER_WEIGHTS.items():
-            dense = layer[group][mod]["weight"]
-            if not fuses_as_gemv(dense.shape[1]):
-                continue  # XLA would materialise it in float32 anyway: keep the float32 one
+            if not single_chunk(layer[group][mod]["weight"].shape[1]):
+                continue
             q = quantized([f"layers.{i}.{n}" for n in hf_names])
             if q is not None:
                 layer[group][mod]["weight"] = q

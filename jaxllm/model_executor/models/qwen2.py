@@ -73,7 +73,11 @@ class Linear(nn.Module):
                                nn.initializers.normal(0.02))
         y = linear(x, weight)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+            bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+            # XLA on CPU fuses `dot + bias` into the dot, which then cannot take the
+            # dequantization in and materialises the float32 weight; y - (-b) is bit-for-bit
+            # y + b and is left alone.
+            y = y - (-bias) if isinstance(weight, GGUFWeight) else y + bias
         return y
 
 
