@@ -59,7 +59,7 @@ def num_kv_blocks_for(args: EngineArgs, runner: ModelRunner) -> int:
     the largest step (or kv_cache_memory_bytes when given)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
-    per_block = kv_block_bytes(runner.config, args.block_size, runner.dtype)
+    per_block = kv_block_bytes(runner.config, args.block_size, runner.kv_cache_dtype)
     total = device_memory_bytes()
     if args.kv_cache_memory_bytes is not None:
         budget, how = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
