@@ -74,9 +74,11 @@ def _tiny_shapes() -> dict[str, tuple[int, int] | tuple[int]]:
     return shapes
 
 
-def write_tiny_gguf(path, seed: int = 0, formats: dict[str, str] | None = None) -> dict:
-    """Write a 2-layer Qwen2 GGUF (architecture qwen2, no tokenizer) and return its tensors as
-    gguf dequantizes them, {GGUF name: float32 array in numpy order}: the HF oracle's weights."""
+def write_tiny_gguf(path, seed: int = 0, formats: dict[str, str] | None = None,
+                    tied: bool = False) -> dict:
+    """Write a 2-layer Qwen2 GGUF (architecture qwen2, no tokenizer; `tied`: no output.weight)
+    and return its tensors as gguf dequantizes them, {GGUF name: float32 array in numpy
+    order}: the HF oracle's weights."""
     rng = np.random.default_rng(seed)
     formats = {**TINY_FORMATS, **(formats or {})}
     c = TINY_CONFIG
@@ -90,6 +92,8 @@ def write_tiny_gguf(path, seed: int = 0, formats: dict[str, str] | None = None) 
     writer.add_rope_freq_base(c["rope_theta"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     for name, shape in _tiny_shapes().items():
+        if tied and name == "output.weight":
+            continue
         fmt = formats.get(name, "F32")
         if len(shape) == 1:  # norms near 1, biases that matter
             base = 1.0 if name.endswith("norm.weight") else 0.0

@@ -173,6 +173,24 @@ def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng):
         assert not _materialized(runner._compiled[shape].as_text(), quantized)
 
 
+def test_tied_gguf_head_is_the_quantized_table(tmp_path):
+    """Tied embeddings: the GEMV tree's LM head is the quantized table itself, the float32
+    tree keeps a float32 table for its GEMM; both give the same logits up to rounding."""
+    path = tmp_path / "tied.gguf"
+    write_tiny_gguf(path, seed=3, tied=True)
+    loaded = load_model(path, progress=False, quantization="gguf")
+    assert loaded.config.tie_word_embeddings and "lm_head" not in loaded.gemv_params
+    assert isinstance(loaded.gemv_params["embed_tokens"], GGUFWeight)
+    assert not isinstance(loaded.params["embed_tokens"], GGUFWeight)
+    np.testing.assert_array_equal(_bits(dequantize(loaded.gemv_params["embed_tokens"])),
+                                  _bits(loaded.params["embed_tokens"]))
+    ids, pos, kv, md = prefill_inputs(loaded.config, [[7, 8, 9]])
+    model = Qwen2ForCausalLM(loaded.config)
+    logits = [np.asarray(jax.jit(model.apply)({"params": tree, "rope": rope_variables(
+        loaded.config)}, ids, pos, kv, md)[0]) for tree in (loaded.params, loaded.gemv_params)]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=0, atol=1e-4)
+
+
 def test_quantization_arg_and_its_errors(tiny_gguf, tiny_models):
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(parser.parse_args(["--quantization", "gguf"])) \
