@@ -78,6 +78,43 @@ def test_bfloat16_model_is_close_to_float32(tiny_models, rng):
     np.testing.assert_allclose(np.asarray(logits), want, atol=0.05 * np.abs(want).max(), rtol=0)
 
 
+def test_bfloat16_on_cpu_runs_gemvs_on_float32_copies(tiny_models, rng):
+    """dtype bfloat16 on CPU: decode buckets under 16 rows get float32 copies of the bfloat16
+    weights (no bf16 GEMVs), token buckets the bfloat16 weights, the KV cache is float32; not
+    bit-identical to either the float32 model or an all-bf16 step, so compared loosely."""
+    import jax
+
+    path, hf = tiny_models["untied"]
+    llm = LLM(model=str(path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64,
+              max_num_seqs=2, max_num_batched_tokens=16, show_progress=False)
+    runner = llm.llm_engine.engine_core_client.engine_core.runner
+    small, big = runner.params_for(2, 1), runner.params_for(16, 16)
+    assert runner.params_for(1, 1) is small and runner.params_for(8, 1) is small
+    for key in ("embed_tokens", "lm_head"):
+        assert small[key].dtype == jnp.float32 and big[key].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(small[key].astype(jnp.bfloat16)),
+                                      np.asarray(big[key]))
+    assert small["layers_1"]["mlp"]["down_proj"]["weight"].dtype == jnp.float32
+    assert small["norm"]["weight"] is big["norm"]["weight"]  # vectors shared, not copied
+    # XLA on CPU would convert a 16-bit KV array to float32 and back around every write.
+    assert runner.kv_cache.dtype == jnp.float32
+    prompts = [rng.integers(0, 512, 5).tolist(), rng.integers(0, 512, 9).tolist()]
+    model = Qwen2ForCausalLM(runner.config, dtype=jnp.bfloat16)
+    ids, pos, kv, md = prefill_inputs(runner.config, prompts, dtype=jnp.bfloat16)
+    variables = {"rope": rope_variables(runner.config)}
+    got = {name: np.asarray(jax.jit(model.apply)({**variables, "params": tree}, ids, pos, kv,
+                                                 md)[0]) for name, tree in (("gemv", small),
+                                                                            ("gemm", big))}
+    want = np.concatenate([_hf_logits(hf, p) for p in prompts])
+    for logits in got.values():
+        np.testing.assert_allclose(logits, want, atol=0.05 * np.abs(want).max(), rtol=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    assert runner.step_shape_counts[(2, 1)] == 3  # the decode steps ran the float32 GEMVs
+
+
 @pytest.mark.parametrize("variant", ["tied", "untied"])
 def test_greedy_generate_matches_hf(tiny_models, variant, rng):
     path, hf = tiny_models[variant]

@@ -92,6 +92,9 @@ class ModelCost:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # Bytes of the weights as a decode step stores them (quantized, float32 GEMV copies), when
+    # they are not (body + head) x itemsize.
+    decode_weight_bytes: int | None = None
 
     @classmethod
     def from_llm(cls, llm: LLM) -> ModelCost:
@@ -99,11 +102,14 @@ class ModelCost:
         cfg = engine.model_config
         w = engine.get_weight_stats()
         return cls(w["body_params"], w["head_params"], w["itemsize"], cfg.num_hidden_layers,
-                   cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+                   cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                   w.get("decode_weight_bytes"))
 
     @property
     def weight_bytes(self) -> int:
         """Bytes a step must read at least: every weight but the embedding table (a lookup)."""
+        if self.decode_weight_bytes is not None:
+            return self.decode_weight_bytes
         return (self.body_params + self.head_params) * self.itemsize
 
     @property

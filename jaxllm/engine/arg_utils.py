@@ -15,6 +15,7 @@ from typing import Any
 import pallas_kernels
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("gguf",)
 
 # Help for the CLI options generated from the fields below.
 _HELP = {
@@ -22,6 +23,9 @@ _HELP = {
              "Qwen2.5-Coder-0.5B-Instruct)",
     "dtype": "float32 on CPU, bfloat16 on GPU when not given",
     "kernel_backend": "pallas on GPU, reference on CPU when not given",
+    "quantization": "gguf: keep a .gguf model's block weights quantized (int8 + per-block "
+                    "scales, exactly its values) for fused dequant GEMVs in small decode "
+                    "buckets, float32 copies for larger ones; not given: dequantize to dtype",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "overrides the KV sizing (when not given: from the memory budget)",
     "gpu_memory_utilization": "GPU: fraction of device memory for weights, activations and KV",
@@ -84,6 +88,7 @@ class EngineArgs:
     model: str | None = None  # None: the embedded default model
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     kernel_backend: str | None = None  # None: "pallas" on a GPU, "reference" on CPU
+    quantization: str | None = None  # "gguf": GGUF blocks kept quantized; None: dequantized
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from the memory budget below
     gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for the engine
@@ -112,6 +117,9 @@ class EngineArgs:
             self.dtype = None
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not one of {QUANTIZATIONS} "
+                             f"or None")
         backend = self.kernel_backend
         if backend is not None and backend not in pallas_kernels.BACKENDS:
             raise ValueError(f"kernel_backend {backend!r} is not one of {pallas_kernels.BACKENDS}")
@@ -167,9 +175,10 @@ class EngineArgs:
                     group.add_argument(flag, action="store_true", help=help_text)
                 continue
             kind: Any = {"gpu_memory_utilization": float}.get(f.name, int)
-            if f.name in ("model", "dtype", "kernel_backend"):
+            if f.name in ("model", "dtype", "kernel_backend", "quantization"):
                 kind = str
             choices = {"dtype": DTYPES, "kernel_backend": pallas_kernels.BACKENDS,
+                       "quantization": QUANTIZATIONS,
                        "block_size": (16, 32)}.get(f.name)
             shown = "" if default is None or f.name in overrides else f" (default: {default})"
             group.add_argument(flag, type=kind, default=default, choices=choices,

@@ -64,7 +64,7 @@ def num_kv_blocks_for(args: EngineArgs, runner: ModelRunner) -> int:
     the largest step (or kv_cache_memory_bytes when given)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
-    per_block = kv_block_bytes(runner.config, args.block_size, runner.dtype)
+    per_block = kv_block_bytes(runner.config, args.block_size, runner.kv_cache_dtype)
     total = device_memory_bytes()
     if args.kv_cache_memory_bytes is not None:
         budget, how = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
@@ -99,7 +99,8 @@ class EngineCore:
         dtype = resolve_dtype(args.dtype)
         path = default_model_path() if args.model is None else Path(args.model)
         self.model_name = DEFAULT_MODEL_NAME if args.model is None else args.model
-        loaded = load_model(path, dtype=dtype, progress=args.show_progress)
+        loaded = load_model(path, dtype=dtype, progress=args.show_progress,
+                            quantization=args.quantization)
         config = loaded.config
         max_model_len = args.max_model_len or config.max_position_embeddings
         if max_model_len > config.max_position_embeddings:
@@ -114,7 +115,7 @@ class EngineCore:
             config, loaded.params, dtype=dtype, kernel_backend=backend,
             block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            topk_sampling=topk_sampling)
+            topk_sampling=topk_sampling, gemv_params=loaded.gemv_params)
         num_blocks = num_kv_blocks_for(args, self.runner)
         self.runner.initialize_kv_cache(num_blocks)
         compile_time_s = self.runner.compile(progress=args.show_progress)
@@ -418,17 +419,29 @@ class EngineCore:
         self.runner.step_shape_counts.clear()
 
     def get_weight_stats(self) -> dict[str, int]:
-        """body_params (decoder layers + final norm), head_params (LM head), itemsize."""
+        """body_params (decoder layers + final norm), head_params (LM head), itemsize, and
+        decode_weight_bytes (the weights a 1-row decode step reads, in their stored formats)."""
         params, cfg = self.runner.params, self.runner.config
         body = sum(int(x.size) for k, v in params.items()
                    if k not in ("embed_tokens", "lm_head") for x in jax.tree.leaves(v))
+        # What a 1-row decode step reads: its own tree (quantized, or float32 GEMV copies).
+        step = self.runner.params_for(1, 1)
+        step_bytes = sum(int(x.nbytes) for k, v in step.items()
+                         if k != "embed_tokens" or cfg.tie_word_embeddings
+                         for x in jax.tree.leaves(v))
         return {"body_params": body, "head_params": cfg.vocab_size * cfg.hidden_size,
-                "itemsize": int(np.dtype(params["norm"]["weight"].dtype).itemsize)}
+                "itemsize": int(np.dtype(params["norm"]["weight"].dtype).itemsize),
+                "decode_weight_bytes": step_bytes}
 
     def time_weight_matmuls(self, num_tokens: list[int], reps: int = 3) -> dict[int, float]:
         """Best-of-`reps` seconds of one step's weight matmuls at each token count (the
         benchmarks' matmul floor; it needs the weights, which only the core holds)."""
         from jaxllm.worker.matmul_timing import time_weight_matmuls
+        from jaxllm.worker.model_runner import MIN_TOKEN_BUCKET
 
         r = self.runner
-        return time_weight_matmuls(r.params, r.config, r.dtype, r.max_num_seqs, num_tokens, reps)
+        out: dict[int, float] = {}
+        for n in num_tokens:  # each with its bucket's weights (fewer rows: decode buckets)
+            tree = r.params_for(n, 1 if n < MIN_TOKEN_BUCKET else n)
+            out.update(time_weight_matmuls(tree, r.config, r.dtype, r.max_num_seqs, [n], reps))
+        return out

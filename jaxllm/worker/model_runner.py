@@ -17,6 +17,13 @@ start-up, so serving never compiles:
     max_num_batched_tokens) with max_query_len = T;
   - the sequence count S and the number of logits rows are min(T, max_num_seqs), so they follow
     T and add no bucket dimension.
+Weights are picked per bucket when it is compiled (`params_for`), between two trees of the same
+values: with quantization="gguf" the decode buckets up to GGUF_GEMV_MAX_ROWS run on
+`gemv_params` (GGUF blocks kept quantized, fused dequant GEMVs: fewer bytes per step), every
+other bucket on `params` (float32 copies, fastest for multi-row dots). With dtype bfloat16 on
+CPU, buckets under MIN_TOKEN_BUCKET rows run on float32 copies of the bfloat16 weights (a bf16
+GEMV is ~12x slower than a float32 one there), the others on the bfloat16 weights (bf16 GEMMs
+run ~2x the float32 rate on AVX512-BF16 cores).
 Block tables are always max_model_len wide; each running request keeps its row in the
 persistent InputBatch, updated from each SchedulerOutput's new block ids. The KV array is one
 preallocated buffer, sized from a memory budget (`initialize_kv_cache`, after
@@ -58,6 +65,9 @@ from scheduler import SchedulerOutput
 # logprobs limit.
 PROMPT_LOGPROB_ROWS = 32
 MIN_TOKEN_BUCKET = 16
+# quantization="gguf": decode buckets of at most this many rows use the quantized GEMVs (one per
+# row, so the int8 weights are read once per row); measured in BENCHMARKS.md (issue 17).
+GGUF_GEMV_MAX_ROWS = 8
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -78,6 +88,12 @@ def decode_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
     while buckets[-1] < limit:
         buckets.append(min(buckets[-1] * 2, max_num_batched_tokens))
     return buckets
+
+
+def float32_weights(params: dict) -> dict:
+    """The tree with float32 copies of its matrices (exactly the same values); vectors (norms,
+    biases) stay shared. For GEMVs of a bfloat16 model on CPU."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if x.ndim == 2 else x, params)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: Any) -> int:
@@ -185,10 +201,21 @@ def _row_slice(logits: jax.Array, row: jax.Array) -> jax.Array:
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, *, dtype: Any, kernel_backend: str,
                  block_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, topk_sampling: bool = False) -> None:
+                 max_num_batched_tokens: int, topk_sampling: bool = False,
+                 gemv_params: dict | None = None) -> None:
         self.config = config
         self.params = params
+        self.gemv_params = gemv_params
+        self.gemv_max_rows = GGUF_GEMV_MAX_ROWS
+        if gemv_params is None and jnp.dtype(dtype) == jnp.bfloat16 \
+                and jax.default_backend() == "cpu":
+            self.gemv_params = float32_weights(params)
+            self.gemv_max_rows = MIN_TOKEN_BUCKET - 1
         self.dtype = dtype
+        # XLA on CPU scatters into a 16-bit float KV array by converting all of it to float32
+        # and back, twice per step (3 s per step for a 1 GiB bfloat16 cache): keep it float32.
+        self.kv_cache_dtype = jnp.float32 if jnp.dtype(dtype).itemsize == 2 \
+            and jax.default_backend() == "cpu" else dtype
         self.block_size = block_size
         self.num_kv_blocks = 0
         self.max_model_len = max_model_len
@@ -252,6 +279,13 @@ class ModelRunner:
         """(num_tokens, max_query_len, attention split count) of every compiled step."""
         return [(t, q, self.decode_splits[t] if q == 1 else 1) for t, q in self.bucket_shapes()]
 
+    def params_for(self, num_tokens: int, max_query_len: int) -> dict:
+        """The param tree a bucket's executable is compiled for and runs with."""
+        if self.gemv_params is not None and max_query_len == 1 \
+                and num_tokens <= self.gemv_max_rows:
+            return self.gemv_params
+        return self.params
+
     def _abstract_inputs(self, num_tokens: int):
         s = min(num_tokens, self.max_num_seqs)
         i32 = jnp.int32
@@ -265,20 +299,21 @@ class ModelRunner:
 
     def _compile_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int):
         kv_spec = jax.ShapeDtypeStruct(
-            kv_cache_shape(self.config, num_kv_blocks, self.block_size), self.dtype)
+            kv_cache_shape(self.config, num_kv_blocks, self.block_size), self.kv_cache_dtype)
         ids, pos, md = self._abstract_inputs(num_tokens)
         splits = self.decode_splits[num_tokens] if max_query_len == 1 else 1
-        return self._step.lower(self.params, self.rope, kv_spec, self._logits_spec(num_tokens),
-                                ids, pos, md, max_query_len=max_query_len,
-                                num_splits=splits).compile()
+        return self._step.lower(self.params_for(num_tokens, max_query_len), self.rope, kv_spec,
+                                self._logits_spec(num_tokens), ids, pos, md,
+                                max_query_len=max_query_len, num_splits=splits).compile()
 
     def _logits_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((min(num_tokens, self.max_num_seqs), self.config.vocab_size),
                                     jnp.float32)
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights and RoPE tables on the device."""
-        return sum(x.nbytes for x in jax.tree.leaves((self.params, self.rope)))
+        """Bytes of the weights and RoPE tables on the device (arrays both trees share once)."""
+        leaves = jax.tree.leaves((self.params, self.gemv_params, self.rope))
+        return sum({id(x): x.nbytes for x in leaves}.values())
 
     def logits_buffer_bytes(self) -> int:
         """Device bytes of the kept logits buffers once every step shape has run."""
@@ -297,7 +332,7 @@ class ModelRunner:
         """Allocate the one paged KV array (all layers); compile() comes after."""
         self.num_kv_blocks = num_blocks
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size),
-                                  self.dtype)
+                                  self.kv_cache_dtype)
         self._compiled.clear()
 
     def compile(self, progress: bool = True) -> float:
@@ -378,7 +413,8 @@ class ModelRunner:
             buf = jax.device_put(np.zeros((num_seqs, self.config.vocab_size), np.float32))
         t = time.perf_counter()
         values, token_ids, lse, logits, hidden, self.kv_cache = self._compiled[prepared.shape](
-            self.params, self.rope, self.kv_cache, buf, inputs.input_ids, inputs.positions, md)
+            self.params_for(*prepared.shape), self.rope, self.kv_cache, buf, inputs.input_ids,
+            inputs.positions, md)
         for x in (values, token_ids, lse) if self.top_k else (logits,):
             x.copy_to_host_async()
         return StepHandle(prepared, values, token_ids, lse, logits, hidden, t,

@@ -3,7 +3,8 @@
 Both paths produce the same param tree as `Qwen2ForCausalLM` (q/k/v and gate/up fused, linear
 weights kept [out, in] as checkpoints store them); the tree is checked against the model's
 abstract shapes so a foreign or damaged file fails with its path and what is wrong, never deep
-inside jit.
+inside jit. With quantization="gguf" a GGUF's block weights are also kept quantized
+(gguf_params.py): a second tree for the small decode buckets.
 """
 
 from __future__ import annotations
@@ -35,19 +36,29 @@ class LoadedModel:
     params: dict
     path: Path  # the checkpoint directory or the GGUF file
     kind: str  # "hf" or "gguf"
+    # quantization="gguf": the params of the small decode buckets, GGUF blocks kept quantized
+    # (gguf_params.py); `params` then holds float32 copies for the larger buckets.
+    gemv_params: dict | None = None
 
 
-def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True) -> LoadedModel:
-    """Load a Qwen2 checkpoint: a directory with config.json + *.safetensors, or a .gguf file."""
+def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True,
+               quantization: str | None = None) -> LoadedModel:
+    """Load a Qwen2 checkpoint: a directory with config.json + *.safetensors, or a .gguf file.
+    quantization="gguf" (GGUF only) also keeps the GGUF's block weights quantized."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
+    if quantization not in (None, "gguf"):
+        raise ModelLoadError(f"quantization {quantization!r} is not supported (None or 'gguf')")
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype, progress)
+            return _load_gguf(ggufs[0], dtype, progress, quantization)
+        if quantization == "gguf":
+            raise ModelLoadError(f"{path}: quantization='gguf' needs a .gguf model, this is a "
+                                 f"Hugging Face checkpoint directory")
         return _load_hf_dir(path, dtype, progress)
-    return _load_gguf(path, dtype, progress)
+    return _load_gguf(path, dtype, progress, quantization)
 
 
 # --- Hugging Face checkpoints -------------------------------------------------------------------
@@ -112,9 +123,13 @@ def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
 # --- GGUF ---------------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, dtype: Any, progress: bool) -> LoadedModel:
+def _load_gguf(path: Path, dtype: Any, progress: bool,
+               quantization: str | None = None) -> LoadedModel:
     import gguf
 
+    if quantization == "gguf" and jnp.dtype(dtype) != jnp.float32:
+        raise ModelLoadError(f"{path}: quantization='gguf' computes in float32 (the exact "
+                             f"dequantized values); got dtype {jnp.dtype(dtype).name}")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -160,7 +175,13 @@ def _load_gguf(path: Path, dtype: Any, progress: bool) -> LoadedModel:
         params = _assemble_params(config, get, dtype, path, hf_names=False)
     finally:
         bar.close()
-    return LoadedModel(config, params, path, "gguf")
+    if quantization != "gguf":
+        return LoadedModel(config, params, path, "gguf")
+    from jaxllm.model_executor.model_loader.gguf_params import quantized_param_trees
+
+    params, gemv_params = quantized_param_trees(
+        config, params, lambda hf_name: by_name.get(_gguf_name(hf_name)), path)
+    return LoadedModel(config, params, path, "gguf", gemv_params)
 
 
 _GGUF_LAYER_NAMES = {

@@ -1,0 +1,59 @@
+"""Batch-1 latency of several engine settings on the embedded model, in one process, taking
+turns (one 128/128 request each per round), so a shared machine's drift lands on all of them.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/gguf_latency.py --rounds 4 none gguf
+    PYTHONPATH=. .venv/bin/python benchmarks/gguf_latency.py --rounds 4 none bfloat16
+
+Settings: `none` (float32, dequantized), `gguf` (quantization="gguf"), `bfloat16`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import numpy as np
+
+from jaxllm import LLM
+from jaxllm.benchmarks.datasets import token_sampler_for
+from jaxllm.benchmarks.latency import run_jaxllm_latency
+
+SETTINGS = {"none": {}, "gguf": {"quantization": "gguf"}, "bfloat16": {"dtype": "bfloat16"}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("settings", nargs="+", choices=list(SETTINGS))
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    args = ap.parse_args()
+    llms = {}
+    for name in args.settings:
+        start = time.perf_counter()
+        llms[name] = LLM(max_num_seqs=1, max_num_batched_tokens=args.input_len,
+                         show_progress=False, **SETTINGS[name])
+        core = llms[name].llm_engine.engine_core_client.engine_core
+        print(f"{name}: start-up {time.perf_counter() - start:.1f} s, weights "
+              f"{core.runner.weight_bytes() / 1e9:.3f} GB, peak RSS so far "
+              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB", flush=True)
+    sampler = token_sampler_for(next(iter(llms.values())))
+    results: dict[str, dict[str, list[float]]] = {n: {"ttft": [], "tpot": []} for n in llms}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for name, llm in llms.items():
+            m = run_jaxllm_latency(llm, sampler, 1, args.input_len, args.output_len, 1, 0,
+                                   seed=r, use_tqdm=False)
+            if r:
+                results[name]["ttft"].append(m["ttft_mean"])
+                results[name]["tpot"].append(m["tpot_mean"])
+                print(f"round {r} {name:>8}: TTFT {m['ttft_mean'] * 1e3:7.1f} ms, "
+                      f"TPOT {m['tpot_mean'] * 1e3:6.1f} ms", flush=True)
+    for name, res in results.items():
+        print(f"{name:>8}: median TTFT {np.median(res['ttft']) * 1e3:7.1f} ms, median TPOT "
+              f"{np.median(res['tpot']) * 1e3:6.1f} ms ({1 / np.median(res['tpot']):.1f} tok/s), "
+              f"best TPOT {min(res['tpot']) * 1e3:6.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""GGUF weights kept quantized on the device (vLLM's `quantization="gguf"`), XLA on CPU.
+
+A weight is a `GGUFWeight`: int8 values [out, in] and one float32 scale (and offset) per block
+of 16 or 32 values along `in` (model_loader/gguf_repack.py), whose dequantization
+`q * scale + offset` is bit-for-bit what `gguf` dequantizes the file's blocks to.
+
+The matmul is a GEMV per row, `x[i] @ dequantize(w).T`: XLA's CPU backend fuses the
+dequantization into a matrix-vector dot (each weight element formed in registers from its int8
+value, the weight read once per row), under three conditions found by reading its compiled HLO:
+  - the vector is under 16 KiB (`kFusionThresholdBytes` in XLA's cpu_instruction_fusion.cc):
+    wider rows (down_proj's 4864) are cut into chunks of whole blocks, whose partial GEMVs add up;
+  - the dot's result is not fed straight into an add, which XLA fuses into the dot first (then
+    materialising the float32 weight): partial sums and biases are combined as `a - (-b)`,
+    bit-for-bit `a + b` in IEEE arithmetic, which it leaves alone;
+  - the vector-matrix form `x[i] @ w.T` (a dot_general of [1, in] by [out, in] is not fused).
+Otherwise XLA materialises the whole float32 weight every call (a [9728, 896] weight: 13-17 ms
+against 1.2 ms for the float32 GEMV), as it does for any multi-row dot of a converted weight.
+The weight values inside the dot are exactly the float32 path's; the summation order is that of
+XLA's fused dot emitter (and of the chunks) rather than of the float32 GEMV, and each row's
+result is the same whatever the other rows are (tests/test_gguf_quant.py checks both, and that a
+compiled decode step materialises no dequantized weight).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# XLA fuses a producer into a matrix-vector dot only below this many vector bytes.
+_XLA_CPU_GEMV_FUSION_BYTES = 16 * 1024
+
+
+class GGUFWeight(NamedTuple):
+    """A GGUF tensor kept quantized: a pytree, so it travels in the params like an array."""
+
+    qweight: jax.Array  # int8 [out, in]
+    scale: jax.Array  # float32 [out, in // block]
+    offset: jax.Array | None  # float32 [out, in // block]; None when the format has no mins
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qweight.shape)
+
+    @property
+    def block_size(self) -> int:
+        return self.qweight.shape[-1] // self.scale.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self))
+
+
+def dequantize(w: GGUFWeight, rows: jax.Array | None = None) -> jax.Array:
+    """float32 [out, in] (or just `rows` of it, for an embedding gather), exactly gguf's values."""
+    q, scale, offset = w.qweight, w.scale, w.offset
+    if rows is not None:
+        q, scale = jnp.take(q, rows, axis=0), jnp.take(scale, rows, axis=0)
+        offset = None if offset is None else jnp.take(offset, rows, axis=0)
+    n, cols = q.shape
+    deq = q.reshape(n, -1, w.block_size).astype(jnp.float32) * scale[..., None]
+    if offset is not None:
+        deq = deq + offset[..., None]
+    return deq.reshape(n, cols)
+
+
+def single_chunk(in_features: int) -> bool:
+    """Whether rows this wide fit one fused GEMV. Wider ones (down_proj, 4864) work in chunks
+    but lost to the float32 GEMV on this CPU (24-layer decode step with synthetic weights, one
+    run: 110 ms with down_proj quantized in 2 chunks, 96 ms with it float32, 136 ms all
+    float32), so the loader keeps them float32 in the GEMV tree."""
+    return in_features * 4 < _XLA_CPU_GEMV_FUSION_BYTES
+
+
+def gemv_chunks(in_features: int, block_size: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of whole blocks, each under XLA's GEMV fusion limit, covering `in`."""
+    limit = (_XLA_CPU_GEMV_FUSION_BYTES // 4 - 1) // block_size * block_size
+    count = -(-in_features // limit)
+    size = -(-in_features // count // block_size) * block_size
+    return [(a, min(a + size, in_features)) for a in range(0, in_features, size)]
+
+
+def _gemv(x: jax.Array, w: GGUFWeight) -> jax.Array:
+    """x [in] times the dequantized weight, chunked along `in` as XLA needs (module docstring)."""
+    y = None
+    for a, b in gemv_chunks(w.qweight.shape[1], w.block_size):
+        ba, bb = a // w.block_size, -(-b // w.block_size)
+        part = GGUFWeight(w.qweight[:, a:b], w.scale[:, ba:bb],
+                          None if w.offset is None else w.offset[:, ba:bb])
+        p = x[a:b] @ dequantize(part).T
+        y = p if y is None else y - (-p)
+    return y
+
+
+def gguf_linear(x: jax.Array, w: GGUFWeight) -> jax.Array:
+    """x [T, in] times the dequantized weight [out, in] transposed -> [T, out] float32.
+
+    One fused GEMV per row: reads the int8 weight T times, which beats the float32 GEMM only for
+    a few rows; the runner gives GGUFWeights to small decode buckets only. The vector-matrix
+    form `x[i] @ w.T` is the one XLA fuses (a dot_general of [1, in] by [out, in] is not)."""
+    return jnp.stack([_gemv(x[i].astype(jnp.float32), w) for i in range(x.shape[0])])

@@ -1,0 +1,90 @@
+"""quantization="gguf": the two param trees the runner picks from per bucket.
+
+- `gemv_params` (small decode buckets): GGUF block weights are `GGUFWeight`s (int8 + per-block
+  scale/offset) read through fused dequant GEMVs, except rows too wide for one fused GEMV
+  (`single_chunk`: down_proj), which were faster in float32; float tensors stay float32.
+- `params` (every other bucket, and prompt-logprob chunks): float32 copies of the same exact
+  values, since multi-row dots are fastest in float32 here; they share their arrays with
+  `gemv_params` wherever that tree is float32 too (norms, biases, down_proj), so only the
+  quantized weights exist twice. The embedding table is gathered from its quantized form in both
+  trees (a gather reads a few rows: nothing to gain from float32), unless the LM head is tied to
+  it, where the float32 head needs it.
+Both trees hold the same values bit for bit: gguf_repack.py repacks each block format exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, single_chunk
+from jaxllm.model_executor.model_loader.gguf_repack import (
+    RepackedBlocks,
+    UnsupportedGGUFType,
+    concat_rows,
+    repack,
+)
+
+# Tensor types that are not block formats: they stay float32, as with quantization=None.
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+# Fused param -> the HF names of its parts, stacked along rows as the dense loader stacks them.
+_LAYER_WEIGHTS = {
+    ("self_attn", "qkv_proj"): [f"self_attn.{x}_proj.weight" for x in "qkv"],
+    ("self_attn", "o_proj"): ["self_attn.o_proj.weight"],
+    ("mlp", "gate_up_proj"): ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    ("mlp", "down_proj"): ["mlp.down_proj.weight"],
+}
+
+
+def _device(r: RepackedBlocks) -> GGUFWeight:
+    return GGUFWeight(jnp.asarray(r.qweight), jnp.asarray(r.scale),
+                      None if r.offset is None else jnp.asarray(r.offset))
+
+
+def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[str], Any],
+                          path: Path) -> tuple[dict, dict]:
+    """(params, gemv_params) from the dense float32 tree and `tensor(hf_name)`, the GGUF reader's
+    tensor of that name (None if absent)."""
+    from jaxllm.model_executor.model_loader.loader import ModelLoadError
+
+    def quantized(hf_names: list[str]) -> GGUFWeight | None:
+        parts = []
+        for name in hf_names:
+            t = tensor(name)
+            type_name = t.tensor_type.name
+            if type_name in _FLOAT_TYPES:
+                return None  # a float tensor in the group: the group stays float32
+            shape = tuple(reversed([int(d) for d in t.shape]))
+            try:
+                parts.append(repack(t.data, type_name, shape, t.name))
+            except (UnsupportedGGUFType, ValueError) as e:
+                raise ModelLoadError(f"{path}: {e}") from e
+        return _device(parts[0] if len(parts) == 1 else concat_rows(parts))
+
+    gemv = {k: v for k, v in params.items()}
+    for i in range(config.num_hidden_layers):
+        layer = {group: dict(mods) for group, mods in params[f"layers_{i}"].items()}
+        for group in ("self_attn", "mlp"):
+            layer[group] = {name: dict(p) for name, p in layer[group].items()}
+        for (group, mod), hf_names in _LAYER_WEIGHTS.items():
+            if not single_chunk(layer[group][mod]["weight"].shape[1]):
+                continue
+            q = quantized([f"layers.{i}.{n}" for n in hf_names])
+            if q is not None:
+                layer[group][mod]["weight"] = q
+        gemv[f"layers_{i}"] = layer
+    embed = quantized(["embed_tokens.weight"])
+    if embed is not None:
+        gemv["embed_tokens"] = embed
+        if not config.tie_word_embeddings:
+            params = {**params, "embed_tokens": embed}
+    if not config.tie_word_embeddings:
+        head = quantized(["lm_head.weight"])
+        if head is not None:
+            gemv["lm_head"] = head
+    return params, gemv

@@ -1,0 +1,213 @@
+"""quantization="gguf": GGUF blocks kept quantized (int8 + per-block f32 scale/offset).
+
+Exactness per format (no model): the repacked blocks dequantize, in numpy and in jitted JAX, to
+bit-for-bit the float32 values `gguf.quants.dequantize` gives, signed zeros included. Then the
+fused GEMV (one per row: each row's result does not depend on the other rows), and a tiny
+2-layer Qwen2 GGUF using every supported format end to end against transformers holding gguf's
+dequantized weights: logits, greedy tokens, and the same tokens alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.model_executor.layers.quantization.gguf import (
+    GGUFWeight,
+    dequantize,
+    gemv_chunks,
+    gguf_linear,
+)
+from jaxllm.model_executor.model_loader import gguf_repack
+from jaxllm.model_executor.model_loader.loader import ModelLoadError, load_model
+from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, linear, rope_variables
+from jaxllm.worker.model_runner import GGUF_GEMV_MAX_ROWS
+from tests.gguf_models import hf_model_from, quantized_bytes, random_blocks, write_tiny_gguf
+from tests.model_inputs import prefill_inputs
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+def _device(r: gguf_repack.RepackedBlocks) -> GGUFWeight:
+    return GGUFWeight(jnp.asarray(r.qweight), jnp.asarray(r.scale),
+                      None if r.offset is None else jnp.asarray(r.offset))
+
+
+def _check_exact(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> None:
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(shape)
+    r = gguf_repack.repack(raw, fmt, shape, "t")
+    assert r.qweight.dtype == np.int8 and r.scale.dtype == np.float32
+    assert r.block_size in (16, 32)
+    np.testing.assert_array_equal(_bits(gguf_repack.dequantize(r)), _bits(want))
+    np.testing.assert_array_equal(_bits(jax.jit(dequantize)(_device(r))), _bits(want))
+    rows = jnp.asarray([3, 0, 3, shape[0] - 1], jnp.int32)  # an embedding gather
+    np.testing.assert_array_equal(_bits(jax.jit(dequantize)(_device(r), rows)),
+                                  _bits(want[np.asarray(rows)]))
+
+
+@pytest.mark.parametrize("fmt", gguf_repack.SUPPORTED_TYPES)
+def test_repack_is_bit_exact(fmt, rng):
+    # Random bytes cover every bit pattern of the values and 6-bit scales / mins; the f16
+    # scale fields are random finite values, with +0.0 and -0.0 among them.
+    _check_exact(random_blocks(rng, fmt, 24, 512, signed_zeros=True), fmt, (24, 512))
+    # gguf's own quantizer, where it has one, on normal weights.
+    _check_exact(quantized_bytes(rng, fmt, 8, 512), fmt, (8, 512))
+
+
+def test_fused_rows_of_mixed_formats_are_bit_exact(rng):
+    """q/k/v (or gate/up) stacked from 16- and 32-value blocks, with and without offsets."""
+    parts = [("Q6_K", 16), ("Q4_K", 8), ("Q8_0", 8), ("Q5_0", 4)]
+    raws = [random_blocks(rng, fmt, rows, 256, signed_zeros=True) for fmt, rows in parts]
+    fused = gguf_repack.concat_rows([gguf_repack.repack(raw, fmt, (rows, 256))
+                                     for raw, (fmt, rows) in zip(raws, parts, strict=True)])
+    assert fused.block_size == 16 and fused.offset is not None
+    want = np.concatenate([gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt])
+                           for raw, (fmt, _) in zip(raws, parts, strict=True)])
+    np.testing.assert_array_equal(_bits(gguf_repack.dequantize(fused)), _bits(want))
+    np.testing.assert_array_equal(_bits(jax.jit(dequantize)(_device(fused))), _bits(want))
+
+
+def test_unsupported_type_names_tensor_and_type(rng):
+    raw = quantized_bytes(rng, "Q4_1", 4, 64)
+    with pytest.raises(gguf_repack.UnsupportedGGUFType, match=r"blk\.3\.ffn_up\.weight.*Q4_1"):
+        gguf_repack.repack(raw, "Q4_1", (4, 64), "blk.3.ffn_up.weight")
+
+
+def _materialized(compiled_text: str, weights: list[GGUFWeight]) -> list[str]:
+    """Instructions of a compiled step that hold a whole dequantized weight (either layout)."""
+    shapes = {f"f32[{o},{i}]" for w in weights for o, i in (w.shape, w.shape[::-1])}
+    entry = compiled_text[compiled_text.index("ENTRY"):]
+    return [line for line in entry.splitlines() if "parameter(" not in line
+            and any(f" = {s}" in line for s in shapes)]
+
+
+@pytest.mark.parametrize("fmt,shape", [("Q4_K", (384, 512)), ("Q6_K", (64, 4608))])
+def test_gemv_rows_do_not_depend_on_the_batch(fmt, shape, rng):
+    """The fused GEMV: weights exactly gguf's inside the dot; row i's result is bit-identical
+    whatever rows share the bucket (the float32 GEMM's is not); the summation order differs
+    from the float32 path's, so only closeness to it is claimed. 4608-wide rows are over XLA's
+    fusion limit and run in two chunks; neither shape materialises the float32 weight."""
+    r = gguf_repack.repack(random_blocks(rng, fmt, *shape), fmt, shape)
+    w, dense = _device(r), jnp.asarray(gguf_repack.dequantize(r))
+    assert len(gemv_chunks(shape[1], w.block_size)) == (1 if shape[1] < 4096 else 2)
+    x = jnp.asarray(rng.standard_normal((8, shape[1])).astype(np.float32))
+    full = np.asarray(jax.jit(gguf_linear)(x, w))
+    for rows in (1, 2, 4):
+        np.testing.assert_array_equal(np.asarray(jax.jit(gguf_linear)(x[:rows], w)),
+                                      full[:rows])
+    np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, w)), full)  # the dispatch
+    want = np.asarray(jax.jit(linear)(x, dense))
+    np.testing.assert_allclose(full, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert not _materialized(jax.jit(gguf_linear).lower(x[:2], w).compile().as_text(), [w])
+
+
+# --- a tiny GGUF end to end ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_gguf") / "tiny.gguf"
+    return path, hf_model_from(write_tiny_gguf(path))
+
+
+def test_tiny_gguf_trees_match_hf(tiny_gguf):
+    path, hf = tiny_gguf
+    loaded = load_model(path, progress=False, quantization="gguf")
+    gemv = loaded.gemv_params
+    # Every block weight is quantized in the GEMV tree (all are narrow enough here) but the
+    # float16 o_proj of layer 1; the LM head is quantized there, float32 in the other tree.
+    assert isinstance(gemv["layers_0"]["self_attn"]["o_proj"]["weight"], GGUFWeight)
+    assert isinstance(gemv["layers_1"]["mlp"]["down_proj"]["weight"], GGUFWeight)
+    assert not isinstance(gemv["layers_1"]["self_attn"]["o_proj"]["weight"], GGUFWeight)
+    assert isinstance(gemv["lm_head"], GGUFWeight)
+    assert not isinstance(loaded.params["lm_head"], GGUFWeight)
+    assert isinstance(loaded.params["embed_tokens"], GGUFWeight)  # untied: gathered quantized
+    prompts = [[1, 5, 9, 100, 200], list(range(30, 37))]  # few rows: one GEMV per row
+    ids, pos, kv, md = prefill_inputs(loaded.config, prompts)
+    with torch.no_grad():
+        want = np.concatenate([hf(torch.tensor([p])).logits[0].numpy() for p in prompts])
+    model = Qwen2ForCausalLM(loaded.config)
+    for tree in (loaded.params, gemv):
+        logits, _, _ = jax.jit(model.apply)({"params": tree, "rope": rope_variables(
+            loaded.config)}, ids, pos, kv, md)
+        np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-4)
+
+
+def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng):
+    path, hf = tiny_gguf
+    llm = LLM(model=str(path), quantization="gguf", skip_tokenizer_init=True, max_model_len=128,
+              max_num_seqs=4, max_num_batched_tokens=32, show_progress=False)
+    runner = llm.llm_engine.engine_core_client.engine_core.runner
+    assert runner.params_for(1, 1) is runner.gemv_params
+    assert runner.params_for(4, 1) is runner.gemv_params and GGUF_GEMV_MAX_ROWS >= 4
+    assert runner.params_for(16, 16) is runner.params
+    prompts = [rng.integers(0, 512, n).tolist() for n in (3, 17, 30, 9)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert runner.step_shape_counts[(4, 1)] > 0  # the batch decoded in the 4-row GEMV bucket
+    runner.step_shape_counts.clear()
+    for prompt, out in zip(prompts, batched, strict=True):
+        alone = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                              min_new_tokens=16, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+    assert set(runner.step_shape_counts) <= {(1, 1), (16, 16), (32, 32)}
+    # XLA fused every dequantization into its GEMV (biases included: see Linear).
+    quantized = [w for w in jax.tree.leaves(runner.gemv_params,
+                                            is_leaf=lambda x: isinstance(x, GGUFWeight))
+                 if isinstance(w, GGUFWeight)]
+    assert len(quantized) == 4 + 3 + 2  # 4 per layer (layer 1 o_proj: F16), embedding, head
+    for shape in ((1, 1), (4, 1)):
+        assert not _materialized(runner._compiled[shape].as_text(), quantized)
+
+
+def test_tied_gguf_head_is_the_quantized_table(tmp_path):
+    """Tied embeddings: the GEMV tree's LM head is the quantized table itself, the float32
+    tree keeps a float32 table for its GEMM; both give the same logits up to rounding."""
+    path = tmp_path / "tied.gguf"
+    write_tiny_gguf(path, seed=3, tied=True)
+    loaded = load_model(path, progress=False, quantization="gguf")
+    assert loaded.config.tie_word_embeddings and "lm_head" not in loaded.gemv_params
+    assert isinstance(loaded.gemv_params["embed_tokens"], GGUFWeight)
+    assert not isinstance(loaded.params["embed_tokens"], GGUFWeight)
+    np.testing.assert_array_equal(_bits(dequantize(loaded.gemv_params["embed_tokens"])),
+                                  _bits(loaded.params["embed_tokens"]))
+    ids, pos, kv, md = prefill_inputs(loaded.config, [[7, 8, 9]])
+    model = Qwen2ForCausalLM(loaded.config)
+    logits = [np.asarray(jax.jit(model.apply)({"params": tree, "rope": rope_variables(
+        loaded.config)}, ids, pos, kv, md)[0]) for tree in (loaded.params, loaded.gemv_params)]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=0, atol=1e-4)
+
+
+def test_quantization_arg_and_its_errors(tiny_gguf, tiny_models):
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--quantization", "gguf"])) \
+        .quantization == "gguf"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "awq"])
+    with pytest.raises(ValueError, match="quantization"):
+        EngineArgs(quantization="awq")
+    with pytest.raises(ModelLoadError, match="needs a .gguf model"):
+        load_model(tiny_models["tied"][0], progress=False, quantization="gguf")
+    with pytest.raises(ModelLoadError, match="float32"):
+        load_model(tiny_gguf[0], dtype=jnp.bfloat16, progress=False, quantization="gguf")
+
+
+def test_unsupported_type_in_a_gguf_is_named(tmp_path):
+    path = tmp_path / "q4_1.gguf"
+    write_tiny_gguf(path, formats={"blk.1.ffn_up.weight": "Q4_1"})
+    load_model(path, progress=False)  # dequantizing it is fine
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight: GGUF type Q4_1"):
+        load_model(path, progress=False, quantization="gguf")
