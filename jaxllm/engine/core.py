@@ -132,6 +132,8 @@ class EngineCore:
             platform=jax.default_backend())
         self._generators: dict[str, np.random.Generator] = {}
         self._eos: dict[str, frozenset[int]] = {}
+        # Requests whose rows may need logits processing (bias, penalties, min_tokens).
+        self._processed: set[str] = set()
         # Async scheduling: the dispatched step whose results are not applied yet.
         self._inflight: tuple[SchedulerOutput, StepHandle, SchedulerStats] | None = None
         self._requests: dict[str, EngineCoreRequest] = {}
@@ -164,6 +166,9 @@ class EngineCore:
         self._requests[req.request_id] = req
         self._generators[req.request_id] = generator
         self._eos[req.request_id] = frozenset(req.eos_token_ids)
+        if sp.logit_bias or sp.min_tokens or sp.repetition_penalty != 1.0 \
+                or sp.frequency_penalty or sp.presence_penalty:
+            self._processed.add(req.request_id)
         if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
             self._penalties[req.request_id] = PenaltyState(req.prompt_token_ids)
         if sp.prompt_logprobs is not None:
@@ -181,6 +186,7 @@ class EngineCore:
         self._requests.pop(rid, None)
         self._generators.pop(rid, None)
         self._eos.pop(rid, None)
+        self._processed.discard(rid)
         self._prompt_lp_next.pop(rid, None)
         self._penalties.pop(rid, None)
 
@@ -269,46 +275,49 @@ class EngineCore:
         device's top-K candidates sample exactly go through the vectorized candidate sampler,
         the rest through the full-row sampler on their fetched logits."""
         t0 = time.perf_counter()
-        live, rows = [], []
+        live, reqs = [], []
         stamp = {r.request_id: r.arrival_index for r in out.handle.prepared.so.scheduled}
+        requests = self.scheduler.requests
         for i, rid in enumerate(out.sample_req_ids):
-            req = self.scheduler.requests.get(rid)
+            req = requests.get(rid)
             if req is None or req.arrival_index != stamp[rid]:  # gone, or its id reused
                 continue
             live.append(i)
-            rows.append(SamplingRow(
-                params=req.sampling_params, generator=self._generators[rid],
-                prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
-                eos_token_ids=self._eos[rid], penalties=self._penalties.get(rid)))
+            reqs.append(req)
         result: dict[str, _Sampled] = {}
-        if not rows:
+        if not reqs:
             stats.sample_s = time.perf_counter() - t0
             return result
-        n = len(rows)
+        n = len(reqs)
+        params = [req.sampling_params for req in reqs]
         tokens = np.empty(n, np.int64)
         sampled_lp = np.full(n, np.nan, np.float32)
         logprobs: list[LogprobsLists | None] = [None] * n
         topk = out.topk
         if topk is not None:
-            topk = topk.rows(np.asarray(live))
-            exact = exact_rows([r.params for r in rows], [needs_processing(r) for r in rows],
-                               topk)
+            if n < len(out.sample_req_ids):
+                topk = topk.rows(np.asarray(live))
+            # Only requests with bias, penalties or min_tokens can need processing.
+            processed = [req.request_id in self._processed and needs_processing(self._row(req))
+                         for req in reqs]
+            exact = exact_rows(params, processed, topk)
         else:
             exact = np.zeros(n, bool)
         fast = np.flatnonzero(exact)
         if fast.size:
+            fast_list = fast.tolist()
             u = np.zeros(len(fast))
-            for j, i in enumerate(fast.tolist()):
-                if not rows[i].params.greedy:
-                    u[j] = rows[i].generator.random()  # exactly one draw per sampled token
-            t, lp, lps = sample_from_topk(topk.rows(fast), [rows[i].params for i in fast.tolist()],
-                                          u)
+            for j, i in enumerate(fast_list):
+                if not params[i].greedy:  # exactly one draw per sampled token
+                    u[j] = self._generators[reqs[i].request_id].random()
+            t, lp, lps = sample_from_topk(topk if len(fast) == n else topk.rows(fast),
+                                          [params[i] for i in fast_list], u)
             tokens[fast], sampled_lp[fast] = t, lp
-            for j, i in enumerate(fast.tolist()):
+            for j, i in enumerate(fast_list):
                 logprobs[i] = lps[j]
         full = np.flatnonzero(~exact)
         if full.size:
-            full_rows = [rows[i] for i in full.tolist()]
+            full_rows = [self._row(reqs[i]) for i in full.tolist()]
             logits = out.logits_rows([live[i] for i in full.tolist()])
             if topk is not None:
                 res = sample(logits, full_rows, lse=topk.lse[full])
@@ -319,11 +328,18 @@ class EngineCore:
             for j, i in enumerate(full.tolist()):
                 logprobs[i] = res.logprobs[j]
         stats.num_full_row_samples = int(full.size)
-        for j, i in enumerate(live):
-            result[out.sample_req_ids[i]] = _Sampled(int(tokens[j]), float(sampled_lp[j]),
-                                                     logprobs[j])
+        for req, tok, lp, lps in zip(reqs, tokens.tolist(), sampled_lp.tolist(), logprobs,
+                                     strict=True):
+            result[req.request_id] = _Sampled(tok, lp, lps)
         stats.sample_s = time.perf_counter() - t0
         return result
+
+    def _row(self, req: Request) -> SamplingRow:
+        rid = req.request_id
+        return SamplingRow(params=req.sampling_params, generator=self._generators[rid],
+                           prompt_token_ids=req.prompt_token_ids,
+                           output_token_ids=req.output_token_ids, eos_token_ids=self._eos[rid],
+                           penalties=self._penalties.get(rid))
 
     def _update(self, so: SchedulerOutput, out: ModelRunnerOutput | None,
                 sampled: dict[str, _Sampled], stats: SchedulerStats) -> EngineCoreOutputs:

@@ -147,7 +147,7 @@ def sample_from_topk(topk: TopKLogits, params: Sequence[SamplingParams], u: np.n
                 thr[j] = min_p_threshold(float(zmax[j]), p.temperature, p.min_p)
             cut = np.maximum(cut, thr)
         valid = z >= cut[:, None]
-        order = np.argsort(ids[rand], axis=1, kind="stable")
+        order = np.argsort(ids[rand], axis=1)  # ids are distinct: any sort gives token order
         temp = np.fromiter((p.temperature for p in rp), np.float64, n)
         top_p = np.fromiter((p.top_p for p in rp), np.float64, n)
         w = candidate_weights(np.take_along_axis(z, order, 1),
