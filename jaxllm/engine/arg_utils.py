@@ -186,6 +186,18 @@ class EngineArgs:
         return parser
 
     @classmethod
+    def from_user(cls, owner: str, model: Any, dtype: Any, engine_args: dict[str, Any]
+                  ) -> EngineArgs:
+        """`LLM(...)` / `AsyncLLM(...)` keyword arguments -> EngineArgs; an unknown name is a
+        TypeError naming `owner` and the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"model", "dtype"}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise TypeError(f"{owner}() got unknown engine argument(s) {unknown}; "
+                            f"known: {sorted(known)}")
+        return cls(model=model, dtype=dtype, **engine_args)
+
+    @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                   if hasattr(args, f.name)}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -96,13 +96,8 @@ class AsyncLLM:
 
     def __init__(self, model: str | Path | None = None, dtype: Any = None,
                  **engine_args: Any) -> None:
-        known = {f.name for f in fields(EngineArgs)} - {"model", "dtype"}
-        unknown = sorted(set(engine_args) - known)
-        if unknown:
-            raise TypeError(f"AsyncLLM() got unknown engine argument(s) {unknown}; "
-                            f"known: {sorted(known)}")
+        args = self.engine_args = EngineArgs.from_user("AsyncLLM", model, dtype, engine_args)
         enable_compilation_cache()
-        args = self.engine_args = EngineArgs(model=model, dtype=dtype, **engine_args)
         path = default_model_path() if args.model is None else Path(args.model)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path)
         # The core's own process unless asked otherwise, on every platform: in process, each

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +30,9 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, dtype: Any = None,
                  **engine_args: Any) -> None:
-        known = {f.name for f in fields(EngineArgs)} - {"model", "dtype"}
-        unknown = sorted(set(engine_args) - known)
-        if unknown:
-            raise TypeError(f"LLM() got unknown engine argument(s) {unknown}; "
-                            f"known: {sorted(known)}")
+        args = EngineArgs.from_user("LLM", model, dtype, engine_args)
         enable_compilation_cache()
-        self.llm_engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **engine_args))
+        self.llm_engine = LLMEngine(args)
         self._request_counter = 0
 
     def shutdown(self) -> None:
