@@ -14,6 +14,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxllm.sample.candidates import TopKLogits, exact_rows, sample_from_topk  # noqa: E402
+from jaxllm.sample.metadata import SamplingMetadata  # noqa: E402
 from jaxllm.sample.sampler import SamplingRow, sample  # noqa: E402
 from jaxllm.sample.topk import TOPK, top_k_logits  # noqa: E402
 from jaxllm.sampling_params import SamplingParams  # noqa: E402
@@ -48,8 +49,8 @@ for rows in [int(a) for a in sys.argv[1:]] or [1, 64, 256]:
             x, [SamplingRow(p, np.random.default_rng(0)) for p in ps],
             all_sampled_logprobs=False))
 
-        def cand(ps=ps, tk=tk, n=rows):
-            exact_rows(ps, [False] * n, tk)
-            sample_from_topk(tk, ps, rng.random(n))
+        def cand(md=SamplingMetadata.from_params(ps), tk=tk, n=rows):
+            exact_rows(md, np.zeros(n, bool), tk)
+            sample_from_topk(tk, md, rng.random(n))
         print(f"{rows:4d} rows, {name}: device top-K + lse {dev:7.2f} ms; host sampling "
               f"full rows {full:7.2f} ms, candidates {best(cand):6.2f} ms")

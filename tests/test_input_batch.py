@@ -1,7 +1,7 @@
 """The runner's persistent InputBatch against the stateless construction it replaced: random
 schedules (admit, chunked prefill, prefix hits, preemption, finish, abort) through the real
-Scheduler must give identical step inputs, and the batch's block tables must equal the KV
-manager's at every step."""
+Scheduler must give identical step inputs, the batch's block tables must equal the KV
+manager's at every step, and its sampling rows the sampled requests' own parameters."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxllm.sample.metadata import SamplingMetadata
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker.input_batch import InputBatch
 from scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -68,8 +70,16 @@ def test_persistent_inputs_equal_stateless_construction(data):
         if action == "add":
             prefix = shared[:data.draw(st.integers(0, len(shared)))]
             rest = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=14))
+            params = SamplingParams(
+                temperature=data.draw(st.sampled_from([0.0, 0.7, 1.0])),
+                top_k=data.draw(st.sampled_from([-1, 5, 50])),
+                top_p=data.draw(st.sampled_from([1.0, 0.9])),
+                min_p=data.draw(st.sampled_from([0.0, 0.05])),
+                logprobs=data.draw(st.sampled_from([None, 0, 3])),
+                presence_penalty=data.draw(st.sampled_from([0.0, 0.5])))
             sched.add_request(Request(f"r{counter}", prefix + rest, ignore_eos=True,
-                                      max_tokens=data.draw(st.integers(1, 12))))
+                                      max_tokens=data.draw(st.integers(1, 12)),
+                                      sampling_params=params))
             counter += 1
         elif action == "abort":
             live = sorted(sched.requests)
@@ -95,6 +105,11 @@ def test_persistent_inputs_equal_stateless_construction(data):
                     assert got.sample_req_ids == value
                 else:
                     np.testing.assert_array_equal(getattr(got, name), value, err_msg=name)
+            want_md = SamplingMetadata.from_params(
+                [sched.requests[rid].sampling_params for rid in got.sample_req_ids])
+            for name in vars(want_md):
+                np.testing.assert_array_equal(getattr(got.sampling, name),
+                                              getattr(want_md, name), err_msg=name)
             sampled = {rid: [data.draw(st.integers(0, 50))] for rid in got.sample_req_ids}
             sched.update_from_output(so, sampled)
     # Rows of requests that ended are given back once the scheduler reports them.

@@ -14,6 +14,7 @@ import pytest
 from scipy.special import logsumexp
 
 from jaxllm.sample.candidates import TopKLogits, exact_rows, sample_from_topk
+from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
 from jaxllm.sample.topk import TOPK, top_k_logits
 from jaxllm.sampling_params import SamplingParams
@@ -93,7 +94,7 @@ def _check_identical(x: np.ndarray, params: list[SamplingParams], topk: TopKLogi
     ps = [params[i] for i in fast]
     gens = [np.random.default_rng(p.seed) for p in ps]
     u = np.array([0.0 if p.greedy else g.random() for p, g in zip(ps, gens, strict=True)])
-    tokens, sampled_lp, logprobs = sample_from_topk(sub, ps, u)
+    tokens, sampled_lp, logprobs = sample_from_topk(sub, SamplingMetadata.from_params(ps), u)
     rows = [SamplingRow(p, np.random.default_rng(p.seed)) for p in ps]
     want = sample(x[fast], rows, lse=topk.lse[fast])
     np.testing.assert_array_equal(tokens, want.token_ids)
@@ -108,7 +109,7 @@ def test_candidate_sampler_equals_full_row_sampler(rng, vocab):
         x = llm_like(rng, rows, vocab, spread=[0.5, 2.0, 3.0][trial % 3])
         params = _param_mix(rng, rows)
         topk = device_topk(x)
-        exact = exact_rows(params, [False] * rows, topk)
+        exact = exact_rows(SamplingMetadata.from_params(params), np.zeros(rows, bool), topk)
         for p, ok in zip(params, exact, strict=True):
             if p.greedy:
                 assert ok
@@ -139,7 +140,7 @@ def test_ties_at_the_cut_decide_exactness(rng):
                                                               - topk.values[2, 0])), seed=4)
     g3 = SamplingParams(temperature=0.0, logprobs=3)
     params = [p10, p10, minp, g3, g3]
-    exact = exact_rows(params, [False] * 5, topk)
+    exact = exact_rows(SamplingMetadata.from_params(params), np.zeros(5, bool), topk)
     assert exact.tolist() == [False, True, False, False, True]
     assert topk.token_ids[4, :3].tolist() == [10, 20, 4000]
     _check_identical(x, params, topk, exact)
@@ -148,7 +149,8 @@ def test_ties_at_the_cut_decide_exactness(rng):
     for seed in range(200):
         p = SamplingParams(temperature=50.0, top_k=10, seed=seed)
         t, _, _ = sample_from_topk(TopKLogits(topk.values[1:2], topk.token_ids[1:2],
-                                              topk.lse[1:2]), [p],
+                                              topk.lse[1:2]),
+                                   SamplingMetadata.from_params([p]),
                                    np.random.default_rng(seed).random(1))
         seen.add(int(t[0]))
     assert {int(i) for i in order[9:20]} <= seen
@@ -164,8 +166,9 @@ def test_processed_rows_and_too_many_logprobs_take_the_full_row(rng):
             for p in params]
     processed = [needs_processing(r) for r in rows]
     assert processed == [True, True, True]
-    assert not exact_rows(params, processed, topk).any()
+    assert not exact_rows(SamplingMetadata.from_params(params), np.array(processed), topk).any()
     small = device_topk(x, 8)  # K below a row's logprobs count
-    assert exact_rows([SamplingParams(temperature=0.0, logprobs=9)], [False],
+    assert exact_rows(SamplingMetadata.from_params([SamplingParams(temperature=0.0, logprobs=9)]),
+                      np.zeros(1, bool),
                       TopKLogits(small.values[:1], small.token_ids[:1], small.lse[:1])
                       ).tolist() == [False]

@@ -35,11 +35,13 @@ from jaxllm.model_executor.model_loader.default_model import (
 )
 from jaxllm.sample.candidates import exact_rows, sample_from_topk
 from jaxllm.sample.logprobs import LogprobsLists
+from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.penalties import PenaltyState
 from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
 from jaxllm.worker.model_runner import (
     ModelRunner,
     ModelRunnerOutput,
+    PreparedStep,
     PromptLogprobRows,
     StepHandle,
     device_memory_bytes,
@@ -85,12 +87,35 @@ def num_kv_blocks_for(args: EngineArgs, runner: ModelRunner) -> int:
 
 
 @dataclass
-class _Sampled:
-    """One request's sampled token of a step, its raw logprob and (when asked) its logprob row."""
+class _SampleInputs:
+    """What sampling a step's rows needs from the core, gathered while the step runs (off the
+    host's critical path): the rows whose request is still here, their parameters, whether
+    each needs logits processing now, and each random row's draw."""
 
-    token: int
-    logprob: float
-    logprobs: LogprobsLists | None
+    live: np.ndarray  # [n] positions among the step's sampled rows
+    reqs: list[Request]
+    req_ids: list[str]
+    md: SamplingMetadata
+    processed: np.ndarray  # [n] bool
+    u: np.ndarray  # [n] float64 (0 for greedy rows)
+
+
+@dataclass
+class _Sampled:
+    """A step's sampled tokens, per live row: the token, its raw logprob and (when asked) its
+    logprob row."""
+
+    req_ids: list[str]
+    tokens: np.ndarray  # [n] int64
+    logprobs_raw: np.ndarray  # [n] float32
+    logprobs: list[LogprobsLists | None]
+
+    def tokens_for(self, src: np.ndarray) -> np.ndarray:
+        """Tokens at positions `src`, 0 where src is -1 (a request no longer here)."""
+        return np.append(self.tokens, 0)[src]
+
+
+_NOTHING_SAMPLED = _Sampled([], np.zeros(0, np.int64), np.zeros(0, np.float32), [])
 
 
 class EngineCore:
@@ -132,8 +157,6 @@ class EngineCore:
             platform=jax.default_backend())
         self._generators: dict[str, np.random.Generator] = {}
         self._eos: dict[str, frozenset[int]] = {}
-        # Requests whose rows may need logits processing (bias, penalties, min_tokens).
-        self._processed: set[str] = set()
         # Async scheduling: the dispatched step whose results are not applied yet.
         self._inflight: tuple[SchedulerOutput, StepHandle, SchedulerStats] | None = None
         self._requests: dict[str, EngineCoreRequest] = {}
@@ -166,9 +189,6 @@ class EngineCore:
         self._requests[req.request_id] = req
         self._generators[req.request_id] = generator
         self._eos[req.request_id] = frozenset(req.eos_token_ids)
-        if sp.logit_bias or sp.min_tokens or sp.repetition_penalty != 1.0 \
-                or sp.frequency_penalty or sp.presence_penalty:
-            self._processed.add(req.request_id)
         if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
             self._penalties[req.request_id] = PenaltyState(req.prompt_token_ids)
         if sp.prompt_logprobs is not None:
@@ -186,7 +206,6 @@ class EngineCore:
         self._requests.pop(rid, None)
         self._generators.pop(rid, None)
         self._eos.pop(rid, None)
-        self._processed.discard(rid)
         self._prompt_lp_next.pop(rid, None)
         self._penalties.pop(rid, None)
 
@@ -201,9 +220,9 @@ class EngineCore:
         so = self._schedule(stats)
         if so.is_empty:
             self.runner.update_states(so)
-            return self._update(so, None, {}, stats)
+            return self._update(so, None, _NOTHING_SAMPLED, stats)
         out = self.runner.execute_model(so, self._prompt_rows(so))
-        sampled = self._sample(out, stats)
+        sampled = self._sample(out, self._sample_inputs(out.handle.prepared), stats)
         self.runner.release(out)
         return self._update(so, out, sampled, stats)
 
@@ -220,16 +239,23 @@ class EngineCore:
         if prepared is None:
             self.runner.update_states(so)
         inflight, self._inflight = self._inflight, None
-        sampled: dict[str, _Sampled] = {}
-        out = None
+        sampled, out = _NOTHING_SAMPLED, None
         if inflight is not None:
             prev_so, handle, prev_stats = inflight
+            # Everything sampling needs but the candidates, while step N still runs.
+            inputs = self._sample_inputs(handle.prepared)
+            src = None
+            if prepared is not None and prepared.placeholder_req_ids:
+                pos = {rid: j for j, rid in enumerate(inputs.req_ids)}
+                src = np.fromiter((pos.get(rid, -1) for rid in prepared.placeholder_req_ids),
+                                  np.intp, len(prepared.placeholder_req_ids))
             out = self.runner.wait(handle)
             self.runner.add_prompt_logprobs(out, self._prompt_rows(prev_so))
-            sampled = self._sample(out, prev_stats)
+            sampled = self._sample(out, inputs, prev_stats)
             self.runner.release(out)
         if prepared is not None:
-            handle = self.runner.dispatch(prepared, {r: s.token for r, s in sampled.items()})
+            handle = self.runner.dispatch(
+                prepared, None if out is None or src is None else sampled.tokens_for(src))
             if out is not None:
                 prev_stats.host_critical_s = handle.dispatch_time - out.ready_time
                 prev_stats.launch_s = handle.launched_time - handle.dispatch_time
@@ -237,9 +263,9 @@ class EngineCore:
         if inflight is not None:
             return self._update(prev_so, out, sampled, prev_stats)
         if prepared is None:  # nothing ran: what schedule() itself finished, if anything
-            return self._update(so, None, {}, stats)
+            return self._update(so, None, _NOTHING_SAMPLED, stats)
         # The pipeline starts: no step's results yet.
-        return self._update(SchedulerOutput(), None, {}, SchedulerStats())
+        return self._update(SchedulerOutput(), None, _NOTHING_SAMPLED, SchedulerStats())
 
     def _schedule(self, stats: SchedulerStats) -> SchedulerOutput:
         t0 = time.perf_counter()
@@ -269,70 +295,71 @@ class EngineCore:
                 want[r.request_id] = (first - r.start_position, list(prompt[first + 1:end + 1]))
         return want
 
-    def _sample(self, out: ModelRunnerOutput, stats: SchedulerStats) -> dict[str, _Sampled]:
-        """Sample each row whose request is still here (with async scheduling a row may belong
-        to a request that finished or was aborted since its step was scheduled). Rows the
-        device's top-K candidates sample exactly go through the vectorized candidate sampler,
-        the rest through the full-row sampler on their fetched logits."""
-        t0 = time.perf_counter()
-        live, reqs = [], []
-        stamp = {r.request_id: r.arrival_index for r in out.handle.prepared.so.scheduled}
+    def _sample_inputs(self, prepared: PreparedStep) -> _SampleInputs:
+        """The step's sampled rows whose request is still here (with async scheduling a row may
+        belong to a request that finished or was aborted, or whose id was reused, since the
+        step was scheduled), their parameters from the persistent batch, and their draws."""
+        stamp = {r.request_id: r.arrival_index for r in prepared.so.scheduled}
         requests = self.scheduler.requests
-        for i, rid in enumerate(out.sample_req_ids):
+        live, reqs = [], []
+        for i, rid in enumerate(prepared.inputs.sample_req_ids):
             req = requests.get(rid)
-            if req is None or req.arrival_index != stamp[rid]:  # gone, or its id reused
-                continue
-            live.append(i)
-            reqs.append(req)
-        result: dict[str, _Sampled] = {}
-        if not reqs:
-            stats.sample_s = time.perf_counter() - t0
-            return result
-        n = len(reqs)
-        params = [req.sampling_params for req in reqs]
+            if req is not None and req.arrival_index == stamp[rid]:
+                live.append(i)
+                reqs.append(req)
+        idx = np.asarray(live, np.intp)
+        md = prepared.inputs.sampling
+        if len(idx) < len(md):
+            md = md.rows(idx)
+        processed = np.zeros(len(idx), bool)
+        for j in np.flatnonzero(md.maybe_processed).tolist():
+            processed[j] = needs_processing(self._row(reqs[j]))
+        u = np.zeros(len(idx))
+        gens = self._generators
+        for j in np.flatnonzero(~md.greedy).tolist():  # exactly one draw per sampled token
+            u[j] = gens[reqs[j].request_id].random()
+        return _SampleInputs(idx, reqs, [r.request_id for r in reqs], md, processed, u)
+
+    def _sample(self, out: ModelRunnerOutput, inputs: _SampleInputs,
+                stats: SchedulerStats) -> _Sampled:
+        """Sample the live rows. Rows the device's top-K candidates sample exactly go through
+        the vectorized candidate sampler, the rest through the full-row sampler on their
+        fetched logits."""
+        t0 = time.perf_counter()
+        n = len(inputs.live)
         tokens = np.empty(n, np.int64)
         sampled_lp = np.full(n, np.nan, np.float32)
         logprobs: list[LogprobsLists | None] = [None] * n
-        topk = out.topk
+        md, topk = inputs.md, out.topk
         if topk is not None:
             if n < len(out.sample_req_ids):
-                topk = topk.rows(np.asarray(live))
-            # Only requests with bias, penalties or min_tokens can need processing.
-            processed = [req.request_id in self._processed and needs_processing(self._row(req))
-                         for req in reqs]
-            exact = exact_rows(params, processed, topk)
+                topk = topk.rows(inputs.live)
+            exact = exact_rows(md, inputs.processed, topk)
         else:
             exact = np.zeros(n, bool)
         fast = np.flatnonzero(exact)
         if fast.size:
-            fast_list = fast.tolist()
-            u = np.zeros(len(fast))
-            for j, i in enumerate(fast_list):
-                if not params[i].greedy:  # exactly one draw per sampled token
-                    u[j] = self._generators[reqs[i].request_id].random()
-            t, lp, lps = sample_from_topk(topk if len(fast) == n else topk.rows(fast),
-                                          [params[i] for i in fast_list], u)
+            every = fast.size == n
+            t, lp, lps = sample_from_topk(topk if every else topk.rows(fast),
+                                          md if every else md.rows(fast), inputs.u[fast])
             tokens[fast], sampled_lp[fast] = t, lp
-            for j, i in enumerate(fast_list):
-                logprobs[i] = lps[j]
+            for j in np.flatnonzero(md.num_logprobs[fast] >= 0).tolist():
+                logprobs[int(fast[j])] = lps[j]
         full = np.flatnonzero(~exact)
         if full.size:
-            full_rows = [self._row(reqs[i]) for i in full.tolist()]
-            logits = out.logits_rows([live[i] for i in full.tolist()])
+            full_rows = [self._row(inputs.reqs[i]) for i in full.tolist()]
+            logits = out.logits_rows(inputs.live[full].tolist())
             if topk is not None:
-                res = sample(logits, full_rows, lse=topk.lse[full])
+                res = sample(logits, full_rows, lse=topk.lse[full], u=inputs.u[full])
             else:  # the raw log-normaliser costs a pass over the vocabulary: only when asked
-                res = sample(logits, full_rows, all_sampled_logprobs=any(
+                res = sample(logits, full_rows, u=inputs.u[full], all_sampled_logprobs=any(
                     r.params.logprobs is not None for r in full_rows))
             tokens[full], sampled_lp[full] = res.token_ids, res.sampled_logprobs
             for j, i in enumerate(full.tolist()):
                 logprobs[i] = res.logprobs[j]
         stats.num_full_row_samples = int(full.size)
-        for req, tok, lp, lps in zip(reqs, tokens.tolist(), sampled_lp.tolist(), logprobs,
-                                     strict=True):
-            result[req.request_id] = _Sampled(tok, lp, lps)
         stats.sample_s = time.perf_counter() - t0
-        return result
+        return _Sampled(inputs.req_ids, tokens, sampled_lp, logprobs)
 
     def _row(self, req: Request) -> SamplingRow:
         rid = req.request_id
@@ -342,7 +369,7 @@ class EngineCore:
                            penalties=self._penalties.get(rid))
 
     def _update(self, so: SchedulerOutput, out: ModelRunnerOutput | None,
-                sampled: dict[str, _Sampled], stats: SchedulerStats) -> EngineCoreOutputs:
+                sampled: _Sampled, stats: SchedulerStats) -> EngineCoreOutputs:
         """Apply a step's sampled tokens to the scheduler and build its outputs."""
         t0 = time.perf_counter()
         if out is not None:
@@ -356,7 +383,8 @@ class EngineCore:
                 else:
                     stats.num_prefill_tokens += r.num_tokens
         results = self.scheduler.update_from_output(
-            so, {rid: (s.token,) for rid, s in sampled.items()})
+            so, {rid: (t,) for rid, t in zip(sampled.req_ids, sampled.tokens.tolist(),
+                                             strict=True)})
         outputs = self._make_outputs(results, stats)
         by_id = {o.request_id: o for o in outputs.outputs}
         for rid, state in self._penalties.items():
@@ -364,12 +392,12 @@ class EngineCore:
             if o is not None:
                 for token in o.new_token_ids:
                     state.append(token)
-        for rid, s in sampled.items():
-            o = by_id.get(rid)
-            if o is None or not o.new_token_ids or s.logprobs is None:
+        for j, lps in enumerate(sampled.logprobs):
+            o = by_id.get(sampled.req_ids[j]) if lps is not None else None
+            if o is None or not o.new_token_ids:
                 continue
-            o.new_sampled_logprobs = [s.logprob]
-            o.new_logprobs = s.logprobs
+            o.new_sampled_logprobs = [float(sampled.logprobs_raw[j])]
+            o.new_logprobs = lps
         if out is not None:
             for rid, stats in out.prompt_logprobs.items():
                 self._emit_prompt_logprobs(rid, stats, by_id, outputs.outputs)

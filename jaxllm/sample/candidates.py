@@ -22,13 +22,12 @@ A sampled token's rank counts the tokens with a larger logit, all of them candid
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from jaxllm.sample.logprobs import LogprobsLists
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sample.metadata import SamplingMetadata
 
 
 @dataclass
@@ -51,27 +50,21 @@ def min_p_threshold(zmax: float, temperature: float, min_p: float) -> np.float32
     return np.float32(zmax + temperature * math.log(min_p))
 
 
-def exact_rows(params: Sequence[SamplingParams], processed: Sequence[bool],
-               topk: TopKLogits) -> np.ndarray:
-    """Which rows the candidates sample exactly (see the module docstring)."""
+def exact_rows(md: SamplingMetadata, processed: np.ndarray, topk: TopKLogits) -> np.ndarray:
+    """Which rows the candidates sample exactly (see the module docstring). `processed`: the
+    rows that need logits processing this step."""
     vals = topk.values
-    k_max = vals.shape[1]
+    num, k_max = vals.shape
+    ar = np.arange(num)
     # Values a cut must lie strictly above; -inf when the candidates are the whole vocabulary.
-    last = np.full(len(vals), -np.inf, np.float32) if topk.complete else vals[:, k_max - 1]
-    ok = np.zeros(len(params), dtype=bool)
-    for i, p in enumerate(params):
-        if processed[i] or (p.logprobs is not None and (
-                p.logprobs > k_max or (p.logprobs and not vals[i, p.logprobs - 1] > last[i]))):
-            continue
-        if p.greedy:
-            ok[i] = bool(vals[i, 0] > last[i])
-            continue
-        if 0 < p.top_k < k_max and last[i] < vals[i, p.top_k - 1]:
-            ok[i] = True
-        elif p.min_p > 0.0 and last[i] < min_p_threshold(
-                float(vals[i, 0]), p.temperature, p.min_p):
-            ok[i] = True
-    return ok
+    last = np.full(num, -np.inf, np.float32) if topk.complete else vals[:, k_max - 1]
+    nlp = md.num_logprobs
+    lp_ok = (nlp <= 0) | ((nlp <= k_max) & (vals[ar, np.clip(nlp - 1, 0, k_max - 1)] > last))
+    top_k_ok = ((md.top_k > 0) & (md.top_k < k_max)
+                & (last < vals[ar, np.clip(md.top_k - 1, 0, k_max - 1)]))
+    min_p_ok = last < md.min_p_thresholds(vals[:, 0])  # -inf threshold where there is none
+    random_ok = top_k_ok | min_p_ok
+    return ~processed & lp_ok & np.where(md.greedy, vals[:, 0] > last, random_ok)
 
 
 def candidate_weights(z: np.ndarray, valid: np.ndarray, zmax: np.ndarray,
@@ -119,7 +112,7 @@ def inverse_cdf(w: np.ndarray, u: np.ndarray) -> np.ndarray:
     return col
 
 
-def sample_from_topk(topk: TopKLogits, params: Sequence[SamplingParams], u: np.ndarray
+def sample_from_topk(topk: TopKLogits, md: SamplingMetadata, u: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray, list[LogprobsLists | None]]:
     """Sample every row from its candidates (all rows exact, see `exact_rows`); `u` holds each
     random row's uniform draw (ignored for greedy rows).
@@ -127,41 +120,33 @@ def sample_from_topk(topk: TopKLogits, params: Sequence[SamplingParams], u: np.n
     Returns (token ids [R], sampled logprobs [R] (raw, device normaliser), logprob rows)."""
     vals, ids, lse = topk.values, topk.token_ids, topk.lse
     num, k_max = vals.shape
-    greedy = np.fromiter((p.greedy for p in params), bool, num)
     col = np.zeros(num, dtype=np.intp)
     tokens = ids[:, 0].astype(np.int64)
-    rand = np.flatnonzero(~greedy)
+    rand = np.flatnonzero(~md.greedy)
     if rand.size:
-        rp = [params[i] for i in rand]
-        n = len(rp)
-        z = vals[rand]
+        n = rand.size
+        sub = md if n == num else md.rows(rand)
+        z = vals if n == num else vals[rand]
         zmax = z[:, 0]
         # Per row: top_k's cut (the top_k-th value; ties stay) and min_p's threshold, float32
-        # as the full-row sampler compares them; -inf where the row has none.
-        top_k = np.fromiter((p.top_k if 0 < p.top_k < k_max else 0 for p in rp), np.intp, n)
+        # as the full-row sampler compares them; -inf where the row has neither.
+        top_k = np.where((sub.top_k > 0) & (sub.top_k < k_max), sub.top_k, 0)
         cut = np.where(top_k > 0, z[np.arange(n), top_k - 1], np.float32(-np.inf))
-        min_p = [(j, p) for j, p in enumerate(rp) if p.min_p > 0.0]
-        if min_p:
-            thr = np.full(n, -np.inf, np.float32)
-            for j, p in min_p:
-                thr[j] = min_p_threshold(float(zmax[j]), p.temperature, p.min_p)
-            cut = np.maximum(cut, thr)
+        cut = np.maximum(cut, sub.min_p_thresholds(zmax))
         valid = z >= cut[:, None]
-        order = np.argsort(ids[rand], axis=1)  # ids are distinct: any sort gives token order
-        temp = np.fromiter((p.temperature for p in rp), np.float64, n)
-        top_p = np.fromiter((p.top_p for p in rp), np.float64, n)
+        rid = ids if n == num else ids[rand]
+        order = np.argsort(rid, axis=1)  # ids are distinct: any sort gives token order
         w = candidate_weights(np.take_along_axis(z, order, 1),
-                              np.take_along_axis(valid, order, 1), zmax, temp, top_p)
+                              np.take_along_axis(valid, order, 1), zmax, sub.temperature,
+                              sub.top_p)
         c = order[np.arange(n), inverse_cdf(w, np.asarray(u, np.float64)[rand])]
-        tokens[rand] = ids[rand, c]
+        tokens[rand] = rid[np.arange(n), c]
         col[rand] = c
     chosen = vals[np.arange(num), col].astype(np.float64)
     sampled_lp = (chosen - lse.astype(np.float64)).astype(np.float32)
     logprobs: list[LogprobsLists | None] = [None] * num
-    for i, p in enumerate(params):
-        if p.logprobs is None:
-            continue
-        top = p.logprobs
+    for i in np.flatnonzero(md.num_logprobs >= 0).tolist():
+        top = int(md.num_logprobs[i])
         row_ids = [int(tokens[i])] + ids[i, :top].tolist()
         row_vals = [float(chosen[i])] + vals[i, :top].tolist()
         lse_i = float(lse[i])

@@ -387,7 +387,7 @@ def _lse(ex: _Exp) -> float:
 
 
 def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *, lse: np.ndarray | None = None,
-           all_sampled_logprobs: bool = True) -> SamplerOutput:
+           all_sampled_logprobs: bool = True, u: np.ndarray | None = None) -> SamplerOutput:
     """Sample one token per row. logits: [R, vocab] (float32, or anything numpy casts to it).
 
     lse: the rows' raw log-sum-exp as the device computed it. When given, it is the normaliser
@@ -396,6 +396,9 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *, lse: np.ndarray |
     computed here, and all_sampled_logprobs=False skips it (one exp pass over the vocabulary)
     for rows whose params.logprobs is None; their sampled_logprobs are NaN then (vLLM reports
     no cumulative_logprob for such requests).
+
+    u: each random row's uniform draw, taken by the caller from the row's generator (the engine
+    draws while the step runs); None: drawn here.
     """
     x = np.asarray(logits)
     if x.dtype != np.float32:
@@ -419,7 +422,7 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *, lse: np.ndarray |
             want_lp, row_lse = all_sampled_logprobs or p.logprobs is not None, None
         if p.greedy:
             tok = int(np.argmax(raw if z is None else z))
-        elif row.generator is None:
+        elif u is None and row.generator is None:
             raise ValueError(f"row {i}: a random-sampling row needs a generator")
         ex = None
         if row_lse is None and want_lp:
@@ -427,10 +430,11 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *, lse: np.ndarray |
             ex = _exp_row(raw, raw_buf, m) if math.isfinite(m) else None
             row_lse = _lse(ex) if ex is not None else m
         if not p.greedy:
-            u = float(row.generator.random())  # exactly one draw per sampled token
+            # exactly one draw per sampled token
+            draw = float(row.generator.random()) if u is None else float(u[i])
             cached = ex if (z is None and p.temperature == 1.0) else None
             cand, w = _candidates(raw if z is None else z, p, work_buf, cached)
-            tok = _draw(cand, w, u)
+            tok = _draw(cand, w, draw)
         token_ids[i] = tok
         if want_lp:
             sampled_lp[i] = float(raw[tok]) - row_lse

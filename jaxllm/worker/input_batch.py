@@ -13,6 +13,7 @@ from itertools import chain
 
 import numpy as np
 
+from jaxllm.sample.metadata import SamplingMetadata
 from scheduler import SchedulerOutput
 
 
@@ -29,6 +30,7 @@ class StepInputs:
     logits_indices: np.ndarray  # [S] int32: rows that sample first, then 0
     sample_req_ids: list[str]  # request of each sampled row, in order
     num_tokens: np.ndarray  # [len(scheduled)] tokens of each scheduled request
+    sampling: SamplingMetadata  # the sampled rows' parameters, in sample_req_ids order
 
 
 class InputBatch:
@@ -38,6 +40,8 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_seq), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
         self.req_id_to_row: dict[str, int] = {}
+        # Each row's sampling parameters, written once when its request gets the row.
+        self.sampling = SamplingMetadata.empty(max_num_reqs)
         # Lowest free row on top, so live rows stay packed at the front.
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -62,6 +66,7 @@ class InputBatch:
                                        f"{r.request_id!r}")
                 row = self._free_rows.pop()
                 self.req_id_to_row[r.request_id] = row
+                self.sampling.set_row(row, r.sampling_params)
             else:
                 row = self.req_id_to_row[r.request_id]
             new = r.new_block_ids
@@ -115,4 +120,5 @@ class InputBatch:
         logits_indices[:len(sampling)] = query_start_loc[sampling + 1] - 1
         return StepInputs(input_ids, positions, slot_mapping, block_tables, seq_lens,
                           query_start_loc, logits_indices,
-                          [reqs[i].request_id for i in sampling], num_tokens)
+                          [reqs[i].request_id for i in sampling], num_tokens,
+                          self.sampling.rows(rows[sampling]))

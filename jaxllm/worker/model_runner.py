@@ -395,15 +395,15 @@ class ModelRunner:
         return PreparedStep(so, inputs, shape, index, req_ids, time.perf_counter() - t0)
 
     def dispatch(self, prepared: PreparedStep,
-                 sampled: dict[str, int] | None = None) -> StepHandle:
-        """Fill the placeholders with the previous step's tokens (`sampled`; a request missing
-        there finished meanwhile and computes a token nobody reads) and launch the step. Only
-        the top-K candidates start their copy to the host."""
+                 placeholder_tokens: np.ndarray | None = None) -> StepHandle:
+        """Fill the placeholders with the previous step's tokens (`placeholder_tokens`, in
+        `placeholder_req_ids` order; 0 for a request that finished meanwhile: it computes a
+        token nobody reads) and launch the step. Only the top-K candidates start their copy to
+        the host."""
         inputs = prepared.inputs
-        if prepared.placeholder_req_ids:
-            sampled = sampled or {}
-            inputs.input_ids[prepared.placeholder_index] = [
-                sampled.get(rid, 0) for rid in prepared.placeholder_req_ids]
+        if prepared.placeholder_index.size:
+            inputs.input_ids[prepared.placeholder_index] = (
+                0 if placeholder_tokens is None else placeholder_tokens)
         md = AttentionMetadata(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
                                inputs.query_start_loc, inputs.logits_indices)
         self.step_shape_counts[prepared.shape] += 1
