@@ -49,7 +49,9 @@ for rows in [int(a) for a in sys.argv[1:]] or [1, 64, 256]:
             x, [SamplingRow(p, np.random.default_rng(0)) for p in ps],
             all_sampled_logprobs=False))
 
-        def cand(md=SamplingMetadata.from_params(ps), tk=tk, n=rows):
+        md = SamplingMetadata.from_params(ps)
+
+        def cand(md=md, tk=tk, n=rows):
             exact_rows(md, np.zeros(n, bool), tk)
             sample_from_topk(tk, md, rng.random(n))
         print(f"{rows:4d} rows, {name}: device top-K + lse {dev:7.2f} ms; host sampling "

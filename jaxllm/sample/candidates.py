@@ -135,6 +135,11 @@ def sample_from_topk(topk: TopKLogits, md: SamplingMetadata, u: np.ndarray
         cut = np.maximum(cut, sub.min_p_thresholds(zmax))
         valid = z >= cut[:, None]
         rid = ids if n == num else ids[rand]
+        # Values are descending, so each row's candidates are a prefix: columns past the
+        # longest are zero weights everywhere, which change no sum (candidate_weights).
+        width = int(np.count_nonzero(valid, axis=1).max())
+        if width < k_max:
+            z, valid, rid = z[:, :width], valid[:, :width], rid[:, :width]
         order = np.argsort(rid, axis=1)  # ids are distinct: any sort gives token order
         w = candidate_weights(np.take_along_axis(z, order, 1),
                               np.take_along_axis(valid, order, 1), zmax, sub.temperature,
