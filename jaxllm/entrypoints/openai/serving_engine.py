@@ -57,6 +57,25 @@ _BYTE_OF = _unicode_to_byte()
 _SAMPLING_PARAM = re.compile(r"SamplingParams\.(\w+)")
 
 
+def token_text_and_bytes(tokenizer: Any, token_id: int, added: set[int]) -> tuple[str, bytes]:
+    """A token's string and raw bytes for logprobs. A token that is not whole UTF-8 on its own
+    (part of a character) is written `bytes:\\xe4\\xb8` (its bytes in hex), as OpenAI and vLLM
+    write it; its `bytes` are the raw ones either way. `added`: the tokenizer's added-token ids
+    (special tokens), whose strings are their text, not byte-level symbols."""
+    tok = tokenizer.convert_ids_to_tokens(token_id)
+    if tok is None:
+        raw = b""
+    elif token_id in added or any(c not in _BYTE_OF for c in tok):
+        raw = tok.encode("utf-8")
+    else:
+        raw = bytes(_BYTE_OF[c] for c in tok)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text, raw
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_name: str,
                  metrics: ServerMetrics | None = None) -> None:
@@ -155,25 +174,11 @@ class OpenAIServing:
     # --- logprobs -----------------------------------------------------------------------------
 
     def token_info(self, token_id: int) -> tuple[str, bytes]:
-        """A token's string and raw bytes. A token that is not whole UTF-8 on its own (part
-        of a character) is written `bytes:\\xe4\\xb8` (its bytes in hex), as OpenAI and vLLM
-        write it; its `bytes` are the raw ones either way."""
         hit = self._token_cache.get(token_id)
-        if hit is not None:
-            return hit
-        tok = self.tokenizer.convert_ids_to_tokens(token_id)
-        if tok is None:
-            raw = b""
-        elif token_id in self._added or any(c not in _BYTE_OF for c in tok):
-            raw = tok.encode("utf-8")
-        else:
-            raw = bytes(_BYTE_OF[c] for c in tok)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-        self._token_cache[token_id] = (text, raw)
-        return text, raw
+        if hit is None:
+            hit = self._token_cache[token_id] = token_text_and_bytes(self.tokenizer, token_id,
+                                                                     self._added)
+        return hit
 
     def usage(self, num_prompt: int, num_completion: int) -> dict[str, int]:
         return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
