@@ -381,6 +381,22 @@ def test_dropped_stream_frees_its_blocks(server, client):
     assert metric(server, "jaxllm:request_success_total", 'finished_reason="abort"') >= 1
 
 
+def test_disconnected_non_streaming_request_is_aborted(server):
+    aborts = metric(server, "jaxllm:request_success_total", 'finished_reason="abort"')
+    impatient = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
+                              timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model="tiny-qwen2", prompt=PROMPTS[1], max_tokens=240,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 20
+    while metric(server, "jaxllm:request_success_total", 'finished_reason="abort"') == aborts:
+        assert time.monotonic() < deadline, "the abandoned request was not aborted"
+        time.sleep(0.1)
+    while metric(server, "jaxllm:kv_cache_usage_perc") != 0.0:
+        assert time.monotonic() < deadline, "the abandoned request's blocks were not freed"
+        time.sleep(0.1)
+
+
 def test_metrics_count_exactly_the_tokens_served(server, client):
     names = ("jaxllm:prompt_tokens_total", "jaxllm:generation_tokens_total",
              "jaxllm:request_success_total", "jaxllm:time_to_first_token_seconds_count",

@@ -12,11 +12,12 @@ JSON is a 400 like any other. With an API key, every /v1 route wants `Authorizat
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,28 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled (which
+    aborts its requests in the engine) and None returned (vLLM's with_cancellation). Streaming
+    responses need none of this: Starlette cancels their generator itself."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        # The body was read; the next message can only be the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
 def _respond(result: dict[str, Any] | AsyncGenerator[str, None]) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
@@ -178,13 +201,15 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def completions(request: Request) -> Response:
         body = await body_of(request)
         live()
-        return _respond(await state.completion.create_completion(body))
+        result = await until_disconnect(request, state.completion.create_completion(body))
+        return Response(status_code=499) if result is None else _respond(result)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await body_of(request)
         live()
-        return _respond(await state.chat.create_chat_completion(body))
+        result = await until_disconnect(request, state.chat.create_chat_completion(body))
+        return Response(status_code=499) if result is None else _respond(result)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
