@@ -434,6 +434,25 @@ def test_tokenize_detokenize(server, tokenizer):
     assert http("POST", server.url + "/detokenize", {"tokens": [-1]})[0] == 400
 
 
+def test_bench_serve_against_the_server(server, tmp_path):
+    """`jaxllm bench serve` counts exactly what the server generated (random prompts,
+    ignore_eos: every request produces its full output length)."""
+    from jaxllm.entrypoints.cli.main import main
+
+    out = tmp_path / "bench.json"
+    before = metric(server, "jaxllm:generation_tokens_total")
+    assert main(["bench", "serve", "--port", str(server.port), "--api-key", KEY,
+                 "--num-prompts", "6", "--random-input-len", "12", "--random-output-len", "5",
+                 "--request-rate", "50", "--max-concurrency", "3", "--disable-tqdm",
+                 "--output-json", str(out)]) == 0
+    m = json.loads(out.read_text())
+    assert m["completed"] == 6 and m["failed"] == 0
+    assert m["total_input_tokens"] == 6 * 12 and m["total_output_tokens"] == 6 * 5
+    assert metric(server, "jaxllm:generation_tokens_total") - before == 30
+    assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"]
+    assert m["p99_tpot_ms"] > 0 and m["median_itl_ms"] > 0
+
+
 # --- last: the engine process dies ----------------------------------------------------------
 
 
