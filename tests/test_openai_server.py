@@ -37,6 +37,7 @@ def tiny_path():
 def server(tiny_path, tmp_path_factory):
     srv = ServerProcess(["tiny-qwen2", "--max-model-len", str(MAX_MODEL_LEN),
                          "--max-num-seqs", "32", "--max-num-batched-tokens", "256",
+                         "--num-kv-blocks", "2048",
                          "--no-show-progress", "--api-key", KEY],
                         tmp_path_factory.mktemp("serve") / "server.log")
     yield srv
@@ -114,7 +115,8 @@ def test_completion_matches_offline_llm(client, tiny_path, tokenizer):
     from jaxllm import LLM, SamplingParams
 
     llm = LLM(tiny_path, max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
-              max_num_batched_tokens=32, show_progress=False, multiprocess_mode=False)
+              max_num_batched_tokens=32, num_kv_blocks=64, show_progress=False,
+              multiprocess_mode=False)
     try:
         want = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12,
                                                          logprobs=2), use_tqdm=False)[0]
@@ -317,6 +319,10 @@ def _bad_requests(tokenizer) -> list[tuple[str, str, bytes | dict, int, str | No
         ("unknown parameter", c, {**ok, "frobnicate": 1}, 400, "frobnicate"),
         ("logprobs too many", c, {**ok, "logprobs": 50}, 400, "logprobs"),
         ("top_p out of range", c, {**ok, "top_p": 1.5}, 400, "top_p"),
+        ("seed over 64 bits", c, {**ok, "seed": 2**70}, 400, "seed"),
+        ("negative seed", c, {**ok, "seed": -5}, 400, "seed"),
+        ("top_k over 64 bits", c, {**ok, "top_k": 2**64}, 400, "top_k"),
+        ("stop of the wrong type", c, {**ok, "stop": [1]}, 400, "stop"),
         ("greedy n > 1", c, {**ok, "temperature": 0, "n": 2}, 400, "n"),
         ("stream_options without stream", c, {**ok, "stream_options": {"include_usage": True}},
          400, "stream_options"),

@@ -15,7 +15,8 @@ from openai_server import ServerProcess, http
 def test_sigterm_finishes_running_stream_then_exits_0(tmp_path):
     key = "env-key"
     srv = ServerProcess(["tiny-qwen2", "--max-model-len", "512", "--max-num-seqs", "4",
-                         "--max-num-batched-tokens", "64", "--no-show-progress",
+                         "--max-num-batched-tokens", "64", "--num-kv-blocks", "256",
+                         "--no-show-progress",
                          "--graceful-shutdown-timeout", "60", "--served-model-name", "story-model"],
                         tmp_path / "server.log", env={"JAXLLM_API_KEY": key})
     try:

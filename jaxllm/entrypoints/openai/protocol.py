@@ -8,7 +8,7 @@ second schema to keep in step.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -43,6 +43,10 @@ class APIError(Exception):
                           "code": self.status}}
 
 
+# Integers that travel to the core process must fit its 64-bit wire format.
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -58,10 +62,10 @@ class _SamplingFields(_Strict):
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
