@@ -58,8 +58,14 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[BenchReques
         if args.random_input_len < 1 or args.random_output_len < 1:
             raise ValueError("--random-input-len and --random-output-len must be >= 1")
         sampler = TokenSampler(len(tokenizer), tokenizer)
-        return [BenchRequest(sampler.sample(rng, args.random_input_len), args.random_input_len,
+        reqs = [BenchRequest(sampler.sample(rng, args.random_input_len), args.random_input_len,
                              args.random_output_len) for _ in range(args.num_prompts)]
+        if args.endpoint == "/v1/chat/completions":
+            # Chat messages are text: the ids' text (its length in tokens may differ a little,
+            # and the chat template adds its own).
+            for r in reqs:
+                r.prompt = tokenizer.decode(r.prompt)
+        return reqs
     if args.dataset_path is None:
         raise ValueError("--dataset-name sharegpt needs --dataset-path")
     out = []
