@@ -464,27 +464,40 @@ def test_bench_serve_against_the_server(server, tmp_path):
 
 def test_engine_death_gives_5xx_not_a_hang(server, client):
     results: dict[str, object] = {}
+    streaming = threading.Event()
+    kw = dict(model="tiny-qwen2", prompt=PROMPTS[0], max_tokens=240, temperature=0,
+              extra_body={"ignore_eos": True})
 
     def long_request() -> None:
         try:
-            results["out"] = client.completions.create(
-                model="tiny-qwen2", prompt=PROMPTS[0], max_tokens=240, temperature=0,
-                extra_body={"ignore_eos": True})
+            results["out"] = client.completions.create(**kw)
         except Exception as e:  # noqa: BLE001 - the error is what we check
             results["err"] = e
 
-    t = threading.Thread(target=long_request)
-    t.start()
-    deadline = time.monotonic() + 20
-    while metric(server, "jaxllm:kv_cache_usage_perc") == 0.0 and "out" not in results:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    def long_stream() -> None:
+        try:
+            for _ in client.completions.create(**kw, stream=True):
+                streaming.set()
+            results["stream_out"] = True
+        except Exception as e:  # noqa: BLE001 - the error is what we check
+            results["stream_err"] = e
+        streaming.set()
+
+    threads = [threading.Thread(target=long_request), threading.Thread(target=long_stream)]
+    for t in threads:
+        t.start()
+    assert streaming.wait(60)
     os.kill(server.core_pid(), signal.SIGKILL)
-    t.join(60)
-    assert not t.is_alive(), "the in-flight request hung"
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "an in-flight request hung"
     if "err" in results:  # it may have finished just before the kill
         assert isinstance(results["err"], openai.APIStatusError)
         assert results["err"].status_code in (500, 503)
+    # The stream was mid-way (240 tokens): it ends with the error event, not silently.
+    assert "stream_out" not in results
+    assert isinstance(results["stream_err"], openai.APIError)
+    assert "engine" in str(results["stream_err"])
     deadline = time.monotonic() + 20
     while http("GET", server.url + "/health")[0] != 503:
         assert time.monotonic() < deadline, "/health did not turn 503"
