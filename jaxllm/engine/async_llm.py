@@ -17,6 +17,7 @@ AsyncLLM: dropping the last reference to the engine shuts the core down.
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from jaxllm.model_executor.model_loader.default_model import default_model_path
 from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,7 +64,10 @@ async def _output_handler(state: _OutputState) -> None:
             if outs.scheduler_stats is not None:
                 state.last_scheduler_stats = outs.scheduler_stats
                 for log in state.stat_loggers:
-                    log(outs.scheduler_stats)
+                    try:
+                        log(outs.scheduler_stats)
+                    except Exception:  # a broken logger must not take the engine down
+                        logger.exception("stat logger %r failed", log)
             request_outputs, to_abort = op.process_outputs(outs.outputs, stream=True)
             for ro in request_outputs:
                 q = state.queues.get(ro.request_id)
