@@ -390,7 +390,7 @@ def test_dropped_stream_frees_its_blocks(server, client):
 def test_disconnected_non_streaming_request_is_aborted(server):
     aborts = metric(server, "jaxllm:request_success_total", 'finished_reason="abort"')
     impatient = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
-                              timeout=1.5)
+                              timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(model="tiny-qwen2", prompt=PROMPTS[1], max_tokens=240,
                                      temperature=0, extra_body={"ignore_eos": True})
