@@ -459,6 +459,27 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert m["p99_tpot_ms"] > 0 and m["median_itl_ms"] > 0
 
 
+def test_bench_serve_sharegpt_workload(tmp_path, tokenizer):
+    import argparse
+
+    from jaxllm.benchmarks.serve import build_workload
+
+    recs = [{"conversations": [{"from": "human", "value": "Write a haiku"},
+                               {"from": "gpt", "value": "Autumn moon rises"}]},
+            {"conversations": [{"from": "human", "value": "only one turn"}]},  # skipped
+            {"prompt": "def f(x):", "output_len": 7}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(recs))
+    args = argparse.Namespace(num_prompts=10, seed=0, dataset_name="sharegpt",
+                              dataset_path=str(path), sharegpt_output_len=None,
+                              endpoint="/v1/completions")
+    w = build_workload(args, tokenizer)
+    assert [(r.prompt, r.prompt_len, r.output_len) for r in w] == [
+        ("Write a haiku", len(tokenizer.encode("Write a haiku")),
+         len(tokenizer.encode("Autumn moon rises"))),
+        ("def f(x):", len(tokenizer.encode("def f(x):")), 7)]
+
+
 # --- last: the engine process dies ----------------------------------------------------------
 
 
