@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
+import socket
 import threading
 import time
 from http.client import HTTPConnection
 
 import openai
 import pytest
-from openai_server import ServerProcess, http
+from openai_server import ServerProcess, bad_requests, http, metric, stream_text
 
 KEY = "test-key-123"
 MAX_MODEL_LEN = 256
@@ -62,32 +62,6 @@ def tokenizer(tiny_path):
     from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_path)
-
-
-def metric(server, name: str, labels: str = "") -> float:
-    status, body = http("GET", server.url + "/metrics")
-    assert status == 200
-    pat = re.compile(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", re.M)
-    total = 0.0
-    for lab, value in pat.findall(body.decode()):
-        if labels in lab:
-            total += float(value)
-    return total
-
-
-def stream_text(stream) -> tuple[dict[int, str], dict[int, str], object]:
-    """(text per choice, finish_reason per choice, usage) of a completions stream."""
-    texts: dict[int, str] = {}
-    reasons: dict[int, str] = {}
-    usage = None
-    for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for c in chunk.choices:
-            texts[c.index] = texts.get(c.index, "") + c.text
-            if c.finish_reason is not None:
-                reasons[c.index] = c.finish_reason
-    return texts, reasons, usage
 
 
 # --- basics ---------------------------------------------------------------------------------
@@ -288,61 +262,9 @@ def test_penalties_bias_and_min_tokens(client, tokenizer):
 # --- bad requests ---------------------------------------------------------------------------
 
 
-def _bad_requests(tokenizer) -> list[tuple[str, str, bytes | dict, int, str | None]]:
-    c, ch = "/v1/completions", "/v1/chat/completions"
-    ok = {"model": "tiny-qwen2", "prompt": "hi", "max_tokens": 2}
-    long_prompt = list(range(1000, 1000 + MAX_MODEL_LEN + 4))
-    return [
-        ("malformed JSON", c, b'{"prompt": "hi",', 400, None),
-        ("not an object", c, b'[1, 2]', 400, None),
-        ("NaN", c, b'{"prompt": "hi", "temperature": NaN}', 400, None),
-        ("string max_tokens", c, {**ok, "max_tokens": "5"}, 400, "max_tokens"),
-        ("string temperature", c, {**ok, "temperature": "hot"}, 400, "temperature"),
-        ("float n", c, {**ok, "n": 1.5}, 400, "n"),
-        ("bool max_tokens", c, {**ok, "max_tokens": True}, 400, "max_tokens"),
-        ("unknown model", c, {**ok, "model": "gpt-4"}, 404, "model"),
-        ("negative max_tokens", c, {**ok, "max_tokens": -3}, 400, "max_tokens"),
-        ("zero max_tokens", c, {**ok, "max_tokens": 0}, 400, "max_tokens"),
-        ("huge max_tokens", c, {**ok, "max_tokens": 10**12}, 400, "max_tokens"),
-        ("over-long prompt", c, {**ok, "prompt": long_prompt}, 400, "prompt"),
-        ("prompt + max_tokens too long", c,
-         {**ok, "prompt": long_prompt[:MAX_MODEL_LEN - 10], "max_tokens": 20}, 400,
-         "max_tokens"),
-        ("token id outside the vocabulary", c, {**ok, "prompt": [10**7]}, 400, "prompt"),
-        ("empty prompt", c, {**ok, "prompt": ""}, 400, "prompt"),
-        ("bad logit_bias key", c, {**ok, "logit_bias": {"abc": 1.0}}, 400, "logit_bias"),
-        ("negative logit_bias key", c, {**ok, "logit_bias": {"-5": 1.0}}, 400, "logit_bias"),
-        ("logit_bias key outside the vocabulary", c, {**ok, "logit_bias": {"99999999": 1.0}},
-         400, "logit_bias"),
-        ("unsupported echo", c, {**ok, "echo": True}, 400, "echo"),
-        ("unsupported best_of", c, {**ok, "best_of": 2}, 400, "best_of"),
-        ("unknown parameter", c, {**ok, "frobnicate": 1}, 400, "frobnicate"),
-        ("logprobs too many", c, {**ok, "logprobs": 50}, 400, "logprobs"),
-        ("top_p out of range", c, {**ok, "top_p": 1.5}, 400, "top_p"),
-        ("seed over 64 bits", c, {**ok, "seed": 2**70}, 400, "seed"),
-        ("negative seed", c, {**ok, "seed": -5}, 400, "seed"),
-        ("top_k over 64 bits", c, {**ok, "top_k": 2**64}, 400, "top_k"),
-        ("stop of the wrong type", c, {**ok, "stop": [1]}, 400, "stop"),
-        ("greedy n > 1", c, {**ok, "temperature": 0, "n": 2}, 400, "n"),
-        ("stream_options without stream", c, {**ok, "stream_options": {"include_usage": True}},
-         400, "stream_options"),
-        ("missing prompt", c, {"model": "tiny-qwen2"}, 400, "prompt"),
-        ("unsupported tools", ch, {"messages": [{"role": "user", "content": "hi"}],
-                                   "tools": []}, 400, "tools"),
-        ("unsupported response_format", ch, {"messages": [{"role": "user", "content": "hi"}],
-                                             "response_format": {"type": "json_object"}},
-         400, "response_format"),
-        ("bad role", ch, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
-        ("no messages", ch, {"messages": []}, 400, "messages"),
-        ("image part", ch, {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
-        ("10 MB body", c, b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, None),
-    ]
-
-
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client, tokenizer):
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    for what, path, body, status, param in _bad_requests(tokenizer):
+    for what, path, body, status, param in bad_requests(MAX_MODEL_LEN):
         got, raw = http("POST", server.url + path, body, auth)
         assert got == status, (what, raw[:300])
         err = json.loads(raw)["error"]
@@ -370,37 +292,44 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client, token
 
 
 def test_dropped_stream_frees_its_blocks(server, client):
-    stream = client.completions.create(model="tiny-qwen2", prompt=PROMPTS[0],
-                                       max_tokens=200, temperature=0, stream=True,
+    aborts = metric(server, "jaxllm:request_success_total", 'finished_reason="abort"')
+    # 16 sequences of 240 tokens: still running when the client goes away (the "abort"
+    # finish reason, not "length", is the proof).
+    stream = client.completions.create(model="tiny-qwen2", prompt=PROMPTS[0], n=16, seed=0,
+                                       max_tokens=240, temperature=1.0, stream=True,
                                        extra_body={"ignore_eos": True})
-    got = 0
-    for chunk in stream:
-        got += len(chunk.choices)
-        if got >= 3:
-            break
-    assert metric(server, "jaxllm:kv_cache_usage_perc") > 0.0  # the request holds blocks
+    next(iter(stream))
     stream.close()  # the client goes away mid-stream
     deadline = time.monotonic() + 20
+    while metric(server, "jaxllm:request_success_total", 'finished_reason="abort"') == aborts:
+        assert time.monotonic() < deadline, "the dropped stream's request was not aborted"
+        time.sleep(0.05)
     while metric(server, "jaxllm:kv_cache_usage_perc") != 0.0:
         assert time.monotonic() < deadline, "the dropped request's blocks were not freed"
-        time.sleep(0.1)
-    assert metric(server, "jaxllm:request_success_total", 'finished_reason="abort"') >= 1
+        time.sleep(0.05)
 
 
 def test_disconnected_non_streaming_request_is_aborted(server):
     aborts = metric(server, "jaxllm:request_success_total", 'finished_reason="abort"')
-    impatient = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
-                              timeout=1.0)
-    with pytest.raises(openai.APITimeoutError):
-        impatient.completions.create(model="tiny-qwen2", prompt=PROMPTS[1], max_tokens=240,
-                                     temperature=0, extra_body={"ignore_eos": True})
+    # 16 sequences of 240 tokens: long enough to still be running when the client goes away
+    # (the "abort" finish reason, not "length", is the proof).
+    body = {"model": "tiny-qwen2", "prompt": PROMPTS[1], "max_tokens": 240, "n": 16,
+            "temperature": 1.0, "seed": 0, "ignore_eos": True}
+    conn = HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     deadline = time.monotonic() + 20
+    while metric(server, "jaxllm:kv_cache_usage_perc") == 0.0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.01)
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away without reading the answer
+    conn.close()
     while metric(server, "jaxllm:request_success_total", 'finished_reason="abort"') == aborts:
         assert time.monotonic() < deadline, "the abandoned request was not aborted"
-        time.sleep(0.1)
+        time.sleep(0.05)
     while metric(server, "jaxllm:kv_cache_usage_perc") != 0.0:
         assert time.monotonic() < deadline, "the abandoned request's blocks were not freed"
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
 def test_metrics_count_exactly_the_tokens_served(server, client):
@@ -486,8 +415,9 @@ def test_bench_serve_sharegpt_workload(tmp_path, tokenizer):
 def test_engine_death_gives_5xx_not_a_hang(server, client):
     results: dict[str, object] = {}
     streaming = threading.Event()
-    kw = dict(model="tiny-qwen2", prompt=PROMPTS[0], max_tokens=240, temperature=0,
-              extra_body={"ignore_eos": True})
+    # 8 x 240 tokens each: still running when the core is killed.
+    kw = dict(model="tiny-qwen2", prompt=PROMPTS[0], max_tokens=240, temperature=1.0, n=8,
+              seed=0, extra_body={"ignore_eos": True})
 
     def long_request() -> None:
         try:

@@ -116,6 +116,9 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def parse_request(model: type[BaseModel], body: Any,
                   unsupported: tuple[str, ...] = ()) -> Any:
     """A JSON body -> `model`, or an APIError(400) naming the offending parameter."""
@@ -129,8 +132,10 @@ def parse_request(model: type[BaseModel], body: Any,
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = [str(p) for p in err.get("loc", ())]
-        # pydantic lists each union member's failure; the field name is the first part.
+        # pydantic names the union member that failed ("str", "list[int]") in the location:
+        # not a part of the request the caller wrote.
+        loc = [str(p) for p in err.get("loc", ())
+               if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
         if err.get("type") == "extra_forbidden":
