@@ -17,8 +17,9 @@ AsyncLLM: dropping the last reference to the engine shuts the core down.
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _OutputState:
@@ -45,6 +48,8 @@ class _OutputState:
     has_requests: asyncio.Event | None = None
     dead: BaseException | None = None
     last_scheduler_stats: SchedulerStats = field(default_factory=SchedulerStats)
+    # Called with every step's stats (vLLM's stat loggers; the server's /metrics is one).
+    stat_loggers: list[Callable[[SchedulerStats], None]] = field(default_factory=list)
 
 
 async def _output_handler(state: _OutputState) -> None:
@@ -58,6 +63,11 @@ async def _output_handler(state: _OutputState) -> None:
             outs = await client.get_output_async()
             if outs.scheduler_stats is not None:
                 state.last_scheduler_stats = outs.scheduler_stats
+                for log in state.stat_loggers:
+                    try:
+                        log(outs.scheduler_stats)
+                    except Exception:  # a broken logger must not take the engine down
+                        logger.exception("stat logger %r failed", log)
             request_outputs, to_abort = op.process_outputs(outs.outputs, stream=True)
             for ro in request_outputs:
                 q = state.queues.get(ro.request_id)
@@ -92,9 +102,11 @@ def _shutdown(client: EngineCoreClient, handler: list[asyncio.Task]) -> None:
 
 
 class AsyncLLM:
-    """`AsyncLLM(model=None, dtype=None, **engine_args)`, with the engine arguments of `LLM`."""
+    """`AsyncLLM(model=None, dtype=None, stat_loggers=None, **engine_args)`, with the engine
+    arguments of `LLM`; each stat logger is called with every step's SchedulerStats."""
 
     def __init__(self, model: str | Path | None = None, dtype: Any = None,
+                 stat_loggers: list[Callable[[SchedulerStats], None]] | None = None,
                  **engine_args: Any) -> None:
         args = self.engine_args = EngineArgs.from_user("AsyncLLM", model, dtype, engine_args)
         enable_compilation_cache()
@@ -113,7 +125,8 @@ class AsyncLLM:
             eos.add(self.tokenizer.eos_token_id)
         self.processor = Processor(self.tokenizer, info, frozenset(eos), args.max_n)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._state = _OutputState(client, self.output_processor)
+        self._state = _OutputState(client, self.output_processor,
+                                   stat_loggers=list(stat_loggers or ()))
         self._handler: list[asyncio.Task] = []  # shared with the finalizer
         self._request_index = 0
         self._finalizer = weakref.finalize(self, _shutdown, client, self._handler)

@@ -1,4 +1,5 @@
-"""`jaxllm bench throughput | latency | sweep`: vLLM-style benchmarks with a same-run baseline.
+"""`jaxllm bench throughput | latency | sweep | serve`: vLLM-style benchmarks (`serve`: against a
+running `jaxllm serve`, see jaxllm/benchmarks/serve.py; the others with a same-run baseline).
 
 Every run can put its numbers next to two references measured in the same process:
   - `--compare-hf`: the same token ids through Hugging Face transformers' batched `generate`
@@ -45,6 +46,12 @@ def _run_sweep(args: argparse.Namespace) -> int:
     from jaxllm.benchmarks.sweep import cmd_sweep
 
     return cmd_sweep(args)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from jaxllm.benchmarks.serve import cmd_bench_serve
+
+    return cmd_bench_serve(args)
 
 
 # --- argument parsing -------------------------------------------------------------------------
@@ -110,6 +117,33 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
                    "seeded with temperature 0.8, top_k 50, top_p 0.9")
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    # A client of a running server: no engine options.
+    p.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", default="/v1/completions",
+                   choices=("/v1/completions", "/v1/chat/completions"))
+    p.add_argument("--model", default=None, help="served model name (default: the server's)")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory for the workload (default: the embedded model's)")
+    p.add_argument("--dataset-name", default="random", choices=("random", "sharegpt"))
+    p.add_argument("--dataset-path", default=None, help="the sharegpt JSON / JSONL file")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="override each record's output length")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--output-json", default=None)
+
+
+
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench = subparsers.add_parser("bench", help="throughput / latency benchmarks",
                                   description=__doc__,
@@ -155,4 +189,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     sw.add_argument("--output-png", default=None, help="plot here (needs matplotlib)")
     _add_common_args(sw)
     sw.set_defaults(func=_run_sweep)
+
+    sv = sub.add_parser("serve", help="online serving: TTFT, TPOT, ITL against `jaxllm serve`",
+                        formatter_class=_HelpFormatter)
+    _add_serve_args(sv)
+    sv.set_defaults(func=_run_serve)
     return bench

@@ -1,5 +1,6 @@
-"""`jaxllm` command line: `jaxllm generate PROMPT...`, `jaxllm chat MESSAGE` and
-`jaxllm bench throughput | latency | sweep` (see jaxllm/benchmarks/)."""
+"""`jaxllm` command line: `jaxllm generate PROMPT...`, `jaxllm chat MESSAGE`, `jaxllm serve
+[MODEL]` (the OpenAI-compatible server) and `jaxllm bench throughput | latency | sweep | serve`
+(see jaxllm/benchmarks/)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.entrypoints.cli.benchmark import add_bench_parser
+from jaxllm.entrypoints.cli.serve import add_serve_parser
 from jaxllm.entrypoints.utils import enable_compilation_cache
 
 
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+    add_serve_parser(sub)
     add_bench_parser(sub)
     return parser
 

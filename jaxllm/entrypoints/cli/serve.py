@@ -1,0 +1,93 @@
+"""`jaxllm serve [MODEL]`: the OpenAI-compatible server (jaxllm/entrypoints/openai/), with
+vLLM's flags. Unlike vLLM it binds 127.0.0.1 unless --host says otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+
+from jaxllm.engine.arg_utils import EngineArgs
+
+API_KEY_ENV = "JAXLLM_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                       description=__doc__)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory, .gguf file or tiny-qwen2 (same as --model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (vLLM binds 0.0.0.0; we do only when asked)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: MODEL as given, or the "
+                        "embedded model's name)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set "
+                        f"{API_KEY_ENV})")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body; larger ones get 413 (default: 4 MiB)")
+    p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM, seconds running requests get to finish before they are "
+                        "aborted (default: 10)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from jaxllm.benchmarks.tiny_model import resolve_model
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.openai.api_server import build_app, make_state
+    from jaxllm.entrypoints.openai.metrics import ServerMetrics
+    from jaxllm.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("jaxllm.server")
+    if args.model_tag is not None and args.model is not None \
+            and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    tag = args.model_tag or args.model
+    if args.skip_tokenizer_init:
+        raise ValueError("the server needs the tokenizer (drop --skip-tokenizer-init)")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+    engine_args = EngineArgs.from_cli_args(args, model=resolve_model(tag))
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    kw = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)}
+    name = args.served_model_name or tag or DEFAULT_MODEL_NAME
+    metrics = ServerMetrics(name)
+    engine = AsyncLLM(stat_loggers=[metrics.record_stats], **kw)
+    pid = getattr(engine.engine_core, "core_pid", None)
+    if pid is not None:
+        log.info("engine core process pid %d", pid)
+    state = make_state(engine, name, str(engine_args.model or engine.core_info.model_name),
+                       metrics, args.max_request_bytes)
+    app = build_app(state, api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+                            lifespan="off")
+    # uvicorn raises the signal that stopped it again once it has shut down gracefully; with
+    # the default handler that would end the process by SIGTERM instead of exit code 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown()
+    log.info("server stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    from jaxllm.entrypoints.cli.main import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -1,0 +1,99 @@
+"""Prometheus metrics for `GET /metrics`, with vLLM's names under our prefix.
+
+Two feeds: the core's SchedulerStats of every step (AsyncLLM's stat loggers: running and
+waiting requests, KV usage, prefix-cache lookups, preemptions) and each request as it ends in the
+server (prompt and generation tokens, TTFT, TPOT, end-to-end latency, finish reason). Counting
+tokens per served request makes the counters move by exactly what the responses report.
+A registry per server, not prometheus_client's global one: several servers can live in one
+process (tests) without clashing names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from jaxllm.engine import SchedulerStats
+from jaxllm.outputs import RequestMetrics
+
+PREFIX = "jaxllm:"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = reg = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=reg).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Sequences in the core's running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate",
+                                     "Prefix-cache hits / queries since start.")
+        self.preemptions = counter("num_preemptions", "Preempted sequences.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of served requests.")
+        self.generation_tokens = counter("generation_tokens",
+                                         "Generated tokens of served requests.")
+        self.success = Counter(PREFIX + "request_success", "Requests that ended, by reason.",
+                               ["model_name", "finished_reason"], registry=reg)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
+                              _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              _TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last output.",
+                             _LATENCY_BUCKETS)
+        self._queries = self._hits = 0
+
+    def record_stats(self, stats: SchedulerStats) -> None:
+        """A stat logger for AsyncLLM: called with every step's stats."""
+        self.running.set(stats.num_running_reqs)
+        self.waiting.set(stats.num_waiting_reqs)
+        self.kv_usage.set(stats.kv_cache_usage)
+        if stats.prefix_cache_queries:
+            self.prefix_queries.inc(stats.prefix_cache_queries)
+            self.prefix_hits.inc(stats.prefix_cache_hits)
+            self._queries += stats.prefix_cache_queries
+            self._hits += stats.prefix_cache_hits
+            self.prefix_hit_rate.set(self._hits / self._queries)
+        if stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
+
+    def record_kv_blocks(self, free: int, usable: int) -> None:
+        """The pool as it is now (asked at scrape time: no step runs when the engine is idle,
+        so the last step's numbers could be stale)."""
+        self.kv_usage.set(0.0 if usable <= 0 else 1.0 - free / usable)
+
+    def record_request(self, num_prompt: int, num_generated: int,
+                       times: RequestMetrics | None, finish_reason: str | None) -> None:
+        self.prompt_tokens.inc(num_prompt)
+        self.generation_tokens.inc(num_generated)
+        self.success.labels(self.model_name, finish_reason or "abort").inc()
+        if times is None or times.first_token_time is None:
+            return
+        self.ttft.observe(max(times.first_token_time - times.arrival_time, 0.0))
+        if times.finished_time is not None:
+            self.e2e.observe(max(times.finished_time - times.arrival_time, 0.0))
+            if num_generated > 1:
+                self.tpot.observe(max(times.finished_time - times.first_token_time, 0.0)
+                                  / (num_generated - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

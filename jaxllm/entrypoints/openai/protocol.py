@@ -1,0 +1,150 @@
+"""Request bodies of the OpenAI-compatible server (pydantic models) and its error type.
+
+Requests are validated strictly: a wrong type is a 400 naming the field, never a silent coercion
+("5" is no integer), and a field we do not implement is a 400 naming it, never silently ignored.
+Responses are built as plain dicts in the serving modules: OpenAI's exact field layout, no
+second schema to keep in step.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jaxllm.sampling_params import MAX_LOGPROBS
+
+# OpenAI parameters that exist but that we do not implement: refused by name.
+UNSUPPORTED_COMPLETION = ("best_of", "echo", "suffix", "prompt_logprobs", "guided_json",
+                          "response_format")
+UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+                    "response_format", "audio", "modalities", "prediction", "reasoning_effort",
+                    "web_search_options", "store", "metadata", "service_tier", "echo",
+                    "best_of", "guided_json")
+
+
+class APIError(Exception):
+    """An error with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             413: "RequestTooLargeError", 500: "InternalServerError",
+             503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.err_type = err_type or self.TYPES.get(status, "BadRequestError")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
+                          "code": self.status}}
+
+
+# Integers that travel to the core process must fit its 64-bit wire format.
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """What completions and chat share: the sampling parameters, OpenAI's and vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: Int64 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's own logs; nothing to do here
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None)
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def parse_request(model: type[BaseModel], body: Any,
+                  unsupported: tuple[str, ...] = ()) -> Any:
+    """A JSON body -> `model`, or an APIError(400) naming the offending parameter."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got "
+                            f"{type(body).__name__}")
+    for name in unsupported:
+        if name in body and body[name] is not None:
+            raise APIError(400, f"parameter {name!r} is not supported by this server", name)
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        # pydantic names the union member that failed ("str", "list[int]") in the location:
+        # not a part of the request the caller wrote.
+        loc = [str(p) for p in err.get("loc", ())
+               if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        if err.get("type") == "extra_forbidden":
+            msg = f"parameter {where!r} is not supported by this server"
+        else:
+            msg = f"invalid value for {where!r}: {err.get('msg')} (got {err.get('input')!r:.200})"
+        raise APIError(400, msg, param) from None
+
+
+def check_logprobs(value: int | None, name: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)

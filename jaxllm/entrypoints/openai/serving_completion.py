@@ -1,0 +1,142 @@
+"""`POST /v1/completions`: one prompt (text or token ids) or a list of them, `n` choices each,
+streamed as OpenAI's `text_completion` chunks or returned whole. Choice i*n + j is prompt i's
+j-th sequence, as OpenAI numbers them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from jaxllm.entrypoints.openai.protocol import (
+    UNSUPPORTED_COMPLETION,
+    APIError,
+    CompletionRequest,
+    check_logprobs,
+    parse_request,
+)
+from jaxllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    TokenizedPrompt,
+    merge,
+    now,
+    random_id,
+    sse,
+)
+from jaxllm.outputs import Logprob
+
+_MIN_LOGPROB = -9999.0  # OpenAI's floor; JSON has no -inf
+
+
+class CompletionLogprobs:
+    """The legacy completions logprobs of one choice: tokens, token_logprobs, top_logprobs and
+    text_offset (each token's character offset in the choice's text), built chunk by chunk."""
+
+    def __init__(self, serving: OpenAIServing, num_top: int) -> None:
+        self.serving = serving
+        self.num_top = num_top
+        self.ids: list[int] = []
+
+    def add(self, token_ids: list[int], rows: list[dict[int, Logprob]] | None
+            ) -> dict[str, Any]:
+        tok = self.serving.tokenizer
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+        for tid, row in zip(token_ids, rows or [], strict=False):
+            # The offset is where the text decoded so far ends (a partial character counts as
+            # the one U+FFFD the decode shows for it).
+            out["text_offset"].append(len(tok.decode(self.ids)) if self.ids else 0)
+            self.ids.append(tid)
+            out["tokens"].append(self.serving.token_info(tid)[0])
+            lp = row.get(tid)
+            out["token_logprobs"].append(None if lp is None else max(lp.logprob, _MIN_LOGPROB))
+            top = {}
+            for t, p in row.items():
+                if t == tid or (p.rank is not None and p.rank <= self.num_top):
+                    top[self.serving.token_info(t)[0]] = max(p.logprob, _MIN_LOGPROB)
+            out["top_logprobs"].append(top)
+        return out
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, body: Any) -> dict[str, Any] | AsyncGenerator[str, None]:
+        req: CompletionRequest = parse_request(CompletionRequest, body, UNSUPPORTED_COMPLETION)
+        self.check_model(req.model)
+        check_logprobs(req.logprobs, "logprobs")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true",
+                           "stream_options")
+        prompts = self._prompts(req.prompt)
+        tokenized = [self.tokenize(p) for p in prompts]
+        params = [self.sampling_params(req, req.max_tokens, len(t.token_ids), req.logprobs,
+                                       req.stream) for t in tokenized]
+        request_id = random_id("cmpl")
+        created = now()
+        gens = [self.generate(t, p, f"{request_id}-{i}")
+                for i, (t, p) in enumerate(zip(tokenized, params, strict=True))]
+        if req.stream:
+            return self._stream(req, request_id, created, tokenized, gens)
+        return await self._full(req, request_id, created, tokenized, gens)
+
+    @staticmethod
+    def _prompts(prompt: Any) -> list[str | list[int]]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    async def _full(self, req: CompletionRequest, request_id: str, created: int,
+                    tokenized: list[TokenizedPrompt], gens: list) -> dict[str, Any]:
+        n = req.n
+        choices: list[dict[str, Any] | None] = [None] * (len(gens) * n)
+        num_completion = 0
+        async for i, out in merge(gens):
+            for c in out.outputs:
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = CompletionLogprobs(self, req.logprobs).add(c.token_ids,
+                                                                          c.logprobs)
+                num_completion += len(c.token_ids)
+                choices[i * n + c.index] = {
+                    "index": i * n + c.index, "text": c.text, "logprobs": logprobs,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        num_prompt = sum(len(t.token_ids) for t in tokenized)
+        return {"id": request_id, "object": "text_completion", "created": created,
+                "model": self.model_name, "choices": choices,
+                "usage": self.usage(num_prompt, num_completion)}
+
+    async def _stream(self, req: CompletionRequest, request_id: str, created: int,
+                      tokenized: list[TokenizedPrompt], gens: list
+                      ) -> AsyncGenerator[str, None]:
+        n = req.n
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        logprobs = [CompletionLogprobs(self, req.logprobs) for _ in range(len(gens) * n)] \
+            if req.logprobs is not None else None
+        num_completion = 0
+        base = {"id": request_id, "object": "text_completion", "created": created,
+                "model": self.model_name}
+        try:
+            async for i, out in merge(gens):
+                for c in out.outputs:
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    index = i * n + c.index
+                    num_completion += len(c.token_ids)
+                    lp = None if logprobs is None else logprobs[index].add(c.token_ids,
+                                                                           c.logprobs)
+                    chunk = {**base, "choices": [{
+                        "index": index, "text": c.text, "logprobs": lp,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+            if include_usage:
+                num_prompt = sum(len(t.token_ids) for t in tokenized)
+                yield sse({**base, "choices": [],
+                           "usage": self.usage(num_prompt, num_completion)})
+        except APIError as e:
+            # The status line is sent: the error travels as an event, as vLLM sends it.
+            yield sse(e.body())
+        yield sse("[DONE]")

@@ -1,0 +1,224 @@
+"""What the completions and chat endpoints share: the model-name check, prompt tokenizing with
+the max_model_len check, request -> SamplingParams, generation with metrics and clean errors,
+logprob token strings, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from jaxllm.engine import EngineDeadError
+from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.entrypoints.openai.metrics import ServerMetrics
+from jaxllm.entrypoints.openai.protocol import APIError
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class TokenizedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event, as OpenAI frames them."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
+                                                            separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte is a printable character in token
+    strings; this is its inverse."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_OF = _unicode_to_byte()
+_SAMPLING_PARAM = re.compile(r"SamplingParams\.(\w+)")
+
+
+def token_text_and_bytes(tokenizer: Any, token_id: int, added: set[int]) -> tuple[str, bytes]:
+    """A token's string and raw bytes for logprobs. A token that is not whole UTF-8 on its own
+    (part of a character) is written `bytes:\\xe4\\xb8` (its bytes in hex), as OpenAI and vLLM
+    write it; its `bytes` are the raw ones either way. `added`: the tokenizer's added-token ids
+    (special tokens), whose strings are their text, not byte-level symbols."""
+    tok = tokenizer.convert_ids_to_tokens(token_id)
+    if tok is None:
+        raw = b""
+    elif token_id in added or any(c not in _BYTE_OF for c in tok):
+        raw = tok.encode("utf-8")
+    else:
+        raw = bytes(_BYTE_OF[c] for c in tok)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text, raw
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_name: str,
+                 metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.core_info.max_model_len
+        self.metrics = metrics
+        self._token_cache: dict[int, tuple[str, bytes]] = {}
+        self._added = set(getattr(self.tokenizer, "added_tokens_decoder", {}) or {})
+
+    # --- validation ---------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        # As vLLM: a request may leave the model out; a different name is a 404.
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.model_name}`", "model", "NotFoundError")
+
+    def tokenize(self, prompt: str | list[int]) -> TokenizedPrompt:
+        """Token ids for a text or token-id prompt, validated by the engine's processor."""
+        value: Any = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        try:
+            p = self.engine.processor.process_prompt(value)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+        return TokenizedPrompt(p.prompt, p.prompt_token_ids)
+
+    def sampling_params(self, req: Any, max_tokens: int | None, num_prompt_tokens: int,
+                        logprobs: int | None, stream: bool) -> SamplingParams:
+        """The request's SamplingParams; as vLLM's server (not the offline LLM, which clamps),
+        a prompt plus max_tokens over max_model_len is a 400 naming the numbers."""
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            max_tokens = room
+        elif not isinstance(max_tokens, bool) and isinstance(max_tokens, int) \
+                and max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is "
+                                f"{self.max_model_len} tokens. However, you requested "
+                                f"{num_prompt_tokens + max_tokens} tokens "
+                                f"({num_prompt_tokens} in the prompt, {max_tokens} for the "
+                                f"completion). Please reduce the prompt or max_tokens.",
+                           "max_tokens")
+        kw: dict[str, Any] = dict(
+            n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+            logprobs=logprobs, logit_bias=req.logit_bias,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(req, name)
+            if value is not None:
+                kw[name] = value
+        try:
+            params = SamplingParams(**kw)
+            self.engine.processor.check_params(params)
+        except ValueError as e:
+            m = _SAMPLING_PARAM.search(str(e))
+            param = m.group(1) if m else None
+            if param is None and "logit_bias" in str(e):
+                param = "logit_bias"
+            raise APIError(400, str(e), param) from None
+        return params
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def generate(self, prompt: TokenizedPrompt, params: SamplingParams,
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """engine.generate with the server's error mapping and per-request metrics."""
+        engine_prompt = {"prompt_token_ids": prompt.token_ids}
+        if prompt.text is not None:
+            engine_prompt["prompt"] = prompt.text
+        num_generated = 0
+        last: RequestOutput | None = None
+        reason: str | None = "abort"
+        try:
+            async for out in self.engine.generate(engine_prompt, params, request_id):
+                last = out
+                num_generated += sum(len(c.token_ids) for c in out.outputs)
+                if out.finished:
+                    reason = next((c.finish_reason for c in out.outputs if c.finish_reason),
+                                  "stop")
+                yield out
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is dead and cannot serve requests: {e}",
+                           None, "EngineDeadError") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        finally:
+            if self.metrics is not None:
+                self.metrics.record_request(len(prompt.token_ids), num_generated,
+                                            last.metrics if last else None, reason)
+
+    # --- logprobs -----------------------------------------------------------------------------
+
+    def token_info(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._token_cache.get(token_id)
+        if hit is None:
+            hit = self._token_cache[token_id] = token_text_and_bytes(self.tokenizer, token_id,
+                                                                     self._added)
+        return hit
+
+    def usage(self, num_prompt: int, num_completion: int) -> dict[str, int]:
+        return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                "total_tokens": num_prompt + num_completion}
+
+
+async def merge(gens: list[AsyncIterator[Any]]) -> AsyncGenerator[tuple[int, Any], None]:
+    """Items of several async iterators as they come, tagged with the iterator's index. An
+    error in one ends the merge with it; leaving early cancels (and so aborts) the rest."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncIterator[Any]) -> None:
+        try:
+            async for item in gen:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as e:  # noqa: B036 - handed to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,178 @@
+"""A `jaxllm serve` subprocess for tests (loopback only, a free port, bounded waits, stopped
+with SIGTERM, then SIGKILL, by the caller's fixture), and helpers to talk to it: raw HTTP,
+/metrics values, stream collection, the catalogue of bad requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: bytes | dict | None = None,
+         headers: dict[str, str] | None = None, timeout: float = 60.0
+         ) -> tuple[int, bytes]:
+    """(status, body) of one request, errors included (urllib raises on 4xx/5xx)."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(ROOT), full_env.get("PYTHONPATH")) if p)
+        full_env.update(env or {})
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxllm.entrypoints.cli.main", "serve", *args,
+             "--host", "127.0.0.1", "--port", str(self.port), "--uvicorn-log-level", "warning"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
+        self.wait_healthy()
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if http("GET", self.url + "/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the server did not become healthy in {timeout} s:\n"
+                           f"{self.log_tail()}")
+
+    def core_pid(self) -> int:
+        """The engine core child (found among the server's children, no debug endpoint)."""
+        import psutil
+
+        for child in psutil.Process(self.proc.pid).children():
+            if "jaxllm.engine.core_proc" in " ".join(child.cmdline()):
+                return child.pid
+        raise RuntimeError("no engine core child process")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait (SIGKILL after `timeout`); the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def metric(server, name: str, labels: str = "") -> float:
+    status, body = http("GET", server.url + "/metrics")
+    assert status == 200
+    pat = re.compile(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", re.M)
+    total = 0.0
+    for lab, value in pat.findall(body.decode()):
+        if labels in lab:
+            total += float(value)
+    return total
+
+
+def stream_text(stream) -> tuple[dict[int, str], dict[int, str], object]:
+    """(text per choice, finish_reason per choice, usage) of a completions stream."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+def bad_requests(max_model_len: int) -> list[tuple[str, str, bytes | dict, int, str | None]]:
+    """(what, path, body, expected status, expected error param) of bad requests."""
+    c, ch = "/v1/completions", "/v1/chat/completions"
+    ok = {"model": "tiny-qwen2", "prompt": "hi", "max_tokens": 2}
+    long_prompt = list(range(1000, 1000 + max_model_len + 4))
+    return [
+        ("malformed JSON", c, b'{"prompt": "hi",', 400, None),
+        ("not an object", c, b'[1, 2]', 400, None),
+        ("NaN", c, b'{"prompt": "hi", "temperature": NaN}', 400, None),
+        ("string max_tokens", c, {**ok, "max_tokens": "5"}, 400, "max_tokens"),
+        ("string temperature", c, {**ok, "temperature": "hot"}, 400, "temperature"),
+        ("float n", c, {**ok, "n": 1.5}, 400, "n"),
+        ("bool max_tokens", c, {**ok, "max_tokens": True}, 400, "max_tokens"),
+        ("unknown model", c, {**ok, "model": "gpt-4"}, 404, "model"),
+        ("negative max_tokens", c, {**ok, "max_tokens": -3}, 400, "max_tokens"),
+        ("zero max_tokens", c, {**ok, "max_tokens": 0}, 400, "max_tokens"),
+        ("huge max_tokens", c, {**ok, "max_tokens": 10**12}, 400, "max_tokens"),
+        ("over-long prompt", c, {**ok, "prompt": long_prompt}, 400, "prompt"),
+        ("prompt + max_tokens too long", c,
+         {**ok, "prompt": long_prompt[:max_model_len - 10], "max_tokens": 20}, 400,
+         "max_tokens"),
+        ("token id outside the vocabulary", c, {**ok, "prompt": [10**7]}, 400, "prompt"),
+        ("empty prompt", c, {**ok, "prompt": ""}, 400, "prompt"),
+        ("bad logit_bias key", c, {**ok, "logit_bias": {"abc": 1.0}}, 400, "logit_bias"),
+        ("negative logit_bias key", c, {**ok, "logit_bias": {"-5": 1.0}}, 400, "logit_bias"),
+        ("logit_bias key outside the vocabulary", c, {**ok, "logit_bias": {"99999999": 1.0}},
+         400, "logit_bias"),
+        ("unsupported echo", c, {**ok, "echo": True}, 400, "echo"),
+        ("unsupported best_of", c, {**ok, "best_of": 2}, 400, "best_of"),
+        ("unknown parameter", c, {**ok, "frobnicate": 1}, 400, "frobnicate"),
+        ("logprobs too many", c, {**ok, "logprobs": 50}, 400, "logprobs"),
+        ("top_p out of range", c, {**ok, "top_p": 1.5}, 400, "top_p"),
+        ("seed over 64 bits", c, {**ok, "seed": 2**70}, 400, "seed"),
+        ("negative seed", c, {**ok, "seed": -5}, 400, "seed"),
+        ("top_k over 64 bits", c, {**ok, "top_k": 2**64}, 400, "top_k"),
+        ("stop of the wrong type", c, {**ok, "stop": [1]}, 400, "stop"),
+        ("greedy n > 1", c, {**ok, "temperature": 0, "n": 2}, 400, "n"),
+        ("stream_options without stream", c, {**ok, "stream_options": {"include_usage": True}},
+         400, "stream_options"),
+        ("missing prompt", c, {"model": "tiny-qwen2"}, 400, "prompt"),
+        ("unsupported tools", ch, {"messages": [{"role": "user", "content": "hi"}],
+                                   "tools": []}, 400, "tools"),
+        ("unsupported response_format", ch, {"messages": [{"role": "user", "content": "hi"}],
+                                             "response_format": {"type": "json_object"}},
+         400, "response_format"),
+        ("bad role", ch, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+        ("no messages", ch, {"messages": []}, 400, "messages"),
+        ("image part", ch, {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+        ("10 MB body", c, b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, None),
+    ]
