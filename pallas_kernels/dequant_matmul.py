@@ -9,7 +9,8 @@ formed in registers from its int8 value: the weight is read from memory as one b
 Numbers: the dequantized weight is rounded to the activation dtype (a no-op for float32, the
 tensor cores' operand for bfloat16), products and sums are float32, the result is `out_dtype`
 (default: x's). The sum order is the kernel's, so results match the reference to rounding, not
-bit for bit.
+bit for bit. (In interpret mode XLA on CPU may skip the weight's rounding to bfloat16, as its
+`xla_allow_excess_precision` lets it; Triton rounds as written.)
 
 Two Triton kernels, picked by the row count M (static):
   "gemv" (M < 16, decode): one program per tile of BN output features holds a dequantized
@@ -39,13 +40,17 @@ from pallas_kernels.common import check_backend, next_pow2
 # Triton's smallest dot tile has 16 rows: fewer rows run the GEMV kernel.
 GEMM_MIN_ROWS = 16
 # GEMV: elements of the [BN, BK] weight tile one program dequantizes per K step. The int8
-# values, their gathered scales / offsets and the float32 tile each cost this / (32 x warps)
-# registers per thread; 2048 over 4 warps keeps the kernel far from spilling (check_compile).
-_GEMV_TILE_ELEMS = 2048
+# values, their gathered scales / offsets (a 64-bit pointer per lane each) and the float32 tile
+# each cost this / (32 x warps) registers per thread: 1024 over 4 warps compiles to 48-59
+# registers with no spills at every Qwen2.5 shape (2048 spilled 4 bytes at some; check_compile).
+_GEMV_TILE_ELEMS = 1024
 # An H100 has 132 SMs: the GEMV narrows BN (down to _GEMV_MIN_BN; it has no dot, so no
 # 16-row minimum) before leaving them idle.
 _MIN_PROGRAMS = 264
 _GEMV_MIN_BN = 4
+# Interpret mode: output-column tiles at most. Each interpreted program copies whole arrays
+# (the refs are unblocked), so the narrow GPU tiles made a tiny model's decode step ~5 s.
+_INTERPRET_MAX_COL_TILES = 8
 
 
 # --------------------------------------------------------------------------- reference
@@ -145,37 +150,47 @@ def _gemm_kernel(*refs, has_offset: bool, group: int, block_m: int, block_n: int
     plgpu.store(o_ref.at[idx], acc.astype(o_ref.dtype), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-def launch_config(m: int, n: int, k: int, dtype) -> dict[str, int]:
+def launch_config(m: int, n: int, k: int, dtype, interpret: bool = False) -> dict[str, int]:
     """Tile sizes, warps and stages of the kernel for M rows, N outputs, K inputs.
 
-    GEMV: BK up to 256, BN = 2048 / BK, narrowed towards _GEMV_MIN_BN while that leaves
-    fewer than _MIN_PROGRAMS programs, 8 warps (with 4 the gathered scale / offset pointers,
-    64-bit each, took 128 registers). GEMM: bfloat16 takes 64 x 64 x 64 tensor-core tiles
+    GEMV: BK up to 256, BN = 1024 / BK, narrowed towards _GEMV_MIN_BN while that leaves
+    fewer than _MIN_PROGRAMS programs, 4 warps, 1 stage (2 changed neither registers nor
+    spills). GEMM: bfloat16 takes 64 x 64 x 64 tensor-core tiles
     over 4 warps (BM 16 or 32 for smaller buckets); float32 FMA dots keep each thread's operand
     rows in registers over BK (see paged_attention._launch_config), so they take 32 x 32 x 32
-    tiles over 8 warps (4 spilled 4-8 bytes with offsets). No case of check_compile spills
-    (BENCHMARKS.md has the table)."""
+    tiles over 8 warps (4 spilled 4-8 bytes with offsets); both narrow BN down to 16 while
+    there are fewer than _MIN_PROGRAMS programs. No case of check_compile spills
+    (BENCHMARKS.md has the table). `interpret`: the same tiles, except BN is not narrowed for
+    the SMs and is widened to at most _INTERPRET_MAX_COL_TILES column tiles."""
     if m < GEMM_MIN_ROWS:
         block_k = min(next_pow2(k), 256)
         block_n = max(_GEMV_MIN_BN, _GEMV_TILE_ELEMS // block_k)
-        while block_n > _GEMV_MIN_BN and pl.cdiv(n, block_n) < _MIN_PROGRAMS:
+        while not interpret and block_n > _GEMV_MIN_BN and pl.cdiv(n, block_n) < _MIN_PROGRAMS:
             block_n //= 2
-        return dict(block_n=min(block_n, next_pow2(n)), block_k=block_k, num_warps=8,
-                    num_stages=2)
-    if jnp.dtype(dtype) == jnp.float32:
-        tile_m, block_n, block_k, num_warps = 32, 32, 32, 8
+        cfg = dict(block_n=block_n, block_k=block_k, num_warps=4, num_stages=1)
     else:
-        tile_m, block_n, block_k, num_warps = 64, 64, 64, 4
-    block_m = min(tile_m, next_pow2(m))
-    return dict(block_m=block_m, block_n=block_n, block_k=min(block_k, max(16, next_pow2(k))),
-                num_warps=num_warps, num_stages=2)
+        if jnp.dtype(dtype) == jnp.float32:
+            tile_m, block_n, block_k, num_warps = 32, 32, 32, 8
+        else:
+            tile_m, block_n, block_k, num_warps = 64, 64, 64, 4
+        block_m = min(tile_m, next_pow2(m))
+        # A decode bucket (one row tile) narrows its column tiles to spread over the SMs.
+        while not interpret and block_n > 16 \
+                and pl.cdiv(n, block_n) * pl.cdiv(m, block_m) < _MIN_PROGRAMS:
+            block_n //= 2
+        cfg = dict(block_m=block_m, block_n=block_n, block_k=min(block_k, max(16, next_pow2(k))),
+                   num_warps=num_warps, num_stages=2)
+    while interpret and pl.cdiv(n, cfg["block_n"]) > _INTERPRET_MAX_COL_TILES:
+        cfg["block_n"] *= 2
+    cfg["block_n"] = min(cfg["block_n"], max(_GEMV_MIN_BN, next_pow2(n)))
+    return cfg
 
 
 def _dequant_matmul_pallas(x, qweight, scale, offset, out_dtype, interpret: bool):
     m, k = x.shape
     n = qweight.shape[0]
     group = k // scale.shape[1]
-    cfg = launch_config(m, n, k, x.dtype)
+    cfg = launch_config(m, n, k, x.dtype, interpret)
     has_offset = offset is not None
     common = dict(has_offset=has_offset, group=group, block_n=cfg["block_n"],
                   block_k=cfg["block_k"])
