@@ -136,8 +136,9 @@ def _dequant_cases(phase: Phase, dtype) -> list[Case]:
         return jax.jit(lambda x, q, s, o: dequant_matmul(x, q, s, o, backend=b))
 
     cases = []
-    for name, rows in (("dequant_matmul", phase.tokens), ("dequant_gemv", 1)):
-        if name == "dequant_gemv" and phase.name != "decode":
+    # "_m1": one row whatever the phase's token count (the shape column shows the phase's).
+    for name, rows in (("dequant_matmul", phase.tokens), ("dequant_gemv_m1", 1)):
+        if rows == 1 and phase.name != "decode":
             continue
         x = _rng_array(9, (rows, k), dtype)
         nbytes = _nbytes(qweight, scale, offset) + rows * (k + n) * jnp.dtype(dtype).itemsize
