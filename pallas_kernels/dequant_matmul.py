@@ -48,9 +48,6 @@ _GEMV_TILE_ELEMS = 1024
 # 16-row minimum) before leaving them idle.
 _MIN_PROGRAMS = 264
 _GEMV_MIN_BN = 4
-# Interpret mode: output-column tiles at most. Each interpreted program copies whole arrays
-# (the refs are unblocked), so the narrow GPU tiles made a tiny model's decode step ~5 s.
-_INTERPRET_MAX_COL_TILES = 8
 
 
 # --------------------------------------------------------------------------- reference
@@ -150,7 +147,7 @@ def _gemm_kernel(*refs, has_offset: bool, group: int, block_m: int, block_n: int
     plgpu.store(o_ref.at[idx], acc.astype(o_ref.dtype), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-def launch_config(m: int, n: int, k: int, dtype, interpret: bool = False) -> dict[str, int]:
+def launch_config(m: int, n: int, k: int, dtype) -> dict[str, int]:
     """Tile sizes, warps and stages of the kernel for M rows, N outputs, K inputs.
 
     GEMV: BK up to 256, BN = 1024 / BK, narrowed towards _GEMV_MIN_BN while that leaves
@@ -160,12 +157,11 @@ def launch_config(m: int, n: int, k: int, dtype, interpret: bool = False) -> dic
     rows in registers over BK (see paged_attention._launch_config), so they take 32 x 32 x 32
     tiles over 8 warps (4 spilled 4-8 bytes with offsets); both narrow BN down to 16 while
     there are fewer than _MIN_PROGRAMS programs. No case of check_compile spills
-    (BENCHMARKS.md has the table). `interpret`: the same tiles, except BN is not narrowed for
-    the SMs and is widened to at most _INTERPRET_MAX_COL_TILES column tiles."""
+    (BENCHMARKS.md has the table). Interpret mode runs the same tiles."""
     if m < GEMM_MIN_ROWS:
         block_k = min(next_pow2(k), 256)
         block_n = max(_GEMV_MIN_BN, _GEMV_TILE_ELEMS // block_k)
-        while not interpret and block_n > _GEMV_MIN_BN and pl.cdiv(n, block_n) < _MIN_PROGRAMS:
+        while block_n > _GEMV_MIN_BN and pl.cdiv(n, block_n) < _MIN_PROGRAMS:
             block_n //= 2
         cfg = dict(block_n=block_n, block_k=block_k, num_warps=4, num_stages=1)
     else:
@@ -175,13 +171,10 @@ def launch_config(m: int, n: int, k: int, dtype, interpret: bool = False) -> dic
             tile_m, block_n, block_k, num_warps = 64, 64, 64, 4
         block_m = min(tile_m, next_pow2(m))
         # A decode bucket (one row tile) narrows its column tiles to spread over the SMs.
-        while not interpret and block_n > 16 \
-                and pl.cdiv(n, block_n) * pl.cdiv(m, block_m) < _MIN_PROGRAMS:
+        while block_n > 16 and pl.cdiv(n, block_n) * pl.cdiv(m, block_m) < _MIN_PROGRAMS:
             block_n //= 2
         cfg = dict(block_m=block_m, block_n=block_n, block_k=min(block_k, max(16, next_pow2(k))),
                    num_warps=num_warps, num_stages=2)
-    while interpret and pl.cdiv(n, cfg["block_n"]) > _INTERPRET_MAX_COL_TILES:
-        cfg["block_n"] *= 2
     cfg["block_n"] = min(cfg["block_n"], max(_GEMV_MIN_BN, next_pow2(n)))
     return cfg
 
@@ -190,7 +183,7 @@ def _dequant_matmul_pallas(x, qweight, scale, offset, out_dtype, interpret: bool
     m, k = x.shape
     n = qweight.shape[0]
     group = k // scale.shape[1]
-    cfg = launch_config(m, n, k, x.dtype, interpret)
+    cfg = launch_config(m, n, k, x.dtype)
     has_offset = offset is not None
     common = dict(has_offset=has_offset, group=group, block_n=cfg["block_n"],
                   block_k=cfg["block_k"])

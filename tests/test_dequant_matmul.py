@@ -48,10 +48,11 @@ def _assert_close(got, want, x, w, dtype) -> None:
 
 
 # (M, N, K, group, offset): M on both sides of GEMM_MIN_ROWS and ragged against every tile;
-# N not a multiple of any tile; K a multiple of the block but not of the K tile (160, 96).
-SHAPES = [(1, 72, 96, 32, True), (3, 40, 64, 16, False), (7, 100, 160, 16, True),
-          (16, 72, 96, 32, False), (17, 72, 96, 32, True), (33, 100, 160, 16, True),
-          (70, 40, 256, 32, False)]
+# N not a multiple of any tile (the GEMV's narrowest is 4); K a multiple of the block but not
+# of the K tile (160, 96).
+SHAPES = [(1, 70, 96, 32, True), (3, 38, 64, 16, False), (7, 102, 160, 16, True),
+          (16, 70, 96, 32, False), (17, 70, 96, 32, True), (33, 102, 160, 16, True),
+          (70, 38, 256, 32, False)]
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -70,6 +71,20 @@ def test_kernel_matches_reference(backend, dtype, m, n, k, group, with_offset, r
     # row of the batch, to rounding (the two sum in different orders).
     lone = dequant_matmul(x[m - 1:], *args[1:], backend=backend)
     _assert_close(lone, want[m - 1:], x[m - 1:], w, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_at_a_qwen_shape(m, rng):
+    """Qwen2.5-0.5B's fused q/k/v shape (N 1152, K 896, Q4_K-like blocks), bfloat16: the GEMV's
+    narrow columns and the GEMM's SM-filling narrowing at real sizes."""
+    n, k, group = 1152, 896, 32
+    q, scale, offset = _weights(rng, n, k, group, True)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    args = (x, jnp.asarray(q), jnp.asarray(scale), jnp.asarray(offset))
+    assert launch_config(m, n, k, jnp.bfloat16)["block_n"] == (4 if m < 16 else 16)
+    got = dequant_matmul(*args, backend="interpret")
+    w = gguf_repack.dequantize(gguf_repack.RepackedBlocks(q, scale, offset))
+    _assert_close(got, dequant_matmul(*args), x, w, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])

@@ -65,7 +65,8 @@ def test_greedy_tokens_match_reference_backend_and_hf(tiny_gguf, backend, rng):
     prompts = [rng.integers(0, 512, n).tolist() for n in (21, 6)]
     sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     kw = dict(model=str(path), quantization="gguf", skip_tokenizer_init=True,
-              max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, show_progress=False)
+              max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=32,
+              show_progress=False)
 
     def greedy(llm):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
