@@ -99,3 +99,35 @@ def test_bfloat16_activations_load_and_keep_weights_quantized(tiny_gguf):
     f32 = float32_weights(loaded.params)
     assert all(a is b for a, b in zip(_quantized(f32), q, strict=True))
     assert f32["layers_1"]["self_attn"]["o_proj"]["weight"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("prompts,kernel", [([[5]], "dequant_gemv"),
+                                            ([list(range(1, 21))], "dequant_gemm")])
+def test_model_lowers_for_cuda_with_the_kernel_on_every_quantized_weight(tiny_gguf, prompts,
+                                                                         kernel):
+    """With kernel_backend="pallas" a whole bfloat16 forward pass lowers for CUDA (no GPU
+    needed), every quantized matmul through the dequant kernel: one row takes the GEMV, 20 rows
+    the GEMM."""
+    from pallas_kernels.triton_compile import triton_kernels
+
+    path, _ = tiny_gguf
+    loaded = load_model(path, dtype=jnp.bfloat16, progress=False, quantization="gguf",
+                        kernel_backend="pallas")
+    model = Qwen2ForCausalLM(loaded.config, dtype=jnp.bfloat16, kernel_backend="pallas")
+    ids, pos, kv, md = prefill_inputs(loaded.config, prompts, dtype=jnp.bfloat16)
+    q_len = len(prompts[0])
+
+    def forward(params, ids, pos, kv, md):
+        return model.apply({"params": params, "rope": rope_variables(loaded.config)}, ids, pos,
+                           kv, md, max_query_len=q_len)
+
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                            (loaded.params, ids, pos, kv, md))
+    names = [k.name for k in triton_kernels(forward, abstract)]
+    # The lowered module holds each distinct kernel once: one per distinct quantized matmul
+    # (shape, block size, offsets or not), the embedding table being a gather.
+    matmuls = {(w.shape, w.block_size, w.offset is None)
+               for w in _quantized({**loaded.params, "embed_tokens": None})}
+    assert len(matmuls) > 3 and names.count(kernel) == len(matmuls), " ".join(names)
+    assert not [n for n in names if n.startswith("dequant") and n != kernel]
+    assert "paged_attention" in names  # the rest of the model is on the Pallas kernels too
