@@ -29,13 +29,22 @@ import numpy as np
 # checkout's pallas_kernels is the one imported.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels import paged_attention, rms_norm, rope, rope_cos_sin_cache, write_kv
+from pallas_kernels import (
+    dequant_matmul,
+    paged_attention,
+    rms_norm,
+    rope,
+    rope_cos_sin_cache,
+    write_kv,
+)
 
 # HBM bandwidth in GB/s by a substring of jax's device_kind (datasheet figures, SXM parts).
 GPU_PEAK_GBPS: dict[str, float] = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
 
 # Qwen2.5-0.5B.
-HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 896, 14, 2, 64
+HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE = 896, 14, 2, 64, 4864
+# GGUF block layout of the dequant matmul cases (Q4_K-like: 32 values, scale and offset).
+GGUF_GROUP = 32
 ROPE_THETA, EPS, BLOCK_SIZE = 1_000_000.0, 1e-6, 16
 
 
@@ -112,6 +121,28 @@ def _cases(phase: Phase, dtype) -> list[Case]:
          (q, k, positions, cache), 2 * _nbytes(q, k) + _nbytes(positions) + cs_bytes, False),
     ]
     cases += _paged_cases(phase, dtype, q, k, v)
+    cases += _dequant_cases(phase, dtype)
+    return cases
+
+
+def _dequant_cases(phase: Phase, dtype) -> list[Case]:
+    """The fused gate_up matmul on GGUF int8 blocks: the step's rows, and one row (the GEMV)."""
+    n, k = 2 * INTERMEDIATE, HIDDEN
+    qweight = jax.random.randint(jax.random.key(6), (n, k), -128, 128, jnp.int8)
+    scale = _rng_array(7, (n, k // GGUF_GROUP), jnp.float32) * 1e-3
+    offset = _rng_array(8, (n, k // GGUF_GROUP), jnp.float32) * 1e-3
+
+    def make(b):
+        return jax.jit(lambda x, q, s, o: dequant_matmul(x, q, s, o, backend=b))
+
+    cases = []
+    # "_m1": one row whatever the phase's token count (the shape column shows the phase's).
+    for name, rows in (("dequant_matmul", phase.tokens), ("dequant_gemv_m1", 1)):
+        if rows == 1 and phase.name != "decode":
+            continue
+        x = _rng_array(9, (rows, k), dtype)
+        nbytes = _nbytes(qweight, scale, offset) + rows * (k + n) * jnp.dtype(dtype).itemsize
+        cases.append((name, make, (x, qweight, scale, offset), nbytes, False))
     return cases
 
 

@@ -43,7 +43,8 @@ DTYPES: tuple = (jnp.bfloat16, jnp.float32)
 # decode: 64 sequences of one token each (context up to 4096);
 # prefill: 2048 tokens over 4 sequences. Each kernel module builds its own args from these.
 PHASES: tuple[str, ...] = ("decode", "prefill")
-KERNEL_MODULES: tuple[str, ...] = ("rms_norm", "rope", "paged_attention", "kv_write")
+KERNEL_MODULES: tuple[str, ...] = ("rms_norm", "rope", "paged_attention", "kv_write",
+                                  "dequant_matmul")
 
 # A Pallas Triton kernel appears in the lowered StableHLO as this custom call.
 _TRITON_CALL = "__gpu$xla.gpu.triton"

@@ -182,6 +182,16 @@ def matmul_cost(rows: int, k: int, n: int, dtype: str, bias: bool = False) -> Co
                 flops=2 * rows * k * n, peak=BF16_TENSOR_FLOPS if size == 2 else FP32_FLOPS)
 
 
+def dequant_matmul_cost(rows: int, n: int, k: int, group: int, offsets: bool,
+                        dtype: str) -> Cost:
+    """Reads x, the int8 weight and its per-block float32 scales (and offsets), writes y.
+    Tensor-core peak for bfloat16 GEMMs; the GEMV (< 16 rows) and float32 run on the FMA units."""
+    blocks = n * k // group * 4 * (2 if offsets else 1)
+    size = itemsize(dtype)
+    peak = BF16_TENSOR_FLOPS if dtype == "bfloat16" and rows >= 16 else FP32_FLOPS
+    return Cost(bytes=n * k + blocks + rows * (k + n) * size, flops=2 * rows * n * k, peak=peak)
+
+
 def silu_mul_cost(tokens: int, intermediate: int, dtype: str) -> Cost:
     """SiLU(gate) * up: reads 2 x intermediate, writes intermediate per token."""
     return Cost(bytes=3 * tokens * intermediate * itemsize(dtype), flops=6 * tokens * intermediate,
@@ -256,6 +266,12 @@ def case_cost(kernel: str, model, dtype: str, phase: str, grid: Sequence[int]) -
         cost = rope_cost(tokens, model.num_heads, model.num_kv_heads, model.head_dim, dtype)
     elif base == "write_kv":
         cost = write_kv_cost(tokens, model.num_kv_heads, model.head_dim, dtype)
+    elif base.startswith("dequant_"):
+        from pallas_kernels.dequant_matmul import LAYERS, matmul_shape
+
+        layer, rows = base.split("_", 2)[2].rsplit("_m", 1)
+        group, offsets = {name: (g, o) for name, g, o in LAYERS}[layer]
+        cost = dequant_matmul_cost(int(rows), *matmul_shape(model, layer), group, offsets, dtype)
     elif base.startswith("paged_attention_splitk_bs"):
         from pallas_kernels.split_k_decode import decode_num_splits
 

@@ -113,6 +113,12 @@ def test_case_shapes_match_the_lowering_cases() -> None:
         if case.module in ("rms_norm", "rope", "kv_write"):
             q = case.args[1] if case.module == "kv_write" else case.args[0]
             assert q.shape[0] == pm.CASE_TOKENS[case.phase], case
+        elif case.module == "dequant_matmul":  # rows and layer are in the case name
+            x, qweight = case.args[:2]
+            layer, rows = case.kernel.split("_", 2)[2].rsplit("_m", 1)
+            assert x.shape[0] == int(rows) and qweight.shape[1] == x.shape[1]
+            cost = pm.case_cost(case.kernel, MODEL_SHAPES[0], "bfloat16", case.phase, (1, 1, 1))
+            assert cost.flops == 2 * x.shape[0] * qweight.shape[0] * qweight.shape[1]
         elif case.kernel.startswith("paged_attention_splitk"):
             q, cache, tables = case.args[:3]
             assert q.shape[0] == tables.shape[0] == pm.SPLIT_K_CASE_SEQS

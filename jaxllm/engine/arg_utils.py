@@ -25,7 +25,9 @@ _HELP = {
     "kernel_backend": "pallas on GPU, reference on CPU when not given",
     "quantization": "gguf: keep a .gguf model's block weights quantized (int8 + per-block "
                     "scales, exactly its values) for fused dequant GEMVs in small decode "
-                    "buckets, float32 copies for larger ones; not given: dequantize to dtype",
+                    "buckets, float32 copies for larger ones (reference backend); with a "
+                    "Pallas backend every matmul runs the fused dequant kernel on them; not "
+                    "given: dequantize to dtype",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "overrides the KV sizing (when not given: from the memory budget)",
     "gpu_memory_utilization": "GPU: fraction of device memory for weights, activations and KV",

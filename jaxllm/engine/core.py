@@ -124,14 +124,14 @@ class EngineCore:
         dtype = resolve_dtype(args.dtype)
         path = default_model_path() if args.model is None else Path(args.model)
         self.model_name = DEFAULT_MODEL_NAME if args.model is None else args.model
+        backend = args.kernel_backend or pallas_kernels.default_backend()
         loaded = load_model(path, dtype=dtype, progress=args.show_progress,
-                            quantization=args.quantization)
+                            quantization=args.quantization, kernel_backend=backend)
         config = loaded.config
         max_model_len = args.max_model_len or config.max_position_embeddings
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {config.max_position_embeddings}")
-        backend = args.kernel_backend or pallas_kernels.default_backend()
         on_gpu = jax.default_backend() != "cpu"
         self.async_scheduling = (True if args.async_scheduling is None
                                  else args.async_scheduling)

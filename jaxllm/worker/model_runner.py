@@ -20,7 +20,9 @@ start-up, so serving never compiles:
 Weights are picked per bucket when it is compiled (`params_for`), between two trees of the same
 values: with quantization="gguf" the decode buckets up to GGUF_GEMV_MAX_ROWS run on
 `gemv_params` (GGUF blocks kept quantized, fused dequant GEMVs: fewer bytes per step), every
-other bucket on `params` (float32 copies, fastest for multi-row dots). With dtype bfloat16 on
+other bucket on `params` (float32 copies, fastest for multi-row dots); with a Pallas kernel
+backend the loader gives one tree, all quantized, and every bucket runs the fused dequant
+matmul kernel (pallas_kernels/dequant_matmul.py). With dtype bfloat16 on
 CPU, buckets under MIN_TOKEN_BUCKET rows run on float32 copies of the bfloat16 weights (a bf16
 GEMV is ~12x slower than a float32 one there), the others on the bfloat16 weights (bf16 GEMMs
 run ~2x the float32 rate on AVX512-BF16 cores).
@@ -47,6 +49,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
 from jaxllm.model_executor.models.qwen2 import (
     AttentionMetadata,
     Qwen2ForCausalLM,
@@ -92,8 +95,10 @@ def decode_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
 
 def float32_weights(params: dict) -> dict:
     """The tree with float32 copies of its matrices (exactly the same values); vectors (norms,
-    biases) stay shared. For GEMVs of a bfloat16 model on CPU."""
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if x.ndim == 2 else x, params)
+    biases) and GGUF weights kept quantized stay shared. For GEMVs of a bfloat16 model on CPU."""
+    return jax.tree.map(lambda x: x if isinstance(x, GGUFWeight) or x.ndim != 2
+                        else x.astype(jnp.float32), params,
+                        is_leaf=lambda x: isinstance(x, GGUFWeight))
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: Any) -> int:
@@ -263,7 +268,8 @@ class ModelRunner:
         return values, token_ids, lse, logits, hidden, kv_cache
 
     def _prompt_stats(self, params, hidden, rows, targets):
-        logits = compute_logits(params, self.config, jnp.take(hidden, rows, axis=0))
+        logits = compute_logits(params, self.config, jnp.take(hidden, rows, axis=0),
+                                self.model.kernel_backend)
         target = jnp.take_along_axis(logits, targets[:, None], axis=1)
         rank = 1 + jnp.sum(logits > target, axis=1, dtype=jnp.int32)
         values, ids, lse = top_k_logits(logits, min(MAX_LOGPROBS, self.config.vocab_size))

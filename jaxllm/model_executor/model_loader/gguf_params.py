@@ -10,6 +10,11 @@
   trees (a gather reads a few rows: nothing to gain from float32), unless the LM head is tied to
   it, where the float32 head needs it.
 Both trees hold the same values bit for bit: gguf_repack.py repacks each block format exactly.
+
+With a Pallas kernel backend (`fused_kernel`) there is one tree: every GGUF block weight,
+down_proj and the LM head included, stays quantized for every bucket, read by the fused
+dequant matmul kernel (pallas_kernels/dequant_matmul.py: GEMV for decode, tiled GEMM for
+prefill), so no float copy of a quantized weight exists.
 """
 
 from __future__ import annotations
@@ -47,9 +52,9 @@ def _device(r: RepackedBlocks) -> GGUFWeight:
 
 
 def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[str], Any],
-                          path: Path) -> tuple[dict, dict]:
+                          path: Path, fused_kernel: bool = False) -> tuple[dict, dict | None]:
     """(params, gemv_params) from the dense float32 tree and `tensor(hf_name)`, the GGUF reader's
-    tensor of that name (None if absent)."""
+    tensor of that name (None if absent); with `fused_kernel`, (the all-quantized tree, None)."""
     from jaxllm.model_executor.model_loader.loader import ModelLoadError
 
     def quantized(hf_names: list[str]) -> GGUFWeight | None:
@@ -72,7 +77,7 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         for group in ("self_attn", "mlp"):
             layer[group] = {name: dict(p) for name, p in layer[group].items()}
         for (group, mod), hf_names in _LAYER_WEIGHTS.items():
-            if not single_chunk(layer[group][mod]["weight"].shape[1]):
+            if not fused_kernel and not single_chunk(layer[group][mod]["weight"].shape[1]):
                 continue
             q = quantized([f"layers.{i}.{n}" for n in hf_names])
             if q is not None:
@@ -87,4 +92,6 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         head = quantized(["lm_head.weight"])
         if head is not None:
             gemv["lm_head"] = head
+    if fused_kernel:
+        return gemv, None
     return params, gemv

@@ -42,9 +42,13 @@ class LoadedModel:
 
 
 def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None,
+               kernel_backend: str = "reference") -> LoadedModel:
     """Load a Qwen2 checkpoint: a directory with config.json + *.safetensors, or a .gguf file.
-    quantization="gguf" (GGUF only) also keeps the GGUF's block weights quantized."""
+    quantization="gguf" (GGUF only) also keeps the GGUF's block weights quantized: for the small
+    decode buckets with the "reference" backend (XLA), for every bucket with a Pallas one (the
+    fused dequant matmul kernel, which also takes bfloat16 activations)."""
+    fused = kernel_backend != "reference"
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
@@ -53,12 +57,12 @@ def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype, progress, quantization)
+            return _load_gguf(ggufs[0], dtype, progress, quantization, fused)
         if quantization == "gguf":
             raise ModelLoadError(f"{path}: quantization='gguf' needs a .gguf model, this is a "
                                  f"Hugging Face checkpoint directory")
         return _load_hf_dir(path, dtype, progress)
-    return _load_gguf(path, dtype, progress, quantization)
+    return _load_gguf(path, dtype, progress, quantization, fused)
 
 
 # --- Hugging Face checkpoints -------------------------------------------------------------------
@@ -123,13 +127,14 @@ def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
 # --- GGUF ---------------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, dtype: Any, progress: bool,
-               quantization: str | None = None) -> LoadedModel:
+def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None = None,
+               fused_kernel: bool = False) -> LoadedModel:
     import gguf
 
-    if quantization == "gguf" and jnp.dtype(dtype) != jnp.float32:
-        raise ModelLoadError(f"{path}: quantization='gguf' computes in float32 (the exact "
-                             f"dequantized values); got dtype {jnp.dtype(dtype).name}")
+    if quantization == "gguf" and not fused_kernel and jnp.dtype(dtype) != jnp.float32:
+        raise ModelLoadError(f"{path}: quantization='gguf' with the reference backend computes "
+                             f"in float32 (the exact dequantized values); got dtype "
+                             f"{jnp.dtype(dtype).name} (a Pallas kernel_backend takes bfloat16)")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -180,7 +185,7 @@ def _load_gguf(path: Path, dtype: Any, progress: bool,
     from jaxllm.model_executor.model_loader.gguf_params import quantized_param_trees
 
     params, gemv_params = quantized_param_trees(
-        config, params, lambda hf_name: by_name.get(_gguf_name(hf_name)), path)
+        config, params, lambda hf_name: by_name.get(_gguf_name(hf_name)), path, fused_kernel)
     return LoadedModel(config, params, path, "gguf", gemv_params)
 
 
