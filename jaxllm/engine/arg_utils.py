@@ -43,6 +43,9 @@ _HELP = {
     "topk_sampling": "the device returns each sampled row's top-64 logits and log-sum-exp; "
                      "the host samples from them when exact (when not given: on for GPU, "
                      "off on CPU, where the device top-k costs more than the host saves)",
+    "tensor_parallel_size": "devices the model is split over (Megatron-style tensor "
+                            "parallelism on a JAX mesh; must divide the query heads, "
+                            "intermediate size and vocabulary)",
     "multiprocess_mode": "run the engine core in its own process (default: per platform, see "
                          "README; the env var JAXLLM_ENABLE_V1_MULTIPROCESSING=0/1 wins)",
 }
@@ -104,6 +107,7 @@ class EngineArgs:
     async_scheduling: bool | None = None  # None: per platform (see _HELP)
     topk_sampling: bool | None = None  # None: per platform (see _HELP)
     multiprocess_mode: bool | None = None  # None: per platform (resolve_multiprocess_mode)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -129,6 +133,7 @@ class EngineArgs:
                 ("max_num_seqs", 1, False, "a positive integer"),
                 ("max_num_batched_tokens", 1, False, "a positive integer"),
                 ("max_n", 1, False, "a positive integer"),
+                ("tensor_parallel_size", 1, False, "a positive integer"),
                 ("seed", 0, False, "a non-negative integer"),
                 ("max_model_len", 2, True, "an integer >= 2 (a prompt token and a new one) or "
                                            "None for the model's"),

@@ -30,6 +30,9 @@ preallocated buffer, sized from a memory budget (`initialize_kv_cache`, after
 `measure_activation_bytes` on a GPU), donated to every step so XLA updates it in place; so is
 each shape's logits buffer (`release` hands it back once a step's rows are sampled). Decode
 buckets carry a static split-K partition count for paged attention (`bucket_table`).
+With tensor_parallel_size N > 1 the weights, the KV array (its kv-head axis) and the logits
+(vocabulary) are sharded over an N-device mesh and each step is one SPMD program
+(jaxllm/distributed/tensor_parallel.py); sizes per device come from `local_config`.
 """
 
 from __future__ import annotations
@@ -44,8 +47,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxllm.distributed.tensor_parallel import (
+    KV_SPEC,
+    LOGITS_SPEC,
+    TP_AXIS,
+    make_mesh,
+    merged_top_k,
+    per_device_bytes,
+    shard_params,
+    sharded_target_stats,
+    spmd,
+    tp_layout,
+)
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.models.qwen2 import (
     AttentionMetadata,
@@ -202,8 +219,18 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, *, dtype: Any, kernel_backend: str,
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, topk_sampling: bool = False,
-                 gemv_params: dict | None = None) -> None:
+                 gemv_params: dict | None = None, tensor_parallel_size: int = 1) -> None:
         self.config = config
+        self.local_config = config  # one device's slice of the model
+        self.mesh = None
+        if tensor_parallel_size != 1:
+            layout = tp_layout(config, tensor_parallel_size)
+            if gemv_params is not None:
+                raise ValueError("quantization='gguf' does not run with tensor_parallel_size > 1 "
+                                 "yet; leave quantization unset (dequantized weights) for TP")
+            self.mesh = make_mesh(tensor_parallel_size)
+            self.local_config = layout.local
+            params = shard_params(params, layout, self.mesh)
         self.params = params
         self.gemv_params = gemv_params
         self.gemv_max_rows = GGUF_GEMV_MAX_ROWS
@@ -223,16 +250,20 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buckets = token_buckets(max_num_batched_tokens)
         self.decode_buckets = decode_buckets(max_num_seqs, max_num_batched_tokens)
-        self.model = Qwen2ForCausalLM(config, dtype=dtype, kernel_backend=kernel_backend)
+        self.model = Qwen2ForCausalLM(self.local_config, dtype=dtype,
+                                      kernel_backend=kernel_backend,
+                                      tp_axis=None if self.mesh is None else TP_AXIS)
         # Split-K decode (flash-decoding) per decode bucket: static, sized from max_model_len
         # and the bucket's sequences against the GPU's SM count. The reference backend (CPU)
         # has one XLA attention for every split count: 1 keeps its executables as they were.
         self.decode_splits = {
             t: 1 if kernel_backend == "reference" else decode_num_splits(
-                max_model_len, min(t, max_num_seqs), config.num_key_value_heads,
+                max_model_len, min(t, max_num_seqs), self.local_config.num_key_value_heads,
                 num_sms=gpu_sm_count())
             for t in self.decode_buckets}
         self.rope = rope_variables(config)
+        if self.mesh is not None:
+            self.rope = jax.device_put(self.rope, self._replicated())
         self.kv_cache: jax.Array | None = None
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size)
         # 0: the step returns full logits only (the host finds candidates and normalisers).
@@ -254,20 +285,52 @@ class ModelRunner:
     def _forward(self, params, rope, kv_cache, logits_buf, input_ids, positions, md,
                  max_query_len, num_splits):
         del logits_buf  # only its buffer is wanted, for the logits output
-        logits, hidden, kv_cache = self.model.apply(
-            {"params": params, "rope": rope}, input_ids, positions, kv_cache, md,
-            max_query_len=max_query_len, num_splits=num_splits)
-        if not self.top_k:
-            return None, None, None, logits, hidden, kv_cache
-        values, token_ids, lse = top_k_logits(logits, self.top_k)
-        return values, token_ids, lse, logits, hidden, kv_cache
+
+        def body(params, rope, input_ids, positions, md, kv_cache):
+            logits, hidden, kv_cache = self.model.apply(
+                {"params": params, "rope": rope}, input_ids, positions, kv_cache, md,
+                max_query_len=max_query_len, num_splits=num_splits)
+            if not self.top_k:
+                return None, None, None, logits, hidden, kv_cache
+            values, token_ids, lse = self._top_k(logits, self.top_k)
+            return values, token_ids, lse, logits, hidden, kv_cache
+
+        if self.mesh is not None:  # logits stay split on the vocabulary
+            body = spmd(body, self.mesh, params, (P(), P(), P(), LOGITS_SPEC, P(), KV_SPEC),
+                        extra_in_specs=(KV_SPEC,))
+        return body(params, rope, input_ids, positions, md, kv_cache)
+
+    def _top_k(self, logits, k):
+        if self.mesh is None:
+            return top_k_logits(logits, k)
+        return merged_top_k(logits, k, TP_AXIS)
 
     def _prompt_stats(self, params, hidden, rows, targets):
-        logits = compute_logits(params, self.config, jnp.take(hidden, rows, axis=0))
-        target = jnp.take_along_axis(logits, targets[:, None], axis=1)
-        rank = 1 + jnp.sum(logits > target, axis=1, dtype=jnp.int32)
-        values, ids, lse = top_k_logits(logits, min(MAX_LOGPROBS, self.config.vocab_size))
-        return target[:, 0], rank, values, ids, lse
+        def body(params, hidden, rows, targets):
+            logits = compute_logits(params, self.local_config, jnp.take(hidden, rows, axis=0))
+            if self.mesh is None:
+                target = jnp.take_along_axis(logits, targets[:, None], axis=1)[:, 0]
+                rank = 1 + jnp.sum(logits > target[:, None], axis=1, dtype=jnp.int32)
+            else:
+                target, rank = sharded_target_stats(logits, targets, TP_AXIS)
+            values, ids, lse = self._top_k(logits, min(MAX_LOGPROBS, self.config.vocab_size))
+            return target, rank, values, ids, lse
+
+        if self.mesh is not None:
+            body = spmd(body, self.mesh, params, P())
+        return body(params, hidden, rows, targets)
+
+    def _replicated(self) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, P())
+
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The KV array's global shape: kv heads times the TP size (with replicas)."""
+        shape = list(kv_cache_shape(self.local_config, num_blocks, self.block_size))
+        shape[2] *= 1 if self.mesh is None else self.mesh.size
+        return tuple(shape)
+
+    def _sharding(self, spec: P) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, spec)
 
     # --- compilation --------------------------------------------------------------------------
 
@@ -291,15 +354,15 @@ class ModelRunner:
         i32 = jnp.int32
 
         def spec(*shape):
-            return jax.ShapeDtypeStruct(shape, i32)
+            return jax.ShapeDtypeStruct(shape, i32, sharding=self._replicated())
 
         md = AttentionMetadata(spec(num_tokens), spec(s, self.max_blocks_per_seq), spec(s),
                                spec(s + 1), spec(s))
         return spec(num_tokens), spec(num_tokens), md
 
     def _compile_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int):
-        kv_spec = jax.ShapeDtypeStruct(
-            kv_cache_shape(self.config, num_kv_blocks, self.block_size), self.kv_cache_dtype)
+        kv_spec = jax.ShapeDtypeStruct(self.kv_shape(num_kv_blocks), self.kv_cache_dtype,
+                                       sharding=self._sharding(KV_SPEC))
         ids, pos, md = self._abstract_inputs(num_tokens)
         splits = self.decode_splits[num_tokens] if max_query_len == 1 else 1
         return self._step.lower(self.params_for(num_tokens, max_query_len), self.rope, kv_spec,
@@ -308,17 +371,16 @@ class ModelRunner:
 
     def _logits_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((min(num_tokens, self.max_num_seqs), self.config.vocab_size),
-                                    jnp.float32)
+                                    jnp.float32, sharding=self._sharding(LOGITS_SPEC))
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights and RoPE tables on the device (arrays both trees share once)."""
-        leaves = jax.tree.leaves((self.params, self.gemv_params, self.rope))
-        return sum({id(x): x.nbytes for x in leaves}.values())
+        """Bytes of the weights and RoPE tables on one device (arrays both trees share once)."""
+        return per_device_bytes((self.params, self.gemv_params, self.rope))
 
     def logits_buffer_bytes(self) -> int:
         """Device bytes of the kept logits buffers once every step shape has run."""
         rows = {min(t, self.max_num_seqs) for t, _ in self.bucket_shapes()}
-        return sum(rows) * self.config.vocab_size * 4
+        return sum(rows) * self.local_config.vocab_size * 4
 
     def measure_activation_bytes(self, probe_blocks: int = 16) -> int:
         """Device bytes the largest step needs besides weights and KV: its temporaries plus the
@@ -331,8 +393,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the one paged KV array (all layers); compile() comes after."""
         self.num_kv_blocks = num_blocks
-        self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size),
-                                  self.kv_cache_dtype)
+        self.kv_cache = jnp.zeros(self.kv_shape(num_blocks), self.kv_cache_dtype,
+                                  device=self._sharding(KV_SPEC))
         self._compiled.clear()
 
     def compile(self, progress: bool = True) -> float:
@@ -344,11 +406,13 @@ class ModelRunner:
                                               unit="shape", disable=not progress):
             self._compiled[(num_tokens, max_query_len)] = self._compile_step(
                 num_tokens, max_query_len, self.num_kv_blocks)
-        rows = jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS,), jnp.int32)
+        rows = jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS,), jnp.int32,
+                                    sharding=self._replicated())
         self._compiled_prompt.clear()
         for num_tokens, _ in self.bucket_shapes():
             if num_tokens not in self._compiled_prompt:
-                hidden = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size), self.dtype)
+                hidden = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size), self.dtype,
+                                              sharding=self._replicated())
                 self._compiled_prompt[num_tokens] = self._prompt_fn.lower(
                     self.params, hidden, rows, rows).compile()
         self._logits_bufs.clear()
@@ -410,7 +474,8 @@ class ModelRunner:
         num_seqs = inputs.seq_lens.shape[0]
         buf = self._logits_bufs.pop(num_seqs, None)
         if buf is None:  # first step of this shape (a transfer, not a compile)
-            buf = jax.device_put(np.zeros((num_seqs, self.config.vocab_size), np.float32))
+            buf = jax.device_put(np.zeros((num_seqs, self.config.vocab_size), np.float32),
+                                 self._sharding(LOGITS_SPEC))
         t = time.perf_counter()
         values, token_ids, lse, logits, hidden, self.kv_cache = self._compiled[prepared.shape](
             self.params_for(*prepared.shape), self.rope, self.kv_cache, buf, inputs.input_ids,
