@@ -19,6 +19,7 @@ import pytest
 from jaxllm.distributed.tensor_parallel import _per_shard_gate_up, _per_shard_qkv, tp_layout
 from jaxllm.model_executor.config import ModelConfig
 from tests.conftest import make_tiny_checkpoint
+from tests.tp_child import REAL_ENGINE, REAL_MAX_NEW, REAL_PROMPTS
 
 SIZES = (1, 2, 4, 8)
 CHILD = Path(__file__).with_name("tp_child.py")
@@ -120,7 +121,7 @@ def test_each_device_holds_its_own_q_k_v_heads(nh, nkv, tp):
     (8, 4, {}, 3, ["3", "num_attention_heads 8"]),
     (8, 4, {"intermediate_size": 100}, 8, ["8", "intermediate_size 100"]),
     (8, 4, {"vocab_size": 500}, 8, ["8", "vocab_size 500"]),
-    (24, 4, {}, 8, ["8", "num_key_value_heads 4"]),  # more devices than KV heads, not a multiple
+    (24, 3, {}, 4, ["4", "num_key_value_heads 3"]),  # more devices than KV heads, not a multiple
     (12, 6, {}, 4, ["4", "num_key_value_heads 6"]),  # fewer, not a divisor
 ])
 def test_a_split_that_cannot_be_made_is_refused_naming_both_numbers(nh, nkv, kw, tp, words):
@@ -141,3 +142,22 @@ def test_engine_refuses_bad_sizes_at_start_up(tiny_models):
         LLM(model=path, tensor_parallel_size=2, skip_tokenizer_init=True, show_progress=False)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(model=path, tensor_parallel_size=0, skip_tokenizer_init=True, show_progress=False)
+
+
+@pytest.mark.real_model
+def test_real_model_tp2_greedy_matches_tp1_under_preemption_and_prefix_caching(real_llm,
+                                                                              tmp_path):
+    # The child holds the 0.5B model sharded over 2 virtual devices; the parent's shared
+    # engine (TP = 1, same buckets) is the oracle.
+    from jaxllm import SamplingParams
+
+    assert {k: getattr(real_llm.llm_engine.engine_args, k) for k in REAL_ENGINE} == REAL_ENGINE
+    out = tmp_path / "real.npz"
+    run_child(["--real", str(out), "2"], timeout=400, devices=2)
+    r = dict(np.load(out))
+    assert r["num_preemptions"] > 0
+    assert (r["num_cached_tokens"][:3] > 0).all()  # the shared prefix hit the cache
+    sp = SamplingParams(temperature=0, max_tokens=REAL_MAX_NEW, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in real_llm.generate(REAL_PROMPTS[:1] + REAL_PROMPTS, sp,
+                                                              use_tqdm=False)]
+    np.testing.assert_array_equal(r["tokens"], np.array(want))

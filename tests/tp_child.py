@@ -4,6 +4,8 @@ each, and what the parent compares saved to an .npz (every step's full logits, t
 top-K, tokens, prompt logprobs, shardings, compiles after warm-up).
 
 usage: python tests/tp_child.py CHECKPOINT OUT.npz TP_SIZE[,TP_SIZE...] [ENGINE_KWARGS_JSON]
+       python tests/tp_child.py --real OUT.npz TP_SIZE   (the embedded 0.5B model, REAL_PROMPTS
+       with few KV blocks: preemption and prefix-cache hits)
 """
 
 from __future__ import annotations
@@ -16,6 +18,29 @@ import numpy as np
 
 PROMPTS = [[5, 6, 7, 8], list(range(10, 40)), [3] * 17]
 MAX_NEW = 6
+_PREFIX = ("You are a careful Python reviewer. Read the function below and explain, step by "
+           "step, what it computes and how it could fail.\n\n")
+REAL_PROMPTS = [_PREFIX + "def mean(xs):\n    return sum(xs) / len(xs)\n",
+                _PREFIX + "def first(xs):\n    return xs[0]\n",
+                _PREFIX + "def parse(s):\n    return int(s)\n",
+                "The history of the printing press begins"]
+REAL_MAX_NEW = 24
+REAL_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64)  # as the real_llm fixture
+
+
+def run_real(tp: int) -> dict[str, np.ndarray]:
+    """Greedy REAL_PROMPTS on the embedded model: the first prompt alone (its prefix blocks
+    then hit the cache), then all of them with 12 KV blocks (preemption)."""
+    from jaxllm import LLM, SamplingParams
+
+    llm = LLM(tensor_parallel_size=tp, num_kv_blocks=12, show_progress=False, **REAL_ENGINE)
+    sp = SamplingParams(temperature=0, max_tokens=REAL_MAX_NEW, ignore_eos=True)
+    first = llm.generate(REAL_PROMPTS[:1], sp, use_tqdm=False)
+    outs = llm.generate(REAL_PROMPTS, sp, use_tqdm=False)
+    core = llm.llm_engine.engine_core_client.engine_core
+    return {"tokens": np.array([o.outputs[0].token_ids for o in first + outs]),
+            "num_cached_tokens": np.array([o.num_cached_tokens for o in outs]),
+            "num_preemptions": np.array(core.scheduler.num_preemptions)}
 
 
 def run(path: str, tp: int, engine_kw: dict) -> dict[str, np.ndarray]:
@@ -78,6 +103,9 @@ def run(path: str, tp: int, engine_kw: dict) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
+    if sys.argv[1] == "--real":
+        np.savez(sys.argv[2], **run_real(int(sys.argv[3])))
+        return
     path, out, sizes = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
     engine_kw = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     results = {}

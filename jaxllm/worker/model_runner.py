@@ -56,25 +56,22 @@ from jaxllm.distributed.tensor_parallel import (
     LOGITS_SPEC,
     TP_AXIS,
     make_mesh,
-    merged_top_k,
     per_device_bytes,
     shard_params,
-    sharded_target_stats,
-    spmd,
     tp_layout,
 )
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.models.qwen2 import (
     AttentionMetadata,
     Qwen2ForCausalLM,
-    compute_logits,
     kv_cache_shape,
     rope_variables,
 )
 from jaxllm.sample.candidates import TopKLogits
-from jaxllm.sample.topk import TOPK, top_k_logits
+from jaxllm.sample.topk import TOPK
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.worker.input_batch import InputBatch, StepInputs
+from jaxllm.worker.step import forward_step, prompt_stats
 from pallas_kernels.split_k_decode import decode_num_splits
 from scheduler import SchedulerOutput
 
@@ -285,40 +282,12 @@ class ModelRunner:
     def _forward(self, params, rope, kv_cache, logits_buf, input_ids, positions, md,
                  max_query_len, num_splits):
         del logits_buf  # only its buffer is wanted, for the logits output
-
-        def body(params, rope, input_ids, positions, md, kv_cache):
-            logits, hidden, kv_cache = self.model.apply(
-                {"params": params, "rope": rope}, input_ids, positions, kv_cache, md,
-                max_query_len=max_query_len, num_splits=num_splits)
-            if not self.top_k:
-                return None, None, None, logits, hidden, kv_cache
-            values, token_ids, lse = self._top_k(logits, self.top_k)
-            return values, token_ids, lse, logits, hidden, kv_cache
-
-        if self.mesh is not None:  # logits stay split on the vocabulary
-            body = spmd(body, self.mesh, params, (P(), P(), P(), LOGITS_SPEC, P(), KV_SPEC),
-                        extra_in_specs=(KV_SPEC,))
-        return body(params, rope, input_ids, positions, md, kv_cache)
-
-    def _top_k(self, logits, k):
-        if self.mesh is None:
-            return top_k_logits(logits, k)
-        return merged_top_k(logits, k, TP_AXIS)
+        return forward_step(self.model, self.top_k, self.mesh, params, rope, kv_cache,
+                            input_ids, positions, md, max_query_len, num_splits)
 
     def _prompt_stats(self, params, hidden, rows, targets):
-        def body(params, hidden, rows, targets):
-            logits = compute_logits(params, self.local_config, jnp.take(hidden, rows, axis=0))
-            if self.mesh is None:
-                target = jnp.take_along_axis(logits, targets[:, None], axis=1)[:, 0]
-                rank = 1 + jnp.sum(logits > target[:, None], axis=1, dtype=jnp.int32)
-            else:
-                target, rank = sharded_target_stats(logits, targets, TP_AXIS)
-            values, ids, lse = self._top_k(logits, min(MAX_LOGPROBS, self.config.vocab_size))
-            return target, rank, values, ids, lse
-
-        if self.mesh is not None:
-            body = spmd(body, self.mesh, params, P())
-        return body(params, hidden, rows, targets)
+        return prompt_stats(self.model, min(MAX_LOGPROBS, self.config.vocab_size), self.mesh,
+                            params, hidden, rows, targets)
 
     def _replicated(self) -> NamedSharding | None:
         return None if self.mesh is None else NamedSharding(self.mesh, P())
