@@ -161,3 +161,15 @@ def test_real_model_tp2_greedy_matches_tp1_under_preemption_and_prefix_caching(r
     want = [o.outputs[0].token_ids for o in real_llm.generate(REAL_PROMPTS[:1] + REAL_PROMPTS, sp,
                                                               use_tqdm=False)]
     np.testing.assert_array_equal(r["tokens"], np.array(want))
+
+
+def test_gguf_quantized_params_refuse_tensor_parallelism(tmp_path):
+    from jaxllm import LLM
+    from tests.gguf_models import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    with pytest.raises(ValueError, match="quantization='gguf' does not run with "
+                                         "tensor_parallel_size > 1"):
+        LLM(model=str(path), quantization="gguf", tensor_parallel_size=2,
+            skip_tokenizer_init=True, show_progress=False)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from jaxllm.distributed import multihost
 from jaxllm.engine import UTILITY_METHODS as UTILITY_METHODS
 from jaxllm.engine import (
     EngineCoreInfo,
@@ -38,6 +39,7 @@ from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
 from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
 from jaxllm.worker.model_runner import (
+    PROMPT_LOGPROB_ROWS,
     ModelRunner,
     ModelRunnerOutput,
     PromptLogprobRows,
@@ -99,6 +101,8 @@ class _Sampled:
 class EngineCore:
     def __init__(self, engine_args: EngineArgs) -> None:
         args = self.engine_args = engine_args
+        # Several hosts: join jax.distributed before JAX starts a backend.
+        self.distributed = multihost.start(args)
         dtype = resolve_dtype(args.dtype)
         path = default_model_path() if args.model is None else Path(args.model)
         self.model_name = DEFAULT_MODEL_NAME if args.model is None else args.model
@@ -120,9 +124,10 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             topk_sampling=topk_sampling, gemv_params=loaded.gemv_params,
             tensor_parallel_size=args.tensor_parallel_size)
-        num_blocks = num_kv_blocks_for(args, self.runner)
+        num_blocks = multihost.agree(self.distributed, num_kv_blocks_for(args, self.runner))
         self.runner.initialize_kv_cache(num_blocks)
         compile_time_s = self.runner.compile(progress=args.show_progress)
+        multihost.attach(self.distributed, self.runner, PROMPT_LOGPROB_ROWS)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len, block_size=args.block_size, num_blocks=num_blocks,

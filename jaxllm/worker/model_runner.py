@@ -201,11 +201,19 @@ class ModelRunnerOutput:
         """Full logits [len(rows), vocab] of the given sampled rows; valid until the runner's
         `release` of this output (the buffer then serves a later step)."""
         logits = self.handle.logits
+        if not logits.is_fully_addressable:
+            raise RuntimeError("full logits rows are not fetched across hosts yet: with several "
+                               "hosts only rows the top-K candidates sample exactly work")
         if self.row_slice is None:  # CPU: host memory already; rows 0..n-1 need no copy
             host = np.asarray(logits)
             rows = list(rows)
             return host[:len(rows)] if rows == list(range(len(rows))) else host[rows]
         return np.stack([np.asarray(self.row_slice(logits, np.int32(r))) for r in rows])
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A replicated output on the host (several hosts: from this process's own copy)."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
 def _row_slice(logits: jax.Array, row: jax.Array) -> jax.Array:
@@ -278,6 +286,8 @@ class ModelRunner:
         self._logits_bufs: dict[int, jax.Array] = {}
         # Steps run per (num_tokens, max_query_len) shape: benchmarks price a run's shapes.
         self.step_shape_counts: Counter[tuple[int, int]] = Counter()
+        # Several hosts, process 0: broadcasts each launch to the followers (multihost.py).
+        self.leader: Any = None
 
     def _forward(self, params, rope, kv_cache, logits_buf, input_ids, positions, md,
                  max_query_len, num_splits):
@@ -437,22 +447,43 @@ class ModelRunner:
             sampled = sampled or {}
             inputs.input_ids[prepared.placeholder_index] = [
                 sampled.get(rid, 0) for rid in prepared.placeholder_req_ids]
-        md = AttentionMetadata(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
-                               inputs.query_start_loc, inputs.logits_indices)
         self.step_shape_counts[prepared.shape] += 1
-        num_seqs = inputs.seq_lens.shape[0]
-        buf = self._logits_bufs.pop(num_seqs, None)
-        if buf is None:  # first step of this shape (a transfer, not a compile)
-            buf = jax.device_put(np.zeros((num_seqs, self.config.vocab_size), np.float32),
-                                 self._sharding(LOGITS_SPEC))
+        if self.leader is not None:  # several hosts: the followers launch the same step
+            self.leader.step(prepared.shape, inputs)
         t = time.perf_counter()
-        values, token_ids, lse, logits, hidden, self.kv_cache = self._compiled[prepared.shape](
-            self.params_for(*prepared.shape), self.rope, self.kv_cache, buf, inputs.input_ids,
-            inputs.positions, md)
-        for x in (values, token_ids, lse) if self.top_k else (logits,):
-            x.copy_to_host_async()
+        values, token_ids, lse, logits, hidden = self.launch(
+            prepared.shape, inputs.input_ids, inputs.positions, inputs.slot_mapping,
+            inputs.block_tables, inputs.seq_lens, inputs.query_start_loc, inputs.logits_indices)
+        if logits.is_fully_addressable:
+            for x in (values, token_ids, lse) if self.top_k else (logits,):
+                x.copy_to_host_async()
         return StepHandle(prepared, values, token_ids, lse, logits, hidden, t,
                           time.perf_counter())
+
+    def launch(self, shape: tuple[int, int], input_ids: np.ndarray, positions: np.ndarray,
+               *metadata: np.ndarray) -> tuple:
+        """Run a compiled step on padded inputs (`metadata`: AttentionMetadata's arrays);
+        returns (top-K values, ids, log-sum-exp, logits, hidden states)."""
+        md = AttentionMetadata(*metadata)
+        num_seqs = md.seq_lens.shape[0]
+        buf = self._logits_bufs.pop(num_seqs, None)
+        if buf is None:  # first step of this shape (a transfer, not a compile)
+            zeros = np.zeros((num_seqs, self.config.vocab_size), np.float32)
+            if self.mesh is None:
+                buf = jax.device_put(zeros)
+            else:  # per shard: device_put would compare the value across processes
+                buf = jax.make_array_from_callback(zeros.shape, self._sharding(LOGITS_SPEC),
+                                                   lambda index: zeros[index])
+        *out, self.kv_cache = self._compiled[shape](
+            self.params_for(*shape), self.rope, self.kv_cache, buf, input_ids, positions, md)
+        return tuple(out)
+
+    def launch_prompt(self, hidden: jax.Array, rows: np.ndarray, targets: np.ndarray) -> list:
+        """Prompt-logprob statistics of PROMPT_LOGPROB_ROWS rows of a step's hidden states."""
+        if self.leader is not None:
+            self.leader.prompt(rows, targets)
+        return [_host(x) for x in self._compiled_prompt[hidden.shape[0]](self.params, hidden,
+                                                                         rows, targets)]
 
     def wait(self, handle: StepHandle) -> ModelRunnerOutput:
         """Block until the step's candidates are on the host. The full logits stay on the
@@ -460,10 +491,10 @@ class ModelRunner:
         released via `release`)."""
         n = len(handle.prepared.inputs.sample_req_ids)
         if self.top_k:
-            values = np.asarray(handle.values)[:n]
+            values = _host(handle.values)[:n]
             ready = time.perf_counter()
-            topk = TopKLogits(values, np.asarray(handle.token_ids)[:n],
-                              np.asarray(handle.lse)[:n], self.top_k == self.config.vocab_size)
+            topk = TopKLogits(values, _host(handle.token_ids)[:n],
+                              _host(handle.lse)[:n], self.top_k == self.config.vocab_size)
         else:
             handle.logits.block_until_ready()
             ready, topk = time.perf_counter(), None
@@ -506,7 +537,6 @@ class ModelRunner:
         if not rows:
             return
         hidden = out.handle.hidden
-        fn = self._compiled_prompt[hidden.shape[0]]
         parts = []
         for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
             chunk_rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
@@ -514,8 +544,7 @@ class ModelRunner:
             n = min(PROMPT_LOGPROB_ROWS, len(rows) - i)
             chunk_rows[:n] = rows[i:i + n]
             chunk_targets[:n] = targets[i:i + n]
-            parts.append([np.asarray(x)[:n] for x in fn(self.params, hidden, chunk_rows,
-                                                        chunk_targets)])
+            parts.append([x[:n] for x in self.launch_prompt(hidden, chunk_rows, chunk_targets)])
         target, rank, values, ids, lse = (np.concatenate(xs) for xs in zip(*parts, strict=True))
         start = 0
         for rid, first, n in owners:

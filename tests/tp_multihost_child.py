@@ -1,0 +1,54 @@
+"""Process 0 of a two-process engine (test_tp_multihost.py starts it and the follower, each
+with two virtual CPU devices and JAXLLM_* variables): TP = 4 over both processes, greedy
+PROMPTS; writes the tokens (or the error) to OUT as JSON.
+
+usage: python tests/tp_multihost_child.py CHECKPOINT OUT.json [--then-wait-for FILE]
+  --then-wait-for: after the first generate, write OUT.json.ready and wait for FILE, then
+  generate again (the test kills the follower in between) and record the error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = [[5, 6, 7, 8], list(range(10, 40)), [3] * 17]
+MAX_NEW = 6
+ENGINE = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=2,
+              max_num_batched_tokens=16, num_kv_blocks=64, show_progress=False,
+              topk_sampling=True)
+
+
+def _generate(llm) -> dict:
+    from jaxllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    t = time.perf_counter()
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    except Exception as e:  # noqa: BLE001 - what a dead follower looks like is the result
+        return {"error": f"{type(e).__name__}: {e}"[:500], "seconds": time.perf_counter() - t}
+    return {"tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+def main() -> None:
+    from jaxllm import LLM
+
+    path, out = sys.argv[1], Path(sys.argv[2])
+    llm = LLM(model=path, tensor_parallel_size=4, multiprocess_mode=False, **ENGINE)
+    result = {"first": _generate(llm)}
+    out.write_text(json.dumps(result))
+    if len(sys.argv) > 3:
+        Path(str(out) + ".ready").write_text("up")
+        while not Path(sys.argv[4]).exists():
+            time.sleep(0.05)
+        result["after_kill"] = _generate(llm)
+        out.write_text(json.dumps(result))
+        raise SystemExit(3 if "error" in result["after_kill"] else 0)
+    llm.llm_engine.engine_core_client.engine_core.runner.leader.stop()
+
+
+if __name__ == "__main__":
+    main()
