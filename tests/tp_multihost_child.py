@@ -37,15 +37,19 @@ def main() -> None:
     from jaxllm import LLM
 
     path, out = sys.argv[1], Path(sys.argv[2])
-    llm = LLM(model=path, tensor_parallel_size=4, multiprocess_mode=False, **ENGINE)
+    kill_test = len(sys.argv) > 3
+    # The kill test runs the engine core in its own process, as a GPU frontend does: the
+    # frontend must see EngineDeadError.
+    llm = LLM(model=path, tensor_parallel_size=4, multiprocess_mode=kill_test, **ENGINE)
     result = {"first": _generate(llm)}
     out.write_text(json.dumps(result))
-    if len(sys.argv) > 3:
+    if kill_test:
         Path(str(out) + ".ready").write_text("up")
         while not Path(sys.argv[4]).exists():
             time.sleep(0.05)
         result["after_kill"] = _generate(llm)
         out.write_text(json.dumps(result))
+        llm.llm_engine.shutdown()
         raise SystemExit(3 if "error" in result["after_kill"] else 0)
     llm.llm_engine.engine_core_client.engine_core.runner.leader.stop()
 
