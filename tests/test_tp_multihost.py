@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from tests.conftest import make_tiny_checkpoint
 from tests.tp_multihost_child import ENGINE, MAX_NEW, PROMPTS
 
@@ -93,7 +95,11 @@ def test_two_processes_tp4_match_tp1_and_a_dead_follower_fails_fast(tmp_path):
           f"{failed_after:.1f} s after the kill")
 
     llm = LLM(model=str(path), **ENGINE)
-    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
-    assert first["tokens"] == want
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    assert first["tokens"] == [o.outputs[0].token_ids for o in outs]
+    # Prompt logprobs: the followers replay the prompt-statistics executable too.
+    want = [[lp[tok].logprob for lp, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:],
+                                                strict=True)] for o in outs]
+    for got, ref in zip(first["prompt_logprobs"], want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)

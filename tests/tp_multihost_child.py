@@ -24,13 +24,15 @@ ENGINE = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=2,
 def _generate(llm) -> dict:
     from jaxllm import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=2)
     t = time.perf_counter()
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
     except Exception as e:  # noqa: BLE001 - what a dead follower looks like is the result
         return {"error": f"{type(e).__name__}: {e}"[:500], "seconds": time.perf_counter() - t}
-    return {"tokens": [o.outputs[0].token_ids for o in outs]}
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "prompt_logprobs": [[lp[tok].logprob for lp, tok in zip(
+                o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)] for o in outs]}
 
 
 def main() -> None:
@@ -51,7 +53,7 @@ def main() -> None:
         out.write_text(json.dumps(result))
         llm.llm_engine.shutdown()
         raise SystemExit(3 if "error" in result["after_kill"] else 0)
-    llm.llm_engine.engine_core_client.engine_core.runner.leader.stop()
+    # The followers exit when process 0 does (multihost.attach registers Leader.stop).
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ frontend in another process sees as EngineDeadError.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -100,6 +101,7 @@ class Leader:
     def __init__(self, runner) -> None:
         self.runner = runner
         self.shapes = runner.bucket_shapes()
+        self.stopped = False
 
     def step(self, shape: tuple[int, int], inputs) -> None:
         _broadcast(np.array([STEP, self.shapes.index(shape), 0], np.int32))
@@ -110,7 +112,10 @@ class Leader:
         _broadcast(np.concatenate([rows, targets]).astype(np.int32))
 
     def stop(self) -> None:
-        _broadcast(np.array([STOP, 0, 0], np.int32))
+        """Let the followers exit (once; also at process 0's exit)."""
+        if not self.stopped:
+            self.stopped = True
+            _broadcast(np.array([STOP, 0, 0], np.int32))
 
 
 def warm_up(runner, prompt_rows: int) -> None:
@@ -168,6 +173,7 @@ def attach(cfg: DistributedConfig | None, runner, prompt_rows: int) -> None:
     warm_up(runner, prompt_rows)
     if cfg.process_id == 0:
         runner.leader = Leader(runner)
+        atexit.register(runner.leader.stop)
 
 
 def main(argv: list[str] | None = None) -> int:
