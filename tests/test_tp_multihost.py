@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.conftest import make_tiny_checkpoint
-from tests.tp_multihost_child import ENGINE, MAX_NEW, PROMPTS
+from tests.tp_multihost_child import ENGINE, PROMPTS, sampling_params
 
 CHILD = Path(__file__).with_name("tp_multihost_child.py")
 TIMEOUT_S = 90
@@ -53,7 +53,7 @@ def _follower_cmd(path: Path) -> list[str]:
 
 
 def test_two_processes_tp4_match_tp1_and_a_dead_follower_fails_fast(tmp_path):
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM
 
     path = tmp_path / "ckpt"
     make_tiny_checkpoint(path, tied=False, seed=3, num_attention_heads=8, num_key_value_heads=4)
@@ -95,8 +95,8 @@ def test_two_processes_tp4_match_tp1_and_a_dead_follower_fails_fast(tmp_path):
           f"{failed_after:.1f} s after the kill")
 
     llm = LLM(model=str(path), **ENGINE)
-    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=2)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sampling_params(),
+                        use_tqdm=False)
     assert first["tokens"] == [o.outputs[0].token_ids for o in outs]
     # Prompt logprobs: the followers replay the prompt-statistics executable too.
     want = [[lp[tok].logprob for lp, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:],

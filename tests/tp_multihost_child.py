@@ -21,13 +21,21 @@ ENGINE = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=2,
               topk_sampling=True)
 
 
-def _generate(llm) -> dict:
+def sampling_params() -> list:
+    """Greedy with prompt logprobs; the last prompt with a repetition penalty, whose rows need
+    their full logits (gathered across processes)."""
     from jaxllm import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=2)
+    sp = dict(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=2)
+    return [SamplingParams(**sp)] * (len(PROMPTS) - 1) + [
+        SamplingParams(**sp, repetition_penalty=1.5)]
+
+
+def _generate(llm) -> dict:
     t = time.perf_counter()
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sampling_params(),
+                            use_tqdm=False)
     except Exception as e:  # noqa: BLE001 - what a dead follower looks like is the result
         return {"error": f"{type(e).__name__}: {e}"[:500], "seconds": time.perf_counter() - t}
     return {"tokens": [o.outputs[0].token_ids for o in outs],

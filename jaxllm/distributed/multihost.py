@@ -1,8 +1,9 @@
 """Several hosts: the engine core as one multi-controller JAX program (`jax.distributed`).
 
 Every process joins JAX's distributed runtime (`initialize`), so the "tp" mesh spans all their
-devices. Process 0 runs the whole engine (scheduler, sampler, frontend); the others run only a
-ModelRunner built from the same EngineArgs and follow process 0's device calls (`follow`):
+devices. Process 0 runs the whole engine (scheduler, sampler, frontend); the others build an
+EngineCore from the same EngineArgs (its scheduler stays idle) and follow process 0's device
+calls with its ModelRunner (`follow`):
 before each call process 0 broadcasts a fixed-size header (what to run, the bucket) and then
 that bucket's inputs as one int32 vector (`jax.experimental.multihost_utils`), so every process
 launches the same executable on the same inputs. Every header and input size is broadcast once
@@ -28,9 +29,12 @@ ENV_COORDINATOR = "JAXLLM_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXLLM_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXLLM_PROCESS_ID"
 
-# Header: [command, bucket index or hidden-state rows, spare]
+# Header: [command, bucket index (STEP) or launch index (FETCH), row count (FETCH)]
 HEADER = 3
-STEP, PROMPT, STOP = 1, 2, 3
+STEP, PROMPT, STOP, FETCH = 1, 2, 3, 4
+# Followers keep the logits of this many recent steps (async scheduling samples step N while
+# N + 1 runs) for process 0's row fetches.
+RECENT_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,10 @@ class Leader:
         _broadcast(np.array([PROMPT, 0, 0], np.int32))
         _broadcast(np.concatenate([rows, targets]).astype(np.int32))
 
+    def fetch(self, launch_index: int, rows: np.ndarray) -> None:
+        _broadcast(np.array([FETCH, launch_index, rows.shape[0]], np.int32))
+        _broadcast(rows)
+
     def stop(self) -> None:
         """Let the followers exit (once; also at process 0's exit)."""
         if not self.stopped:
@@ -121,7 +129,9 @@ class Leader:
 def warm_up(runner, prompt_rows: int) -> None:
     """Broadcast every size once (all processes, same order), so serving compiles nothing."""
     _broadcast(np.zeros(HEADER, np.int32))
-    for size in sorted({input_size(runner, s) for s in runner.bucket_shapes()} | {2 * prompt_rows}):
+    shapes = runner.bucket_shapes()
+    rows = {min(t, runner.max_num_seqs) for t, _ in shapes}
+    for size in sorted({input_size(runner, s) for s in shapes} | {2 * prompt_rows} | rows):
         _broadcast(np.zeros(size, np.int32))
 
 
@@ -131,15 +141,20 @@ def follow(runner, prompt_rows: int) -> int:
     shapes = runner.bucket_shapes()
     steps = 0
     hidden = None
+    recent = {}  # launch index -> that step's logits
     while True:
-        command, index, _ = _broadcast(np.zeros(HEADER, np.int32)).tolist()
+        command, index, count = _broadcast(np.zeros(HEADER, np.int32)).tolist()
         if command == STOP:
             return steps
         if command == STEP:
             shape = shapes[index]
             flat = _broadcast(np.zeros(input_size(runner, shape), np.int32))
-            hidden = runner.launch(shape, *unpack(runner, shape, flat))[4]
+            *_, logits, hidden = runner.launch(shape, *unpack(runner, shape, flat))
+            recent[runner.launches] = logits
+            recent.pop(runner.launches - RECENT_STEPS, None)
             steps += 1
+        elif command == FETCH:
+            runner.gather_rows(recent[index], _broadcast(np.zeros(count, np.int32)))
         elif command == PROMPT:
             flat = _broadcast(np.zeros(2 * prompt_rows, np.int32))
             runner.launch_prompt(hidden, flat[:prompt_rows], flat[prompt_rows:])

@@ -77,6 +77,7 @@ from jaxllm.worker.outputs import (  # re-exported: the engine core imports them
     StepTimings,
     _host,
     _row_slice,
+    _take_rows,
 )
 from jaxllm.worker.step import forward_step, prompt_stats
 from pallas_kernels.split_k_decode import decode_num_splits
@@ -200,6 +201,8 @@ class ModelRunner:
         self._prompt_fn = jax.jit(self._prompt_stats)
         self._compiled_prompt: dict[int, Any] = {}
         self._row_slices: dict[int, Any] = {}
+        self._gathers: dict[int, Any] = {}  # several hosts: logits rows, replicated
+        self.launches = 0
         self._logits_bufs: dict[int, jax.Array] = {}
         # Steps run per (num_tokens, max_query_len) shape: benchmarks price a run's shapes.
         self.step_shape_counts: Counter[tuple[int, int]] = Counter()
@@ -313,6 +316,12 @@ class ModelRunner:
                     self.params, hidden, rows, rows).compile()
         self._logits_bufs.clear()
         self._row_slices.clear()
+        self._gathers.clear()
+        if self.mesh is not None and jax.process_count() > 1:
+            for s in sorted({min(t, self.max_num_seqs) for t, _ in self.bucket_shapes()}):
+                rows_spec = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=self._replicated())
+                self._gathers[s] = jax.jit(_take_rows, out_shardings=self._replicated()).lower(
+                    self._logits_spec(s), rows_spec).compile()
         if jax.default_backend() != "cpu":
             row = jax.ShapeDtypeStruct((), jnp.int32)
             for num_tokens, _ in self.bucket_shapes():
@@ -375,7 +384,7 @@ class ModelRunner:
             for x in (values, token_ids, lse) if self.top_k else (logits,):
                 x.copy_to_host_async()
         return StepHandle(prepared, values, token_ids, lse, logits, hidden, t,
-                          time.perf_counter())
+                          time.perf_counter(), self.launches)
 
     def launch(self, shape: tuple[int, int], input_ids: np.ndarray, positions: np.ndarray,
                *metadata: np.ndarray) -> tuple:
@@ -393,7 +402,19 @@ class ModelRunner:
                                                    lambda index: zeros[index])
         *out, self.kv_cache = self._compiled[shape](
             self.params_for(*shape), self.rope, self.kv_cache, buf, input_ids, positions, md)
+        self.launches += 1
         return tuple(out)
+
+    def gather_rows(self, logits: jax.Array, rows: np.ndarray) -> np.ndarray:
+        """Several hosts: rows of a step's vocabulary-sharded logits, gathered (a collective:
+        process 0 calls `_fetch_rows`, the followers this)."""
+        return _host(self._gathers[logits.shape[0]](logits, rows))
+
+    def _fetch_rows(self, handle: StepHandle, rows: list[int]) -> np.ndarray:
+        padded = np.zeros(handle.logits.shape[0], np.int32)
+        padded[:len(rows)] = rows
+        self.leader.fetch(handle.launch_index, padded)
+        return self.gather_rows(handle.logits, padded)[:len(rows)]
 
     def launch_prompt(self, hidden: jax.Array, rows: np.ndarray, targets: np.ndarray) -> list:
         """Prompt-logprob statistics of PROMPT_LOGPROB_ROWS rows of a step's hidden states."""
@@ -420,7 +441,8 @@ class ModelRunner:
             prepared.inputs.sample_req_ids, topk, handle, ready,
             StepTimings(prepared.prepare_s, ready - handle.dispatch_time,
                         time.perf_counter() - ready),
-            prepared.shape, self._row_slices.get(handle.logits.shape[0]))
+            prepared.shape, self._row_slices.get(handle.logits.shape[0]),
+            fetch_rows=None if handle.logits.is_fully_addressable else self._fetch_rows)
 
     def release(self, out: ModelRunnerOutput) -> None:
         """The step's full logits are no longer needed: their buffer serves the next step."""

@@ -48,6 +48,7 @@ class StepHandle:
     hidden: jax.Array  # [T, hidden], for prompt logprobs
     dispatch_time: float  # perf_counter just before the executable was called
     launched_time: float  # ... and once the call returned (the launch cost is host time too)
+    launch_index: int = 0  # the runner's launch count after this step (several hosts)
 
 
 @dataclass
@@ -81,14 +82,15 @@ class ModelRunnerOutput:
     row_slice: Any = None
     # request id -> the prompt positions it wants logprobs for, computed on the device
     prompt_logprobs: dict[str, PromptLogprobRows] = field(default_factory=dict)
+    # Several hosts: (handle, rows) -> those rows' full logits, gathered from every process.
+    fetch_rows: Any = None
 
     def logits_rows(self, rows: Sequence[int]) -> np.ndarray:
         """Full logits [len(rows), vocab] of the given sampled rows; valid until the runner's
         `release` of this output (the buffer then serves a later step)."""
         logits = self.handle.logits
-        if not logits.is_fully_addressable:
-            raise RuntimeError("full logits rows are not fetched across hosts yet: with several "
-                               "hosts only rows the top-K candidates sample exactly work")
+        if self.fetch_rows is not None:  # several hosts: a collective gather of the rows
+            return self.fetch_rows(self.handle, list(rows))
         if self.row_slice is None:  # CPU: host memory already; rows 0..n-1 need no copy
             host = np.asarray(logits)
             rows = list(rows)
@@ -103,3 +105,7 @@ def _host(x: jax.Array) -> np.ndarray:
 
 def _row_slice(logits: jax.Array, row: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(logits, row, keepdims=False)
+
+
+def _take_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
+    return jax.numpy.take(logits, rows, axis=0)
