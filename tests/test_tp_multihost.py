@@ -75,7 +75,7 @@ def test_two_processes_tp4_match_tp1_and_a_dead_follower_fails_fast(tmp_path):
             time.sleep(0.1)
         first = json.loads(out.read_text())["first"]
         follower.send_signal(signal.SIGKILL)
-        follower.wait(timeout=10)
+        follower_log = follower.communicate(timeout=10)[0]
         killed = time.monotonic()
         go.write_text("go")
         rc = leader.wait(timeout=30)  # fails, never hangs
@@ -86,6 +86,7 @@ def test_two_processes_tp4_match_tp1_and_a_dead_follower_fails_fast(tmp_path):
                 p.kill()
                 p.wait()
     assert "tokens" in first, first
+    assert "while serving" not in follower_log, follower_log[-2000:]
     after = json.loads(out.read_text())["after_kill"]
     # The engine core (process 0, in its own process) fails on its next collective or is ended
     # by JAX's coordination service; the frontend sees it dead, within seconds, no hang.

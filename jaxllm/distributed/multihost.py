@@ -142,7 +142,13 @@ def follow(runner, prompt_rows: int) -> int:
     steps = 0
     hidden = None
     recent = {}  # launch index -> that step's logits
+    compiles = []  # warm-up covers every call below: any compile here is reported
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: compiles.append(name) if "backend_compile" in name else None)
     while True:
+        if compiles:
+            print(f"follower: {len(compiles)} compile(s) while serving", flush=True)
+            compiles.clear()
         command, index, count = _broadcast(np.zeros(HEADER, np.int32)).tolist()
         if command == STOP:
             return steps
