@@ -45,6 +45,25 @@ def tp_results(tmp_path_factory):
     return dict(np.load(out))
 
 
+@pytest.fixture(scope="module")
+def tp_pallas_results(tmp_path_factory):
+    """The Pallas kernels themselves (interpret mode) per device under shard_map: 4 query heads,
+    2 KV heads, head_dim 16, TP 1 and 2."""
+    path = tmp_path_factory.mktemp("tp_tiny_pallas")
+    make_tiny_checkpoint(path, tied=True, seed=5)
+    out = path / "results.npz"
+    run_child([str(path), str(out), "1,2", '{"max_num_seqs": 2, "max_num_batched_tokens": 16, '
+                                          '"kernel_backend": "interpret"}'], timeout=400)
+    return dict(np.load(out))
+
+
+def test_pallas_kernels_under_shard_map_match_tp1(tp_pallas_results):
+    r = tp_pallas_results
+    np.testing.assert_array_equal(r["tp2_tokens"], r["tp1_tokens"])
+    np.testing.assert_allclose(r["tp2_logits"], r["tp1_logits"], rtol=0, atol=1e-5)
+    assert r["tp2_kv_shard_shape"][2] == 1 and r["tp2_compiles_after_warmup"] == 0
+
+
 @pytest.mark.parametrize("tp", SIZES[1:])
 def test_logits_and_greedy_tokens_match_tp1(tp_results, tp):
     r = tp_results
