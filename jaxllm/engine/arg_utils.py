@@ -45,6 +45,13 @@ _HELP = {
     "topk_sampling": "the device returns each sampled row's top-64 logits and log-sum-exp; "
                      "the host samples from them when exact (when not given: on for GPU, "
                      "off on CPU, where the device top-k costs more than the host saves)",
+    "tensor_parallel_size": "devices the model is split over (Megatron-style tensor "
+                            "parallelism on a JAX mesh; must divide the query heads, "
+                            "intermediate size and vocabulary)",
+    "coordinator_address": "several hosts: host:port of process 0's jax.distributed "
+                           "coordinator (or JAXLLM_COORDINATOR_ADDRESS)",
+    "num_processes": "several hosts: processes in the job (or JAXLLM_NUM_PROCESSES)",
+    "process_id": "several hosts: this process's rank, 0 runs the engine (or JAXLLM_PROCESS_ID)",
     "multiprocess_mode": "run the engine core in its own process (default: per platform, see "
                          "README; the env var JAXLLM_ENABLE_V1_MULTIPROCESSING=0/1 wins)",
 }
@@ -106,6 +113,12 @@ class EngineArgs:
     async_scheduling: bool | None = None  # None: per platform (see _HELP)
     topk_sampling: bool | None = None  # None: per platform (see _HELP)
     multiprocess_mode: bool | None = None  # None: per platform (resolve_multiprocess_mode)
+    tensor_parallel_size: int = 1
+    # Several hosts (jax.distributed); None: the JAXLLM_COORDINATOR_ADDRESS /
+    # JAXLLM_NUM_PROCESSES / JAXLLM_PROCESS_ID environment variables, else one process.
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -131,6 +144,9 @@ class EngineArgs:
                 ("max_num_seqs", 1, False, "a positive integer"),
                 ("max_num_batched_tokens", 1, False, "a positive integer"),
                 ("max_n", 1, False, "a positive integer"),
+                ("tensor_parallel_size", 1, False, "a positive integer"),
+                ("num_processes", 1, True, "a positive integer or None"),
+                ("process_id", 0, True, "a non-negative integer or None"),
                 ("seed", 0, False, "a non-negative integer"),
                 ("max_model_len", 2, True, "an integer >= 2 (a prompt token and a new one) or "
                                            "None for the model's"),
@@ -177,7 +193,8 @@ class EngineArgs:
                     group.add_argument(flag, action="store_true", help=help_text)
                 continue
             kind: Any = {"gpu_memory_utilization": float}.get(f.name, int)
-            if f.name in ("model", "dtype", "kernel_backend", "quantization"):
+            if f.name in ("model", "dtype", "kernel_backend", "quantization",
+                          "coordinator_address"):
                 kind = str
             choices = {"dtype": DTYPES, "kernel_backend": pallas_kernels.BACKENDS,
                        "quantization": QUANTIZATIONS,

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from jaxllm.distributed import multihost
 from jaxllm.engine import UTILITY_METHODS as UTILITY_METHODS
 from jaxllm.engine import (
     EngineCoreInfo,
@@ -39,6 +40,7 @@ from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.penalties import PenaltyState
 from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
 from jaxllm.worker.model_runner import (
+    PROMPT_LOGPROB_ROWS,
     ModelRunner,
     ModelRunnerOutput,
     PreparedStep,
@@ -66,12 +68,15 @@ def num_kv_blocks_for(args: EngineArgs, runner: ModelRunner) -> int:
     the largest step (or kv_cache_memory_bytes when given)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
-    per_block = kv_block_bytes(runner.config, args.block_size, runner.kv_cache_dtype)
+    # Per device: with tensor parallelism each holds its kv heads' slice of every block.
+    per_block = kv_block_bytes(runner.local_config, args.block_size, runner.kv_cache_dtype)
     total = device_memory_bytes()
     if args.kv_cache_memory_bytes is not None:
         budget, how = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
     elif total is None:
-        budget, how = DEFAULT_CPU_KV_BYTES, "the CPU default of 1 GiB"
+        # Virtual CPU devices share the host's memory: the default is for all of them.
+        budget = DEFAULT_CPU_KV_BYTES // args.tensor_parallel_size
+        how = "the CPU default of 1 GiB (over all devices)"
     else:
         weights = runner.weight_bytes()
         activations = runner.measure_activation_bytes() + runner.logits_buffer_bytes()
@@ -121,6 +126,8 @@ _NOTHING_SAMPLED = _Sampled([], np.zeros(0, np.int64), np.zeros(0, np.float32), 
 class EngineCore:
     def __init__(self, engine_args: EngineArgs) -> None:
         args = self.engine_args = engine_args
+        # Several hosts: join jax.distributed before JAX starts a backend.
+        self.distributed = multihost.start(args)
         dtype = resolve_dtype(args.dtype)
         path = default_model_path() if args.model is None else Path(args.model)
         self.model_name = DEFAULT_MODEL_NAME if args.model is None else args.model
@@ -140,10 +147,12 @@ class EngineCore:
             config, loaded.params, dtype=dtype, kernel_backend=backend,
             block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            topk_sampling=topk_sampling, gemv_params=loaded.gemv_params)
-        num_blocks = num_kv_blocks_for(args, self.runner)
+            topk_sampling=topk_sampling, gemv_params=loaded.gemv_params,
+            tensor_parallel_size=args.tensor_parallel_size)
+        num_blocks = multihost.agree(self.distributed, num_kv_blocks_for(args, self.runner))
         self.runner.initialize_kv_cache(num_blocks)
         compile_time_s = self.runner.compile(progress=args.show_progress)
+        multihost.attach(self.distributed, self.runner, PROMPT_LOGPROB_ROWS)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len, block_size=args.block_size, num_blocks=num_blocks,

@@ -32,6 +32,9 @@ preallocated buffer, sized from a memory budget (`initialize_kv_cache`, after
 `measure_activation_bytes` on a GPU), donated to every step so XLA updates it in place; so is
 each shape's logits buffer (`release` hands it back once a step's rows are sampled). Decode
 buckets carry a static split-K partition count for paged attention (`bucket_table`).
+With tensor_parallel_size N > 1 the weights, the KV array (its kv-head axis) and the logits
+(vocabulary) are sharded over an N-device mesh and each step is one SPMD program
+(jaxllm/distributed/tensor_parallel.py); sizes per device come from `local_config`.
 """
 
 from __future__ import annotations
@@ -39,28 +42,47 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxllm.distributed.tensor_parallel import (
+    KV_SPEC,
+    LOGITS_SPEC,
+    TP_AXIS,
+    make_mesh,
+    per_device_bytes,
+    shard_params,
+    tp_layout,
+)
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
 from jaxllm.model_executor.models.qwen2 import (
     AttentionMetadata,
     Qwen2ForCausalLM,
-    compute_logits,
     kv_cache_shape,
     rope_variables,
 )
 from jaxllm.sample.candidates import TopKLogits
-from jaxllm.sample.topk import TOPK, top_k_logits
+from jaxllm.sample.topk import TOPK
 from jaxllm.sampling_params import MAX_LOGPROBS
-from jaxllm.worker.input_batch import InputBatch, StepInputs
+from jaxllm.worker.input_batch import InputBatch
+from jaxllm.worker.outputs import (  # re-exported: the engine core imports them from here
+    ModelRunnerOutput,
+    PreparedStep,
+    PromptLogprobRows,
+    StepHandle,
+    StepTimings,
+    _host,
+    _row_slice,
+    _take_rows,
+)
+from jaxllm.worker.step import forward_step, prompt_stats
 from pallas_kernels.split_k_decode import decode_num_splits
 from scheduler import SchedulerOutput
 
@@ -121,94 +143,22 @@ def device_memory_bytes() -> int | None:
     return stats.get("bytes_limit")
 
 
-@dataclass
-class StepTimings:
-    prepare_s: float = 0.0
-    device_s: float = 0.0  # dispatch to the small outputs being on the host
-    transfer_s: float = 0.0
-
-
-@dataclass
-class PreparedStep:
-    """A step's host inputs, built from its SchedulerOutput while the previous step may still
-    run. Tokens the previous step has yet to sample are placeholders (-1) in `input_ids`, one
-    per listed request, filled by `ModelRunner.dispatch`."""
-
-    so: SchedulerOutput
-    inputs: StepInputs
-    shape: tuple[int, int]  # (num_tokens, max_query_len) of the compiled step
-    placeholder_index: np.ndarray  # [P] flat token index of each placeholder
-    placeholder_req_ids: list[str]
-    prepare_s: float
-
-
-@dataclass
-class StepHandle:
-    """A dispatched step: its outputs are device arrays until `ModelRunner.wait`."""
-
-    prepared: PreparedStep
-    values: jax.Array | None  # [S, K] top-K logits per sampled row (None: top-K off)
-    token_ids: jax.Array | None  # [S, K]
-    lse: jax.Array | None  # [S]
-    logits: jax.Array  # [S, vocab], stays on the device unless a row needs it
-    hidden: jax.Array  # [T, hidden], for prompt logprobs
-    dispatch_time: float  # perf_counter just before the executable was called
-    launched_time: float  # ... and once the call returned (the launch cost is host time too)
-
-
-@dataclass
-class PromptLogprobRows:
-    """Raw-distribution statistics of n consecutive prompt positions from `first_position`,
-    each scoring the prompt's next token: its logit and rank, the top values and ids (sorted by
-    value, then id) and the row's log-sum-exp."""
-
-    first_position: int
-    target_logit: np.ndarray  # [n] float32
-    target_rank: np.ndarray  # [n] int32: 1 + tokens with a larger logit
-    values: np.ndarray  # [n, MAX_LOGPROBS] float32
-    token_ids: np.ndarray  # [n, MAX_LOGPROBS] int32
-    lse: np.ndarray  # [n] float32
-
-
-@dataclass
-class ModelRunnerOutput:
-    """The sampled rows' top-K candidates on the host; full logits rows and prompt-logprob
-    logits on request (`logits_rows`); prompt logprob statistics where asked."""
-
-    sample_req_ids: list[str]
-    topk: TopKLogits | None  # rows follow sample_req_ids; None when the runner has top-K off
-    handle: StepHandle
-    # When the small outputs were on the host (perf_counter): the start of the host's critical
-    # section, which ends when the next step is dispatched.
-    ready_time: float = 0.0
-    timings: StepTimings = field(default_factory=StepTimings)
-    step_shape: tuple[int, int] = (0, 0)  # (num_tokens, max_query_len) of the compiled step
-    # Precompiled one-row fetch for this step's logits shape; None on CPU.
-    row_slice: Any = None
-    # request id -> the prompt positions it wants logprobs for, computed on the device
-    prompt_logprobs: dict[str, PromptLogprobRows] = field(default_factory=dict)
-
-    def logits_rows(self, rows: Sequence[int]) -> np.ndarray:
-        """Full logits [len(rows), vocab] of the given sampled rows; valid until the runner's
-        `release` of this output (the buffer then serves a later step)."""
-        logits = self.handle.logits
-        if self.row_slice is None:  # CPU: host memory already; rows 0..n-1 need no copy
-            host = np.asarray(logits)
-            rows = list(rows)
-            return host[:len(rows)] if rows == list(range(len(rows))) else host[rows]
-        return np.stack([np.asarray(self.row_slice(logits, np.int32(r))) for r in rows])
-
-
-def _row_slice(logits: jax.Array, row: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_index_in_dim(logits, row, keepdims=False)
-
-
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, *, dtype: Any, kernel_backend: str,
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, topk_sampling: bool = False,
-                 gemv_params: dict | None = None) -> None:
+                 gemv_params: dict | None = None, tensor_parallel_size: int = 1) -> None:
         self.config = config
+        self.local_config = config  # one device's slice of the model
+        self.mesh = None
+        if tensor_parallel_size != 1:
+            layout = tp_layout(config, tensor_parallel_size)
+            if gemv_params is not None:
+                raise ValueError("quantization='gguf' does not run with tensor_parallel_size > 1 "
+                                 "yet; leave quantization unset (dequantized weights) for TP")
+            self.mesh = make_mesh(tensor_parallel_size)
+            self.local_config = layout.local
+            params = shard_params(params, layout, self.mesh)
         self.params = params
         self.gemv_params = gemv_params
         self.gemv_max_rows = GGUF_GEMV_MAX_ROWS
@@ -228,16 +178,20 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buckets = token_buckets(max_num_batched_tokens)
         self.decode_buckets = decode_buckets(max_num_seqs, max_num_batched_tokens)
-        self.model = Qwen2ForCausalLM(config, dtype=dtype, kernel_backend=kernel_backend)
+        self.model = Qwen2ForCausalLM(self.local_config, dtype=dtype,
+                                      kernel_backend=kernel_backend,
+                                      tp_axis=None if self.mesh is None else TP_AXIS)
         # Split-K decode (flash-decoding) per decode bucket: static, sized from max_model_len
         # and the bucket's sequences against the GPU's SM count. The reference backend (CPU)
         # has one XLA attention for every split count: 1 keeps its executables as they were.
         self.decode_splits = {
             t: 1 if kernel_backend == "reference" else decode_num_splits(
-                max_model_len, min(t, max_num_seqs), config.num_key_value_heads,
+                max_model_len, min(t, max_num_seqs), self.local_config.num_key_value_heads,
                 num_sms=gpu_sm_count())
             for t in self.decode_buckets}
         self.rope = rope_variables(config)
+        if self.mesh is not None:
+            self.rope = jax.device_put(self.rope, self._replicated())
         self.kv_cache: jax.Array | None = None
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size)
         # 0: the step returns full logits only (the host finds candidates and normalisers).
@@ -252,28 +206,35 @@ class ModelRunner:
         self._prompt_fn = jax.jit(self._prompt_stats)
         self._compiled_prompt: dict[int, Any] = {}
         self._row_slices: dict[int, Any] = {}
+        self._gathers: dict[int, Any] = {}  # several hosts: logits rows, replicated
+        self.launches = 0
         self._logits_bufs: dict[int, jax.Array] = {}
         # Steps run per (num_tokens, max_query_len) shape: benchmarks price a run's shapes.
         self.step_shape_counts: Counter[tuple[int, int]] = Counter()
+        # Several hosts, process 0: broadcasts each launch to the followers (multihost.py).
+        self.leader: Any = None
 
     def _forward(self, params, rope, kv_cache, logits_buf, input_ids, positions, md,
                  max_query_len, num_splits):
         del logits_buf  # only its buffer is wanted, for the logits output
-        logits, hidden, kv_cache = self.model.apply(
-            {"params": params, "rope": rope}, input_ids, positions, kv_cache, md,
-            max_query_len=max_query_len, num_splits=num_splits)
-        if not self.top_k:
-            return None, None, None, logits, hidden, kv_cache
-        values, token_ids, lse = top_k_logits(logits, self.top_k)
-        return values, token_ids, lse, logits, hidden, kv_cache
+        return forward_step(self.model, self.top_k, self.mesh, params, rope, kv_cache,
+                            input_ids, positions, md, max_query_len, num_splits)
 
     def _prompt_stats(self, params, hidden, rows, targets):
-        logits = compute_logits(params, self.config, jnp.take(hidden, rows, axis=0),
-                                self.model.kernel_backend)
-        target = jnp.take_along_axis(logits, targets[:, None], axis=1)
-        rank = 1 + jnp.sum(logits > target, axis=1, dtype=jnp.int32)
-        values, ids, lse = top_k_logits(logits, min(MAX_LOGPROBS, self.config.vocab_size))
-        return target[:, 0], rank, values, ids, lse
+        return prompt_stats(self.model, min(MAX_LOGPROBS, self.config.vocab_size), self.mesh,
+                            params, hidden, rows, targets)
+
+    def _replicated(self) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, P())
+
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The KV array's global shape: kv heads times the TP size (with replicas)."""
+        shape = list(kv_cache_shape(self.local_config, num_blocks, self.block_size))
+        shape[2] *= 1 if self.mesh is None else self.mesh.size
+        return tuple(shape)
+
+    def _sharding(self, spec: P) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, spec)
 
     # --- compilation --------------------------------------------------------------------------
 
@@ -297,15 +258,15 @@ class ModelRunner:
         i32 = jnp.int32
 
         def spec(*shape):
-            return jax.ShapeDtypeStruct(shape, i32)
+            return jax.ShapeDtypeStruct(shape, i32, sharding=self._replicated())
 
         md = AttentionMetadata(spec(num_tokens), spec(s, self.max_blocks_per_seq), spec(s),
                                spec(s + 1), spec(s))
         return spec(num_tokens), spec(num_tokens), md
 
     def _compile_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int):
-        kv_spec = jax.ShapeDtypeStruct(
-            kv_cache_shape(self.config, num_kv_blocks, self.block_size), self.kv_cache_dtype)
+        kv_spec = jax.ShapeDtypeStruct(self.kv_shape(num_kv_blocks), self.kv_cache_dtype,
+                                       sharding=self._sharding(KV_SPEC))
         ids, pos, md = self._abstract_inputs(num_tokens)
         splits = self.decode_splits[num_tokens] if max_query_len == 1 else 1
         return self._step.lower(self.params_for(num_tokens, max_query_len), self.rope, kv_spec,
@@ -314,17 +275,16 @@ class ModelRunner:
 
     def _logits_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((min(num_tokens, self.max_num_seqs), self.config.vocab_size),
-                                    jnp.float32)
+                                    jnp.float32, sharding=self._sharding(LOGITS_SPEC))
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights and RoPE tables on the device (arrays both trees share once)."""
-        leaves = jax.tree.leaves((self.params, self.gemv_params, self.rope))
-        return sum({id(x): x.nbytes for x in leaves}.values())
+        """Bytes of the weights and RoPE tables on one device (arrays both trees share once)."""
+        return per_device_bytes((self.params, self.gemv_params, self.rope))
 
     def logits_buffer_bytes(self) -> int:
         """Device bytes of the kept logits buffers once every step shape has run."""
         rows = {min(t, self.max_num_seqs) for t, _ in self.bucket_shapes()}
-        return sum(rows) * self.config.vocab_size * 4
+        return sum(rows) * self.local_config.vocab_size * 4
 
     def measure_activation_bytes(self, probe_blocks: int = 16) -> int:
         """Device bytes the largest step needs besides weights and KV: its temporaries plus the
@@ -337,8 +297,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the one paged KV array (all layers); compile() comes after."""
         self.num_kv_blocks = num_blocks
-        self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size),
-                                  self.kv_cache_dtype)
+        self.kv_cache = jnp.zeros(self.kv_shape(num_blocks), self.kv_cache_dtype,
+                                  device=self._sharding(KV_SPEC))
         self._compiled.clear()
 
     def compile(self, progress: bool = True) -> float:
@@ -350,15 +310,23 @@ class ModelRunner:
                                               unit="shape", disable=not progress):
             self._compiled[(num_tokens, max_query_len)] = self._compile_step(
                 num_tokens, max_query_len, self.num_kv_blocks)
-        rows = jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS,), jnp.int32)
+        rows = jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS,), jnp.int32,
+                                    sharding=self._replicated())
         self._compiled_prompt.clear()
         for num_tokens, _ in self.bucket_shapes():
             if num_tokens not in self._compiled_prompt:
-                hidden = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size), self.dtype)
+                hidden = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size), self.dtype,
+                                              sharding=self._replicated())
                 self._compiled_prompt[num_tokens] = self._prompt_fn.lower(
                     self.params, hidden, rows, rows).compile()
         self._logits_bufs.clear()
         self._row_slices.clear()
+        self._gathers.clear()
+        if self.mesh is not None and jax.process_count() > 1:
+            for s in sorted({min(t, self.max_num_seqs) for t, _ in self.bucket_shapes()}):
+                rows_spec = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=self._replicated())
+                self._gathers[s] = jax.jit(_take_rows, out_shardings=self._replicated()).lower(
+                    self._logits_spec(s), rows_spec).compile()
         if jax.default_backend() != "cpu":
             row = jax.ShapeDtypeStruct((), jnp.int32)
             for num_tokens, _ in self.bucket_shapes():
@@ -410,21 +378,55 @@ class ModelRunner:
         if prepared.placeholder_index.size:
             inputs.input_ids[prepared.placeholder_index] = (
                 0 if placeholder_tokens is None else placeholder_tokens)
-        md = AttentionMetadata(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
-                               inputs.query_start_loc, inputs.logits_indices)
         self.step_shape_counts[prepared.shape] += 1
-        num_seqs = inputs.seq_lens.shape[0]
+        if self.leader is not None:  # several hosts: the followers launch the same step
+            self.leader.step(prepared.shape, inputs)
+        t = time.perf_counter()
+        values, token_ids, lse, logits, hidden = self.launch(
+            prepared.shape, inputs.input_ids, inputs.positions, inputs.slot_mapping,
+            inputs.block_tables, inputs.seq_lens, inputs.query_start_loc, inputs.logits_indices)
+        if logits.is_fully_addressable:
+            for x in (values, token_ids, lse) if self.top_k else (logits,):
+                x.copy_to_host_async()
+        return StepHandle(prepared, values, token_ids, lse, logits, hidden, t,
+                          time.perf_counter(), self.launches)
+
+    def launch(self, shape: tuple[int, int], input_ids: np.ndarray, positions: np.ndarray,
+               *metadata: np.ndarray) -> tuple:
+        """Run a compiled step on padded inputs (`metadata`: AttentionMetadata's arrays);
+        returns (top-K values, ids, log-sum-exp, logits, hidden states)."""
+        md = AttentionMetadata(*metadata)
+        num_seqs = md.seq_lens.shape[0]
         buf = self._logits_bufs.pop(num_seqs, None)
         if buf is None:  # first step of this shape (a transfer, not a compile)
-            buf = jax.device_put(np.zeros((num_seqs, self.config.vocab_size), np.float32))
-        t = time.perf_counter()
-        values, token_ids, lse, logits, hidden, self.kv_cache = self._compiled[prepared.shape](
-            self.params_for(*prepared.shape), self.rope, self.kv_cache, buf, inputs.input_ids,
-            inputs.positions, md)
-        for x in (values, token_ids, lse) if self.top_k else (logits,):
-            x.copy_to_host_async()
-        return StepHandle(prepared, values, token_ids, lse, logits, hidden, t,
-                          time.perf_counter())
+            zeros = np.zeros((num_seqs, self.config.vocab_size), np.float32)
+            if self.mesh is None:
+                buf = jax.device_put(zeros)
+            else:  # per shard: device_put would compare the value across processes
+                buf = jax.make_array_from_callback(zeros.shape, self._sharding(LOGITS_SPEC),
+                                                   lambda index: zeros[index])
+        *out, self.kv_cache = self._compiled[shape](
+            self.params_for(*shape), self.rope, self.kv_cache, buf, input_ids, positions, md)
+        self.launches += 1
+        return tuple(out)
+
+    def gather_rows(self, logits: jax.Array, rows: np.ndarray) -> np.ndarray:
+        """Several hosts: rows of a step's vocabulary-sharded logits, gathered (a collective:
+        process 0 calls `_fetch_rows`, the followers this)."""
+        return _host(self._gathers[logits.shape[0]](logits, rows))
+
+    def _fetch_rows(self, handle: StepHandle, rows: list[int]) -> np.ndarray:
+        padded = np.zeros(handle.logits.shape[0], np.int32)
+        padded[:len(rows)] = rows
+        self.leader.fetch(handle.launch_index, padded)
+        return self.gather_rows(handle.logits, padded)[:len(rows)]
+
+    def launch_prompt(self, hidden: jax.Array, rows: np.ndarray, targets: np.ndarray) -> list:
+        """Prompt-logprob statistics of PROMPT_LOGPROB_ROWS rows of a step's hidden states."""
+        if self.leader is not None:
+            self.leader.prompt(rows, targets)
+        return [_host(x) for x in self._compiled_prompt[hidden.shape[0]](self.params, hidden,
+                                                                         rows, targets)]
 
     def wait(self, handle: StepHandle) -> ModelRunnerOutput:
         """Block until the step's candidates are on the host. The full logits stay on the
@@ -432,10 +434,10 @@ class ModelRunner:
         released via `release`)."""
         n = len(handle.prepared.inputs.sample_req_ids)
         if self.top_k:
-            values = np.asarray(handle.values)[:n]
+            values = _host(handle.values)[:n]
             ready = time.perf_counter()
-            topk = TopKLogits(values, np.asarray(handle.token_ids)[:n],
-                              np.asarray(handle.lse)[:n], self.top_k == self.config.vocab_size)
+            topk = TopKLogits(values, _host(handle.token_ids)[:n],
+                              _host(handle.lse)[:n], self.top_k == self.config.vocab_size)
         else:
             handle.logits.block_until_ready()
             ready, topk = time.perf_counter(), None
@@ -444,7 +446,8 @@ class ModelRunner:
             prepared.inputs.sample_req_ids, topk, handle, ready,
             StepTimings(prepared.prepare_s, ready - handle.dispatch_time,
                         time.perf_counter() - ready),
-            prepared.shape, self._row_slices.get(handle.logits.shape[0]))
+            prepared.shape, self._row_slices.get(handle.logits.shape[0]),
+            fetch_rows=None if handle.logits.is_fully_addressable else self._fetch_rows)
 
     def release(self, out: ModelRunnerOutput) -> None:
         """The step's full logits are no longer needed: their buffer serves the next step."""
@@ -478,7 +481,6 @@ class ModelRunner:
         if not rows:
             return
         hidden = out.handle.hidden
-        fn = self._compiled_prompt[hidden.shape[0]]
         parts = []
         for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
             chunk_rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
@@ -486,8 +488,7 @@ class ModelRunner:
             n = min(PROMPT_LOGPROB_ROWS, len(rows) - i)
             chunk_rows[:n] = rows[i:i + n]
             chunk_targets[:n] = targets[i:i + n]
-            parts.append([np.asarray(x)[:n] for x in fn(self.params, hidden, chunk_rows,
-                                                        chunk_targets)])
+            parts.append([x[:n] for x in self.launch_prompt(hidden, chunk_rows, chunk_targets)])
         target, rank, values, ids, lse = (np.concatenate(xs) for xs in zip(*parts, strict=True))
         start = 0
         for rid, first, n in owners:

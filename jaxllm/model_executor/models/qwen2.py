@@ -4,6 +4,10 @@ The forward pass sees a flat, ragged batch of tokens (prefill chunks and decodes
 attention metadata the runner prepared; RMSNorm, RoPE, KV write and attention go through
 `pallas_kernels`, whose `backend` picks Pallas (GPU), Pallas interpret (CPU tests) or plain XLA.
 Params are an argument of the jitted step (`model.apply({"params": params, ...})`), never baked in.
+With `tp_axis` set the module runs under `jax.shard_map` on one device's slice of the model
+(its config is `TPLayout.local`): the row-parallel o_proj and down_proj outputs and the
+vocabulary-parallel embedding are all-reduced over that axis, and the logits are the device's
+vocabulary slice (jaxllm/distributed/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from jaxllm.distributed.tensor_parallel import all_reduce, vocab_parallel_embed
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, dequantize, gguf_linear
 
@@ -98,6 +103,7 @@ class Qwen2Attention(nn.Module):
     layer_idx: int
     dtype: Any
     backend: str
+    tp_axis: str | None = None
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, md: AttentionMetadata, cos_sin_cache,
@@ -119,21 +125,22 @@ class Qwen2Attention(nn.Module):
             num_splits=num_splits)
         out = Linear(cfg.hidden_size, False, self.dtype, self.backend, name="o_proj")(
             out.reshape(-1, nh * hd))
-        return out, kv_cache
+        return all_reduce(out, self.tp_axis), kv_cache
 
 
 class Qwen2MLP(nn.Module):
     config: ModelConfig
     dtype: Any
     backend: str = "reference"
+    tp_axis: str | None = None
 
     @nn.compact
     def __call__(self, x):
         inter = self.config.intermediate_size
         gate_up = Linear(2 * inter, False, self.dtype, self.backend, name="gate_up_proj")(x)
         gate, up = jnp.split(gate_up, 2, axis=-1)
-        return Linear(self.config.hidden_size, False, self.dtype, self.backend, name="down_proj")(
-            nn.silu(gate) * up)
+        down = Linear(self.config.hidden_size, False, self.dtype, self.backend, name="down_proj")
+        return all_reduce(down(nn.silu(gate) * up), self.tp_axis)
 
 
 class RMSNorm(nn.Module):
@@ -152,6 +159,7 @@ class Qwen2DecoderLayer(nn.Module):
     layer_idx: int
     dtype: Any
     backend: str
+    tp_axis: str | None = None
 
     @nn.compact
     def __call__(self, h, residual, positions, kv_cache, md, cos_sin_cache, max_query_len,
@@ -165,11 +173,11 @@ class Qwen2DecoderLayer(nn.Module):
             h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
                                   name="input_layernorm")(h, residual)
         h, kv_cache = Qwen2Attention(cfg, self.layer_idx, self.dtype, self.backend,
-                                     name="self_attn")(h, positions, kv_cache, md, cos_sin_cache,
-                                                       max_query_len, num_splits)
+                                     self.tp_axis, name="self_attn")(
+            h, positions, kv_cache, md, cos_sin_cache, max_query_len, num_splits)
         h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
                               name="post_attention_layernorm")(h, residual)
-        h = Qwen2MLP(cfg, self.dtype, self.backend, name="mlp")(h)
+        h = Qwen2MLP(cfg, self.dtype, self.backend, self.tp_axis, name="mlp")(h)
         return h, residual, kv_cache
 
 
@@ -180,6 +188,7 @@ class Qwen2ForCausalLM(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     kernel_backend: str = "reference"
+    tp_axis: str | None = None  # set: runs under shard_map on one device's slice (see above)
 
     @nn.compact
     def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata,
@@ -195,6 +204,8 @@ class Qwen2ForCausalLM(nn.Module):
             cfg.max_position_embeddings, cfg.rope_theta, jnp.float32).value
         if isinstance(embed, GGUFWeight):  # only the step's rows are dequantized
             h = dequantize(embed, input_ids).astype(self.dtype)
+        elif self.tp_axis is not None:
+            h = vocab_parallel_embed(embed, input_ids, self.tp_axis).astype(self.dtype)
         else:
             h = jnp.take(embed, input_ids, axis=0).astype(self.dtype)
         residual = None
@@ -202,7 +213,7 @@ class Qwen2ForCausalLM(nn.Module):
         # on CPU (measured 2x slower at 16 tokens, DESIGN.md).
         for i in range(cfg.num_hidden_layers):
             h, residual, kv_cache = Qwen2DecoderLayer(
-                cfg, i, self.dtype, self.kernel_backend, name=f"layers_{i}")(
+                cfg, i, self.dtype, self.kernel_backend, self.tp_axis, name=f"layers_{i}")(
                     h, residual, positions, kv_cache, md, cos_sin_cache, max_query_len,
                     num_splits)
         hidden_states, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend,

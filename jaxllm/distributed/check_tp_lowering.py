@@ -1,0 +1,140 @@
+"""Lower the tensor-parallel step for CUDA without devices, and read its collectives.
+
+`lower_sharded_step` builds the runner's own step (jaxllm/worker/step.py) on an `AbstractMesh`
+with the Pallas kernels, params and KV array as sharded abstract values, and lowers it with
+`lowering_platforms=("cuda",)`. The all-reduces are explicit `psum`s under `shard_map`, so they
+are in the lowered module (XLA adds none at compile time): `collectives` counts them and the
+bytes each moves, which BENCHMARKS.md prices.
+
+    python -m jaxllm.distributed.check_tp_lowering    # the table for the models below
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.distributed.tensor_parallel import KV_SPEC, TP_AXIS, param_specs, tp_layout
+from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.models.qwen2 import (
+    AttentionMetadata,
+    Qwen2ForCausalLM,
+    abstract_params,
+    kv_cache_shape,
+    rope_variables,
+)
+from jaxllm.sample.topk import TOPK
+from jaxllm.worker.step import forward_step
+from pallas_kernels.split_k_decode import decode_num_splits
+
+
+def _qwen2(vocab, hidden, inter, layers, nh, nkv, tied=False) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                       num_hidden_layers=layers, num_attention_heads=nh, num_key_value_heads=nkv,
+                       head_dim=hidden // nh, rope_theta=1e6, tie_word_embeddings=tied)
+
+
+# Real widths (Hugging Face config.json), 2 layers to keep the check short.
+MODELS = {
+    "Qwen2.5-0.5B": _qwen2(151936, 896, 4864, 2, 14, 2, tied=True),
+    "Qwen2.5-1.5B": _qwen2(151936, 1536, 8960, 2, 12, 2, tied=True),
+    "Qwen2.5-7B": _qwen2(152064, 3584, 18944, 2, 28, 4),
+    "Qwen2-72B": _qwen2(152064, 8192, 29568, 2, 64, 8),
+}
+# (model, TP sizes) the issue asks for.
+CASES = [("Qwen2.5-1.5B", (2, 4)), ("Qwen2.5-7B", (2, 4)), ("Qwen2-72B", (8,))]
+
+_ALL_REDUCE = re.compile(r'"?stablehlo\.all_reduce"?')
+_ALL_GATHER = re.compile(r'"?stablehlo\.all_gather"?')
+_TYPE = re.compile(r"\) -> \(?tensor<([0-9x]+)x(bf16|f16|f32|i32)>")
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
+
+
+@dataclass
+class Collectives:
+    all_reduces: int
+    all_reduce_bytes: int  # summed over the ops: what each device contributes per step
+    all_gathers: list[tuple[int, ...]]  # result shapes
+
+
+def _result(text: str, start: int) -> tuple[tuple[int, ...], str]:
+    t = _TYPE.search(text, start)
+    return tuple(int(d) for d in t.group(1).split("x")), t.group(2)
+
+
+def collectives(text: str) -> Collectives:
+    """All-reduce count and bytes, all-gather result shapes of a lowered StableHLO module."""
+    count, total = 0, 0
+    for m in _ALL_REDUCE.finditer(text):
+        shape, dtype = _result(text, m.end())
+        count += 1
+        total += math.prod(shape) * _BYTES[dtype]
+    gathers = [_result(text, m.end())[0] for m in _ALL_GATHER.finditer(text)]
+    return Collectives(count, total, gathers)
+
+
+def lower_sharded_step(config: ModelConfig, tp: int, num_tokens: int, decode: bool, *,
+                       dtype: Any = jnp.bfloat16, backend: str = "pallas", block_size: int = 16,
+                       num_blocks: int = 256, max_model_len: int = 4096,
+                       max_num_seqs: int = 64, top_k: int = TOPK) -> str:
+    """StableHLO text of the runner's step for `config` split over `tp` devices, lowered for
+    CUDA on an abstract mesh: a decode bucket (`decode`: one token per sequence, split-K
+    attention as the runner sizes it) or a prefill bucket of `num_tokens`."""
+    layout = tp_layout(config, tp)
+    mesh = AbstractMesh((tp,), (TP_AXIS,))
+    model = Qwen2ForCausalLM(layout.local, dtype=dtype, kernel_backend=backend, tp_axis=TP_AXIS)
+    # The global tree: the model with the KV heads the sharded layout holds (with replicas).
+    full = dataclasses.replace(config, num_key_value_heads=layout.num_kv_heads_total)
+    params = abstract_params(Qwen2ForCausalLM(full, dtype=dtype))
+
+    def sharded(x, spec=None):
+        spec = P() if spec is None else spec
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    params = jax.tree.map(sharded, params, param_specs(params))
+    rope = jax.tree.map(sharded, jax.eval_shape(lambda: rope_variables(config)))
+    kv = sharded(jax.ShapeDtypeStruct(kv_cache_shape(full, num_blocks, block_size), dtype),
+                 KV_SPEC)
+    seqs = min(num_tokens, max_num_seqs)
+
+    def i32(*shape):
+        return sharded(jax.ShapeDtypeStruct(shape, jnp.int32))
+
+    md = AttentionMetadata(i32(num_tokens), i32(seqs, -(-max_model_len // block_size)),
+                           i32(seqs), i32(seqs + 1), i32(seqs))
+    splits = decode_num_splits(max_model_len, seqs, layout.local.num_key_value_heads,
+                               num_sms=132) if decode else 1
+    fn = functools.partial(forward_step, model, top_k, mesh,
+                           max_query_len=1 if decode else num_tokens, num_splits=splits)
+    return jax.jit(fn).trace(params, rope, kv, i32(num_tokens), i32(num_tokens), md).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+def main(argv: list[str] | None = None) -> int:
+    del argv
+    print("| model | TP | step | tokens | all-reduces | per layer | bytes all-reduced / step "
+          "(per device) | all-gathers |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, sizes in CASES:
+        cfg = MODELS[name]
+        for tp in sizes:
+            for step, tokens, decode in (("decode", 64, True), ("prefill", 512, False)):
+                c = collectives(lower_sharded_step(cfg, tp, tokens, decode))
+                per_layer = (c.all_reduces - 1) / cfg.num_hidden_layers
+                print(f"| {name} | {tp} | {step} | {tokens} | {c.all_reduces} | {per_layer:g} "
+                      f"| {c.all_reduce_bytes:,} | {len(c.all_gathers)} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

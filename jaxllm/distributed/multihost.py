@@ -1,0 +1,221 @@
+"""Several hosts: the engine core as one multi-controller JAX program (`jax.distributed`).
+
+Every process joins JAX's distributed runtime (`initialize`), so the "tp" mesh spans all their
+devices. Process 0 runs the whole engine (scheduler, sampler, frontend); the others build an
+EngineCore from the same EngineArgs (its scheduler stays idle) and follow process 0's device
+calls with its ModelRunner (`follow`):
+before each call process 0 broadcasts a fixed-size header (what to run, the bucket) and then
+that bucket's inputs as one int32 vector (`jax.experimental.multihost_utils`), so every process
+launches the same executable on the same inputs. Every header and input size is broadcast once
+at start-up (`warm_up`), so the broadcasts compile nothing while serving.
+
+A follower that dies: its peers' next collective fails and JAX's coordination service, whose
+heartbeat timeout is set to HEARTBEAT_TIMEOUT_S here (JAX's default is 100 s), reports the task
+missing; process 0's engine core then fails (an exception, or JAX ending the process), which a
+frontend in another process sees as EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+HEARTBEAT_TIMEOUT_S = 5
+ENV_COORDINATOR = "JAXLLM_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAXLLM_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXLLM_PROCESS_ID"
+
+# Header: [command, bucket index (STEP) or launch index (FETCH), row count (FETCH)]
+HEADER = 3
+STEP, PROMPT, STOP, FETCH = 1, 2, 3, 4
+# Followers keep the logits of this many recent steps (async scheduling samples step N while
+# N + 1 runs) for process 0's row fetches.
+RECENT_STEPS = 4
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+
+
+def distributed_config(coordinator_address: str | None = None, num_processes: int | None = None,
+                       process_id: int | None = None) -> DistributedConfig | None:
+    """From the arguments, else the JAXLLM_* environment variables; None: one process."""
+    addr = coordinator_address or os.environ.get(ENV_COORDINATOR)
+    if not addr:
+        return None
+    try:
+        n = int(num_processes if num_processes is not None else os.environ[ENV_NUM_PROCESSES])
+        pid = int(process_id if process_id is not None else os.environ[ENV_PROCESS_ID])
+    except KeyError as e:
+        raise ValueError(f"a coordinator address needs {e.args[0]} (or the engine argument) "
+                         f"too") from e
+    if n < 1 or not 0 <= pid < n:
+        raise ValueError(f"process_id {pid} is not in [0, num_processes {n})")
+    return DistributedConfig(addr, n, pid)
+
+
+def initialize(cfg: DistributedConfig) -> None:
+    """Join the distributed runtime; must come before anything starts a JAX backend."""
+    # CPU devices of different processes reduce through gloo (GPUs use NCCL regardless).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
+                               process_id=cfg.process_id,
+                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+
+
+def _broadcast(x: np.ndarray) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(x))
+
+
+def input_size(runner, shape: tuple[int, int]) -> int:
+    t = shape[0]
+    s = min(t, runner.max_num_seqs)
+    return 3 * t + s * runner.max_blocks_per_seq + 3 * s + 1
+
+
+def pack(inputs) -> np.ndarray:
+    return np.concatenate([inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                           inputs.block_tables.ravel(), inputs.seq_lens, inputs.query_start_loc,
+                           inputs.logits_indices]).astype(np.int32)
+
+
+def unpack(runner, shape: tuple[int, int], flat: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc,
+    logits_indices) of a bucket from `pack`'s vector."""
+    t = shape[0]
+    s = min(t, runner.max_num_seqs)
+    sizes = [t, t, t, s * runner.max_blocks_per_seq, s, s + 1, s]
+    parts = np.split(flat, np.cumsum(sizes)[:-1])
+    parts[3] = parts[3].reshape(s, runner.max_blocks_per_seq)
+    return tuple(parts)
+
+
+class Leader:
+    """Process 0's side: tells the followers what the runner is about to launch."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.shapes = runner.bucket_shapes()
+        self.stopped = False
+
+    def step(self, shape: tuple[int, int], inputs) -> None:
+        _broadcast(np.array([STEP, self.shapes.index(shape), 0], np.int32))
+        _broadcast(pack(inputs))
+
+    def prompt(self, rows: np.ndarray, targets: np.ndarray) -> None:
+        _broadcast(np.array([PROMPT, 0, 0], np.int32))
+        _broadcast(np.concatenate([rows, targets]).astype(np.int32))
+
+    def fetch(self, launch_index: int, rows: np.ndarray) -> None:
+        _broadcast(np.array([FETCH, launch_index, rows.shape[0]], np.int32))
+        _broadcast(rows)
+
+    def stop(self) -> None:
+        """Let the followers exit (once; also at process 0's exit)."""
+        if not self.stopped:
+            self.stopped = True
+            _broadcast(np.array([STOP, 0, 0], np.int32))
+
+
+def warm_up(runner, prompt_rows: int) -> None:
+    """Broadcast every size once (all processes, same order), so serving compiles nothing."""
+    _broadcast(np.zeros(HEADER, np.int32))
+    shapes = runner.bucket_shapes()
+    rows = {min(t, runner.max_num_seqs) for t, _ in shapes}
+    for size in sorted({input_size(runner, s) for s in shapes} | {2 * prompt_rows} | rows):
+        _broadcast(np.zeros(size, np.int32))
+
+
+def follow(runner, prompt_rows: int) -> int:
+    """A follower's loop: run what process 0 broadcasts until it says STOP; returns the number
+    of steps run."""
+    shapes = runner.bucket_shapes()
+    steps = 0
+    hidden = None
+    recent = {}  # launch index -> that step's logits
+    compiles = []  # warm-up covers every call below: any compile here is reported
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: compiles.append(name) if "backend_compile" in name else None)
+    while True:
+        if compiles:
+            print(f"follower: {len(compiles)} compile(s) while serving", flush=True)
+            compiles.clear()
+        command, index, count = _broadcast(np.zeros(HEADER, np.int32)).tolist()
+        if command == STOP:
+            return steps
+        if command == STEP:
+            shape = shapes[index]
+            flat = _broadcast(np.zeros(input_size(runner, shape), np.int32))
+            *_, logits, hidden = runner.launch(shape, *unpack(runner, shape, flat))
+            recent[runner.launches] = logits
+            recent.pop(runner.launches - RECENT_STEPS, None)
+            steps += 1
+        elif command == FETCH:
+            runner.gather_rows(recent[index], _broadcast(np.zeros(count, np.int32)))
+        elif command == PROMPT:
+            flat = _broadcast(np.zeros(2 * prompt_rows, np.int32))
+            runner.launch_prompt(hidden, flat[:prompt_rows], flat[prompt_rows:])
+        else:
+            raise RuntimeError(f"follower: unknown command {command} from process 0")
+
+
+# --- EngineCore hooks ---------------------------------------------------------------------------
+
+
+def start(args) -> DistributedConfig | None:
+    """Join the runtime when EngineArgs or the environment name a coordinator (first thing in
+    EngineCore, before JAX starts a backend); None: one process."""
+    cfg = distributed_config(args.coordinator_address, args.num_processes, args.process_id)
+    if cfg is not None:
+        initialize(cfg)
+    return cfg
+
+
+def agree(cfg: DistributedConfig | None, value: int) -> int:
+    """Process 0's value on every process (the KV block count: each sizes its own device)."""
+    if cfg is None:
+        return value
+    return int(_broadcast(np.array([value], np.int64))[0])
+
+
+def attach(cfg: DistributedConfig | None, runner, prompt_rows: int) -> None:
+    """After compile: warm the broadcasts; process 0's runner announces its launches."""
+    if cfg is None:
+        return
+    warm_up(runner, prompt_rows)
+    if cfg.process_id == 0:
+        runner.leader = Leader(runner)
+        atexit.register(runner.leader.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A follower process: `python -m jaxllm.distributed.multihost [engine options]` with the
+    same engine options as process 0 and its own JAXLLM_PROCESS_ID (or --process-id)."""
+    import argparse
+
+    from jaxllm.engine.arg_utils import EngineArgs
+    from jaxllm.engine.core import EngineCore
+    from jaxllm.worker.model_runner import PROMPT_LOGPROB_ROWS
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser(description=main.__doc__))
+    args = EngineArgs.from_cli_args(parser.parse_args(argv))
+    core = EngineCore(args)
+    if core.distributed is None or core.distributed.process_id == 0:
+        raise SystemExit("a follower needs a coordinator address and a process id > 0")
+    steps = follow(core.runner, PROMPT_LOGPROB_ROWS)
+    print(f"follower {core.distributed.process_id}: {steps} steps, stopped by process 0",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
