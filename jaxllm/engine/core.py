@@ -489,8 +489,8 @@ class EngineCore:
     def time_weight_matmuls(self, num_tokens: list[int], reps: int = 3) -> dict[int, float]:
         """Best-of-`reps` seconds of one step's weight matmuls at each token count (the
         benchmarks' matmul floor; it needs the weights, which only the core holds)."""
+        from jaxllm.worker.buckets import MIN_TOKEN_BUCKET
         from jaxllm.worker.matmul_timing import time_weight_matmuls
-        from jaxllm.worker.model_runner import MIN_TOKEN_BUCKET
 
         r = self.runner
         out: dict[int, float] = {}

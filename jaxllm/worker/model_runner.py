@@ -71,6 +71,7 @@ from jaxllm.model_executor.models.qwen2 import (
 from jaxllm.sample.candidates import TopKLogits
 from jaxllm.sample.topk import TOPK
 from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.worker.buckets import MIN_TOKEN_BUCKET, decode_buckets, token_buckets
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.outputs import (  # re-exported: the engine core imports them from here
     ModelRunnerOutput,
@@ -89,30 +90,9 @@ from scheduler import SchedulerOutput
 # Prompt-logprob rows go through the LM head in chunks of this many rows, top-N up to the
 # logprobs limit.
 PROMPT_LOGPROB_ROWS = 32
-MIN_TOKEN_BUCKET = 16
 # quantization="gguf": decode buckets of at most this many rows use the quantized GEMVs (one per
 # row, so the int8 weights are read once per row); measured in BENCHMARKS.md (issue 17).
 GGUF_GEMV_MAX_ROWS = 8
-
-
-def token_buckets(max_num_batched_tokens: int) -> list[int]:
-    buckets = []
-    t = MIN_TOKEN_BUCKET
-    while t < max_num_batched_tokens:
-        buckets.append(t)
-        t *= 2
-    buckets.append(max(max_num_batched_tokens, MIN_TOKEN_BUCKET))
-    return buckets
-
-
-def decode_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    """Token counts of pure-decode steps: powers of two up to the first >= max_num_seqs, and
-    never past what one step may hold."""
-    limit = min(max_num_seqs, max_num_batched_tokens)
-    buckets = [1]
-    while buckets[-1] < limit:
-        buckets.append(min(buckets[-1] * 2, max_num_batched_tokens))
-    return buckets
 
 
 def float32_weights(params: dict) -> dict:
