@@ -182,7 +182,10 @@ def test_real_model_tp2_greedy_matches_tp1_under_preemption_and_prefix_caching(r
     np.testing.assert_array_equal(r["tokens"], np.array(want))
 
 
-def test_gguf_quantized_params_refuse_tensor_parallelism(tmp_path):
+# Both weight trees: XLA's (GEMV params beside float32 copies) and the Pallas kernel's (one
+# quantized tree).
+@pytest.mark.parametrize("backend", [None, "interpret"])
+def test_gguf_quantized_params_refuse_tensor_parallelism(tmp_path, backend):
     from jaxllm import LLM
     from tests.gguf_models import write_tiny_gguf
 
@@ -191,4 +194,4 @@ def test_gguf_quantized_params_refuse_tensor_parallelism(tmp_path):
     with pytest.raises(ValueError, match="quantization='gguf' does not run with "
                                          "tensor_parallel_size > 1"):
         LLM(model=str(path), quantization="gguf", tensor_parallel_size=2,
-            skip_tokenizer_init=True, show_progress=False)
+            kernel_backend=backend, skip_tokenizer_init=True, show_progress=False)

@@ -111,7 +111,9 @@ async def _one(client: Any, args: argparse.Namespace, model: str, req: BenchRequ
         async for chunk in stream:
             if chunk.usage is not None:
                 res.output_tokens = chunk.usage.completion_tokens
-            if not chunk.choices:
+            # Only chunks with text are tokens (a chat stream opens with a role-only chunk).
+            if not any(getattr(c, "text", None) or getattr(getattr(c, "delta", None), "content",
+                                                         None) for c in chunk.choices):
                 continue
             now = time.perf_counter()
             if res.ttft == 0.0:

@@ -157,7 +157,9 @@ def follow(runner, prompt_rows: int) -> int:
             flat = _broadcast(np.zeros(input_size(runner, shape), np.int32))
             *_, logits, hidden = runner.launch(shape, *unpack(runner, shape, flat))
             recent[runner.launches] = logits
-            recent.pop(runner.launches - RECENT_STEPS, None)
+            old = recent.pop(runner.launches - RECENT_STEPS, None)
+            if old is not None:  # as process 0's release(): no fresh buffer every step
+                runner.reuse_logits(old)
             steps += 1
         elif command == FETCH:
             runner.gather_rows(recent[index], _broadcast(np.zeros(count, np.int32)))

@@ -90,6 +90,10 @@ def resolve_multiprocess_mode(value: bool | None, default_cpu: bool | None = Non
 DEFAULT_CPU_MULTIPROCESS = False
 
 
+GGUF_TP_REFUSAL = ("quantization='gguf' does not run with tensor_parallel_size > 1 yet; leave "
+                   "quantization unset (dequantized weights) for TP")
+
+
 @dataclass
 class EngineArgs:
     """Engine settings; unknown names are refused by LLM(), bad values raise ValueError."""
@@ -162,6 +166,8 @@ class EngineArgs:
         for name in ("async_scheduling", "topk_sampling", "multiprocess_mode"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
+            raise ValueError(GGUF_TP_REFUSAL)
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, numbers.Real) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")

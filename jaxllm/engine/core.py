@@ -408,8 +408,8 @@ class EngineCore:
             o.new_sampled_logprobs = [float(sampled.logprobs_raw[j])]
             o.new_logprobs = lps
         if out is not None:
-            for rid, stats in out.prompt_logprobs.items():
-                self._emit_prompt_logprobs(rid, stats, by_id, outputs.outputs)
+            for rid, rows in out.prompt_logprobs.items():
+                self._emit_prompt_logprobs(rid, rows, by_id, outputs.outputs)
         self._forget_finished(outputs)
         stats.update_s = time.perf_counter() - t0
         return outputs

@@ -133,7 +133,9 @@ class ModelRunner:
         self.mesh = None
         if tensor_parallel_size != 1:
             layout = tp_layout(config, tensor_parallel_size)
-            if gemv_params is not None:
+            # Kept quantized: a GEMV tree beside float32 copies (XLA), or one tree (Pallas).
+            if gemv_params is not None or any(isinstance(x, GGUFWeight) for x in jax.tree.leaves(
+                    params, is_leaf=lambda x: isinstance(x, GGUFWeight))):
                 raise ValueError("quantization='gguf' does not run with tensor_parallel_size > 1 "
                                  "yet; leave quantization unset (dequantized weights) for TP")
             self.mesh = make_mesh(tensor_parallel_size)
@@ -431,7 +433,10 @@ class ModelRunner:
 
     def release(self, out: ModelRunnerOutput) -> None:
         """The step's full logits are no longer needed: their buffer serves the next step."""
-        logits = out.handle.logits
+        self.reuse_logits(out.handle.logits)
+
+    def reuse_logits(self, logits: jax.Array) -> None:
+        """A step's logits nobody reads any more: the next step of that shape writes into them."""
         self._logits_bufs[logits.shape[0]] = logits
 
     def add_prompt_logprobs(self, out: ModelRunnerOutput,

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
+from jaxllm.engine import EngineDeadError
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.protocol import (
@@ -185,8 +186,10 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
             try:
                 free, usable = await state.engine.call_utility("get_kv_block_counts")
                 state.metrics.record_kv_blocks(free, usable)
-            except Exception:  # the engine died in between: serve the last values
+            except EngineDeadError:  # it died in between: serve the last values
                 pass
+            except Exception:  # a bug, not a death: say so, and still serve the counters
+                logger.exception("reading the KV pool for /metrics failed")
         return Response(state.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 

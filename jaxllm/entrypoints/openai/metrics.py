@@ -82,7 +82,9 @@ class ServerMetrics:
         self.kv_usage.set(0.0 if usable <= 0 else 1.0 - free / usable)
 
     def record_request(self, num_prompt: int, num_generated: int,
-                       times: RequestMetrics | None, finish_reason: str | None) -> None:
+                       times: RequestMetrics | None, finish_reason: str | None,
+                       num_sequences: int = 1) -> None:
+        """`num_generated`: tokens of all `num_sequences` choices (n) together."""
         self.prompt_tokens.inc(num_prompt)
         self.generation_tokens.inc(num_generated)
         self.success.labels(self.model_name, finish_reason or "abort").inc()
@@ -91,9 +93,10 @@ class ServerMetrics:
         self.ttft.observe(max(times.first_token_time - times.arrival_time, 0.0))
         if times.finished_time is not None:
             self.e2e.observe(max(times.finished_time - times.arrival_time, 0.0))
-            if num_generated > 1:
+            per_sequence = num_generated / max(num_sequences, 1)  # the choices decode together
+            if per_sequence > 1:
                 self.tpot.observe(max(times.finished_time - times.first_token_time, 0.0)
-                                  / (num_generated - 1))
+                                  / (per_sequence - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -169,7 +169,8 @@ class OpenAIServing:
         finally:
             if self.metrics is not None:
                 self.metrics.record_request(len(prompt.token_ids), num_generated,
-                                            last.metrics if last else None, reason)
+                                            last.metrics if last else None, reason,
+                                            len(last.outputs) if last else 1)
 
     # --- logprobs -----------------------------------------------------------------------------
 
