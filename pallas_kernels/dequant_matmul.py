@@ -175,7 +175,9 @@ def launch_config(m: int, n: int, k: int, dtype) -> dict[str, int]:
             block_n //= 2
         cfg = dict(block_m=block_m, block_n=block_n, block_k=min(block_k, max(16, next_pow2(k))),
                    num_warps=num_warps, num_stages=2)
-    cfg["block_n"] = min(cfg["block_n"], max(_GEMV_MIN_BN, next_pow2(n)))
+    # No wider than N needs; a GEMM tile keeps Triton's 16-column minimum for dot (masked).
+    floor = _GEMV_MIN_BN if m < GEMM_MIN_ROWS else 16
+    cfg["block_n"] = min(cfg["block_n"], max(floor, next_pow2(n)))
     return cfg
 
 

@@ -39,6 +39,7 @@ from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.penalties import PenaltyState
 from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
+from jaxllm.worker.matmul_timing import time_runner_matmuls, weight_stats
 from jaxllm.worker.model_runner import (
     PROMPT_LOGPROB_ROWS,
     ModelRunner,
@@ -472,29 +473,8 @@ class EngineCore:
         self.runner.step_shape_counts.clear()
 
     def get_weight_stats(self) -> dict[str, int]:
-        """body_params (decoder layers + final norm), head_params (LM head), itemsize, and
-        decode_weight_bytes (the weights a 1-row decode step reads, in their stored formats)."""
-        params, cfg = self.runner.params, self.runner.config
-        body = sum(int(x.size) for k, v in params.items()
-                   if k not in ("embed_tokens", "lm_head") for x in jax.tree.leaves(v))
-        # What a 1-row decode step reads: its own tree (quantized, or float32 GEMV copies).
-        step = self.runner.params_for(1, 1)
-        step_bytes = sum(int(x.nbytes) for k, v in step.items()
-                         if k != "embed_tokens" or cfg.tie_word_embeddings
-                         for x in jax.tree.leaves(v))
-        return {"body_params": body, "head_params": cfg.vocab_size * cfg.hidden_size,
-                "itemsize": int(np.dtype(params["norm"]["weight"].dtype).itemsize),
-                "decode_weight_bytes": step_bytes}
+        return weight_stats(self.runner)
 
     def time_weight_matmuls(self, num_tokens: list[int], reps: int = 3) -> dict[int, float]:
-        """Best-of-`reps` seconds of one step's weight matmuls at each token count (the
-        benchmarks' matmul floor; it needs the weights, which only the core holds)."""
-        from jaxllm.worker.buckets import MIN_TOKEN_BUCKET
-        from jaxllm.worker.matmul_timing import time_weight_matmuls
-
-        r = self.runner
-        out: dict[int, float] = {}
-        for n in num_tokens:  # each with its bucket's weights (fewer rows: decode buckets)
-            tree = r.params_for(n, 1 if n < MIN_TOKEN_BUCKET else n)
-            out.update(time_weight_matmuls(tree, r.config, r.dtype, r.max_num_seqs, [n], reps))
-        return out
+        """The benchmarks' matmul floor (it needs the weights, which only the core holds)."""
+        return time_runner_matmuls(self.runner, num_tokens, reps)

@@ -11,9 +11,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
 from jaxllm.model_executor.models.qwen2 import compute_logits, linear
+from jaxllm.worker.buckets import MIN_TOKEN_BUCKET
 
 
 def best_seconds(fn: Callable[[], Any], reps: int) -> float:
@@ -27,7 +30,8 @@ def best_seconds(fn: Callable[[], Any], reps: int) -> float:
     return best
 
 
-def decoder_matmuls(params: dict, config: ModelConfig, x: jax.Array) -> jax.Array:
+def decoder_matmuls(params: dict, config: ModelConfig, x: jax.Array,
+                    backend: str = "reference") -> jax.Array:
     """The decoder layers with everything but their weight matmuls removed: per layer qkv, o,
     gate_up and down, with the SiLU gate and residual adds that chain them as in the model.
     `params` needs only `layers_{i}` in the model's naming; `config` only the sizes used."""
@@ -35,23 +39,25 @@ def decoder_matmuls(params: dict, config: ModelConfig, x: jax.Array) -> jax.Arra
     inter = config.intermediate_size
     for i in range(config.num_hidden_layers):
         attn, mlp = params[f"layers_{i}"]["self_attn"], params[f"layers_{i}"]["mlp"]
-        qkv = linear(x, attn["qkv_proj"]["weight"])
-        x = x + linear(qkv[:, :q_width], attn["o_proj"]["weight"])
-        gate_up = linear(x, mlp["gate_up_proj"]["weight"])
+        qkv = linear(x, attn["qkv_proj"]["weight"], backend)
+        x = x + linear(qkv[:, :q_width], attn["o_proj"]["weight"], backend)
+        gate_up = linear(x, mlp["gate_up_proj"]["weight"], backend)
         x = x + linear(jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:],
-                       mlp["down_proj"]["weight"])
+                       mlp["down_proj"]["weight"], backend)
     return x
 
 
 def weight_matmuls(params: dict, config: ModelConfig, x: jax.Array,
-                   logits_rows: int) -> jax.Array:
+                   logits_rows: int, backend: str = "reference") -> jax.Array:
     """`decoder_matmuls`, then the LM head on the first `logits_rows` rows, as the engine's
     step runs it: the model's forward pass with nothing but its weight matmuls."""
-    return compute_logits(params, config, decoder_matmuls(params, config, x)[:logits_rows])
+    hidden = decoder_matmuls(params, config, x, backend)[:logits_rows]
+    return compute_logits(params, config, hidden, backend)
 
 
 def time_weight_matmuls(params: dict, config: ModelConfig, dtype: Any, max_num_seqs: int,
-                        num_tokens: list[int], reps: int) -> dict[int, float]:
+                        num_tokens: list[int], reps: int,
+                        backend: str = "reference") -> dict[int, float]:
     """Best-of-`reps` seconds of one jitted `weight_matmuls` step at each token count (its
     logits rows min(num_tokens, max_num_seqs), as the engine's step computes them), on
     activations of `dtype`. Pure: the caller passes the weights and sizes."""
@@ -60,7 +66,35 @@ def time_weight_matmuls(params: dict, config: ModelConfig, dtype: Any, max_num_s
         if n in out:
             continue
         rows = min(n, max_num_seqs)
-        fn = jax.jit(lambda p, x, _rows=rows: weight_matmuls(p, config, x, _rows))
+        fn = jax.jit(lambda p, x, _rows=rows: weight_matmuls(p, config, x, _rows, backend))
         x = jnp.full((n, config.hidden_size), 0.01, dtype)
         out[n] = best_seconds(lambda _fn=fn, _x=x: _fn(params, _x).block_until_ready(), reps)
+    return out
+
+
+def weight_stats(runner: Any) -> dict[str, int]:
+    """body_params (decoder layers + final norm), head_params (LM head), itemsize, and
+    decode_weight_bytes (the weights a 1-row decode step reads, in their stored formats)."""
+    params, cfg = runner.params, runner.config
+    body = sum(math.prod(x.shape) for k, v in params.items()  # a GGUFWeight: its values
+               if k not in ("embed_tokens", "lm_head")
+               for x in jax.tree.leaves(v, is_leaf=lambda x: isinstance(x, GGUFWeight)))
+    # What a 1-row decode step reads: its own tree (quantized, or float32 GEMV copies).
+    step = runner.params_for(1, 1)
+    step_bytes = sum(int(x.nbytes) for k, v in step.items()
+                     if k != "embed_tokens" or cfg.tie_word_embeddings
+                     for x in jax.tree.leaves(v))
+    return {"body_params": body, "head_params": cfg.vocab_size * cfg.hidden_size,
+            "itemsize": int(np.dtype(params["norm"]["weight"].dtype).itemsize),
+            "decode_weight_bytes": step_bytes}
+
+
+def time_runner_matmuls(runner: Any, num_tokens: list[int], reps: int = 3) -> dict[int, float]:
+    """`time_weight_matmuls` at each token count with that bucket's weights (fewer rows than
+    MIN_TOKEN_BUCKET: a decode bucket's) and the runner's kernel backend."""
+    out: dict[int, float] = {}
+    for n in num_tokens:
+        tree = runner.params_for(n, 1 if n < MIN_TOKEN_BUCKET else n)
+        out.update(time_weight_matmuls(tree, runner.config, runner.dtype, runner.max_num_seqs,
+                                       [n], reps, runner.model.kernel_backend))
     return out
