@@ -300,12 +300,17 @@ def test_dropped_stream_frees_its_blocks(server, client):
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
     stream.close()  # the client goes away mid-stream
-    deadline = time.monotonic() + 20
-    while metric(server, "jaxllm:request_success_total", 'finished_reason="abort"') == aborts:
-        assert time.monotonic() < deadline, "the dropped stream's request was not aborted"
+    _wait_aborted_and_freed(server, aborts, time.monotonic() + 20, "the dropped stream's request")
+
+
+def _wait_aborted_and_freed(server, aborts_before: float, deadline: float, what: str) -> None:
+    """Until the abort counter moves past `aborts_before` and the KV pool is empty again."""
+    while metric(server, "jaxllm:request_success_total",
+                 'finished_reason="abort"') == aborts_before:
+        assert time.monotonic() < deadline, f"{what} was not aborted"
         time.sleep(0.05)
     while metric(server, "jaxllm:kv_cache_usage_perc") != 0.0:
-        assert time.monotonic() < deadline, "the dropped request's blocks were not freed"
+        assert time.monotonic() < deadline, f"{what}'s blocks were not freed"
         time.sleep(0.05)
 
 
@@ -324,12 +329,7 @@ def test_disconnected_non_streaming_request_is_aborted(server):
         time.sleep(0.01)
     conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away without reading the answer
     conn.close()
-    while metric(server, "jaxllm:request_success_total", 'finished_reason="abort"') == aborts:
-        assert time.monotonic() < deadline, "the abandoned request was not aborted"
-        time.sleep(0.05)
-    while metric(server, "jaxllm:kv_cache_usage_perc") != 0.0:
-        assert time.monotonic() < deadline, "the abandoned request's blocks were not freed"
-        time.sleep(0.05)
+    _wait_aborted_and_freed(server, aborts, deadline, "the abandoned request")
 
 
 def test_metrics_count_exactly_the_tokens_served(server, client):

@@ -200,19 +200,19 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
             "owned_by": "jaxllm", "root": state.model_root, "parent": None,
             "max_model_len": state.completion.max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def generate(request: Request, create: Callable[[Any], Awaitable[Any]]) -> Response:
         body = await body_of(request)
         live()
-        result = await until_disconnect(request, state.completion.create_completion(body))
+        result = await until_disconnect(request, create(body))
         return Response(status_code=499) if result is None else _respond(result)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, state.completion.create_completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await body_of(request)
-        live()
-        result = await until_disconnect(request, state.chat.create_chat_completion(body))
-        return Response(status_code=499) if result is None else _respond(result)
+        return await generate(request, state.chat.create_chat_completion)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
