@@ -25,12 +25,10 @@ def main() -> None:
         head = sum(x.nbytes for x in jax.tree.leaves(tree.get("lm_head", tree["embed_tokens"])))
         print(f"{name:>8}: decoder weights {body / 2**20:7.1f} MiB, LM head {head / 2**20:6.1f} "
               f"MiB read per row")
-    for rows in (1, 2, 4, 8, 16):
+    for rows in (1, 2, 4, 8, 16, 32):
         x = jnp.full((rows, cfg.hidden_size), 0.01, jnp.float32)
         line = [f"rows {rows:3d}"]
         for name, tree in trees.items():
-            if name == "gguf" and rows > 8:
-                continue
             fn = jax.jit(lambda p, x: weight_matmuls(p, cfg, x, x.shape[0]))
             ms = best_seconds(lambda fn=fn, t=tree, x=x: fn(t, x).block_until_ready(), 5) * 1e3
             line.append(f"{name} {ms:7.2f} ms")

@@ -20,6 +20,7 @@ import torch
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
 from jaxllm.model_executor.layers.quantization.gguf import (
     GGUFWeight,
     dequantize,
@@ -92,23 +93,30 @@ def _materialized(compiled_text: str, weights: list[GGUFWeight]) -> list[str]:
 
 
 @pytest.mark.parametrize("fmt,shape", [("Q4_K", (384, 512)), ("Q6_K", (64, 4608))])
-def test_gemv_rows_do_not_depend_on_the_batch(fmt, shape, rng):
-    """The fused GEMV: weights exactly gguf's inside the dot; row i's result is bit-identical
-    whatever rows share the bucket (the float32 GEMM's is not); the summation order differs
-    from the float32 path's, so only closeness to it is claimed. 4608-wide rows are over XLA's
-    fusion limit and run in two chunks; neither shape materialises the float32 weight."""
+def test_xla_gemv_rows_do_not_depend_on_the_batch(fmt, shape, rng, monkeypatch):
+    """XLA's fused GEMV, the path where our CPU kernel cannot be built (the kernel's own tests:
+    test_cpu_dequant_matmul.py): weights exactly gguf's inside the dot; row i's result is
+    bit-identical whatever rows share the bucket (the float32 GEMM's is not); the summation
+    order differs from the float32 path's, so only closeness to it is claimed. 4608-wide rows
+    are over XLA's fusion limit and run in two chunks; neither shape materialises the float32
+    weight."""
+    monkeypatch.setattr(cpu_dequant_matmul, "available", lambda: False)
     r = gguf_repack.repack(random_blocks(rng, fmt, *shape), fmt, shape)
     w, dense = _device(r), jnp.asarray(gguf_repack.dequantize(r))
     assert len(gemv_chunks(shape[1], w.block_size)) == (1 if shape[1] < 4096 else 2)
     x = jnp.asarray(rng.standard_normal((8, shape[1])).astype(np.float32))
-    full = np.asarray(jax.jit(gguf_linear)(x, w))
+    # New functions, not jax.jit(gguf_linear): jit caches a function's trace, which may be
+    # another test's, made with the kernel.
+    xla_linear = jax.jit(lambda x, w: gguf_linear(x, w))
+    full = np.asarray(xla_linear(x, w))
     for rows in (1, 2, 4):
-        np.testing.assert_array_equal(np.asarray(jax.jit(gguf_linear)(x[:rows], w)),
-                                      full[:rows])
-    np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, w)), full)  # the dispatch
+        np.testing.assert_array_equal(np.asarray(xla_linear(x[:rows], w)), full[:rows])
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, w: linear(x, w))(x, w)),
+                                  full)  # the dispatch
     want = np.asarray(jax.jit(linear)(x, dense))
     np.testing.assert_allclose(full, want, rtol=0, atol=1e-5 * np.abs(want).max())
-    assert not _materialized(jax.jit(gguf_linear).lower(x[:2], w).compile().as_text(), [w])
+    text = xla_linear.lower(x[:2], w).compile().as_text()
+    assert "jaxllm_dequant_matmul" not in text and not _materialized(text, [w])
 
 
 # --- a tiny GGUF end to end ------------------------------------------------------------------
@@ -143,7 +151,13 @@ def test_tiny_gguf_trees_match_hf(tiny_gguf):
         np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-4)
 
 
-def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng):
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "xla-gemv"])
+def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng, cpu_kernel, monkeypatch):
+    """Both CPU paths: our kernel, and XLA's fused GEMVs where it cannot be built."""
+    if not cpu_kernel:
+        monkeypatch.setattr(cpu_dequant_matmul, "available", lambda: False)
+    elif not cpu_dequant_matmul.available():
+        pytest.skip("no C++ compiler to build the CPU kernel")
     path, hf = tiny_gguf
     llm = LLM(model=str(path), quantization="gguf", skip_tokenizer_init=True, max_model_len=128,
               max_num_seqs=4, max_num_batched_tokens=32, show_progress=False)
@@ -164,13 +178,16 @@ def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng):
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
         assert alone.outputs[0].token_ids == out.outputs[0].token_ids
     assert set(runner.step_shape_counts) <= {(1, 1), (16, 16), (32, 32)}
-    # XLA fused every dequantization into its GEMV (biases included: see Linear).
+    # No dequantized weight materialised: the kernel's custom calls, or XLA fused every
+    # dequantization into its GEMV (biases included: see Linear).
     quantized = [w for w in jax.tree.leaves(runner.gemv_params,
                                             is_leaf=lambda x: isinstance(x, GGUFWeight))
                  if isinstance(w, GGUFWeight)]
     assert len(quantized) == 4 + 3 + 2  # 4 per layer (layer 1 o_proj: F16), embedding, head
     for shape in ((1, 1), (4, 1)):
-        assert not _materialized(runner._compiled[shape].as_text(), quantized)
+        text = runner._compiled[shape].as_text()
+        assert not _materialized(text, quantized)
+        assert ("jaxllm_dequant_matmul" in text) == cpu_kernel
 
 
 def test_tied_gguf_head_is_the_quantized_table(tmp_path):

@@ -61,7 +61,7 @@ from jaxllm.distributed.tensor_parallel import (
     tp_layout,
 )
 from jaxllm.model_executor.config import ModelConfig
-from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
+from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, use_cpu_kernel
 from jaxllm.model_executor.models.qwen2 import (
     AttentionMetadata,
     Qwen2ForCausalLM,
@@ -90,9 +90,11 @@ from scheduler import SchedulerOutput
 # Prompt-logprob rows go through the LM head in chunks of this many rows, top-N up to the
 # logprobs limit.
 PROMPT_LOGPROB_ROWS = 32
-# quantization="gguf": decode buckets of at most this many rows use the quantized GEMVs (one per
-# row, so the int8 weights are read once per row); measured in BENCHMARKS.md (issue 17).
-GGUF_GEMV_MAX_ROWS = 8
+# quantization="gguf": decode buckets of at most this many rows use the quantized weights, through
+# our CPU kernel (int8 weights read once per step), or where it cannot be built through XLA's
+# fused GEMVs (read once per row); larger buckets run float32 GEMMs. BENCHMARKS.md (issue 17).
+GGUF_GEMV_MAX_ROWS = 16
+GGUF_XLA_GEMV_MAX_ROWS = 8
 
 
 def float32_weights(params: dict) -> dict:
@@ -143,7 +145,10 @@ class ModelRunner:
             params = shard_params(params, layout, self.mesh)
         self.params = params
         self.gemv_params = gemv_params
-        self.gemv_max_rows = GGUF_GEMV_MAX_ROWS
+        self.gemv_max_rows = 0
+        if gemv_params is not None:  # quantization="gguf" on XLA
+            self.gemv_max_rows = GGUF_GEMV_MAX_ROWS if use_cpu_kernel() \
+                else GGUF_XLA_GEMV_MAX_ROWS
         if gemv_params is None and jnp.dtype(dtype) == jnp.bfloat16 \
                 and jax.default_backend() == "cpu":
             self.gemv_params = float32_weights(params)

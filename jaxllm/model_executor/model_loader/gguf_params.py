@@ -1,8 +1,9 @@
 """quantization="gguf": the two param trees the runner picks from per bucket.
 
 - `gemv_params` (small decode buckets): GGUF block weights are `GGUFWeight`s (int8 + per-block
-  scale/offset) read through fused dequant GEMVs, except rows too wide for one fused GEMV
-  (`single_chunk`: down_proj), which were faster in float32; float tensors stay float32.
+  scale/offset) read by our CPU fused dequant matmul kernel; where it cannot be built, by XLA's
+  fused GEMVs, and then rows too wide for one fused GEMV (`single_chunk`: down_proj) stay
+  float32, which was faster; float tensors stay float32.
 - `params` (every other bucket, and prompt-logprob chunks): float32 copies of the same exact
   values, since multi-row dots are fastest in float32 here; they share their arrays with
   `gemv_params` wherever that tree is float32 too (norms, biases, down_proj), so only the
@@ -26,7 +27,11 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxllm.model_executor.config import ModelConfig
-from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, single_chunk
+from jaxllm.model_executor.layers.quantization.gguf import (
+    GGUFWeight,
+    single_chunk,
+    use_cpu_kernel,
+)
 from jaxllm.model_executor.model_loader.gguf_repack import (
     RepackedBlocks,
     UnsupportedGGUFType,
@@ -72,12 +77,14 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         return _device(parts[0] if len(parts) == 1 else concat_rows(parts))
 
     gemv = {k: v for k, v in params.items()}
+    # Our CPU kernel takes rows of any width; XLA's fused GEMV lost to float32 on down_proj's.
+    any_width = fused_kernel or use_cpu_kernel()
     for i in range(config.num_hidden_layers):
         layer = {group: dict(mods) for group, mods in params[f"layers_{i}"].items()}
         for group in ("self_attn", "mlp"):
             layer[group] = {name: dict(p) for name, p in layer[group].items()}
         for (group, mod), hf_names in _LAYER_WEIGHTS.items():
-            if not fused_kernel and not single_chunk(layer[group][mod]["weight"].shape[1]):
+            if not any_width and not single_chunk(layer[group][mod]["weight"].shape[1]):
                 continue
             q = quantized([f"layers.{i}.{n}" for n in hf_names])
             if q is not None:

@@ -4,7 +4,9 @@ A weight is a `GGUFWeight`: int8 values [out, in] and one float32 scale (and off
 of 16 or 32 values along `in` (model_loader/gguf_repack.py), whose dequantization
 `q * scale + offset` is bit-for-bit what `gguf` dequantizes the file's blocks to.
 
-The matmul is a GEMV per row, `x[i] @ dequantize(w).T`: XLA's CPU backend fuses the
+On CPU the matmul is our fused dequant kernel (cpu_dequant_matmul.py: the int8 weight read once
+for all rows of a decode bucket, each weight formed exactly in registers). Where that cannot be
+built it is a GEMV per row, `x[i] @ dequantize(w).T`: XLA's CPU backend fuses the
 dequantization into a matrix-vector dot (each weight element formed in registers from its int8
 value, the weight read once per row), under three conditions found by reading its compiled HLO:
   - the vector is under 16 KiB (`kFusionThresholdBytes` in XLA's cpu_instruction_fusion.cc):
@@ -27,6 +29,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
 
 # XLA fuses a producer into a matrix-vector dot only below this many vector bytes.
 _XLA_CPU_GEMV_FUSION_BYTES = 16 * 1024
@@ -66,10 +70,11 @@ def dequantize(w: GGUFWeight, rows: jax.Array | None = None) -> jax.Array:
 
 
 def single_chunk(in_features: int) -> bool:
-    """Whether rows this wide fit one fused GEMV. Wider ones (down_proj, 4864) work in chunks
-    but lost to the float32 GEMV on this CPU (24-layer decode step with synthetic weights, one
-    run: 110 ms with down_proj quantized in 2 chunks, 96 ms with it float32, 136 ms all
-    float32), so the loader keeps them float32 in the GEMV tree."""
+    """Whether rows this wide fit one fused XLA GEMV (matters without our CPU kernel only).
+    Wider ones (down_proj, 4864) work in chunks but lost to the float32 GEMV on this CPU
+    (24-layer decode step with synthetic weights, one run: 110 ms with down_proj quantized in 2
+    chunks, 96 ms with it float32, 136 ms all float32), so the loader then keeps them float32
+    in the GEMV tree."""
     return in_features * 4 < _XLA_CPU_GEMV_FUSION_BYTES
 
 
@@ -93,10 +98,19 @@ def _gemv(x: jax.Array, w: GGUFWeight) -> jax.Array:
     return y
 
 
+def use_cpu_kernel() -> bool:
+    """Whether quantized matmuls run our CPU kernel (cpu_dequant_matmul.py) rather than XLA's
+    fused GEMVs: on the CPU backend, where it could be built."""
+    return jax.default_backend() == "cpu" and cpu_dequant_matmul.available()
+
+
 def gguf_linear(x: jax.Array, w: GGUFWeight) -> jax.Array:
     """x [T, in] times the dequantized weight [out, in] transposed -> [T, out] float32.
 
-    One fused GEMV per row: reads the int8 weight T times, which beats the float32 GEMM only for
+    On CPU our fused dequant matmul kernel reads the int8 weight once for all T rows. Without it,
+    one fused XLA GEMV per row: reads the int8 weight T times, which beats the float32 GEMM only for
     a few rows; the runner gives GGUFWeights to small decode buckets only. The vector-matrix
     form `x[i] @ w.T` is the one XLA fuses (a dot_general of [1, in] by [out, in] is not)."""
+    if use_cpu_kernel():
+        return cpu_dequant_matmul.dequant_matmul(x, w.qweight, w.scale, w.offset)
     return jnp.stack([_gemv(x[i].astype(jnp.float32), w) for i in range(x.shape[0])])
