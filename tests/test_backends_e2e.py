@@ -53,6 +53,7 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
     import jax.numpy as jnp
 
     import pallas_kernels
+    from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, dequantize
     from jaxllm.model_executor.models.qwen2 import (
         AttentionMetadata,
         Qwen2DecoderLayer,
@@ -85,7 +86,11 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
             seq_lens=jnp.asarray([start + n], jnp.int32),
             query_start_loc=jnp.asarray([0, n], jnp.int32),
             logits_indices=jnp.asarray([n - 1], jnp.int32))
-        h = params["embed_tokens"][jnp.asarray(step_ids)]
+        embed = params["embed_tokens"]
+        if isinstance(embed, GGUFWeight):  # quantization="gguf" (the CPU default for a .gguf)
+            h = dequantize(embed, jnp.asarray(step_ids))
+        else:
+            h = embed[jnp.asarray(step_ids)]
         residual = None
         for i in range(cfg.num_hidden_layers):
             h, residual, kv[i] = run_layer(params[f"layers_{i}"], h, residual,

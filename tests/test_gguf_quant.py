@@ -222,6 +222,37 @@ def test_quantization_arg_and_its_errors(tiny_gguf, tiny_models):
         load_model(tiny_gguf[0], dtype=jnp.bfloat16, progress=False, quantization="gguf")
 
 
+def test_default_quantization_is_gguf_for_gguf_models_on_cpu(tiny_gguf, tiny_models):
+    """Not given: "gguf" for a .gguf model on CPU (float32, reference backend, one device, the
+    kernel built), "none" for a checkpoint directory, a bfloat16 run, or when asked."""
+    from jaxllm.engine.core import resolve_quantization
+    from jaxllm.model_executor.model_loader.loader import is_gguf_model
+
+    path = tiny_gguf[0]
+    assert is_gguf_model(path) and not is_gguf_model(tiny_models["tied"][0])
+    assert not is_gguf_model(path.parent / "missing.gguf")
+
+    def resolved(model, **kw):
+        args = EngineArgs(model=str(model), **{k: v for k, v in kw.items() if k != "dtype"})
+        return resolve_quantization(args, model, kw.get("dtype", jnp.float32), "reference")
+
+    assert resolved(path) == ("gguf" if cpu_dequant_matmul.available() else None)
+    assert resolved(path, quantization="none") is None
+    assert resolved(path, quantization="gguf") == "gguf"
+    assert resolved(path, dtype=jnp.bfloat16) is None
+    assert resolved(path, tensor_parallel_size=2) is None
+    assert resolved(tiny_models["tied"][0]) is None
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--quantization", "none"])) \
+        .quantization == "none"
+    llm = LLM(model=str(path), skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=32, show_progress=False)
+    want = "gguf" if cpu_dequant_matmul.available() else "none"
+    assert llm.llm_engine.describe()["quantization"] == want
+    runner = llm.llm_engine.engine_core_client.engine_core.runner
+    assert (runner.gemv_params is not None) == (want == "gguf")
+
+
 def test_unsupported_type_in_a_gguf_is_named(tmp_path):
     path = tmp_path / "q4_1.gguf"
     write_tiny_gguf(path, formats={"blk.1.ffn_up.weight": "Q4_1"})

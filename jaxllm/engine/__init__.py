@@ -102,6 +102,7 @@ class EngineCoreInfo(msgspec.Struct):
     bucket_shapes: list[tuple[int, int]]
     compile_time_s: float
     platform: str = ""  # JAX's backend in the core ("cpu", "gpu"): the frontend starts none
+    quantization: str = "none"  # as resolved ("gguf" or "none")
 
     @property
     def num_usable_blocks(self) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import pallas_kernels
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("gguf",)
+QUANTIZATIONS = ("gguf", "none")
 
 # Help for the CLI options generated from the fields below.
 _HELP = {
@@ -24,10 +24,11 @@ _HELP = {
     "dtype": "float32 on CPU, bfloat16 on GPU when not given",
     "kernel_backend": "pallas on GPU, reference on CPU when not given",
     "quantization": "gguf: keep a .gguf model's block weights quantized (int8 + per-block "
-                    "scales, exactly its values) for fused dequant GEMVs in small decode "
-                    "buckets, float32 copies for larger ones (reference backend); with a "
-                    "Pallas backend every matmul runs the fused dequant kernel on them; not "
-                    "given: dequantize to dtype",
+                    "scales, exactly its values): on CPU our fused dequant matmul kernel "
+                    "runs decode buckets of up to 16 rows on them, float32 copies the rest; "
+                    "with a Pallas backend every matmul runs the fused dequant kernel on "
+                    "them. none: dequantize to dtype. Not given: gguf for a .gguf model on "
+                    "CPU (float32, reference backend, one device), else none",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "overrides the KV sizing (when not given: from the memory budget)",
     "gpu_memory_utilization": "GPU: fraction of device memory for weights, activations and KV",
@@ -101,7 +102,9 @@ class EngineArgs:
     model: str | None = None  # None: the embedded default model
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     kernel_backend: str | None = None  # None: "pallas" on a GPU, "reference" on CPU
-    quantization: str | None = None  # "gguf": GGUF blocks kept quantized; None: dequantized
+    # "gguf": GGUF blocks kept quantized; "none": dequantized to dtype; None: "gguf" for a .gguf
+    # model on CPU where that is faster (core.resolve_quantization), else "none".
+    quantization: str | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from the memory budget below
     gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for the engine
@@ -138,7 +141,7 @@ class EngineArgs:
             raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {self.quantization!r} is not one of {QUANTIZATIONS} "
-                             f"or None")
+                             f"or None (automatic)")
         backend = self.kernel_backend
         if backend is not None and backend not in pallas_kernels.BACKENDS:
             raise ValueError(f"kernel_backend {backend!r} is not one of {pallas_kernels.BACKENDS}")

@@ -63,6 +63,23 @@ def resolve_dtype(name: str | None) -> Any:
     return _JNP_DTYPES[name]
 
 
+def resolve_quantization(args: EngineArgs, path: Path, dtype: Any, backend: str) -> str | None:
+    """None (auto) -> "gguf" for a .gguf model where its quantized path is the faster one: on CPU
+    with the reference backend, float32 and one device, when our CPU kernel builds (decode
+    TPOT 2.9x float32's at batch 1, the same steps as float32 from 32 rows: BENCHMARKS.md).
+    On a GPU (Pallas backend) the kernel is proven but untimed, so it stays opt-in there.
+    "none" -> dequantize to dtype."""
+    if args.quantization is not None:
+        return None if args.quantization == "none" else args.quantization
+    from jaxllm.model_executor.layers.quantization.gguf import use_cpu_kernel
+    from jaxllm.model_executor.model_loader.loader import is_gguf_model
+
+    if not is_gguf_model(path) or backend != "reference" or args.tensor_parallel_size > 1 \
+            or jnp.dtype(dtype) != jnp.float32:
+        return None
+    return "gguf" if use_cpu_kernel() else None
+
+
 def num_kv_blocks_for(args: EngineArgs, runner: ModelRunner) -> int:
     """KV blocks from the memory budget. CPU: kv_cache_memory_bytes (default 1 GiB). GPU:
     gpu_memory_utilization of the device minus the weights and the measured activation bytes of
@@ -133,8 +150,9 @@ class EngineCore:
         path = default_model_path() if args.model is None else Path(args.model)
         self.model_name = DEFAULT_MODEL_NAME if args.model is None else args.model
         backend = args.kernel_backend or pallas_kernels.default_backend()
+        self.quantization = resolve_quantization(args, path, dtype, backend)
         loaded = load_model(path, dtype=dtype, progress=args.show_progress,
-                            quantization=args.quantization, kernel_backend=backend)
+                            quantization=self.quantization, kernel_backend=backend)
         config = loaded.config
         max_model_len = args.max_model_len or config.max_position_embeddings
         if max_model_len > config.max_position_embeddings:
@@ -164,7 +182,7 @@ class EngineCore:
             num_kv_blocks=num_blocks,
             eos_token_ids=[] if config.eos_token_id is None else [config.eos_token_id],
             bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s,
-            platform=jax.default_backend())
+            platform=jax.default_backend(), quantization=self.quantization or "none")
         self._generators: dict[str, np.random.Generator] = {}
         self._eos: dict[str, frozenset[int]] = {}
         # Async scheduling: the dispatched step whose results are not applied yet.

@@ -166,7 +166,7 @@ class LLMEngine:
     def describe(self) -> dict[str, Any]:
         info, args = self.core_info, self.engine_args
         return {
-            "model": info.model_name, "dtype": info.dtype,
+            "model": info.model_name, "dtype": info.dtype, "quantization": info.quantization,
             "kernel_backend": info.kernel_backend, "num_kv_blocks": info.num_kv_blocks,
             "block_size": info.block_size, "max_model_len": info.max_model_len,
             "buckets": [tuple(s) for s in info.bucket_shapes],

@@ -54,15 +54,28 @@ def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True
         raise ModelLoadError(f"{path}: no such file or directory")
     if quantization not in (None, "gguf"):
         raise ModelLoadError(f"quantization {quantization!r} is not supported (None or 'gguf')")
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if not (path / "config.json").is_file() and len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype, progress, quantization, fused)
-        if quantization == "gguf":
-            raise ModelLoadError(f"{path}: quantization='gguf' needs a .gguf model, this is a "
-                                 f"Hugging Face checkpoint directory")
-        return _load_hf_dir(path, dtype, progress)
-    return _load_gguf(path, dtype, progress, quantization, fused)
+    gguf_file = _gguf_file(path)
+    if gguf_file is not None:
+        return _load_gguf(gguf_file, dtype, progress, quantization, fused)
+    if quantization == "gguf":
+        raise ModelLoadError(f"{path}: quantization='gguf' needs a .gguf model, this is a "
+                             f"Hugging Face checkpoint directory")
+    return _load_hf_dir(path, dtype, progress)
+
+
+def _gguf_file(path: Path) -> Path | None:
+    """The GGUF load_model reads for `path`: the file itself, or a directory's only .gguf when
+    it has no config.json; None for a Hugging Face checkpoint directory."""
+    if not path.is_dir():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    return ggufs[0] if not (path / "config.json").is_file() and len(ggufs) == 1 else None
+
+
+def is_gguf_model(path: str | Path) -> bool:
+    """Whether load_model reads `path` as a GGUF (an existing file or such a directory)."""
+    path = Path(path).expanduser()
+    return path.exists() and _gguf_file(path) is not None
 
 
 # --- Hugging Face checkpoints -------------------------------------------------------------------
