@@ -22,8 +22,8 @@ from jaxllm import LLM
 from jaxllm.benchmarks.datasets import token_sampler_for
 from jaxllm.benchmarks.latency import run_jaxllm_latency
 
-SETTINGS = {"none": {}, "gguf": {"quantization": "gguf"}, "bfloat16": {"dtype": "bfloat16"},
-            "llama.cpp": None}
+SETTINGS = {"none": {"quantization": "none"}, "gguf": {"quantization": "gguf"},
+            "bfloat16": {"dtype": "bfloat16"}, "llama.cpp": None}
 
 
 class LlamaCpp:

@@ -95,6 +95,7 @@ def time_runner_matmuls(runner: Any, num_tokens: list[int], reps: int = 3) -> di
     out: dict[int, float] = {}
     for n in num_tokens:
         tree = runner.params_for(n, 1 if n < MIN_TOKEN_BUCKET else n)
-        out.update(time_weight_matmuls(tree, runner.config, runner.dtype, runner.max_num_seqs,
+        out.update(time_weight_matmuls(tree, runner.config, runner.activation_dtype,
+                                       runner.max_num_seqs,
                                        [n], reps, runner.model.kernel_backend))
     return out

@@ -158,6 +158,10 @@ class ModelRunner:
         # and back, twice per step (3 s per step for a 1 GiB bfloat16 cache): keep it float32.
         self.kv_cache_dtype = jnp.float32 if jnp.dtype(dtype).itemsize == 2 \
             and jax.default_backend() == "cpu" else dtype
+        # Likewise the hidden states on XLA (reference backend): XLA on CPU runs 16-bit
+        # elementwise ops, norms and attention slower than float32 ones, so only the GEMMs'
+        # operands are 16-bit there. (Interpret-mode Pallas keeps the GPU's dtypes.)
+        self.activation_dtype = self.kv_cache_dtype if kernel_backend == "reference" else dtype
         self.block_size = block_size
         self.num_kv_blocks = 0
         self.max_model_len = max_model_len
@@ -167,6 +171,7 @@ class ModelRunner:
         self.decode_buckets = decode_buckets(max_num_seqs, max_num_batched_tokens)
         self.model = Qwen2ForCausalLM(self.local_config, dtype=dtype,
                                       kernel_backend=kernel_backend,
+                                      activation_dtype=self.activation_dtype,
                                       tp_axis=None if self.mesh is None else TP_AXIS)
         # Split-K decode (flash-decoding) per decode bucket: static, sized from max_model_len
         # and the bucket's sequences against the GPU's SM count. The reference backend (CPU)
@@ -302,7 +307,8 @@ class ModelRunner:
         self._compiled_prompt.clear()
         for num_tokens, _ in self.bucket_shapes():
             if num_tokens not in self._compiled_prompt:
-                hidden = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size), self.dtype,
+                hidden = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size),
+                                              self.activation_dtype,
                                               sharding=self._replicated())
                 self._compiled_prompt[num_tokens] = self._prompt_fn.lower(
                     self.params, hidden, rows, rows).compile()

@@ -54,7 +54,12 @@ def linear(x: jax.Array, weight: jax.Array | GGUFWeight, backend: str = "referen
                                                  backend=backend)
         return gguf_linear(x, weight)
     dims = (((x.ndim - 1,), (1,)), ((), ()))
-    if weight.dtype != x.dtype:  # float32 weights of a bfloat16 model's GEMV buckets (runner)
+    if weight.dtype == jnp.bfloat16 and x.dtype == jnp.float32:
+        # A bfloat16 model on CPU keeps float32 activations (Qwen2ForCausalLM.activation_dtype):
+        # only the GEMM's operands are bfloat16, accumulated and returned in float32.
+        return jax.lax.dot_general(x.astype(jnp.bfloat16), weight, dims,
+                                   preferred_element_type=jnp.float32)
+    if weight.dtype != x.dtype:  # e.g. float32 weights under 16-bit (interpret-mode) activations
         return jax.lax.dot_general(x.astype(weight.dtype), weight, dims).astype(x.dtype)
     if x.dtype == jnp.bfloat16:
         # Accumulated and returned in float32: XLA on CPU runs a bf16 x bf16 -> f32 GEMM at ~2x
@@ -189,6 +194,9 @@ class Qwen2ForCausalLM(nn.Module):
     dtype: Any = jnp.float32
     kernel_backend: str = "reference"
     tp_axis: str | None = None  # set: runs under shard_map on one device's slice (see above)
+    # The hidden states' dtype; None: `dtype`. float32 for a bfloat16 model on CPU (the runner),
+    # where XLA runs bfloat16 elementwise ops, norms and attention slower than float32 ones.
+    activation_dtype: Any = None
 
     @nn.compact
     def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata,
@@ -202,12 +210,13 @@ class Qwen2ForCausalLM(nn.Module):
         cos_sin_cache = self.variable(
             "rope", "cos_sin_cache", pallas_kernels.rope_cos_sin_cache, cfg.head_dim,
             cfg.max_position_embeddings, cfg.rope_theta, jnp.float32).value
+        act = self.activation_dtype or self.dtype
         if isinstance(embed, GGUFWeight):  # only the step's rows are dequantized
-            h = dequantize(embed, input_ids).astype(self.dtype)
+            h = dequantize(embed, input_ids).astype(act)
         elif self.tp_axis is not None:
-            h = vocab_parallel_embed(embed, input_ids, self.tp_axis).astype(self.dtype)
+            h = vocab_parallel_embed(embed, input_ids, self.tp_axis).astype(act)
         else:
-            h = jnp.take(embed, input_ids, axis=0).astype(self.dtype)
+            h = jnp.take(embed, input_ids, axis=0).astype(act)
         residual = None
         # Unrolled on purpose: a lax.scan over stacked layers copies weight slices every step
         # on CPU (measured 2x slower at 16 tokens, DESIGN.md).
