@@ -226,6 +226,7 @@ def test_default_quantization_is_gguf_for_gguf_models_on_cpu(tiny_gguf, tiny_mod
     """Not given: "gguf" for a .gguf model on CPU (float32, reference backend, one device, the
     kernel built), "none" for a checkpoint directory, a bfloat16 run, or when asked."""
     from jaxllm.engine.core import resolve_quantization
+    from jaxllm.model_executor.layers.quantization.gguf import use_cpu_kernel
     from jaxllm.model_executor.model_loader.loader import is_gguf_model
 
     path = tiny_gguf[0]
@@ -236,7 +237,7 @@ def test_default_quantization_is_gguf_for_gguf_models_on_cpu(tiny_gguf, tiny_mod
         args = EngineArgs(model=str(model), **{k: v for k, v in kw.items() if k != "dtype"})
         return resolve_quantization(args, model, kw.get("dtype", jnp.float32), "reference")
 
-    assert resolved(path) == ("gguf" if cpu_dequant_matmul.available() else None)
+    assert resolved(path) == ("gguf" if use_cpu_kernel() else None)
     assert resolved(path, quantization="none") is None
     assert resolved(path, quantization="gguf") == "gguf"
     assert resolved(path, dtype=jnp.bfloat16) is None
@@ -247,7 +248,7 @@ def test_default_quantization_is_gguf_for_gguf_models_on_cpu(tiny_gguf, tiny_mod
         .quantization == "none"
     llm = LLM(model=str(path), skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2,
               max_num_batched_tokens=32, show_progress=False)
-    want = "gguf" if cpu_dequant_matmul.available() else "none"
+    want = "gguf" if use_cpu_kernel() else "none"
     assert llm.llm_engine.describe()["quantization"] == want
     runner = llm.llm_engine.engine_core_client.engine_core.runner
     assert (runner.gemv_params is not None) == (want == "gguf")
@@ -257,5 +258,12 @@ def test_unsupported_type_in_a_gguf_is_named(tmp_path):
     path = tmp_path / "q4_1.gguf"
     write_tiny_gguf(path, formats={"blk.1.ffn_up.weight": "Q4_1"})
     load_model(path, progress=False)  # dequantizing it is fine
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight: GGUF type Q4_1"):
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight: GGUF type Q4_1.*'none'"):
         load_model(path, progress=False, quantization="gguf")
+    load_model(path, progress=False, quantization="none")
+    # The automatic default does not pick "gguf" for a file it cannot keep quantized.
+    from jaxllm.model_executor.model_loader.loader import gguf_keeps_quantized
+    assert not gguf_keeps_quantized(path)
+    llm = LLM(model=str(path), skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=32, show_progress=False)
+    assert llm.llm_engine.describe()["quantization"] == "none"

@@ -72,10 +72,11 @@ def resolve_quantization(args: EngineArgs, path: Path, dtype: Any, backend: str)
     if args.quantization is not None:
         return None if args.quantization == "none" else args.quantization
     from jaxllm.model_executor.layers.quantization.gguf import use_cpu_kernel
-    from jaxllm.model_executor.model_loader.loader import is_gguf_model
+    from jaxllm.model_executor.model_loader.loader import gguf_keeps_quantized, is_gguf_model
 
     if not is_gguf_model(path) or backend != "reference" or args.tensor_parallel_size > 1 \
-            or jnp.dtype(dtype) != jnp.float32:
+            or jnp.dtype(dtype) != jnp.float32 or jax.default_backend() != "cpu" \
+            or not gguf_keeps_quantized(path):  # e.g. Q4_1 / IQ formats: dequantized as before
         return None
     return "gguf" if use_cpu_kernel() else None
 

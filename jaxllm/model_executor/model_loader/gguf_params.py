@@ -6,7 +6,8 @@
   float32, which was faster; float tensors stay float32.
 - `params` (every other bucket, and prompt-logprob chunks): float32 copies of the same exact
   values, since multi-row dots are fastest in float32 here; they share their arrays with
-  `gemv_params` wherever that tree is float32 too (norms, biases, down_proj), so only the
+  `gemv_params` wherever that tree is float32 too (norms, biases; down_proj on the XLA
+  fallback), so only the
   quantized weights exist twice. The embedding table is gathered from its quantized form in both
   trees (a gather reads a few rows: nothing to gain from float32), unless the LM head is tied to
   it, where the float32 head needs it.
@@ -40,7 +41,7 @@ from jaxllm.model_executor.model_loader.gguf_repack import (
 )
 
 # Tensor types that are not block formats: they stay float32, as with quantization=None.
-_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 # Fused param -> the HF names of its parts, stacked along rows as the dense loader stacks them.
 _LAYER_WEIGHTS = {
@@ -67,7 +68,7 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         for name in hf_names:
             t = tensor(name)
             type_name = t.tensor_type.name
-            if type_name in _FLOAT_TYPES:
+            if type_name in FLOAT_TYPES:
                 return None  # a float tensor in the group: the group stays float32
             shape = tuple(reversed([int(d) for d in t.shape]))
             try:

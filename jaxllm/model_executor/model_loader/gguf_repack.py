@@ -118,7 +118,7 @@ def repack(data: np.ndarray, type_name: str, shape: tuple[int, ...],
     if type_name not in _FORMATS:
         raise UnsupportedGGUFType(
             f"{tensor_name}: GGUF type {type_name} cannot be kept quantized (supported: "
-            f"{', '.join(SUPPORTED_TYPES)}); load with quantization=None to dequantize it")
+            f"{', '.join(SUPPORTED_TYPES)}); load with quantization='none' to dequantize it")
     per_block, nbytes, sub, unpack = _FORMATS[type_name]
     rows, cols = int(np.prod(shape[:-1])), int(shape[-1])
     if cols % per_block:

@@ -52,8 +52,11 @@ def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
-    if quantization not in (None, "gguf"):
-        raise ModelLoadError(f"quantization {quantization!r} is not supported (None or 'gguf')")
+    if quantization not in (None, "none", "gguf"):
+        raise ModelLoadError(f"quantization {quantization!r} is not supported (None, 'none' or "
+                             f"'gguf')")
+    if quantization == "none":
+        quantization = None
     gguf_file = _gguf_file(path)
     if gguf_file is not None:
         return _load_gguf(gguf_file, dtype, progress, quantization, fused)
@@ -76,6 +79,22 @@ def is_gguf_model(path: str | Path) -> bool:
     """Whether load_model reads `path` as a GGUF (an existing file or such a directory)."""
     path = Path(path).expanduser()
     return path.exists() and _gguf_file(path) is not None
+
+
+def gguf_keeps_quantized(path: str | Path) -> bool:
+    """Whether quantization="gguf" can load this GGUF: some block-format tensor, and every one
+    a format gguf_repack keeps exactly (reads the header only; the data is memory-mapped)."""
+    import gguf
+
+    from jaxllm.model_executor.model_loader.gguf_params import FLOAT_TYPES
+    from jaxllm.model_executor.model_loader.gguf_repack import SUPPORTED_TYPES
+
+    try:
+        reader = gguf.GGUFReader(str(_gguf_file(Path(path).expanduser())))
+    except Exception:  # noqa: BLE001 - load_model names what is wrong with the file
+        return False
+    types = {t.tensor_type.name for t in reader.tensors} - set(FLOAT_TYPES)
+    return bool(types) and types <= set(SUPPORTED_TYPES)
 
 
 # --- Hugging Face checkpoints -------------------------------------------------------------------

@@ -1,5 +1,5 @@
 // Fused dequant matmul for GGUF block weights on CPU, an XLA FFI custom call
-// (jaxllm/model_executor/layers/quantization/cpu_kernel.py builds and registers it).
+// (cpu_dequant_matmul.py beside it builds and registers it).
 //
 // y[t, n] = sum_k x[t, k] * w[n, k], where w[n, k] = q[n, k] * scale[n, k / B] (+ offset[n, k / B])
 // is formed in registers from the int8 value: exactly gguf's float32 weight (compiled with
@@ -8,9 +8,10 @@
 // GEMV reads the weight once per row and falls back to materialising the float32 weight for
 // any multi-row dot, which is why the quantized path needed this kernel.
 //
-// Numbers: per (t, n) the sum runs in 16 lanes (lane l takes k = l mod 16, in order, one fma
-// each), then a fixed pairwise tree over the lanes. That order depends on nothing but k, so a
-// row's result is bit-identical whatever other rows share the call (batch invariance) and
+// Numbers: per (t, n) the sum runs in two 16-lane accumulators (k mod 32 below / above 16; lane
+// l takes k = l mod 16 of its half, in order, one fma each), added lane-wise, then a fixed
+// pairwise tree over the lanes. That order depends on nothing but k, so a row's result is
+// bit-identical whatever other rows share the call (batch invariance) and
 // whichever thread computes it.
 //
 // Threads: output rows go in chunks to XLA's intra-op thread pool plus the calling thread, which
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <thread>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -225,12 +227,19 @@ ffi::Error DequantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("dequant_matmul: expected x [T, K], q [N, K], scale "
                                        "[N, K / B] with B 16 or 32 and K a multiple of 32");
   }
+  auto od = offset.dimensions(), yd = y->dimensions();
+  if (has_offset && (od.size() != 2 || od[0] != sd[0] || od[1] != sd[1])) {
+    return ffi::Error::InvalidArgument("dequant_matmul: offset must have scale's shape");
+  }
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != qd[0]) {
+    return ffi::Error::InvalidArgument("dequant_matmul: result must be [T, N]");
+  }
   auto shared = std::make_shared<Shared>();
   shared->p = Problem{x.typed_data(), q.typed_data(), scale.typed_data(),
                       has_offset ? offset.typed_data() : nullptr, y->typed_data(),
                       xd[0], qd[1], qd[0], qd[1] / sd[1]};
-  // Chunks of >= ~256 KiB of int8 weight (long sequential streams for the prefetchers), their
-  // count a multiple of the threads (equal shares when the threads run equally fast).
+  // Chunks of >= ~256 KiB of int8 weight (long sequential streams for the prefetchers), about
+  // a multiple of the threads in number (near-equal shares when they run equally fast).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t chunks = std::max<int64_t>(1, qd[0] * qd[1] / (256 * 1024));
   chunks = (chunks + threads - 1) / threads * threads;
@@ -239,10 +248,16 @@ ffi::Error DequantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t helpers = std::min<int64_t>(threads, shared->num_chunks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { work(*shared); });
   work(*shared);
-  while (shared->done.load(std::memory_order_acquire) < shared->num_chunks) {
+  // Chunks claimed by helpers are being run: wait for them, spinning briefly (they end within
+  // microseconds), then yielding the core in case a helper needs it.
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->num_chunks;) {
+    if (++spins < 4096) {
 #if defined(__x86_64__)
-    __builtin_ia32_pause();
+      __builtin_ia32_pause();
 #endif
+    } else {
+      std::this_thread::yield();
+    }
   }
   return ffi::Error::Success();
 }

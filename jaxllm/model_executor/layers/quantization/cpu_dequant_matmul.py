@@ -3,8 +3,9 @@
 Built on first use with the machine's C++ compiler (`$CXX`, else g++/c++/clang++) for this CPU
 (`-march=native`), cached under `$JAXLLM_CACHE_DIR/kernels` (default `~/.cache/jaxllm`) keyed
 by the source, flags, compiler, jaxlib and CPU, then registered with XLA. Where it cannot be
-built (no compiler) or `JAXLLM_CPU_KERNELS=0`, `available()` is False and quantization="gguf"
-falls back to XLA's fused GEMVs (gguf.py), with a warning naming why.
+built (no compiler: a warning) or `JAXLLM_CPU_KERNELS=0` (read once per process), `available()`
+is False: a .gguf model then loads dequantized by default, and an explicit quantization="gguf"
+runs XLA's fused GEMVs instead (gguf.py; slower).
 
 Why a kernel of our own: XLA's CPU backend fuses an int8 weight's dequantization only into a
 single-row GEMV under 16 KiB of vector, so it read the weights once per row and left down_proj
@@ -94,15 +95,16 @@ def build(cache_dir: Path | None = None) -> Path:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel is built and registered (once per process); False with a warning when
-    it cannot be, or when $JAXLLM_CPU_KERNELS=0."""
+    """Whether the kernel is built and registered (decided once per process); False with a
+    warning when it cannot be built, silently when $JAXLLM_CPU_KERNELS=0."""
     if os.environ.get(DISABLE_ENV_VAR, "1") == "0":
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
     except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
-        logger.warning("CPU dequant matmul kernel unavailable, quantization='gguf' falls back "
-                       "to XLA's fused GEMVs (slower): %s", e)
+        logger.warning("CPU dequant matmul kernel unavailable (%s): .gguf models load "
+                       "dequantized by default, and quantization='gguf' runs XLA's fused GEMVs "
+                       "(slower)", e)
         return False
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxllmDequantMatmul),
                                 platform="cpu")
