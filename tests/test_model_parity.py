@@ -99,12 +99,16 @@ def test_bfloat16_on_cpu_runs_gemvs_on_float32_copies(tiny_models, rng):
     # XLA on CPU would convert a 16-bit KV array to float32 and back around every write.
     assert runner.kv_cache.dtype == jnp.float32
     prompts = [rng.integers(0, 512, 5).tolist(), rng.integers(0, 512, 9).tolist()]
-    model = Qwen2ForCausalLM(runner.config, dtype=jnp.bfloat16)
-    ids, pos, kv, md = prefill_inputs(runner.config, prompts, dtype=jnp.bfloat16)
+    # The runner's model: float32 hidden states (activation_dtype), bf16 only into the GEMMs.
+    model = runner.model
+    assert runner.activation_dtype == jnp.float32 and model.dtype == jnp.bfloat16
+    ids, pos, kv, md = prefill_inputs(runner.config, prompts, dtype=jnp.float32)
     variables = {"rope": rope_variables(runner.config)}
-    got = {name: np.asarray(jax.jit(model.apply)({**variables, "params": tree}, ids, pos, kv,
-                                                 md)[0]) for name, tree in (("gemv", small),
-                                                                            ("gemm", big))}
+    got = {}
+    for name, tree in (("gemv", small), ("gemm", big)):
+        logits, hidden, _ = jax.jit(model.apply)({**variables, "params": tree}, ids, pos, kv, md)
+        assert hidden.dtype == jnp.float32
+        got[name] = np.asarray(logits)
     want = np.concatenate([_hf_logits(hf, p) for p in prompts])
     for logits in got.values():
         np.testing.assert_allclose(logits, want, atol=0.05 * np.abs(want).max(), rtol=0)

@@ -28,7 +28,8 @@ _HELP = {
                     "runs decode buckets of up to 16 rows on them, float32 copies the rest; "
                     "with a Pallas backend every matmul runs the fused dequant kernel on "
                     "them. none: dequantize to dtype. Not given: gguf for a .gguf model on "
-                    "CPU (float32, reference backend, one device), else none",
+                    "CPU (float32, reference backend, one device, block formats kept exactly, "
+                    "our CPU kernel built), else none",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "overrides the KV sizing (when not given: from the memory budget)",
     "gpu_memory_utilization": "GPU: fraction of device memory for weights, activations and KV",
