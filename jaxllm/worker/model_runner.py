@@ -92,7 +92,7 @@ from scheduler import SchedulerOutput
 PROMPT_LOGPROB_ROWS = 32
 # quantization="gguf": decode buckets of at most this many rows use the quantized weights, through
 # our CPU kernel (int8 weights read once per step), or where it cannot be built through XLA's
-# fused GEMVs (read once per row); larger buckets run float32 GEMMs. BENCHMARKS.md (issue 17).
+# fused GEMVs (read once per row); larger buckets run float32 GEMMs (docs/perf/gguf-cpu.md).
 GGUF_GEMV_MAX_ROWS = 16
 GGUF_XLA_GEMV_MAX_ROWS = 8
 

@@ -219,7 +219,7 @@ class Qwen2ForCausalLM(nn.Module):
             h = jnp.take(embed, input_ids, axis=0).astype(act)
         residual = None
         # Unrolled on purpose: a lax.scan over stacked layers copies weight slices every step
-        # on CPU (measured 2x slower at 16 tokens, DESIGN.md).
+        # on CPU (docs/perf/cpu-step.md).
         for i in range(cfg.num_hidden_layers):
             h, residual, kv_cache = Qwen2DecoderLayer(
                 cfg, i, self.dtype, self.kernel_backend, self.tp_axis, name=f"layers_{i}")(
