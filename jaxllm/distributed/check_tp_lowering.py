@@ -4,7 +4,7 @@
 with the Pallas kernels, params and KV array as sharded abstract values, and lowers it with
 `lowering_platforms=("cuda",)`. The all-reduces are explicit `psum`s under `shard_map`, so they
 are in the lowered module (XLA adds none at compile time): `collectives` counts them and the
-bytes each moves, which BENCHMARKS.md prices.
+bytes each moves, which docs/perf/tensor-parallel.md prices.
 
     python -m jaxllm.distributed.check_tp_lowering    # the table for the models below
 """
