@@ -2,7 +2,8 @@
 decoder layers of random weights with the real shapes, kept [out, in] as the engine keeps them,
 nothing but the four GEMMs per layer (qkv, o, gate_up, down) and the SiLU between. It is the
 ceiling of any XLA-based engine on this machine, and explains the roofline gaps in
-BENCHMARKS.md. `--torch` times the same layers through PyTorch (MKL), what HF transformers runs.
+docs/perf/cpu-step.md. `--torch` times the same layers through PyTorch (MKL), what HF
+transformers runs.
 
     .venv/bin/python benchmarks/gemm_rows.py [--torch] [rows ...]
 """

@@ -1,6 +1,6 @@
 """Read rate of XLA's GEMV (one token through one weight matrix) for each weight shape of the
 0.5B model, cold (cycling through enough distinct matrices that none stays in cache), next to a
-[rows, 1024] matrix of the same bytes. Explains the batch-1 decode gap in BENCHMARKS.md.
+[rows, 1024] matrix of the same bytes. Explains the batch-1 decode gap in docs/perf/cpu-step.md.
 
     .venv/bin/python benchmarks/gemv_shapes.py
 """

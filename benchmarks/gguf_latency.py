@@ -85,7 +85,7 @@ def main() -> None:
         raise SystemExit("name at least one jaxllm setting: its tokenizer draws the prompts")
     sampler = token_sampler_for(engines[0])
     results: dict[str, dict[str, list[float]]] = {n: {"ttft": [], "tpot": []} for n in llms}
-    for r in range(args.rounds + 1):  # round 0 warms up
+    for r in range(args.rounds + 1):  # the first pass warms up
         for name, llm in llms.items():
             if isinstance(llm, LlamaCpp):  # the prompt run_jaxllm_latency draws for this seed
                 m = llm.run(sampler.sample(np.random.default_rng(r), args.input_len))

@@ -157,7 +157,7 @@ def launch_config(m: int, n: int, k: int, dtype) -> dict[str, int]:
     rows in registers over BK (see paged_attention._launch_config), so they take 32 x 32 x 32
     tiles over 8 warps (4 spilled 4-8 bytes with offsets); both narrow BN down to 16 while
     there are fewer than _MIN_PROGRAMS programs. No case of check_compile spills
-    (BENCHMARKS.md has the table). Interpret mode runs the same tiles."""
+    (docs/perf/gpu-kernel-model.md has the table). Interpret mode runs the same tiles."""
     if m < GEMM_MIN_ROWS:
         block_k = min(next_pow2(k), 256)
         block_n = max(_GEMV_MIN_BN, _GEMV_TILE_ELEMS // block_k)

@@ -83,8 +83,8 @@ _REF_KEY_TILE = 128
 # gathers group x key tile x 1 KiB (0.5B shapes: 2 MiB, L2-resident).
 _REF_TOKEN_GROUP = 16
 # Tile pass: sequences with at least _REF_TILE_MIN_QUERIES queries this step are cut into query
-# tiles of _REF_QUERY_TILE tokens that share each gathered key tile (real matmuls, ~100 GFLOP/s
-# on the 2-core CPU, against ~20 for the G-row matmuls of the token pass).
+# tiles of _REF_QUERY_TILE tokens that share each gathered key tile (real matmuls, several times
+# the rate of the G-row matmuls of the token pass: docs/perf/cpu-step.md).
 _REF_QUERY_TILE = 32
 _REF_TILE_MIN_QUERIES = 4
 
@@ -101,7 +101,7 @@ def _gather_kv(cache_rows, first_row, which, blk):
     all-layer cache with one row per (layer, K/V, head, block); first_row(which) gives the static
     row of block 0 of each head, [KVH] ints. Every index is in bounds by construction (block ids
     are clipped), so a bare gather without clamping or negative-index fix-ups is emitted: jnp
-    indexing adds both per element, and gathered ~1.5x (fix-up) to 2x (clamp) slower."""
+    indexing adds both per element, and gathered slower with them (docs/perf/cpu-step.md)."""
     rows = jnp.asarray(first_row(which), jnp.int32).reshape((-1,) + (1,) * blk.ndim) + blk
     dnums = lax.GatherDimensionNumbers(offset_dims=(1, 2), collapsed_slice_dims=(0,),
                                        start_index_map=(0,))
@@ -161,8 +161,8 @@ def _token_pass(q, cache_rows, first_row, block_tables, seq_of, pos, tiles, *, s
             v = _gather_kv(cache_rows, first_row, 1, blk).reshape(k.shape)
             key = j * key_tile + jnp.arange(key_tile, dtype=jnp.int32)
             mask = (key[None, :] <= q_pos[:, None]) & (j < n_tiles)[:, None]  # [TC, KT]
-            # (Logits as [KVH, TC, KT, G] made the QK matmul alone 2x faster, the whole step
-            # ~10% slower: exp and reductions over a minor axis of 7.)
+            # (Logits as [KVH, TC, KT, G] made the QK matmul alone faster but the whole step
+            # slower: exp and reductions over a minor axis of 7.)
             logits = jnp.einsum("kwgd,kwjd->kwgj", q_g, k)
             return _flash_update(state, logits, mask[None, :, None, :], v, "kwgj,kwjd->kwgd")
 
@@ -388,9 +388,8 @@ def _launch_config(group_pad: int, max_query_len: int, head_dim: int,
     float32 (IEEE, no TF32) runs its dots on the FMA units, where Triton keeps each thread's
     rows of both operands in registers over the whole reduction axis: registers grow with M x
     head_dim (QK^T) and M x KB (P @ V), not just with the accumulator. The bfloat16 tiles then
-    need 255+ registers and spill 14-43 KB (sm_90a). Tiles of M = 32 (decode: 16) and KB = 32
-    over 8 warps compile to 62-76 registers with no spills and no stack, at 38-50% occupancy
-    on an H100 (measured with python -m pallas_kernels.check_compile).
+    need 255+ registers and spill (sm_90a). Tiles of M = 32 (decode: 16) and KB = 32 over 8
+    warps compile with no spills and no stack (docs/perf/gpu-kernel-model.md).
     """
     if jnp.dtype(dtype) == jnp.float32:
         max_rows, block_k, num_warps = 32, 32, 8

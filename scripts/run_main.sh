@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: generate with the embedded default model (Qwen2.5-Coder-0.5B-Instruct) through
+# Chat with the embedded default model (Qwen2.5-Coder-0.5B-Instruct) through
 # its chat template. Extra arguments go to `jaxllm chat`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

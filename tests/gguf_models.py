@@ -8,7 +8,7 @@ import numpy as np
 # Byte offsets of the f16 fields (d, and dmin for the K formats with mins) in each block.
 _F16_FIELDS = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2),
                "Q5_K": (0, 2), "Q6_K": (208,)}
-# Magnitudes of those fields: keep dequantized weights around 0.01-0.1 for a sane model.
+# Magnitudes of those fields: keep dequantized weights within 0.01-0.1 for a sane model.
 _F16_SCALE = {"Q4_0": 0.01, "Q5_0": 0.005, "Q8_0": 0.001, "Q4_1": 0.01, "Q4_K": 0.0005,
               "Q5_K": 0.0002, "Q6_K": 0.00002}
 

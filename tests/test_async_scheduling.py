@@ -1,4 +1,4 @@
-"""Async scheduling and top-K sampling in the engine (issue 12, items 3, 4 and 6).
+"""Async scheduling and top-K sampling in the engine.
 
 Oracle: the synchronous engine sampling full logits rows. Every combination of async
 scheduling and top-K sampling must give the same tokens, logprobs, prompt logprobs and finish

@@ -321,7 +321,7 @@ def test_repetition_penalty_matches_hf(tiny, prompts, hf_greedy):
 
 
 def test_split_k_decode_per_bucket_in_the_runner_table():
-    """Split-K decode (issue 13 item 3) is static per decode bucket: Qwen2.5-0.5B's 2 KV heads
+    """Split-K decode is static per decode bucket: Qwen2.5-0.5B's 2 KV heads
     at max_model_len 4096 fill 132 SMs with powers of two up to 16 splits of >= 256 keys; the
     reference backend (CPU) never splits; prefill buckets never do."""
     from jaxllm.model_executor.config import ModelConfig

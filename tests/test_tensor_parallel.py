@@ -1,4 +1,4 @@
-"""Tensor parallelism on virtual CPU devices (issue 16): TP = 2, 4, 8 against TP = 1.
+"""Tensor parallelism on virtual CPU devices: TP = 2, 4, 8 against TP = 1.
 
 The sharded engines run in a child process (tests/tp_child.py), since the virtual device count
 must be set before JAX starts; this process compares what it saved. The tiny model (8 query

@@ -1,4 +1,4 @@
-"""The device's top-K candidates and the host's candidate sampler (issue 12, items 3 and 4).
+"""The device's top-K candidates and the host's candidate sampler.
 
 Oracles: a stable numpy sort for the device's top-K (ties lower id first), scipy's logsumexp
 for its normaliser, and the full-row sampler for the candidate sampler: on every row the rule

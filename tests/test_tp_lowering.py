@@ -1,6 +1,6 @@
 """The tensor-parallel step lowers for CUDA on an abstract mesh (no devices) at real model widths
 (2 layers), with the Pallas kernels per device and exactly two all-reduces per layer plus the
-embedding's (issue 16)."""
+embedding's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Several hosts (issue 16, item 4) on one machine: two processes with two virtual CPU devices
+"""Several hosts on one machine: two processes with two virtual CPU devices
 each join jax.distributed over 127.0.0.1 (gloo collectives) and run TP = 4 across both; process
 0 runs the engine core (in its own process, under a frontend), process 1 follows its broadcast
 step inputs. Same greedy tokens as one process at TP = 1; a killed follower gives the frontend

@@ -4,7 +4,7 @@
 with the Pallas kernels, params and KV array as sharded abstract values, and lowers it with
 `lowering_platforms=("cuda",)`. The all-reduces are explicit `psum`s under `shard_map`, so they
 are in the lowered module (XLA adds none at compile time): `collectives` counts them and the
-bytes each moves, which BENCHMARKS.md prices.
+bytes each moves, which docs/perf/tensor-parallel.md prices.
 
     python -m jaxllm.distributed.check_tp_lowering    # the table for the models below
 """
@@ -51,7 +51,8 @@ MODELS = {
     "Qwen2.5-7B": _qwen2(152064, 3584, 18944, 2, 28, 4),
     "Qwen2-72B": _qwen2(152064, 8192, 29568, 2, 64, 8),
 }
-# (model, TP sizes) the issue asks for.
+# (model, TP sizes) lowered: KV heads split over the devices (1.5B at 2, 7B at 2 and 4, 72B at 8)
+# and replicated (1.5B's 2 KV heads at 4).
 CASES = [("Qwen2.5-1.5B", (2, 4)), ("Qwen2.5-7B", (2, 4)), ("Qwen2-72B", (8,))]
 
 _ALL_REDUCE = re.compile(r'"?stablehlo\.all_reduce"?')

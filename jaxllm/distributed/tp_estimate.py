@@ -9,7 +9,7 @@ step (o_proj and down_proj per layer, the embedding; counted in the lowered modu
 tests/test_tp_lowering.py), B = T x hidden x 2 bytes each (bf16 [T, hidden]), a ring
 all-reduce moving 2 (N - 1) / N of them over NVLink at LINK per direction, plus a fixed latency
 alpha per all-reduce, which dominates small decode steps. Matmuls are taken as HBM-bound (decode)
-and kernel launch floors are left out (BENCHMARKS.md's single-GPU table has them).
+and kernel launch floors are left out (docs/perf/gpu-kernel-model.md's single-GPU table has them).
 
     python -m jaxllm.distributed.tp_estimate
 """

@@ -75,7 +75,7 @@ def gpu_platform_installed() -> bool:
 def resolve_multiprocess_mode(value: bool | None, default_cpu: bool | None = None) -> bool:
     """JAXLLM_ENABLE_V1_MULTIPROCESSING (0/1) when set, else `value`, else the platform's
     default: on a GPU the core's own process (the frontend's host work then overlaps the device
-    step), on CPU `default_cpu` if given, else in process (measured: README)."""
+    step), on CPU `default_cpu` if given, else in process (docs/perf/multiprocess.md)."""
     env = os.environ.get(MP_ENV_VAR)
     if env is not None and env.strip() != "":
         if env.strip() not in ("0", "1"):
@@ -88,7 +88,8 @@ def resolve_multiprocess_mode(value: bool | None, default_cpu: bool | None = Non
     return DEFAULT_CPU_MULTIPROCESS if default_cpu is None else default_cpu
 
 
-# On CPU the frontend and the core share the same few cores: see README for the measurement.
+# On CPU the frontend and the core share the same few cores, so a second process buys nothing
+# there (docs/perf/multiprocess.md).
 DEFAULT_CPU_MULTIPROCESS = False
 
 

@@ -57,7 +57,8 @@ _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.
 
 
 def resolve_dtype(name: str | None) -> Any:
-    """None -> float32 on CPU, bfloat16 on GPU (bf16 GEMV is ~18x slower than f32 on CPU)."""
+    """None -> float32 on CPU, bfloat16 on GPU (on CPU a bfloat16 GEMV is many times slower than a
+    float32 one: docs/perf/gguf-cpu.md)."""
     if name is None:
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     return _JNP_DTYPES[name]
@@ -65,8 +66,8 @@ def resolve_dtype(name: str | None) -> Any:
 
 def resolve_quantization(args: EngineArgs, path: Path, dtype: Any, backend: str) -> str | None:
     """None (auto) -> "gguf" for a .gguf model where its quantized path is the faster one: on CPU
-    with the reference backend, float32 and one device, when our CPU kernel builds (decode
-    TPOT 2.9x float32's at batch 1, the same steps as float32 from 32 rows: BENCHMARKS.md).
+    with the reference backend, float32 and one device, when our CPU kernel builds (faster
+    decode up to 16 rows, the same float32 steps beyond: docs/perf/gguf-cpu.md).
     On a GPU (Pallas backend) the kernel is proven but untimed, so it stays opt-in there.
     "none" -> dequantize to dtype."""
     if args.quantization is not None:

@@ -27,9 +27,10 @@ sorted whole in the common cases:
   estimated from a subsample, checked exactly, and sorts the values of that set only (the whole
   row only when both fall short);
 - cumulative sums over the vocabulary go through 1024-wide block sums (one matrix-vector
-  product) and one block's cumsum: numpy's cumsum is sequential, ~0.7 ms over 151936 floats.
+  product) and one block's cumsum: numpy's cumsum is sequential, slow over 151936 floats.
 Rows are handled one at a time with preallocated vocabulary-sized buffers: a [R, vocab] float32
-temporary is 39 MB at R=64 and measured slower than per-row passes that stay in cache, and each
+temporary falls out of cache and measured slower than per-row passes that stay in it
+(docs/perf/host-path.md), and each
 per-row numpy call covers 151936 elements, so the Python loop costs little.
 """
 
@@ -144,7 +145,7 @@ def process_logits(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarra
 
 
 # ---------------------------------------------------------------------------------------------
-# Reductions without a full-vocabulary cumsum (numpy's cumsum is sequential: ~0.7 ms per row)
+# Reductions without a full-vocabulary cumsum (numpy's cumsum is sequential)
 
 _BLOCK = 1024
 _ONES: dict[tuple[int, str], np.ndarray] = {}

@@ -1,8 +1,9 @@
 """Top-K logits and log-sum-exp of each sampled row, computed on the device inside the step.
 
 The host sampler then needs only [R, K] candidates and [R] normalisers instead of [R, vocab]
-rows (39 MB at 64 rows of Qwen2's 151,936-token vocabulary; numpy's argmax alone over them
-takes ~5 ms). `jaxllm/sample/candidates.py` decides per row whether the candidates are exact.
+rows (vocabulary-sized: even numpy's argmax over them costs ms per step at 64 rows;
+docs/perf/host-path.md). `jaxllm/sample/candidates.py` decides per row whether the candidates
+are exact.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import jax.numpy as jnp
 
 # Candidates per row: >= 20 (the logprobs limit) and above the top_k people usually ask for.
 TOPK = 64
-# Block width of the two-stage search (measured on CPU at 64 x 151,936 f32: 32 -> 9.0 ms with
-# the log-sum-exp, 64 -> 12.9 ms, plain lax.top_k alone 16.5 ms).
+# Block width of the two-stage search: the fastest measured on CPU, ahead of 64 and of plain
+# lax.top_k (docs/perf/host-path.md).
 _BLOCK = 32
 
 
@@ -33,7 +34,7 @@ def top_k_logits(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.A
                      constant_values=-jnp.inf).reshape(rows, nb, _BLOCK)
     block_max = blocks.max(axis=-1)
     m = block_max.max(axis=-1)
-    # Without the barrier XLA fuses the exp pass with the gathers below and runs ~10x slower.
+    # Without the barrier XLA fuses the exp pass with the gathers below and runs far slower.
     x, m = jax.lax.optimization_barrier((logits, m))
     lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=-1))
     if nb <= k:

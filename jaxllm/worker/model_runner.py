@@ -11,8 +11,7 @@ start-up, so serving never compiles:
   - a step whose every sequence computes one token (pure decode) pads T to a decode bucket
     (powers of two from 1 up to the first one >= max_num_seqs) and uses max_query_len = 1 (the
     Pallas kernel picks decode tiles); small decode buckets matter on CPU, where a GEMM's time
-    grows with its rows even when it is bound by the weights (24 layers of the 0.5B model:
-    ~57 ms at 1 row, ~172 ms at 16);
+    grows with its rows even when it is bound by the weights (docs/perf/cpu-step.md);
   - any other step pads T to a token bucket (powers of two from 16 up to
     max_num_batched_tokens) with max_query_len = T;
   - the sequence count S and the number of logits rows are min(T, max_num_seqs), so they follow
@@ -24,8 +23,8 @@ other bucket on `params` (float32 copies, fastest for multi-row dots); with a Pa
 backend the loader gives one tree, all quantized, and every bucket runs the fused dequant
 matmul kernel (pallas_kernels/dequant_matmul.py). With dtype bfloat16 on
 CPU, buckets under MIN_TOKEN_BUCKET rows run on float32 copies of the bfloat16 weights (a bf16
-GEMV is ~12x slower than a float32 one there), the others on the bfloat16 weights (bf16 GEMMs
-run ~2x the float32 rate on AVX512-BF16 cores).
+GEMV is many times slower than a float32 one there), the others on the bfloat16 weights (bf16
+GEMMs outrun float32 ones on AVX512-BF16 cores; docs/perf/gguf-cpu.md).
 Block tables are always max_model_len wide; each running request keeps its row in the
 persistent InputBatch, updated from each SchedulerOutput's new block ids. The KV array is one
 preallocated buffer, sized from a memory budget (`initialize_kv_cache`, after
@@ -92,7 +91,7 @@ from scheduler import SchedulerOutput
 PROMPT_LOGPROB_ROWS = 32
 # quantization="gguf": decode buckets of at most this many rows use the quantized weights, through
 # our CPU kernel (int8 weights read once per step), or where it cannot be built through XLA's
-# fused GEMVs (read once per row); larger buckets run float32 GEMMs. BENCHMARKS.md (issue 17).
+# fused GEMVs (read once per row); larger buckets run float32 GEMMs (docs/perf/gguf-cpu.md).
 GGUF_GEMV_MAX_ROWS = 16
 GGUF_XLA_GEMV_MAX_ROWS = 8
 
@@ -155,7 +154,7 @@ class ModelRunner:
             self.gemv_max_rows = MIN_TOKEN_BUCKET - 1
         self.dtype = dtype
         # XLA on CPU scatters into a 16-bit float KV array by converting all of it to float32
-        # and back, twice per step (3 s per step for a 1 GiB bfloat16 cache): keep it float32.
+        # and back, twice per step (seconds per step for a 1 GiB cache): keep it float32.
         self.kv_cache_dtype = jnp.float32 if jnp.dtype(dtype).itemsize == 2 \
             and jax.default_backend() == "cpu" else dtype
         # Likewise the hidden states on XLA (reference backend): XLA on CPU runs 16-bit
@@ -189,7 +188,7 @@ class ModelRunner:
         # 0: the step returns full logits only (the host finds candidates and normalisers).
         self.top_k = min(TOPK, config.vocab_size) if topk_sampling else 0
         # The logits output reuses the previous step's buffer of its shape (donated): no
-        # vocabulary-sized allocation and release per step (~4 ms at 64 rows on CPU).
+        # vocabulary-sized allocation and release per step (docs/perf/host-path.md).
         self._step = jax.jit(self._forward, static_argnames=("max_query_len", "num_splits"),
                              donate_argnames=("kv_cache", "logits_buf"), keep_unused=True)
         self._compiled: dict[tuple[int, int], Any] = {}

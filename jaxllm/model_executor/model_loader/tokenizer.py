@@ -21,8 +21,8 @@ def _gguf_cache_key(path: Path) -> str:
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """A checkpoint directory's tokenizer, or the one embedded in a .gguf file.
 
-    Converting a GGUF vocabulary takes ~17 s on this CPU, so the converted tokenizer is saved
-    under the cache directory and reloaded from there (~1 s) next time.
+    Converting a GGUF vocabulary takes many seconds, so the converted tokenizer is saved under
+    the cache directory and reloaded from there next time.
     """
     path = Path(path).expanduser()
     if path.is_dir():

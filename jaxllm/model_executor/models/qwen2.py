@@ -45,9 +45,9 @@ def linear(x: jax.Array, weight: jax.Array | GGUFWeight, backend: str = "referen
     (or kept quantized: `gguf_linear` on XLA, the fused dequant matmul kernel with a Pallas
     `backend`).
 
-    [out, in] is what checkpoints store, and on CPU XLA streams it about 1.8x faster than
-    [in, out] at small T (each output is a dot over a contiguous row; measured over 24 real-size
-    layers: 57 vs 102 ms at T=1, 172 vs 265 ms at T=16), which is what decode is bound by."""
+    [out, in] is what checkpoints store, and on CPU XLA streams it faster than [in, out] at
+    small T (each output is a dot over a contiguous row; docs/perf/cpu-step.md), which is what
+    decode is bound by."""
     if isinstance(weight, GGUFWeight):
         if backend != "reference":
             return pallas_kernels.dequant_matmul(x, weight.qweight, weight.scale, weight.offset,
@@ -62,9 +62,9 @@ def linear(x: jax.Array, weight: jax.Array | GGUFWeight, backend: str = "referen
     if weight.dtype != x.dtype:  # e.g. float32 weights under 16-bit (interpret-mode) activations
         return jax.lax.dot_general(x.astype(weight.dtype), weight, dims).astype(x.dtype)
     if x.dtype == jnp.bfloat16:
-        # Accumulated and returned in float32: XLA on CPU runs a bf16 x bf16 -> f32 GEMM at ~2x
-        # the float32 rate, but converts both operands to float32 for a bf16 result (16 rows
-        # of a [9728, 896] weight: 8 vs 50 ms, float32 17 ms).
+        # Accumulated and returned in float32: XLA on CPU runs a bf16 x bf16 -> f32 GEMM faster
+        # than a float32 one, but converts both operands to float32 for a bf16 result
+        # (docs/perf/gguf-cpu.md).
         return jax.lax.dot_general(x, weight, dims,
                                    preferred_element_type=jnp.float32).astype(x.dtype)
     return jax.lax.dot_general(x, weight, dims)
@@ -219,7 +219,7 @@ class Qwen2ForCausalLM(nn.Module):
             h = jnp.take(embed, input_ids, axis=0).astype(act)
         residual = None
         # Unrolled on purpose: a lax.scan over stacked layers copies weight slices every step
-        # on CPU (measured 2x slower at 16 tokens, DESIGN.md).
+        # on CPU (docs/perf/cpu-step.md).
         for i in range(cfg.num_hidden_layers):
             h, residual, kv_cache = Qwen2DecoderLayer(
                 cfg, i, self.dtype, self.kernel_backend, self.tp_axis, name=f"layers_{i}")(

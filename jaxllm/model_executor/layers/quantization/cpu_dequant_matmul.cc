@@ -178,8 +178,8 @@ void weight_rows(const Problem& p, const int64_t* ns) {
 }
 
 // Weight rows [n0, n1), two at once from the range's two halves: two sequential streams, which
-// this CPU's prefetchers serve faster than one (~25-30 vs ~22-24 GB/s over 557 MB at one row
-// of x; two *adjacent* rows read at ~14, the interleaved addresses defeating the prefetcher).
+// the CPU's prefetchers serve faster than one; two *adjacent* rows read slower still, the
+// interleaved addresses defeating the prefetcher (docs/perf/gguf-cpu.md).
 template <int B, bool kOffset>
 void run_rows(const Problem& p, int64_t n0, int64_t n1) {
   const int64_t half = (n1 - n0 + 1) / 2;

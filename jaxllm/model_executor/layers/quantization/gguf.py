@@ -15,8 +15,8 @@ value, the weight read once per row), under three conditions found by reading it
     materialising the float32 weight): partial sums and biases are combined as `a - (-b)`,
     bit-for-bit `a + b` in IEEE arithmetic, which it leaves alone;
   - the vector-matrix form `x[i] @ w.T` (a dot_general of [1, in] by [out, in] is not fused).
-Otherwise XLA materialises the whole float32 weight every call (a [9728, 896] weight: 13-17 ms
-against 1.2 ms for the float32 GEMV), as it does for any multi-row dot of a converted weight.
+Otherwise XLA materialises the whole float32 weight every call, several times slower than the
+float32 GEMV (docs/perf/gguf-cpu.md), as it does for any multi-row dot of a converted weight.
 The weight values inside the dot are exactly the float32 path's; the summation order is that of
 XLA's fused dot emitter (and of the chunks) rather than of the float32 GEMV, and each row's
 result is the same whatever the other rows are (tests/test_gguf_quant.py checks both, and that a
@@ -71,10 +71,8 @@ def dequantize(w: GGUFWeight, rows: jax.Array | None = None) -> jax.Array:
 
 def single_chunk(in_features: int) -> bool:
     """Whether rows this wide fit one fused XLA GEMV (matters without our CPU kernel only).
-    Wider ones (down_proj, 4864) work in chunks but lost to the float32 GEMV on this CPU
-    (24-layer decode step with synthetic weights, one run: 110 ms with down_proj quantized in 2
-    chunks, 96 ms with it float32, 136 ms all float32), so the loader then keeps them float32
-    in the GEMV tree."""
+    Wider ones (down_proj, 4864) work in chunks but lost to the float32 GEMV on CPU
+    (docs/perf/gguf-cpu.md), so the loader then keeps them float32 in the GEMV tree."""
     return in_features * 4 < _XLA_CPU_GEMV_FUSION_BYTES
 
 
