@@ -127,10 +127,12 @@ class BlockPool:
         self.cached_blocks.setdefault(block_hash, {})[block.block_id] = block
 
     def _uncache(self, block: KVCacheBlock) -> None:
-        copies = self.cached_blocks[block.block_hash]
+        block_hash = block.block_hash
+        assert block_hash is not None, "only cached blocks are uncached"
+        copies = self.cached_blocks[block_hash]
         del copies[block.block_id]
         if not copies:
-            del self.cached_blocks[block.block_hash]
+            del self.cached_blocks[block_hash]
         block.block_hash = None
 
     def reset_prefix_cache(self) -> None:

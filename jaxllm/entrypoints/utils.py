@@ -15,7 +15,7 @@ def enable_compilation_cache() -> None:
 
     if os.environ.get("JAXLLM_COMPILATION_CACHE", "1") == "0":
         return
-    if jax.config.jax_compilation_cache_dir:
+    if jax.config.jax_compilation_cache_dir:  # pyright: ignore[reportAttributeAccessIssue]
         return
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
     # Only the multi-second step compiles are worth a disk entry.

@@ -46,8 +46,9 @@ class KernelBuildError(RuntimeError):
 
 def _compiler() -> str:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     raise KernelBuildError("no C++ compiler found (set $CXX, or install g++)")
 
 

@@ -45,7 +45,8 @@ class GGUFWeight(NamedTuple):
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.qweight.shape)
+        rows, cols = self.qweight.shape
+        return rows, cols
 
     @property
     def block_size(self) -> int:
@@ -93,6 +94,7 @@ def _gemv(x: jax.Array, w: GGUFWeight) -> jax.Array:
                           None if w.offset is None else w.offset[:, ba:bb])
         p = x[a:b] @ dequantize(part).T
         y = p if y is None else y - (-p)
+    assert y is not None, "gemv_chunks covers at least one block"
     return y
 
 
