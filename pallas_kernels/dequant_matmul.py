@@ -153,7 +153,7 @@ def launch_config(m: int, n: int, k: int, dtype) -> dict[str, int]:
     fewer than _MIN_PROGRAMS programs, 4 warps, 1 stage (2 changed neither registers nor
     spills). GEMM: bfloat16 takes 64 x 64 x 64 tensor-core tiles
     over 4 warps (BM 16 or 32 for smaller buckets); float32 FMA dots keep each thread's operand
-    rows in registers over BK (see paged_attention._launch_config), so they take 32 x 32 x 32
+    rows in registers over BK (see attention_common.launch_config), so they take 32 x 32 x 32
     tiles over 8 warps (4 spilled 4-8 bytes with offsets); both narrow BN down to 16 while
     there are fewer than _MIN_PROGRAMS programs. No case of check_compile spills
     (BENCHMARKS.md has the table). Interpret mode runs the same tiles."""

@@ -50,7 +50,6 @@ its own tile size from the static ``max_query_len`` (1 for a pure decode step).
 Split-K decode (``num_splits`` > 1, flash-decoding) lives in split_k_decode.py, the plain XLA
 version (``backend="reference"``, the engine's CPU path) in reference_attention.py; the public
 ``paged_attention`` below dispatches to them. attention_common.py holds what the kernels share.
-
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ efficiency:
 Peaks (H100 SXM): HBM3 3.35 TB/s; 989 TFLOP/s dense bfloat16 on the tensor cores (used for the
 bfloat16 dots of paged attention and the weight matmuls); 67 TFLOP/s FP32 on the CUDA cores,
 used for float32 attention (its dots are IEEE float32 on the FMA units, not TF32, see
-paged_attention._launch_config) and for every element-wise kernel (rms_norm, rope compute in
+attention_common.launch_config) and for every element-wise kernel (rms_norm, rope compute in
 float32 whatever the storage type).
 
 Decode step (Qwen2, bfloat16): per layer rms_norm (+residual) x 2, the q/k/v, o, gate/up and
@@ -233,7 +233,7 @@ def decode_attention_time(seqs: int, context: int, num_heads: int, num_kv_heads:
 
 # --------------------------------------------------------------------------- check_compile's cases
 
-# The shapes of check_lowering's cases (see each module's lowering_cases): decode is 64 sequences
+# The shapes of check_lowering's cases (see lowering_cases.py): decode is 64 sequences
 # of one token, whose context is taken at the cases' maximum (4096 keys, 256 blocks of 16);
 # prefill is 2048 tokens, 4 sequences of 512 with no cached context.
 CASE_TOKENS = {"decode": 64, "prefill": 2048}
