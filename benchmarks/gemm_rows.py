@@ -19,13 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.worker.matmul_timing import best_seconds, decoder_matmuls
+from pallas_kernels.checks.lowering_cases import matmul_shape
+from pallas_kernels.checks.shapes import QWEN2_SHAPES
 
-LAYERS, HIDDEN, INTER, QKV = 24, 896, 4864, 1152
+MODEL = QWEN2_SHAPES["qwen2.5-0.5b"]
+LAYERS, HIDDEN, INTER = MODEL.num_layers, MODEL.hidden_size, MODEL.intermediate_size
+QKV = matmul_shape(MODEL, "qkv")[0]
 
-
-# The sizes `decoder_matmuls` reads (Qwen2.5-0.5B), in place of a full ModelConfig.
-CONFIG = SimpleNamespace(num_hidden_layers=LAYERS, num_attention_heads=14, head_dim=64,
-                         intermediate_size=INTER)
+# The sizes `decoder_matmuls` reads, in place of a full ModelConfig.
+CONFIG = SimpleNamespace(num_hidden_layers=LAYERS, num_attention_heads=MODEL.num_heads,
+                         head_dim=MODEL.head_dim, intermediate_size=INTER)
 
 
 def model_params(layers: list[dict[str, jax.Array]]) -> dict:

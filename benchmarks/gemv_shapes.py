@@ -14,11 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.model_executor.models.qwen2 import linear
+from pallas_kernels.checks.lowering_cases import matmul_shape
+from pallas_kernels.checks.shapes import QWEN2_SHAPES
 
+MODEL = QWEN2_SHAPES["qwen2.5-0.5b"]
 # (name, out, in) of every matrix a 0.5B decode step reads, [out, in] as the model keeps them.
-SHAPES = [("qkv_proj", 1152, 896), ("o_proj", 896, 896), ("gate_up_proj", 9728, 896),
-          ("down_proj", 896, 4864), ("lm_head", 151936, 896),
-          ("same bytes as lm_head", 132944, 1024)]
+SHAPES = [*((f"{layer}_proj", *matmul_shape(MODEL, layer))
+            for layer in ("qkv", "o", "gate_up", "down")),
+          ("lm_head", MODEL.vocab_size, MODEL.hidden_size),
+          ("same bytes as lm_head", MODEL.vocab_size * MODEL.hidden_size // 1024, 1024)]
 COLD_BYTES = 400 << 20
 
 

@@ -29,20 +29,20 @@ import numpy as np
 # checkout's pallas_kernels is the one imported.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels import (
-    dequant_matmul,
-    paged_attention,
-    rms_norm,
-    rope,
-    rope_cos_sin_cache,
-    write_kv,
-)
+from pallas_kernels.checks.shapes import QWEN2_SHAPES
+from pallas_kernels.dequant_matmul import dequant_matmul
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.rms_norm import rms_norm
+from pallas_kernels.rope import rope, rope_cos_sin_cache
 
 # HBM bandwidth in GB/s by a substring of jax's device_kind (datasheet figures, SXM parts).
 GPU_PEAK_GBPS: dict[str, float] = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
 
-# Qwen2.5-0.5B.
-HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE = 896, 14, 2, 64, 4864
+MODEL = QWEN2_SHAPES["qwen2.5-0.5b"]
+HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE = (
+    MODEL.hidden_size, MODEL.num_heads, MODEL.num_kv_heads, MODEL.head_dim,
+    MODEL.intermediate_size)
 # GGUF block layout of the dequant matmul cases (Q4_K-like: 32 values, scale and offset).
 GGUF_GROUP = 32
 ROPE_THETA, EPS, BLOCK_SIZE = 1_000_000.0, 1e-6, 16

@@ -30,9 +30,14 @@ import numpy as np
 # checkout's pallas_kernels is the one imported.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.paged_attention import _MASK_VALUE, paged_attention_reference
+from pallas_kernels.attention_common import MASK_VALUE
+from pallas_kernels.checks.shapes import QWEN2_SHAPES
+from pallas_kernels.reference_attention import paged_attention_reference
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 14, 2, 64, 16, 24
+MODEL = QWEN2_SHAPES["qwen2.5-0.5b"]
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = (MODEL.num_heads, MODEL.num_kv_heads,
+                                                 MODEL.head_dim, MODEL.num_layers)
+BLOCK_SIZE = 16
 
 
 # --- previous implementation, for comparison only -------------------------------------------
@@ -48,7 +53,7 @@ def _old_chunk(qc, k, v, seq_lens, q_lens, q_off, scale):
     mask = (key <= q_pos[:, :, None]) & (key < seq_lens[:, None, None])
     qc = qc.transpose(0, 2, 3, 1, 4)
     logits = jnp.einsum("skgcd,skld->skgcl", qc, k) * scale
-    logits = jnp.where(mask[:, None, None], logits, _MASK_VALUE)
+    logits = jnp.where(mask[:, None, None], logits, MASK_VALUE)
     m = logits.max(axis=-1, keepdims=True)
     p = jnp.where(mask[:, None, None], jnp.exp(logits - m), 0.0)
     denom = p.sum(axis=-1, keepdims=True)

@@ -26,7 +26,6 @@ One public function, `dequant_matmul`, picks the implementation like the other k
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -154,7 +153,7 @@ def launch_config(m: int, n: int, k: int, dtype) -> dict[str, int]:
     fewer than _MIN_PROGRAMS programs, 4 warps, 1 stage (2 changed neither registers nor
     spills). GEMM: bfloat16 takes 64 x 64 x 64 tensor-core tiles
     over 4 warps (BM 16 or 32 for smaller buckets); float32 FMA dots keep each thread's operand
-    rows in registers over BK (see paged_attention._launch_config), so they take 32 x 32 x 32
+    rows in registers over BK (see attention_common.launch_config), so they take 32 x 32 x 32
     tiles over 8 warps (4 spilled 4-8 bytes with offsets); both narrow BN down to 16 while
     there are fewer than _MIN_PROGRAMS programs. No case of check_compile spills
     (docs/perf/gpu-kernel-model.md has the table). Interpret mode runs the same tiles."""
@@ -251,43 +250,3 @@ def _dequant_matmul_jit(x, qweight, scale, offset, *, out_dtype, backend: str):
     return _dequant_matmul_pallas(x, qweight, scale, offset, out_dtype,
                                   interpret=backend == "interpret")
 
-
-# --------------------------------------------------------------------------- lowering cases
-
-# (layer, block size, with offsets) of each Qwen2 matmul checked; a Q4_K_M GGUF keeps down_proj
-# in Q6_K (16-value blocks, no mins) and most others in Q4_K / Q5_K (32 values, with mins).
-LAYERS: tuple[tuple[str, int, bool], ...] = (
-    ("qkv", 32, True), ("o", 32, True), ("gate_up", 32, True), ("down", 16, False))
-# Rows per phase: the largest GEMV decode bucket, a 64-sequence decode step, a prefill chunk.
-CASE_ROWS = {"decode": (8, 64), "prefill": (2048,)}
-
-
-def matmul_shape(model, layer: str) -> tuple[int, int]:
-    """(N, K) of a Qwen2 layer matmul (`model` has check_lowering.ModelShape's attributes)."""
-    h, inter = model.hidden_size, model.intermediate_size
-    return {"qkv": ((model.num_heads + 2 * model.num_kv_heads) * model.head_dim, h),
-            "o": (h, model.num_heads * model.head_dim), "gate_up": (2 * inter, h),
-            "down": (h, inter)}[layer]
-
-
-def case_name(layer: str, rows: int) -> str:
-    return f"dequant_{'gemv' if rows < GEMM_MIN_ROWS else 'gemm'}_{layer}_m{rows}"
-
-
-def lowering_cases(model, dtype, phase: str) -> list[tuple[str, Callable, tuple]]:
-    """Cases for check_lowering: every layer matmul at the phase's row counts."""
-    if phase not in CASE_ROWS:
-        raise ValueError(f"unknown phase {phase!r}")
-    cases = []
-    for layer, group, with_offset in LAYERS:
-        n, k = matmul_shape(model, layer)
-        blocks = jax.ShapeDtypeStruct((n, k // group), jnp.float32)
-        weight = (jax.ShapeDtypeStruct((n, k), jnp.int8), blocks,
-                  *((blocks,) if with_offset else ()))
-        for rows in CASE_ROWS[phase]:
-            def fn(x, *w):
-                return dequant_matmul(x, *w, backend="pallas")
-
-            cases.append((case_name(layer, rows), fn,
-                          (jax.ShapeDtypeStruct((rows, k), dtype), *weight)))
-    return cases

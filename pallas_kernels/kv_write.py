@@ -14,7 +14,6 @@ scatter that reuses the donated buffer, the kernel through ``input_output_aliase
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -109,29 +108,3 @@ def write_kv(kv_cache: jax.Array, layer: int, k: jax.Array, v: jax.Array,
     return _write_kv_pallas(kv_cache, layer, k, v, slot_mapping,
                             interpret=backend == "interpret")
 
-
-def _lowering_cache_shape(model, block_size: int, num_blocks: int) -> tuple[int, ...]:
-    num_layers = getattr(model, "num_layers", None) or getattr(model, "num_hidden_layers", 24)
-    return (num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
-
-
-def lowering_cases(model, dtype, phase: str) -> list[tuple[str, Callable, tuple]]:
-    """Shapes for lowering ``write_kv`` (backend="pallas") to CUDA without a GPU.
-
-    decode: 64 tokens; prefill: 2048 tokens. The cache holds 64 sequences x 4096 tokens in
-    blocks of 16 on every layer, which for the larger models exceeds 4 GiB and so also exercises
-    the 64-bit addressing path of the Triton lowering.
-    """
-    if phase not in ("decode", "prefill"):
-        raise ValueError(f"unknown phase {phase!r}")
-    num_tokens = 64 if phase == "decode" else 2048
-    cache = _lowering_cache_shape(model, 16, 64 * 4096 // 16)
-    layer = cache[0] - 1
-    kv = (num_tokens, model.num_kv_heads, model.head_dim)
-
-    def fn(kv_cache, k, v, slot_mapping):
-        return write_kv(kv_cache, layer, k, v, slot_mapping, backend="pallas")
-
-    args = (jax.ShapeDtypeStruct(cache, dtype), jax.ShapeDtypeStruct(kv, dtype),
-            jax.ShapeDtypeStruct(kv, dtype), jax.ShapeDtypeStruct((num_tokens,), jnp.int32))
-    return [("write_kv", fn, args)]

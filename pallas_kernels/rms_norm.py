@@ -9,7 +9,6 @@ One public function, `rms_norm`, picks the implementation:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -150,21 +149,3 @@ def _rms_norm_jit(x, weight, residual, *, eps: float, backend: str):
         return out.reshape(shape)
     return out[0].reshape(shape), out[1].reshape(shape)
 
-
-# --------------------------------------------------------------------------- lowering cases
-
-
-def lowering_cases(model, dtype, phase: str) -> list[tuple[str, Callable, tuple]]:
-    """Cases for check_lowering: (name, fn, ShapeDtypeStruct args) at the model's shapes."""
-    tokens = 64 if phase == "decode" else 2048
-    x = jax.ShapeDtypeStruct((tokens, model.hidden_size), dtype)
-    w = jax.ShapeDtypeStruct((model.hidden_size,), dtype)
-    eps = 1e-6
-
-    def plain(x, w):
-        return rms_norm(x, w, eps, backend="pallas")
-
-    def fused(x, r, w):
-        return rms_norm(x, w, eps, r, backend="pallas")
-
-    return [("rms_norm", plain, (x, w)), ("rms_norm+residual", fused, (x, x, w))]

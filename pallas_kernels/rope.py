@@ -10,7 +10,6 @@ One public function, `rope`, picks the implementation:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -185,19 +184,3 @@ def _rope_jit(q, k, positions, cos_sin_cache, *, backend: str):
         return rope_reference(q, k, positions, cos_sin_cache)
     return _rope_pallas(q, k, positions, cos_sin_cache, interpret=backend == "interpret")
 
-
-# --------------------------------------------------------------------------- lowering cases
-
-
-def lowering_cases(model, dtype, phase: str) -> list[tuple[str, Callable, tuple]]:
-    """Cases for check_lowering: (name, fn, ShapeDtypeStruct args) at the model's shapes."""
-    tokens = 64 if phase == "decode" else 2048
-    q = jax.ShapeDtypeStruct((tokens, model.num_heads, model.head_dim), dtype)
-    k = jax.ShapeDtypeStruct((tokens, model.num_kv_heads, model.head_dim), dtype)
-    pos = jax.ShapeDtypeStruct((tokens,), jnp.int32)
-    cache = jax.ShapeDtypeStruct((32768, model.head_dim), dtype)
-
-    def fn(q, k, pos, cache):
-        return rope(q, k, pos, cache, backend="pallas")
-
-    return [("rope", fn, (q, k, pos, cache))]

@@ -1,6 +1,6 @@
 """Split-K decode for paged attention (flash-decoding): the Pallas kernels behind
-``paged_attention(..., num_splits=N)`` (paged_attention.py holds the public wrapper, the
-plain-JAX reference these kernels are tested against, and the kernel pieces they share).
+``paged_attention(..., num_splits=N)`` (paged_attention.py holds the public wrapper,
+attention_common.py the kernel pieces both kernels use and ``decode_num_splits``).
 
 Split-K decode (flash-decoding, ``num_splits`` > 1, max_query_len 1). A decode step has only
 S x num_kv_heads programs, too few to fill the GPU when the batch is small; split-K cuts each
@@ -18,7 +18,7 @@ context into ``num_splits`` parts that run in parallel and merges them exactly:
 * Combine kernel, grid ``(S,)``: one program per sequence merges the splits of all its heads
   (rows padded to the next power of two) in a loop over the splits with the online-softmax
   rescaling, and writes the normalised output. An empty split is loaded (masked) as max
-  _MASK_VALUE, sum 0, acc 0, the finite stand-in for (-inf, 0, 0): it contributes exactly
+  MASK_VALUE, sum 0, acc 0, the finite stand-in for (-inf, 0, 0): it contributes exactly
   nothing and no NaN, even for a context of one key over 16 splits.
 * ``num_splits`` is static (a power of two, part of the compiled decode bucket; lengths never
   recompile); ``decode_num_splits`` sizes it from max_model_len and the bucket's programs.
@@ -34,13 +34,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2, whole_block_spec
-from pallas_kernels.paged_attention import (
-    _MASK_VALUE,
-    _kernel_init_state,
-    _key_step,
-    _launch_config,
+from pallas_kernels.attention_common import (
+    MASK_VALUE,
+    kernel_init_state,
+    key_step,
+    launch_config,
 )
+from pallas_kernels.common import next_pow2, whole_block_spec
 
 
 def _decode_partition(seq_len, p, num_splits: int, block_k: int):
@@ -79,10 +79,10 @@ def _decode_split_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, acc
         q = plgpu.load(q_ref.at[tok, head_idx[:, None], d[None, :]], mask=row_ok[:, None],
                        other=0.0)
         q_pos = jnp.full((rows,), seq_len - 1)  # the decode token sees the whole context
-        body = functools.partial(_key_step, bt_ref, k_ref, v_ref, s, q, q_pos, seq_len,
+        body = functools.partial(key_step, bt_ref, k_ref, v_ref, s, q, q_pos, seq_len,
                                  scale=scale, block_k=block_k)
         acc, m_i, l_i = lax.fori_loop(kb_start, kb_end, body,
-                                      _kernel_init_state(rows, head_dim))
+                                      kernel_init_state(rows, head_dim))
         plgpu.store(acc_ref.at[s, p, head_idx[:, None], d[None, :]], acc, mask=row_ok[:, None])
         plgpu.store(m_ref.at[s, p, head_idx], m_i, mask=row_ok)
         plgpu.store(l_ref.at[s, p, head_idx], l_i, mask=row_ok)
@@ -92,8 +92,8 @@ def _decode_combine_kernel(seq_lens_ref, qsl_ref, acc_ref, m_ref, l_ref, o_ref, 
                            heads_pad: int, block_k: int, num_splits: int):
     """Split-K decode, pass 2: program s merges the splits of sequence s for all its query
     heads at once, exactly (the same rescaling as one more online-softmax step per split).
-    Empty splits load as (max _MASK_VALUE, sum 0, acc 0), a finite stand-in for (-inf, 0, 0):
-    exp(_MASK_VALUE - max) is 0, or 1 times zeros, never inf - inf, so no NaN even where every
+    Empty splits load as (max MASK_VALUE, sum 0, acc 0), a finite stand-in for (-inf, 0, 0):
+    exp(MASK_VALUE - max) is 0, or 1 times zeros, never inf - inf, so no NaN even where every
     split is empty."""
     s = pl.program_id(0)
     num_heads, head_dim = o_ref.shape[1], o_ref.shape[2]
@@ -112,7 +112,7 @@ def _decode_combine_kernel(seq_lens_ref, qsl_ref, acc_ref, m_ref, l_ref, o_ref, 
             acc, m_run, l_run = carry
             start, end = _decode_partition(seq_len, p, num_splits, block_k)
             ok = head_ok & (start < end)
-            m_p = plgpu.load(m_ref.at[s, p, head_idx], mask=ok, other=_MASK_VALUE)
+            m_p = plgpu.load(m_ref.at[s, p, head_idx], mask=ok, other=MASK_VALUE)
             l_p = plgpu.load(l_ref.at[s, p, head_idx], mask=ok, other=0.0)
             acc_p = plgpu.load(acc_ref.at[s, p, head_idx[:, None], d[None, :]],
                                mask=ok[:, None], other=0.0)
@@ -122,15 +122,17 @@ def _decode_combine_kernel(seq_lens_ref, qsl_ref, acc_ref, m_ref, l_ref, o_ref, 
             return acc * a[:, None] + acc_p * b[:, None], m_new, l_run * a + l_p * b
 
         acc, _, l_i = lax.fori_loop(0, num_splits, merge,
-                                    _kernel_init_state(heads_pad, head_dim))
+                                    kernel_init_state(heads_pad, head_dim))
         out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
         plgpu.store(o_ref.at[tok, head_idx[:, None], d[None, :]], out.astype(o_ref.dtype),
                     mask=head_ok[:, None])
 
 
-def _paged_attention_decode_split_pallas(q, kv_cache, layer, block_tables, seq_lens,
-                                         query_start_loc, *, scale, num_splits, interpret):
-    """Split-K (flash-decoding) version of ``_paged_attention_pallas`` for max_query_len 1:
+def paged_attention_split_k(q: jax.Array, kv_cache: jax.Array, layer: int,
+                            block_tables: jax.Array, seq_lens: jax.Array,
+                            query_start_loc: jax.Array, *, scale: float, num_splits: int,
+                            interpret: bool) -> jax.Array:
+    """Split-K (flash-decoding) paged attention for max_query_len 1 (backend "pallas"):
     grid (S, num_splits, KVH) writing float32 scratch (acc [S, splits, H, D], max and sum
     [S, splits, H]), then a combine kernel over grid (S,)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -138,7 +140,7 @@ def _paged_attention_decode_split_pallas(q, kv_cache, layer, block_tables, seq_l
     num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
-    block_q, block_k, num_warps, num_stages = _launch_config(group_pad, 1, head_dim, q.dtype)
+    block_q, block_k, num_warps, num_stages = launch_config(group_pad, 1, head_dim, q.dtype)
     rows = block_q * group_pad  # >= 16, Triton's smallest dot tile
 
     def cache_spec(which):
@@ -181,23 +183,3 @@ def _paged_attention_decode_split_pallas(q, kv_cache, layer, block_tables, seq_l
     valid = jnp.arange(num_tokens) < qsl[-1]
     return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
 
-
-def decode_num_splits(max_model_len: int, num_seqs: int, num_kv_heads: int, *,
-                      num_sms: int = 132, min_split_len: int = 256,
-                      max_splits: int = 16) -> int:
-    """Split-K factor for a decode bucket of ``num_seqs`` sequences (static per bucket).
-
-    The smallest power of two such that num_seqs x num_kv_heads x splits programs fill the
-    ``num_sms`` SMs (132: H100 SXM) once, capped so that a context of ``max_model_len`` keys
-    still gives each split at least ``min_split_len`` keys (shorter splits cost more in scratch
-    traffic and combine than they gain), and at ``max_splits``. 1 (today's kernel) when the
-    bucket alone has >= num_sms programs. Contexts shorter than max_model_len spread over the
-    same splits with fewer keys each (``_decode_partition``); splits past a very short context
-    exit at once.
-    """
-    programs = max(1, num_seqs * num_kv_heads)
-    splits = 1
-    while (splits < max_splits and programs * splits < num_sms
-           and 2 * splits * min_split_len <= max_model_len):
-        splits *= 2
-    return splits

@@ -52,7 +52,6 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
     import jax
     import jax.numpy as jnp
 
-    import pallas_kernels
     from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, dequantize
     from jaxllm.model_executor.models.qwen2 import (
         AttentionMetadata,
@@ -61,6 +60,7 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
         kv_cache_shape,
         rope_variables,
     )
+    from pallas_kernels.rms_norm import rms_norm
 
     engine = llm.llm_engine
     cfg, params = engine.model_config, engine.engine_core_client.engine_core.runner.params
@@ -95,8 +95,7 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
         for i in range(cfg.num_hidden_layers):
             h, residual, kv[i] = run_layer(params[f"layers_{i}"], h, residual,
                                            jnp.asarray(pos), kv[i], md)
-        h, _ = pallas_kernels.rms_norm(h, params["norm"]["weight"], cfg.rms_norm_eps, residual,
-                                       backend=backend)
+        h, _ = rms_norm(h, params["norm"]["weight"], cfg.rms_norm_eps, residual, backend=backend)
         next_token = int(np.argmax(np.asarray(compute_logits(params, cfg, h[-1:]))[0]))
         new.append(next_token)
         tokens.append(next_token)

@@ -1,6 +1,6 @@
 """Every kernel compiles to sm_90a machine code that fits an H100 SM without spilling registers, or
-is on the known-failures list (pip triton, no GPU; see pallas_kernels/check_compile.py and
-triton_compile.py)."""
+is on the known-failures list (pip triton, no GPU; see pallas_kernels/checks/check_compile.py
+and triton_compile.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 # The test extra in pyproject.toml installs triton: without it this module errors, never skips.
 import triton  # noqa: F401
 
-from pallas_kernels import check_compile as cc
-from pallas_kernels import triton_compile as tc
-from pallas_kernels.check_lowering import MODEL_SHAPES, iter_cases
+from pallas_kernels.checks import check_compile as cc
+from pallas_kernels.checks import triton_compile as tc
+from pallas_kernels.checks.check_lowering import MODEL_SHAPES, iter_cases
 
 H100 = tc.ARCHES["sm_90a"]
 A100 = tc.ARCHES["sm_80"]

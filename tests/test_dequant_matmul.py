@@ -5,7 +5,7 @@ counts, 16- and 32-value blocks with and without offsets, float32 and bfloat16 a
 The reference itself is checked against numpy's float64 product of gguf_repack's exact
 dequantization, so the kernel is tied to GGUF's values, not only to another JAX expression.
 CUDA lowering and sm_90a compilation of the kernel at Qwen2.5 shapes are in test_lowering.py and
-test_compile.py (it is in check_lowering.KERNEL_MODULES)."""
+test_compile.py (it is in checks.check_lowering.KERNEL_MODULES)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from jaxllm.model_executor.model_loader import gguf_repack
+from pallas_kernels.checks.lowering_cases import matmul_shape
+from pallas_kernels.checks.shapes import QWEN2_SHAPES
 from pallas_kernels.dequant_matmul import (
     GEMM_MIN_ROWS,
     dequant_matmul,
@@ -77,7 +79,8 @@ def test_kernel_matches_reference(backend, dtype, m, n, k, group, with_offset, r
 def test_at_a_qwen_shape(m, rng):
     """Qwen2.5-0.5B's fused q/k/v shape (N 1152, K 896, Q4_K-like blocks), bfloat16: the GEMV's
     narrow columns and the GEMM's SM-filling narrowing at real sizes."""
-    n, k, group = 1152, 896, 32
+    (n, k), group = matmul_shape(QWEN2_SHAPES["qwen2.5-0.5b"], "qkv"), 32
+    assert (n, k) == (1152, 896)
     q, scale, offset = _weights(rng, n, k, group, True)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     args = (x, jnp.asarray(q), jnp.asarray(scale), jnp.asarray(offset))

@@ -326,10 +326,9 @@ def test_split_k_decode_per_bucket_in_the_runner_table():
     reference backend (CPU) never splits; prefill buckets never do."""
     from jaxllm.model_executor.config import ModelConfig
     from jaxllm.worker.model_runner import ModelRunner
+    from pallas_kernels.checks.shapes import QWEN2_SHAPES
 
-    cfg = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                      num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                      head_dim=64, max_position_embeddings=32768)
+    cfg = ModelConfig.from_hf_config(QWEN2_SHAPES["qwen2.5-0.5b"].hf_config())
     kw = dict(dtype=jax.numpy.bfloat16, block_size=16, max_model_len=4096, max_num_seqs=64,
               max_num_batched_tokens=512)
     table = ModelRunner(cfg, {}, kernel_backend="pallas", **kw).bucket_table()

@@ -108,7 +108,7 @@ def test_model_lowers_for_cuda_with_the_kernel_on_every_quantized_weight(tiny_gg
     """With kernel_backend="pallas" a whole bfloat16 forward pass lowers for CUDA (no GPU
     needed), every quantized matmul through the dequant kernel: one row takes the GEMV, 20 rows
     the GEMM."""
-    from pallas_kernels.triton_compile import triton_kernels
+    from pallas_kernels.checks.triton_compile import triton_kernels
 
     path, _ = tiny_gguf
     loaded = load_model(path, dtype=jnp.bfloat16, progress=False, quantization="gguf",

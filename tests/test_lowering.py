@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_kernels.check_lowering import KERNEL_MODULES, format_table, run_checks
+from pallas_kernels.checks.check_lowering import KERNEL_MODULES, format_table, run_checks
 
 
 @pytest.mark.parametrize("module", KERNEL_MODULES)

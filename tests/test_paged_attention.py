@@ -10,7 +10,6 @@ its cost must not depend on that padding, and neither may its answer.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import jax
@@ -20,13 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels import reference_attention
+from pallas_kernels.attention_common import decode_num_splits, launch_config
 from pallas_kernels.common import next_pow2
 from pallas_kernels.paged_attention import paged_attention
-from pallas_kernels.split_k_decode import decode_num_splits
 from tests.kernel_backends import KERNEL_BACKENDS
-
-# The package re-exports the function under the module's name, so fetch the module itself.
-pa_module = importlib.import_module("pallas_kernels.paged_attention")
 
 HEAD_CONFIGS = [(14, 2), (12, 2), (28, 4), (4, 4), (8, 2)]  # Qwen2 ratios 7, 6, 7; then 1 and 4
 
@@ -317,8 +314,7 @@ def test_split_k_decode(backend, dtype, num_splits, num_heads, num_kv_heads, hea
     # One batched decode step (max_query_len 1) over the edge lengths, plus a padding sequence
     # and padding token rows: split-K against the unsplit reference, float32 also against the
     # numpy model. Tolerances as in the tests above (bf16: a few ulps).
-    block_k = pa_module._launch_config(next_pow2(num_heads // num_kv_heads), 1, head_dim,
-                                       dtype)[1]
+    block_k = launch_config(next_pow2(num_heads // num_kv_heads), 1, head_dim, dtype)[1]
     lengths = split_decode_lengths(num_splits, block_k)
     seqs = [(n - 1, 1) for n in lengths]
     seqs.insert(3, (0, 0))  # a padding sequence among real ones
@@ -385,9 +381,9 @@ def test_reference_small_tiles(monkeypatch):
     # many iterations and tiles end mid-sequence; same answer as the naive model.
     case = make_case([(30, 40), (5, 1), (0, 26), (17, 1), (50, 2), (0, 3), (33, 4)],
                      pad_tokens=3, pad_seqs=1, seed=5)
-    monkeypatch.setattr(pa_module, "_REF_KEY_TILE", 16)
-    monkeypatch.setattr(pa_module, "_REF_TOKEN_GROUP", 2)
-    monkeypatch.setattr(pa_module, "_REF_QUERY_TILE", 3)
+    monkeypatch.setattr(reference_attention, "_REF_KEY_TILE", 16)
+    monkeypatch.setattr(reference_attention, "_REF_TOKEN_GROUP", 2)
+    monkeypatch.setattr(reference_attention, "_REF_QUERY_TILE", 3)
     fn = jax.jit(lambda *a: paged_attention(*a[:2], case.layer, *a[3:], scale=case.scale,
                                             max_query_len=case.max_query_len))
     out = np.asarray(fn(*case.args()))

@@ -9,9 +9,10 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import check_compile as cc
-from pallas_kernels import perf_model as pm
-from pallas_kernels.check_lowering import MODEL_SHAPES, iter_cases
+from pallas_kernels.checks import check_compile as cc
+from pallas_kernels.checks import perf_model as pm
+from pallas_kernels.checks.check_lowering import MODEL_SHAPES, iter_cases
+from pallas_kernels.checks.shapes import QWEN2_SHAPES
 
 
 def test_elementwise_kernel_bytes_and_flops() -> None:
@@ -69,15 +70,17 @@ def test_roofline_and_sm_share() -> None:
 
 
 def test_qwen2_parameter_counts() -> None:
-    # The published counts (tied embeddings for 0.5B, a separate LM head for 7B).
-    assert pm.QWEN2_CONFIGS["qwen2.5-0.5b"].params() == 494_032_768
-    assert pm.QWEN2_CONFIGS["qwen2.5-7b"].params() == 7_615_616_512
+    # The published counts (tied embeddings for 0.5B and 1.5B, a separate LM head for 7B, 72B).
+    assert QWEN2_SHAPES["qwen2.5-0.5b"].params() == 494_032_768
+    assert QWEN2_SHAPES["qwen2.5-7b"].params() == 7_615_616_512
+    assert QWEN2_SHAPES["qwen2.5-1.5b"].params() == 1_543_714_304
+    assert QWEN2_SHAPES["qwen2-72b"].params() == 72_706_203_648
     # A decode step reads the tied table once (as the LM head): every parameter, 2 bytes.
-    assert pm.QWEN2_CONFIGS["qwen2.5-0.5b"].weight_bytes_per_step() == 2 * 494_032_768
+    assert QWEN2_SHAPES["qwen2.5-0.5b"].weight_bytes_per_step() == 2 * 494_032_768
 
 
 def test_split_count_rule() -> None:
-    # The kernel's rule (split_k_decode.decode_num_splits): powers of two up to 16.
+    # The kernel's rule (attention_common.decode_num_splits): powers of two up to 16.
     assert pm.split_count(1, 2, 8192) == 16  # 32 programs, capped at 16 splits
     assert pm.split_count(1, 4, 8192) == 16
     assert pm.split_count(1, 2, 1024) == 4  # 256 keys per partition at least
@@ -88,7 +91,7 @@ def test_split_count_rule() -> None:
 
 def test_split_k_never_costs_more() -> None:
     for (name, cfg), batch, context, floor in itertools.product(
-            pm.QWEN2_CONFIGS.items(), (1, 2, 3, 8, 16, 33, 64, 128), (16, 100, 1024, 8192, 65536),
+            QWEN2_SHAPES.items(), (1, 2, 3, 8, 16, 33, 64, 128), (16, 100, 1024, 8192, 65536),
             (0.0, pm.FLOOR_US)):
         args = (batch, context, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, "bfloat16")
         plain, one = pm.decode_attention_time(*args, split=False, floor_us=floor)
@@ -100,7 +103,7 @@ def test_split_k_never_costs_more() -> None:
     # Scale: at batch 1 and a 64k context the unsplit kernel runs 2 of 132 SMs, so split-K
     # gains more than ten times on attention even at the kernel's 16 splits (flash-decoding
     # on an A100: 2300 -> 64 us).
-    cfg = pm.QWEN2_CONFIGS["qwen2.5-0.5b"]
+    cfg = QWEN2_SHAPES["qwen2.5-0.5b"]
     args = (1, 65536, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, "bfloat16")
     plain, _ = pm.decode_attention_time(*args, split=False)
     split, parts = pm.decode_attention_time(*args, split=True)

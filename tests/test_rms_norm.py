@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import rms_norm
-from pallas_kernels.rms_norm import rms_norm_reference
+from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 from tests.kernel_backends import KERNEL_BACKENDS
 
 EPS = 1e-6

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import rope, rope_cos_sin_cache
+from pallas_kernels.rope import rope, rope_cos_sin_cache
 from tests.kernel_backends import KERNEL_BACKENDS
 
 MAX_POS = 32768

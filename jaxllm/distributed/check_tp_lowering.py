@@ -4,7 +4,7 @@
 with the Pallas kernels, params and KV array as sharded abstract values, and lowers it with
 `lowering_platforms=("cuda",)`. The all-reduces are explicit `psum`s under `shard_map`, so they
 are in the lowered module (XLA adds none at compile time): `collectives` counts them and the
-bytes each moves, which docs/perf/tensor-parallel.md prices.
+bytes each moves, which BENCHMARKS.md prices.
 
     python -m jaxllm.distributed.check_tp_lowering    # the table for the models below
 """
@@ -35,25 +35,14 @@ from jaxllm.model_executor.models.qwen2 import (
 )
 from jaxllm.sample.topk import TOPK
 from jaxllm.worker.step import forward_step
-from pallas_kernels.split_k_decode import decode_num_splits
+from pallas_kernels.attention_common import decode_num_splits
+from pallas_kernels.checks.shapes import QWEN2_SHAPES
 
-
-def _qwen2(vocab, hidden, inter, layers, nh, nkv, tied=False) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                       num_hidden_layers=layers, num_attention_heads=nh, num_key_value_heads=nkv,
-                       head_dim=hidden // nh, rope_theta=1e6, tie_word_embeddings=tied)
-
-
-# Real widths (Hugging Face config.json), 2 layers to keep the check short.
-MODELS = {
-    "Qwen2.5-0.5B": _qwen2(151936, 896, 4864, 2, 14, 2, tied=True),
-    "Qwen2.5-1.5B": _qwen2(151936, 1536, 8960, 2, 12, 2, tied=True),
-    "Qwen2.5-7B": _qwen2(152064, 3584, 18944, 2, 28, 4),
-    "Qwen2-72B": _qwen2(152064, 8192, 29568, 2, 64, 8),
-}
-# (model, TP sizes) lowered: KV heads split over the devices (1.5B at 2, 7B at 2 and 4, 72B at 8)
-# and replicated (1.5B's 2 KV heads at 4).
-CASES = [("Qwen2.5-1.5B", (2, 4)), ("Qwen2.5-7B", (2, 4)), ("Qwen2-72B", (8,))]
+# Real widths, 2 layers to keep the check short.
+MODELS = {name: ModelConfig.from_hf_config(shape.hf_config(num_hidden_layers=2, rope_theta=1e6))
+          for name, shape in QWEN2_SHAPES.items()}
+# (model, TP sizes) checked: KV heads split evenly, and replicated (qwen2.5-1.5b's 2 at TP 4).
+CASES = [("qwen2.5-1.5b", (2, 4)), ("qwen2.5-7b", (2, 4)), ("qwen2-72b", (8,))]
 
 _ALL_REDUCE = re.compile(r'"?stablehlo\.all_reduce"?')
 _ALL_GATHER = re.compile(r'"?stablehlo\.all_gather"?')

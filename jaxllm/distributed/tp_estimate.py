@@ -2,7 +2,7 @@
 
     t_step(N) = (W / N + KV / N) / HBM  +  A * (alpha + 2 (N - 1) / N * B / LINK)
 
-W: weight bytes read per step (every layer's matrices and the LM head; the embedding only for
+W: weight bytes read per step (every layer's weights and the LM head; the embedding only for
 the batch's rows), KV: the batch's K/V bytes read by attention (kv heads split over N, or
 replicated when N exceeds them: each device then reads one head), A = 2 L + 1 all-reduces per
 step (o_proj and down_proj per layer, the embedding; counted in the lowered module,
@@ -16,47 +16,26 @@ and kernel launch floors are left out (docs/perf/gpu-kernel-model.md's single-GP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pallas_kernels.checks.shapes import QWEN2_SHAPES, Qwen2Shape
 
 HBM = 3.35e12  # B/s, H100 SXM
 LINK = 450e9  # B/s per direction, NVLink 4
 ALPHAS = (5e-6, 10e-6)  # s per all-reduce
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    vocab: int
-    hidden: int
-    inter: int
-    layers: int
-    heads: int
-    kv_heads: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def weight_bytes(self) -> int:
-        hd = self.head_dim
-        attn = self.hidden * (self.heads + 2 * self.kv_heads) * hd + self.heads * hd * self.hidden
-        mlp = 3 * self.hidden * self.inter
-        return 2 * (self.layers * (attn + mlp) + self.vocab * self.hidden)
-
-    def kv_bytes(self, batch: int, context: int, tp: int) -> int:
-        heads_per_device = max(self.kv_heads // tp, 1)
-        return 2 * 2 * self.layers * heads_per_device * tp * self.head_dim * batch * context
+def kv_bytes(m: Qwen2Shape, batch: int, context: int, tp: int) -> int:
+    """bf16 K/V of the batch over all devices (a replicated KV head counted on each device)."""
+    heads_per_device = max(m.num_kv_heads // tp, 1)
+    return 2 * 2 * m.num_layers * heads_per_device * tp * m.head_dim * batch * context
 
 
-MODELS = [Shape("Qwen2-7B", 152064, 3584, 18944, 28, 28, 4),
-          Shape("Qwen2-72B", 152064, 8192, 29568, 80, 64, 8)]
-CASES = [("Qwen2-7B", (1, 2, 4)), ("Qwen2-72B", (8,))]
+CASES = [("qwen2.5-7b", (1, 2, 4)), ("qwen2-72b", (8,))]
 
 
-def estimate(m: Shape, tp: int, batch: int, context: int, alpha: float) -> dict[str, float]:
-    memory = (m.weight_bytes() + m.kv_bytes(batch, context, tp)) / tp / HBM
-    reduces = 2 * m.layers + 1 if tp > 1 else 0
-    per_reduce = batch * m.hidden * 2
+def estimate(m: Qwen2Shape, tp: int, batch: int, context: int, alpha: float) -> dict[str, float]:
+    memory = (m.weight_bytes_per_step(2) + kv_bytes(m, batch, context, tp)) / tp / HBM
+    reduces = 2 * m.num_layers + 1 if tp > 1 else 0
+    per_reduce = batch * m.hidden_size * 2
     link = reduces * 2 * (tp - 1) / tp * per_reduce / LINK
     latency = reduces * alpha
     return {"memory": memory, "link": link, "latency": latency,
@@ -66,13 +45,12 @@ def estimate(m: Shape, tp: int, batch: int, context: int, alpha: float) -> dict[
 
 
 def main() -> None:
-    by_name = {m.name: m for m in MODELS}
     print("| model | TP | batch | context | weights+KV per GPU / HBM us | all-reduces | "
           "bytes all-reduced per layer / step | NVLink us | latency us (5 / 10 us each) | "
           "step us (alpha 5 / 10) | tok/s (alpha 5 / 10) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, sizes in CASES:
-        m = by_name[name]
+        m = QWEN2_SHAPES[name]
         for tp in sizes:
             for batch in (1, 64):
                 lo, hi = (estimate(m, tp, batch, 1024, a) for a in ALPHAS)

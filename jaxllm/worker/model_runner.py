@@ -83,7 +83,7 @@ from jaxllm.worker.outputs import (  # re-exported: the engine core imports them
     _take_rows,
 )
 from jaxllm.worker.step import forward_step, prompt_stats
-from pallas_kernels.split_k_decode import decode_num_splits
+from pallas_kernels.attention_common import decode_num_splits
 from scheduler import SchedulerOutput
 
 # Prompt-logprob rows go through the LM head in chunks of this many rows, top-N up to the

@@ -18,10 +18,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
 from jaxllm.distributed.tensor_parallel import all_reduce, vocab_parallel_embed
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, dequantize, gguf_linear
+from pallas_kernels.dequant_matmul import dequant_matmul
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.rms_norm import rms_norm
+from pallas_kernels.rope import rope, rope_cos_sin_cache
 
 
 class AttentionMetadata(NamedTuple):
@@ -50,7 +54,7 @@ def linear(x: jax.Array, weight: jax.Array | GGUFWeight, backend: str = "referen
     decode is bound by."""
     if isinstance(weight, GGUFWeight):
         if backend != "reference":
-            return pallas_kernels.dequant_matmul(x, weight.qweight, weight.scale, weight.offset,
+            return dequant_matmul(x, weight.qweight, weight.scale, weight.offset,
                                                  backend=backend)
         return gguf_linear(x, weight)
     dims = (((x.ndim - 1,), (1,)), ((), ()))
@@ -121,10 +125,10 @@ class Qwen2Attention(nn.Module):
         q = q.reshape(-1, nh, hd)
         k = k.reshape(-1, nkv, hd)
         v = v.reshape(-1, nkv, hd)
-        q, k = pallas_kernels.rope(q, k, positions, cos_sin_cache, backend=self.backend)
-        kv_cache = pallas_kernels.write_kv(kv_cache, self.layer_idx, k, v, md.slot_mapping,
+        q, k = rope(q, k, positions, cos_sin_cache, backend=self.backend)
+        kv_cache = write_kv(kv_cache, self.layer_idx, k, v, md.slot_mapping,
                                            backend=self.backend)
-        out = pallas_kernels.paged_attention(
+        out = paged_attention(
             q, kv_cache, self.layer_idx, md.block_tables, md.seq_lens, md.query_start_loc,
             scale=hd ** -0.5, max_query_len=max_query_len, backend=self.backend,
             num_splits=num_splits)
@@ -156,7 +160,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x, residual=None):
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        return pallas_kernels.rms_norm(x, weight, self.eps, residual, backend=self.backend)
+        return rms_norm(x, weight, self.eps, residual, backend=self.backend)
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -202,13 +206,13 @@ class Qwen2ForCausalLM(nn.Module):
     def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata,
                  max_query_len: int | None = None, num_splits: int = 1):
         """num_splits > 1: split-K decode attention (needs max_query_len 1, see
-        pallas_kernels.paged_attention)."""
+        paged_attention)."""
         cfg = self.config
         embed = _weight_param(self, "embed_tokens", (cfg.vocab_size, cfg.hidden_size),
                               self.dtype, nn.initializers.normal(0.02))
         # RoPE tables live in their own collection: computed once at load, passed with params.
         cos_sin_cache = self.variable(
-            "rope", "cos_sin_cache", pallas_kernels.rope_cos_sin_cache, cfg.head_dim,
+            "rope", "cos_sin_cache", rope_cos_sin_cache, cfg.head_dim,
             cfg.max_position_embeddings, cfg.rope_theta, jnp.float32).value
         act = self.activation_dtype or self.dtype
         if isinstance(embed, GGUFWeight):  # only the step's rows are dequantized
@@ -261,5 +265,5 @@ def abstract_params(model: Qwen2ForCausalLM) -> dict:
 
 
 def rope_variables(config: ModelConfig) -> dict:
-    return {"cos_sin_cache": pallas_kernels.rope_cos_sin_cache(
+    return {"cos_sin_cache": rope_cos_sin_cache(
         config.head_dim, config.max_position_embeddings, config.rope_theta, jnp.float32)}

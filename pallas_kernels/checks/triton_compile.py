@@ -21,7 +21,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir._mlir_libs import _jax_mlir_ext
 from jaxlib.triton import dialect as tt_dialect
 
-from pallas_kernels.check_lowering import _TRITON_CALL, _first_line
+from pallas_kernels.checks.check_lowering import TRITON_CALL, first_line
 
 # --------------------------------------------------------------------------- occupancy
 
@@ -148,11 +148,11 @@ def triton_kernels(fn, args: Sequence) -> list[TritonKernel]:
     kernels = []
     for call in _custom_calls(module.operation):
         attrs = call.attributes
-        if ir.StringAttr(attrs["call_target_name"]).value != _TRITON_CALL:
+        if ir.StringAttr(attrs["call_target_name"]).value != TRITON_CALL:
             continue
         config = attrs["mhlo.backend_config"] if "mhlo.backend_config" in attrs else None
         if not isinstance(config, ir.DictAttr):
-            raise ValueError(f"{_TRITON_CALL} without a dictionary backend_config")
+            raise ValueError(f"{TRITON_CALL} without a dictionary backend_config")
         ctx = _triton_context()
         with ctx:
             triton_module = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes, context=ctx)
@@ -222,7 +222,7 @@ def compile_kernel(ttir: str, capability: int, num_warps: int, num_stages: int) 
     try:
         return _compile_kernel(ttir, capability, num_warps, num_stages, start)
     except Exception as exc:
-        return CompileStats(seconds=time.perf_counter() - start, error=_first_line(exc))
+        return CompileStats(seconds=time.perf_counter() - start, error=first_line(exc))
 
 
 def _compile_kernel(ttir: str, capability: int, num_warps: int, num_stages: int,

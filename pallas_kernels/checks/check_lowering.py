@@ -6,16 +6,13 @@ Triton's own compiler (TTIR -> PTX happens when XLA compiles on a GPU), so this 
 unsupported primitives, non-power-of-two tiles and shape errors, not register or shared-memory
 overflows.
 
-Each module in KERNEL_MODULES defines
-    lowering_cases(model, dtype, phase) -> list[(kernel_name, fn, args)]
-using only the attributes of `ModelShape` (duck typing, so kernel modules need not import this
-file). Run: python -m pallas_kernels.check_lowering
+The cases of each kernel module in KERNEL_MODULES are built by lowering_cases.py at the
+shapes of MODEL_SHAPES (from shapes.py). Run: python -m pallas_kernels.checks.check_lowering
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,31 +20,19 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.checks.lowering_cases import LOWERING_CASES
+from pallas_kernels.checks.shapes import QWEN2_SHAPES, Qwen2Shape
 
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-
-
-MODEL_SHAPES: tuple[ModelShape, ...] = (
-    ModelShape("qwen2.5-0.5b", 896, 14, 2, 64, 4864),
-    ModelShape("qwen2.5-1.5b", 1536, 12, 2, 128, 8960),
-    ModelShape("qwen2.5-7b", 3584, 28, 4, 128, 18944),
-)
+MODEL_SHAPES: tuple[Qwen2Shape, ...] = tuple(
+    QWEN2_SHAPES[name] for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"))
 DTYPES: tuple = (jnp.bfloat16, jnp.float32)
 # decode: 64 sequences of one token each (context up to 4096);
-# prefill: 2048 tokens over 4 sequences. Each kernel module builds its own args from these.
+# prefill: 2048 tokens over 4 sequences. lowering_cases.py builds each kernel's args from these.
 PHASES: tuple[str, ...] = ("decode", "prefill")
-KERNEL_MODULES: tuple[str, ...] = ("rms_norm", "rope", "paged_attention", "kv_write",
-                                  "dequant_matmul")
+KERNEL_MODULES: tuple[str, ...] = tuple(LOWERING_CASES)
 
 # A Pallas Triton kernel appears in the lowered StableHLO as this custom call.
-_TRITON_CALL = "__gpu$xla.gpu.triton"
+TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 @dataclass(frozen=True)
@@ -61,7 +46,7 @@ class Result:
     error: str = ""
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     line = text.splitlines()[0] if text else ""
     return f"{type(exc).__name__}: {line}"[:200]
@@ -88,19 +73,17 @@ class Case:
 
 def iter_cases(
     modules: Sequence[str] = KERNEL_MODULES,
-    models: Sequence[ModelShape] = MODEL_SHAPES,
+    models: Sequence[Qwen2Shape] = MODEL_SHAPES,
     dtypes: Sequence = DTYPES,
     phases: Sequence[str] = PHASES,
 ) -> Iterator[Case]:
     """Every case of every module (check_compile walks the same list); failures are yielded."""
     for mod_name in modules:
-        try:
-            # importlib, not attribute access: the package re-exports functions under the same
-            # names as some modules (pallas_kernels.rms_norm is the function after __init__).
-            mod = importlib.import_module(f"pallas_kernels.{mod_name}")
-            cases_fn = mod.lowering_cases
-        except (ImportError, AttributeError) as exc:
-            yield Case(mod_name, mod_name, "*", "*", "*", error=f"missing: {_first_line(exc)}")
+        cases_fn = LOWERING_CASES.get(mod_name)
+        if cases_fn is None:
+            yield Case(mod_name, mod_name, "*", "*", "*",
+                       error=f"missing: no lowering cases for kernel module {mod_name!r}; "
+                             f"expected one of {KERNEL_MODULES}")
             continue
         for model in models:
             for dtype in dtypes:
@@ -110,7 +93,7 @@ def iter_cases(
                         cases = cases_fn(model, dtype, phase)
                     except Exception as exc:  # a broken case builder is a failure, not a crash
                         yield Case(mod_name, mod_name, model.name, dname, phase,
-                                   error=_first_line(exc))
+                                   error=first_line(exc))
                         continue
                     for kernel, fn, args in cases:
                         yield Case(mod_name, kernel, model.name, dname, phase, fn, tuple(args))
@@ -118,7 +101,7 @@ def iter_cases(
 
 def run_checks(
     modules: Sequence[str] = KERNEL_MODULES,
-    models: Sequence[ModelShape] = MODEL_SHAPES,
+    models: Sequence[Qwen2Shape] = MODEL_SHAPES,
     dtypes: Sequence = DTYPES,
     phases: Sequence[str] = PHASES,
 ) -> list[Result]:
@@ -129,10 +112,10 @@ def run_checks(
         if case.fn is not None:
             try:
                 text = lower_for_cuda(case.fn, case.args)
-                ok = _TRITON_CALL in text
+                ok = TRITON_CALL in text
                 err = "" if ok else "no Triton custom call in the lowered module"
             except Exception as exc:
-                ok, err = False, _first_line(exc)
+                ok, err = False, first_line(exc)
         results.append(Result(case.module, case.kernel, case.model, case.dtype, case.phase, ok,
                               err))
     return results

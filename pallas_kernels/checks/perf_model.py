@@ -24,7 +24,7 @@ efficiency:
 Peaks (H100 SXM): HBM3 3.35 TB/s; 989 TFLOP/s dense bfloat16 on the tensor cores (used for the
 bfloat16 dots of paged attention and the weight matmuls); 67 TFLOP/s FP32 on the CUDA cores,
 used for float32 attention (its dots are IEEE float32 on the FMA units, not TF32, see
-paged_attention._launch_config) and for every element-wise kernel (rms_norm, rope compute in
+attention_common.launch_config) and for every element-wise kernel (rms_norm, rope compute in
 float32 whatever the storage type).
 
 Decode step (Qwen2, bfloat16): per layer rms_norm (+residual) x 2, the q/k/v, o, gate/up and
@@ -36,13 +36,13 @@ step. Attention reads the K/V of each sequence's context once per (sequence, KV 
 * after split-K (flash-decoding): each (sequence, KV head) is cut into `split_count`
   partitions of the context, whose partial outputs (head_dim floats + max + sum per query head,
   float32) are written and then combined by a second kernel (its own floor). The rule is the
-  kernel's (`split_k_decode.decode_num_splits`, as the runner applies it per decode bucket): the
+  kernel's (`attention_common.decode_num_splits`, as the runner applies it per decode bucket): the
   smallest power of two giving >= 132 programs, at most 16, no partition under 256 keys of the
   context; and no split at all when the model says it would not be faster, so the split
   estimate never exceeds the unsplit one.
 
-Run: python -m pallas_kernels.perf_model (the decode-step table; check_compile --model-time adds
-the per-kernel table with the compiled grids and occupancy).
+Run: python -m pallas_kernels.checks.perf_model (the decode-step table; check_compile
+--model-time adds the per-kernel table with the compiled grids and occupancy).
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pallas_kernels.attention_common import decode_num_splits
+from pallas_kernels.checks.lowering_cases import DEQUANT_LAYERS, matmul_shape
+from pallas_kernels.checks.shapes import QWEN2_SHAPES, Qwen2Shape
 
 HBM_BYTES_PER_S = 3.35e12
 BF16_TENSOR_FLOPS = 989e12
@@ -203,10 +207,8 @@ def silu_mul_cost(tokens: int, intermediate: int, dtype: str) -> Cost:
 
 def split_count(seqs: int, num_kv_heads: int, context: int, sms: int = NUM_SMS) -> int:
     """Partitions per (sequence, KV head): the kernel's own rule
-    (`split_k_decode.decode_num_splits`, which the runner applies per decode bucket), with the
+    (`attention_common.decode_num_splits`, which the runner applies per decode bucket), with the
     context in the place of max_model_len."""
-    from pallas_kernels.split_k_decode import decode_num_splits
-
     return decode_num_splits(context, seqs, num_kv_heads, num_sms=sms)
 
 
@@ -231,14 +233,14 @@ def decode_attention_time(seqs: int, context: int, num_heads: int, num_kv_heads:
 
 # --------------------------------------------------------------------------- check_compile's cases
 
-# The shapes of check_lowering's cases (see each module's lowering_cases): decode is 64 sequences
+# The shapes of check_lowering's cases (see lowering_cases.py): decode is 64 sequences
 # of one token, whose context is taken at the cases' maximum (4096 keys, 256 blocks of 16);
 # prefill is 2048 tokens, 4 sequences of 512 with no cached context.
 CASE_TOKENS = {"decode": 64, "prefill": 2048}
 CASE_SEQS = {"decode": 64, "prefill": 4}
 CASE_DECODE_CONTEXT = 4096
 # paged_attention's split-K decode cases: a few sequences (the shape split-K is for), as many
-# splits as split_k_decode.decode_num_splits gives them at that context.
+# splits as attention_common.decode_num_splits gives them at that context.
 SPLIT_K_CASE_SEQS = 8
 
 
@@ -254,7 +256,7 @@ class CaseModel:
 
 
 def case_cost(kernel: str, model, dtype: str, phase: str, grid: Sequence[int]) -> Cost:
-    """Bytes, FLOPs and working programs of one check_lowering case (`model` a ModelShape).
+    """Bytes, FLOPs and working programs of one check_lowering case (`model` a Qwen2Shape).
     Paged attention's prefill grid covers every sequence with max_query_len query rows; the
     programs past a sequence's 512 tokens exit at once and are not counted as working."""
     tokens = CASE_TOKENS[phase]
@@ -267,14 +269,10 @@ def case_cost(kernel: str, model, dtype: str, phase: str, grid: Sequence[int]) -
     elif base == "write_kv":
         cost = write_kv_cost(tokens, model.num_kv_heads, model.head_dim, dtype)
     elif base.startswith("dequant_"):
-        from pallas_kernels.dequant_matmul import LAYERS, matmul_shape
-
         layer, rows = base.split("_", 2)[2].rsplit("_m", 1)
-        group, offsets = {name: (g, o) for name, g, o in LAYERS}[layer]
+        group, offsets = {name: (g, o) for name, g, o in DEQUANT_LAYERS}[layer]
         cost = dequant_matmul_cost(int(rows), *matmul_shape(model, layer), group, offsets, dtype)
     elif base.startswith("paged_attention_splitk_bs"):
-        from pallas_kernels.split_k_decode import decode_num_splits
-
         seqs = SPLIT_K_CASE_SEQS
         splits = decode_num_splits(CASE_DECODE_CONTEXT, seqs, model.num_kv_heads)
         if kernel.endswith("/paged_attention_combine"):
@@ -345,43 +343,6 @@ def format_case_models(rows: Sequence[tuple[str, str, str, str, CaseModel]]) -> 
 
 
 @dataclass(frozen=True)
-class Qwen2Config:
-    name: str
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied_embeddings: bool
-
-    def layer_params(self) -> int:
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        attn = self.hidden * (q + 2 * kv) + (q + 2 * kv) + q * self.hidden  # qkv has a bias
-        mlp = 3 * self.hidden * self.intermediate
-        return attn + mlp + 2 * self.hidden
-
-    def params(self) -> int:
-        embed = self.vocab * self.hidden
-        head = 0 if self.tied_embeddings else embed
-        return self.num_layers * self.layer_params() + embed + head + self.hidden
-
-    def weight_bytes_per_step(self, dtype: str = "bfloat16") -> int:
-        """Every weight once, the (tied) LM head once; the embedding lookup reads only a
-        row per token, counted in the step, not here."""
-        embed = self.vocab * self.hidden
-        return (self.num_layers * self.layer_params() + embed + self.hidden) * itemsize(dtype)
-
-
-QWEN2_CONFIGS: dict[str, Qwen2Config] = {
-    "qwen2.5-0.5b": Qwen2Config("qwen2.5-0.5b", 24, 896, 14, 2, 64, 4864, 151936, True),
-    "qwen2.5-7b": Qwen2Config("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, False),
-}
-
-
-@dataclass(frozen=True)
 class StepEstimate:
     model: str
     batch: int
@@ -409,29 +370,29 @@ class StepEstimate:
         return (self.weight_bytes + self.kv_bytes) / HBM_BYTES_PER_S
 
 
-def decode_step(cfg: Qwen2Config, batch: int, context: int, dtype: str = "bfloat16",
+def decode_step(cfg: Qwen2Shape, batch: int, context: int, dtype: str = "bfloat16",
                 floor_us: float = FLOOR_US) -> StepEstimate:
     """One decode step of `batch` sequences, each attending to `context` keys."""
     t = lambda cost: cost.time_s(floor_us)  # noqa: E731
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer_mm = (t(matmul_cost(batch, cfg.hidden, q + 2 * kv, dtype, bias=True))
-                + t(matmul_cost(batch, q, cfg.hidden, dtype))
-                + t(matmul_cost(batch, cfg.hidden, 2 * cfg.intermediate, dtype))
-                + t(matmul_cost(batch, cfg.intermediate, cfg.hidden, dtype)))
-    layer_other = (2 * t(rms_norm_cost(batch, cfg.hidden, dtype, residual=True))
+    layer_mm = (t(matmul_cost(batch, cfg.hidden_size, q + 2 * kv, dtype, bias=True))
+                + t(matmul_cost(batch, q, cfg.hidden_size, dtype))
+                + t(matmul_cost(batch, cfg.hidden_size, 2 * cfg.intermediate_size, dtype))
+                + t(matmul_cost(batch, cfg.intermediate_size, cfg.hidden_size, dtype)))
+    layer_other = (2 * t(rms_norm_cost(batch, cfg.hidden_size, dtype, residual=True))
                    + t(rope_cost(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype))
                    + t(write_kv_cost(batch, cfg.num_kv_heads, cfg.head_dim, dtype))
-                   + t(silu_mul_cost(batch, cfg.intermediate, dtype)))
+                   + t(silu_mul_cost(batch, cfg.intermediate_size, dtype)))
     args = (batch, context, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
     attn, _ = decode_attention_time(*args, split=False, floor_us=floor_us)
     attn_split, splits = decode_attention_time(*args, split=True, floor_us=floor_us)
-    lm_head = t(matmul_cost(batch, cfg.hidden, cfg.vocab, dtype))
+    lm_head = t(matmul_cost(batch, cfg.hidden_size, cfg.vocab_size, dtype))
     # embedding gather: a row per token read and written
-    embed = t(Cost(2 * batch * cfg.hidden * itemsize(dtype), 0, FP32_FLOPS))
-    final_norm = t(rms_norm_cost(batch, cfg.hidden, dtype, residual=True))
+    embed = t(Cost(2 * batch * cfg.hidden_size * itemsize(dtype), 0, FP32_FLOPS))
+    final_norm = t(rms_norm_cost(batch, cfg.hidden_size, dtype, residual=True))
     kv_bytes = cfg.num_layers * 2 * batch * context * kv * itemsize(dtype)
     return StepEstimate(
-        cfg.name, batch, context, cfg.weight_bytes_per_step(dtype), kv_bytes,
+        cfg.name, batch, context, cfg.weight_bytes_per_step(itemsize(dtype)), kv_bytes,
         matmul_s=cfg.num_layers * layer_mm + lm_head,
         attention_s=cfg.num_layers * attn, attention_split_s=cfg.num_layers * attn_split,
         splits=splits, other_s=cfg.num_layers * layer_other + embed + final_norm,
@@ -461,7 +422,7 @@ def format_steps(estimates: Sequence[StepEstimate]) -> str:
 
 
 def default_steps(floor_us: float = FLOOR_US) -> list[StepEstimate]:
-    return [decode_step(QWEN2_CONFIGS[m], b, c, floor_us=floor_us)
+    return [decode_step(QWEN2_SHAPES[m], b, c, floor_us=floor_us)
             for m in ("qwen2.5-0.5b", "qwen2.5-7b") for b in (1, 64) for c in (1024, 8192)]
 
 

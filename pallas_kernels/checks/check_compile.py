@@ -22,7 +22,8 @@ no GPU is present, whatever --arch says.
 A case fails if it does not compile, does not fit an SM (0 resident blocks) or spills registers.
 Failures listed in known_compile_failures.txt are tolerated; a listed case that no longer fails
 that way is reported too, so the list can only shrink. Exit status 1 on a new failure or a stale
-entry. Run: python -m pallas_kernels.check_compile [--arch sm_90a|sm_80] [--json] [--model-time]
+entry. Run:
+python -m pallas_kernels.checks.check_compile [--arch sm_90a|sm_80] [--json] [--model-time]
 
 --model-time adds perf_model's H100 estimates (a model, not a measurement): per case the bytes,
 FLOPs, roofline bound and what the compiled grid and occupancy suggest, then the Qwen2.5
@@ -43,18 +44,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pallas_kernels import perf_model
-from pallas_kernels.check_lowering import (
-    _TRITON_CALL,
+from pallas_kernels.checks import perf_model
+from pallas_kernels.checks.check_lowering import (
     DTYPES,
     KERNEL_MODULES,
     MODEL_SHAPES,
     PHASES,
-    ModelShape,
-    _first_line,
+    TRITON_CALL,
+    first_line,
     iter_cases,
 )
-from pallas_kernels.triton_compile import (
+from pallas_kernels.checks.shapes import Qwen2Shape
+from pallas_kernels.checks.triton_compile import (
     ARCHES,
     CompileStats,
     TritonKernel,
@@ -145,7 +146,7 @@ def _result(case, arch: str, kernel: TritonKernel | None, stats: CompileStats | 
 def run_checks(
     arch: str = "sm_90a",
     modules: Sequence[str] = KERNEL_MODULES,
-    models: Sequence[ModelShape] = MODEL_SHAPES,
+    models: Sequence[Qwen2Shape] = MODEL_SHAPES,
     dtypes: Sequence = DTYPES,
     phases: Sequence[str] = PHASES,
     jobs: int | None = None,
@@ -175,10 +176,10 @@ def run_checks(
             try:
                 kernels = triton_kernels(case.fn, case.args)
             except Exception as exc:
-                pending.append((case, None, case.kernel, f"lowering: {_first_line(exc)}"))
+                pending.append((case, None, case.kernel, f"lowering: {first_line(exc)}"))
                 continue
             if not kernels:
-                pending.append((case, None, case.kernel, f"lowering: no {_TRITON_CALL} call"))
+                pending.append((case, None, case.kernel, f"lowering: no {TRITON_CALL} call"))
             for kernel in kernels:
                 name = case.kernel if len(kernels) == 1 else f"{case.kernel}/{kernel.name}"
                 key = (kernel.ttir, kernel.num_warps, kernel.num_stages)
@@ -201,7 +202,7 @@ def run_checks(
                     stats = compiled[key] = CompileStats(
                         error=f"no result within {COMPILE_TIMEOUT_S} s")
                 except Exception as exc:  # a crashed worker
-                    stats = compiled[key] = CompileStats(error=_first_line(exc))
+                    stats = compiled[key] = CompileStats(error=first_line(exc))
             results.append(_result(case, arch, kernel, stats, name))
         return results
     finally:
@@ -349,7 +350,8 @@ def format_model_time(results: Sequence[Result]) -> str:
         "4 x 512 tokens. programs: working/launched.",
         pm.format_case_models(model_rows(results)),
         "",
-        "Decode step, bfloat16 (model, not measurement; python -m pallas_kernels.perf_model):",
+        "Decode step, bfloat16 (model, not measurement; "
+        "python -m pallas_kernels.checks.perf_model):",
         pm.format_steps(pm.default_steps()),
     ])
 

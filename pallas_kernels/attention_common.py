@@ -1,0 +1,97 @@
+"""What the paged attention kernel and its split-K decode kernels share: the masked-logit value,
+the online-softmax step over one key tile, the tile sizes, and the split-K factor per decode
+bucket (which the engine's runner and the performance model use too)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import next_pow2
+
+# Finite stand-in for -inf: masked logits must never produce inf - inf = nan.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def key_step(bt_ref, k_ref, v_ref, s, q, q_pos, kv_end, kb, carry, *, scale: float,
+             block_k: int):
+    """One online-softmax step of the Triton kernels over key tile ``kb`` (keys kb * KB ..
+    kb * KB + KB - 1) of sequence ``s``: gathers K/V through the block table (keys at or past
+    ``kv_end`` load as zeros), masks keys past each row's position ``q_pos``. carry: (acc [M, D],
+    running max [M], running sum [M]), float32."""
+    acc, m_prev, l_prev = carry
+    block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    max_blocks = bt_ref.shape[1]
+    d = jnp.arange(head_dim)
+    key = kb * block_k + jnp.arange(block_k)
+    key_ok = key < kv_end
+    col = jnp.minimum(key // block_size, max_blocks - 1)
+    blk = plgpu.load(bt_ref.at[s, col], mask=key_ok, other=0)
+    off = key % block_size
+    kv_idx = (blk[:, None], off[:, None], d[None, :])
+    k = plgpu.load(k_ref.at[kv_idx], mask=key_ok[:, None], other=0.0)
+    v = plgpu.load(v_ref.at[kv_idx], mask=key_ok[:, None], other=0.0)
+
+    logits = plgpu.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
+    mask = (key[None, :] <= q_pos[:, None]) & key_ok[None, :]
+    logits = jnp.where(mask, logits, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, logits.max(axis=1))
+    correction = jnp.exp(m_prev - m_next)
+    p = jnp.exp(logits - m_next[:, None])
+    l_next = l_prev * correction + p.sum(axis=1)
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
+    return acc * correction[:, None] + pv, m_next, l_next
+
+
+def kernel_init_state(rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The online-softmax carry before any key: (acc 0, running max MASK_VALUE, running sum 0)."""
+    return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def launch_config(group_pad: int, max_query_len: int, head_dim: int,
+                  dtype) -> tuple[int, int, int, int]:
+    """Query tokens per tile (BQ), keys per step (KB), num_warps and num_stages.
+
+    M = BQ * Gp rows; 16 is Triton's smallest dot tile. bfloat16 runs on the tensor cores with
+    the usual flash tiles: M = 128 (head_dim 64) or 64 (head_dim 128), KB = 64.
+
+    float32 (IEEE, no TF32) runs its dots on the FMA units, where Triton keeps each thread's
+    rows of both operands in registers over the whole reduction axis: registers grow with M x
+    head_dim (QK^T) and M x KB (P @ V), not just with the accumulator. The bfloat16 tiles then
+    need 255+ registers and spill (sm_90a). Tiles of M = 32 (decode: 16) and KB = 32 over 8
+    warps compile with no spills and no stack (docs/perf/gpu-kernel-model.md).
+    """
+    if jnp.dtype(dtype) == jnp.float32:
+        max_rows, block_k, num_warps = 32, 32, 8
+    else:
+        max_rows, block_k = (128 if head_dim <= 64 else 64), 64
+        num_warps = None
+    block_q = min(next_pow2(max_query_len), max(1, max_rows // group_pad))
+    block_q = max(block_q, max(1, 16 // group_pad))
+    if num_warps is None:
+        num_warps = 4 if block_q * group_pad <= 64 else 8
+    return block_q, block_k, num_warps, 2
+
+
+def decode_num_splits(max_model_len: int, num_seqs: int, num_kv_heads: int, *,
+                      num_sms: int = 132, min_split_len: int = 256,
+                      max_splits: int = 16) -> int:
+    """Split-K factor for a decode bucket of ``num_seqs`` sequences (static per bucket).
+
+    The smallest power of two such that num_seqs x num_kv_heads x splits programs fill the
+    ``num_sms`` SMs (132: H100 SXM) once, capped so that a context of ``max_model_len`` keys
+    still gives each split at least ``min_split_len`` keys (shorter splits cost more in scratch
+    traffic and combine than they gain), and at ``max_splits``. 1 (the unsplit kernel) when the
+    bucket alone has >= num_sms programs. Contexts shorter than max_model_len spread over the
+    same splits with fewer keys each (split_k_decode's partition of the key tiles); splits past
+    a very short context exit at once.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    splits = 1
+    while (splits < max_splits and programs * splits < num_sms
+           and 2 * splits * min_split_len <= max_model_len):
+        splits *= 2
+    return splits

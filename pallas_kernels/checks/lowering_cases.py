@@ -1,0 +1,162 @@
+"""The cases check_lowering and check_compile lower for CUDA: per kernel module, a builder
+``(model, dtype, phase) -> [(kernel_name, fn, ShapeDtypeStruct args)]`` at a model's shapes
+(a ``shapes.Qwen2Shape``) for the phase: "decode" (64 sequences of one token, contexts up to
+4096) or "prefill" (2048 tokens over 4 sequences). Every ``fn`` calls the kernel's public
+function with backend "pallas"."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.attention_common import decode_num_splits
+from pallas_kernels.checks.shapes import Qwen2Shape
+from pallas_kernels.dequant_matmul import GEMM_MIN_ROWS, dequant_matmul
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.rms_norm import rms_norm
+from pallas_kernels.rope import rope
+
+Case = tuple[str, Callable, tuple]
+
+
+def _tokens(phase: str) -> int:
+    if phase not in ("decode", "prefill"):
+        raise ValueError(f"unknown phase {phase!r}")
+    return 64 if phase == "decode" else 2048
+
+
+def rms_norm_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
+    """The plain norm and the fused residual-add + norm."""
+    tokens = _tokens(phase)
+    x = jax.ShapeDtypeStruct((tokens, model.hidden_size), dtype)
+    w = jax.ShapeDtypeStruct((model.hidden_size,), dtype)
+    eps = 1e-6
+
+    def plain(x, w):
+        return rms_norm(x, w, eps, backend="pallas")
+
+    def fused(x, r, w):
+        return rms_norm(x, w, eps, r, backend="pallas")
+
+    return [("rms_norm", plain, (x, w)), ("rms_norm+residual", fused, (x, x, w))]
+
+
+def rope_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
+    tokens = _tokens(phase)
+    q = jax.ShapeDtypeStruct((tokens, model.num_heads, model.head_dim), dtype)
+    k = jax.ShapeDtypeStruct((tokens, model.num_kv_heads, model.head_dim), dtype)
+    pos = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    cache = jax.ShapeDtypeStruct((32768, model.head_dim), dtype)
+
+    def fn(q, k, pos, cache):
+        return rope(q, k, pos, cache, backend="pallas")
+
+    return [("rope", fn, (q, k, pos, cache))]
+
+
+def kv_write_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
+    """``write_kv`` of 64 (decode) or 2048 (prefill) tokens. The cache holds 64 sequences x 4096
+    tokens in blocks of 16 on every layer, which for the larger models exceeds 4 GiB and so
+    also exercises the 64-bit addressing path of the Triton lowering."""
+    num_tokens = _tokens(phase)
+    cache = (model.num_layers, 2, model.num_kv_heads, 64 * 4096 // 16, 16, model.head_dim)
+    layer = model.num_layers - 1
+    kv = (num_tokens, model.num_kv_heads, model.head_dim)
+
+    def fn(kv_cache, k, v, slot_mapping):
+        return write_kv(kv_cache, layer, k, v, slot_mapping, backend="pallas")
+
+    args = (jax.ShapeDtypeStruct(cache, dtype), jax.ShapeDtypeStruct(kv, dtype),
+            jax.ShapeDtypeStruct(kv, dtype), jax.ShapeDtypeStruct((num_tokens,), jnp.int32))
+    return [("write_kv", fn, args)]
+
+
+def paged_attention_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
+    """decode: 64 sequences x 1 token, contexts up to 4096 (256 blocks of 16), max_query_len 1;
+    and split-K decode of 8 sequences (a small batch) with ``decode_num_splits`` for a
+    max_model_len of 4096 (16 splits for 2 KV heads, 8 for 4): two kernels, split and combine.
+    prefill: 2048 tokens over 4 sequences, blocks of 16 and of 32, max_query_len 2048.
+    The cache spans all layers (64 x 4096 tokens), > 4 GiB for the larger models, so the
+    64-bit addressing path of the Triton lowering is exercised too.
+    """
+    max_model_len = 4096
+    if phase == "decode":
+        # tokens, sequences, max_query_len, block_size, num_splits
+        shapes = [(64, 64, 1, 16, 1),
+                  (8, 8, 1, 16, decode_num_splits(max_model_len, 8, model.num_kv_heads))]
+    elif phase == "prefill":
+        shapes = [(2048, 4, 2048, 16, 1), (2048, 4, 2048, 32, 1)]
+    else:
+        raise ValueError(f"unknown phase {phase!r}")
+    num_layers = model.num_layers
+    cases = []
+    for num_tokens, num_seqs, max_query_len, block_size, num_splits in shapes:
+        max_blocks = max_model_len // block_size
+        cache = (num_layers, 2, model.num_kv_heads, 64 * max_blocks, block_size, model.head_dim)
+
+        def fn(q, kv_cache, block_tables, seq_lens, query_start_loc, _mq=max_query_len,
+               _ns=num_splits):
+            return paged_attention(q, kv_cache, num_layers - 1, block_tables, seq_lens,
+                                   query_start_loc, scale=model.head_dim ** -0.5,
+                                   max_query_len=_mq, backend="pallas", num_splits=_ns)
+
+        args = (jax.ShapeDtypeStruct((num_tokens, model.num_heads, model.head_dim), dtype),
+                jax.ShapeDtypeStruct(cache, dtype),
+                jax.ShapeDtypeStruct((num_seqs, max_blocks), jnp.int32),
+                jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+                jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
+        name = "paged_attention_splitk" if num_splits > 1 else "paged_attention"
+        cases.append((f"{name}_bs{block_size}", fn, args))
+    return cases
+
+
+# (layer, block size, with offsets) of each Qwen2 matmul checked; a Q4_K_M GGUF keeps down_proj
+# in Q6_K (16-value blocks, no mins) and most others in Q4_K / Q5_K (32 values, with mins).
+DEQUANT_LAYERS: tuple[tuple[str, int, bool], ...] = (
+    ("qkv", 32, True), ("o", 32, True), ("gate_up", 32, True), ("down", 16, False))
+# Rows per phase: the largest GEMV decode bucket, a 64-sequence decode step, a prefill chunk.
+DEQUANT_ROWS = {"decode": (8, 64), "prefill": (2048,)}
+
+
+def matmul_shape(model: Qwen2Shape, layer: str) -> tuple[int, int]:
+    """(N, K) of a Qwen2 layer matmul."""
+    h, inter = model.hidden_size, model.intermediate_size
+    return {"qkv": ((model.num_heads + 2 * model.num_kv_heads) * model.head_dim, h),
+            "o": (h, model.num_heads * model.head_dim), "gate_up": (2 * inter, h),
+            "down": (h, inter)}[layer]
+
+
+def dequant_case_name(layer: str, rows: int) -> str:
+    return f"dequant_{'gemv' if rows < GEMM_MIN_ROWS else 'gemm'}_{layer}_m{rows}"
+
+
+def dequant_matmul_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
+    """Every layer matmul at the phase's row counts."""
+    if phase not in DEQUANT_ROWS:
+        raise ValueError(f"unknown phase {phase!r}")
+    cases = []
+    for layer, group, with_offset in DEQUANT_LAYERS:
+        n, k = matmul_shape(model, layer)
+        blocks = jax.ShapeDtypeStruct((n, k // group), jnp.float32)
+        weight = (jax.ShapeDtypeStruct((n, k), jnp.int8), blocks,
+                  *((blocks,) if with_offset else ()))
+        for rows in DEQUANT_ROWS[phase]:
+            def fn(x, *w):
+                return dequant_matmul(x, *w, backend="pallas")
+
+            cases.append((dequant_case_name(layer, rows), fn,
+                          (jax.ShapeDtypeStruct((rows, k), dtype), *weight)))
+    return cases
+
+
+# By kernel module name (check_lowering's --modules).
+LOWERING_CASES: dict[str, Callable[[Qwen2Shape, object, str], list[Case]]] = {
+    "rms_norm": rms_norm_cases,
+    "rope": rope_cases,
+    "paged_attention": paged_attention_cases,
+    "kv_write": kv_write_cases,
+    "dequant_matmul": dequant_matmul_cases,
+}
