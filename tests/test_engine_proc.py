@@ -140,9 +140,14 @@ def test_sync_mp_parity(engines):
     # Utility calls travel too; every block is free again.
     free, usable = mp.llm_engine.engine_core_client.call_utility("get_kv_block_counts")
     assert free == usable == ENGINE_KW["num_kv_blocks"] - 1
-    assert mp.llm_engine.get_step_shape_counts()
+    # The model runner's methods too (collective_rpc): the same steps ran in both.
+    shapes = mp.collective_rpc("get_step_shape_counts")
+    assert shapes and shapes == [list(row) for row in inproc.collective_rpc(
+        "get_step_shape_counts")]
     with pytest.raises(RuntimeError, match="engine core"):
-        mp.llm_engine.time_weight_matmuls("not a list")  # raises inside the core
+        mp.collective_rpc("time_weight_matmuls", ("not a list",))  # raises inside the core
+    with pytest.raises(RuntimeError, match="no public method 'nope'"):
+        mp.collective_rpc("nope")
 
 
 def test_sync_mp_stop_strings(engines):

@@ -227,12 +227,16 @@ def test_wire_messages_and_stats(llm):
 
 def test_utility_calls(llm):
     engine = llm.llm_engine
-    engine.reset_step_shape_counts()
+    llm.collective_rpc("reset_step_shape_counts")
     llm.generate(ids(3), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
-    assert engine.get_step_shape_counts() == {(16, 16): 1, (1, 1): 3}
+    assert llm.collective_rpc("get_step_shape_counts") == [(1, 1, 3), (16, 16, 1)]
     with pytest.raises(ValueError, match="not an engine-core utility"):
         engine.engine_core_client.call_utility("add_request", None)
+    # collective_rpc reaches the runner's public methods only.
+    for method in ("no_such_method", "_forward", "step_shape_counts", 3):
+        with pytest.raises(ValueError, match=f"no public method {method!r}"):
+            llm.collective_rpc(method)
 
 
 def test_progress_bar_shows_input_and_output_speed(llm, capsys):
