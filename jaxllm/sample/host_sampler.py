@@ -118,12 +118,12 @@ class HostSampler:
         fast = np.flatnonzero(exact)
         if fast.size:
             every = fast.size == n
-            fast_tokens, fast_logprobs, fast_rows = sample_from_topk(
+            fast_tokens, fast_logprobs, fast_logprob_rows = sample_from_topk(
                 topk if every else topk.rows(fast),
                 metadata if every else metadata.rows(fast), inputs.u[fast])
             tokens[fast], sampled_logprobs[fast] = fast_tokens, fast_logprobs
             for j in np.flatnonzero(metadata.num_logprobs[fast] >= 0).tolist():
-                logprobs[int(fast[j])] = fast_rows[j]
+                logprobs[int(fast[j])] = fast_logprob_rows[j]
         full = np.flatnonzero(~exact)
         if full.size:
             full_rows = [self._row(inputs.requests[i]) for i in full.tolist()]
