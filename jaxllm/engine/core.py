@@ -2,9 +2,10 @@
 
 Built from EngineArgs alone, it loads the weights, sizes the KV array (on a GPU from a measured
 activation footprint), compiles every step shape, then runs steps:
-schedule -> execute model -> sample -> update_from_output -> EngineCoreOutputs (+ stats).
-Everything else the frontend needs from it goes through `UTILITY_METHODS` (vLLM's utility calls),
-so the core can live in another process.
+schedule -> execute model -> sample (`HostSampler`, jaxllm/sample/host_sampler.py) ->
+update_from_output -> EngineCoreOutputs (+ stats).
+Everything else the frontend needs from it goes through `UTILITY_METHODS` (vLLM's utility calls;
+`collective_rpc` reaches the model runner), so the core can live in another process.
 """
 
 from __future__ import annotations
