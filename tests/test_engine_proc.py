@@ -194,11 +194,16 @@ def test_async_llm_64_streams_equal_non_streamed(engines, async_llm):
     want = inproc.generate(prompts, params, use_tqdm=False)
 
     async def main():
-        return await asyncio.wait_for(asyncio.gather(*[
+        client = async_llm.engine_core
+        await client.collective_rpc_async("reset_step_shape_counts")
+        streams = await asyncio.wait_for(asyncio.gather(*[
             _collect(async_llm, p, sp, f"s{i}") for i, (p, sp) in
             enumerate(zip(prompts, params, strict=True))]), timeout=120)
+        return streams, await client.collective_rpc_async("get_step_shape_counts")
 
-    streams = asyncio.run(main())
+    streams, shapes = asyncio.run(main())
+    # The async client reaches the model runner too: one step per token of the longest request.
+    assert sum(steps for _, _, steps in shapes) >= max(sp.max_tokens for sp in params)
     for sp, w, outs in zip(params, want, streams, strict=True):
         assert outs[-1].finished and all(not o.finished for o in outs[:-1])
         if sp.output_kind is RequestOutputKind.FINAL_ONLY:
