@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.engine import core as core_module
+from jaxllm.sample import host_sampler
 from tests.conftest import make_tiny_checkpoint
 from tests.test_engine import assert_pool_free
 
@@ -100,13 +100,13 @@ def async_topk(path):
 
 def _run_configs(llms: dict, params, prompts, monkeypatch, preempting: bool) -> None:
     fast_rows = []
-    original = core_module.sample_from_topk
+    original = host_sampler.sample_from_topk
 
     def counting(topk, ps, u):
         fast_rows.append(len(ps))
         return original(topk, ps, u)
 
-    monkeypatch.setattr(core_module, "sample_from_topk", counting)
+    monkeypatch.setattr(host_sampler, "sample_from_topk", counting)
     results = {}
     for (async_on, topk_on), llm in llms.items():
         fast_rows.clear()

@@ -160,12 +160,13 @@ def test_time_weight_matmuls_times_each_token_count_once(tiny_path):
 def test_matmul_floor_prices_shapes_through_the_engine():
     calls = []
 
-    class Engine:
-        def time_weight_matmuls(self, num_tokens, reps=3):
-            calls.append((list(num_tokens), reps))
-            return {n: n * 1e-3 for n in num_tokens}
+    def collective_rpc(method, args=()):
+        assert method == "time_weight_matmuls"
+        num_tokens, reps = args
+        calls.append((list(num_tokens), reps))
+        return {n: n * 1e-3 for n in num_tokens}
 
-    llm = SimpleNamespace(llm_engine=Engine())
+    llm = SimpleNamespace(collective_rpc=collective_rpc)
     floor = matmul_floor(llm, {(16, 16): 2, (2, 1): 6, (16, 1): 1}, reps=2)
     assert calls == [([2, 16], 2)]  # each token count timed once, in order
     assert floor["steps"] == 9

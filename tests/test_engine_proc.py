@@ -140,9 +140,15 @@ def test_sync_mp_parity(engines):
     # Utility calls travel too; every block is free again.
     free, usable = mp.llm_engine.engine_core_client.call_utility("get_kv_block_counts")
     assert free == usable == ENGINE_KW["num_kv_blocks"] - 1
-    assert mp.llm_engine.get_step_shape_counts()
+    # The model runner's methods too (collective_rpc): steps ran, each in a compiled shape.
+    shapes = mp.collective_rpc("get_step_shape_counts")
+    assert shapes and all(steps > 0 for _, _, steps in shapes)
+    assert {(num_tokens, max_query_len) for num_tokens, max_query_len, _ in shapes} \
+        <= {tuple(s) for s in a.bucket_shapes}
     with pytest.raises(RuntimeError, match="engine core"):
-        mp.llm_engine.time_weight_matmuls("not a list")  # raises inside the core
+        mp.collective_rpc("time_weight_matmuls", ("not a list",))  # raises inside the core
+    with pytest.raises(RuntimeError, match="no public method 'nope'"):
+        mp.collective_rpc("nope")
 
 
 def test_sync_mp_stop_strings(engines):
@@ -188,11 +194,16 @@ def test_async_llm_64_streams_equal_non_streamed(engines, async_llm):
     want = inproc.generate(prompts, params, use_tqdm=False)
 
     async def main():
-        return await asyncio.wait_for(asyncio.gather(*[
+        client = async_llm.engine_core
+        await client.collective_rpc_async("reset_step_shape_counts")
+        streams = await asyncio.wait_for(asyncio.gather(*[
             _collect(async_llm, p, sp, f"s{i}") for i, (p, sp) in
             enumerate(zip(prompts, params, strict=True))]), timeout=120)
+        return streams, await client.collective_rpc_async("get_step_shape_counts")
 
-    streams = asyncio.run(main())
+    streams, shapes = asyncio.run(main())
+    # The async client reaches the model runner too: one step per token of the longest request.
+    assert sum(steps for _, _, steps in shapes) >= max(sp.max_tokens for sp in params)
     for sp, w, outs in zip(params, want, streams, strict=True):
         assert outs[-1].finished and all(not o.finished for o in outs[:-1])
         if sp.output_kind is RequestOutputKind.FINAL_ONLY:

@@ -183,6 +183,31 @@ def test_cli_passes_engine_args_defaults(monkeypatch, capsys):
     assert not seen
 
 
+def test_core_forgets_finished_and_aborted_requests(llm):
+    """The core's per-request state (generator, penalties, owed prompt logprobs) lives exactly
+    as long as the request: counted while it runs, gone once it finished or was aborted."""
+    core = core_of(llm)
+    penalized = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                               frequency_penalty=0.5)
+    prompt_lp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    for rid, params in (("pen-a", penalized), ("pen-b", penalized), ("plp", prompt_lp),
+                        ("plain", GREEDY)):
+        core.add_request(EngineCoreRequest(rid, [5, 6, 7, 8], params, [], max_tokens=4))
+    assert set(core._states) == {"pen-a", "pen-b", "plp", "plain"}
+    assert (core._num_penalized, core._num_prompt_logprobs) == (2, 1)
+    core.step()
+    core.abort_requests(["pen-a", "unknown"])
+    assert "pen-a" not in core._states and core._num_penalized == 1
+    emitted = {}
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            emitted[o.request_id] = emitted.get(o.request_id, 0) + len(o.new_token_ids)
+    assert {rid: emitted.get(rid) for rid in ("pen-b", "plp", "plain")} == dict.fromkeys(
+        ("pen-b", "plp", "plain"), 4)
+    assert core._states == {} and (core._num_penalized, core._num_prompt_logprobs) == (0, 0)
+    assert_pool_free(llm)
+
+
 def test_running_request_keeps_its_own_sampling_params(llm):
     engine = llm.llm_engine
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -227,12 +252,16 @@ def test_wire_messages_and_stats(llm):
 
 def test_utility_calls(llm):
     engine = llm.llm_engine
-    engine.reset_step_shape_counts()
+    llm.collective_rpc("reset_step_shape_counts")
     llm.generate(ids(3), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
-    assert engine.get_step_shape_counts() == {(16, 16): 1, (1, 1): 3}
+    assert llm.collective_rpc("get_step_shape_counts") == [(1, 1, 3), (16, 16, 1)]
     with pytest.raises(ValueError, match="not an engine-core utility"):
         engine.engine_core_client.call_utility("add_request", None)
+    # collective_rpc reaches the runner's public methods only.
+    for method in ("no_such_method", "_forward", "step_shape_counts", 3):
+        with pytest.raises(ValueError, match=f"no public method {method!r}"):
+            llm.collective_rpc(method)
 
 
 def test_progress_bar_shows_input_and_output_speed(llm, capsys):

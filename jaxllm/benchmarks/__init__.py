@@ -14,6 +14,7 @@ builds the parser and imports these modules only when a command runs).
   matmul_floor.py  a run's step shapes re-timed through nothing but the weight matmuls
   profile.py       `--profile`: host time per decode step, by phase
 
-They reach the engine only through LLMEngine's public methods (step-shape counts, weight stats,
-per-step stats, time_weight_matmuls), never its core.
+They reach the engine only through its public interface: per-step stats, and the model runner's
+step-shape counts, weight stats and time_weight_matmuls through `LLM.collective_rpc`; never the
+core's objects.
 """

@@ -29,6 +29,7 @@ from jaxllm.benchmarks.matmul_floor import (
     matmul_floor,
     print_decode_vs_bound,
     print_matmul_floor,
+    step_shape_counts,
 )
 from jaxllm.benchmarks.metrics import latency_metrics
 from jaxllm.benchmarks.profile import maybe_profile
@@ -51,7 +52,7 @@ def run_jaxllm_latency(llm: LLM, sampler: TokenSampler, batch_size: int, input_l
     for _ in tqdm(range(num_iters_warmup), desc="Warm-up iterations", disable=not use_tqdm):
         llm.generate(batch(), sp, use_tqdm=False)
     # Only measured iterations count toward the run's step shapes (the matmul floor).
-    llm.llm_engine.reset_step_shape_counts()
+    llm.collective_rpc("reset_step_shape_counts")
     latencies, ttfts, tpots = [], [], []
     out_tokens = 0
     for _ in tqdm(range(num_iters), desc="Measured iterations", disable=not use_tqdm):
@@ -114,7 +115,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
                              args.batch_size, engine.engine_args.max_num_batched_tokens)
         result["roofline"] = roofline(machine, work, measured)
         print_roofline(result["roofline"])
-        floor = matmul_floor(llm, engine.get_step_shape_counts())
+        floor = matmul_floor(llm, step_shape_counts(llm))
         result["matmul_floor"] = floor
         print_matmul_floor(floor, sum(ours["latencies"]),
                            f"the {args.num_iters} measured iterations")

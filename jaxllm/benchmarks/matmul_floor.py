@@ -13,12 +13,19 @@ if TYPE_CHECKING:
     from jaxllm import LLM
 
 
+def step_shape_counts(llm: LLM) -> dict[tuple[int, int], int]:
+    """Steps run per (num_tokens, max_query_len) since the model runner's last
+    `reset_step_shape_counts`."""
+    rows = llm.collective_rpc("get_step_shape_counts")
+    return {(num_tokens, max_query_len): steps for num_tokens, max_query_len, steps in rows}
+
+
 def matmul_floor(llm: LLM, step_shape_counts: dict[tuple[int, int], int],
                  reps: int = 3) -> dict[str, Any]:
     """Seconds the steps in `step_shape_counts` ((num_tokens, max_query_len) -> steps, as
     the engine counts them) take through `weight_matmuls` alone: best of `reps` per shape."""
     token_counts = sorted({num_tokens for num_tokens, _ in step_shape_counts})
-    step_s = llm.llm_engine.time_weight_matmuls(token_counts, reps)
+    step_s = llm.collective_rpc("time_weight_matmuls", (token_counts, reps))
     shapes = []
     total = 0.0
     for (num_tokens, max_query_len), steps in sorted(step_shape_counts.items()):

@@ -100,7 +100,7 @@ class ModelCost:
     def from_llm(cls, llm: LLM) -> ModelCost:
         engine = llm.llm_engine
         cfg = engine.model_config
-        w = engine.get_weight_stats()
+        w = llm.collective_rpc("get_weight_stats")
         return cls(w["body_params"], w["head_params"], w["itemsize"], cfg.num_hidden_layers,
                    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                    w.get("decode_weight_bytes"))

@@ -25,7 +25,7 @@ from jaxllm.benchmarks.datasets import (
     synthetic_workload,
     token_sampler_for,
 )
-from jaxllm.benchmarks.matmul_floor import matmul_floor, print_matmul_floor
+from jaxllm.benchmarks.matmul_floor import matmul_floor, print_matmul_floor, step_shape_counts
 from jaxllm.benchmarks.metrics import throughput_metrics
 from jaxllm.benchmarks.profile import maybe_profile
 from jaxllm.benchmarks.roofline import ModelCost, print_roofline, roofline, workload_cost
@@ -68,9 +68,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     print(f"Workload: {workload.description} ({sum(workload.prompt_lens)} prompt, "
           f"{sum(workload.output_lens)} output tokens), ignore_eos={args.ignore_eos}")
     warm_up(llm, sampler)
-    engine.reset_step_shape_counts()
+    llm.collective_rpc("reset_step_shape_counts")
     ours = run_jaxllm_throughput(llm, workload, args.ignore_eos, use_tqdm=not args.no_progress)
-    step_shapes = engine.get_step_shape_counts()
+    step_shapes = step_shape_counts(llm)
     result.update(ours)
     print(f"Throughput: {ours['requests_per_second']:.2f} requests/s, "
           f"{ours['total_tokens_per_second']:.1f} total tokens/s, "

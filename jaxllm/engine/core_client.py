@@ -66,6 +66,14 @@ class EngineCoreClient(ABC):
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} has no *_async methods")
 
+    def collective_rpc(self, method: str, args: tuple | list = ()) -> Any:
+        """Call `method` on the core's model runner and return its result (vLLM's
+        collective_rpc): how benchmarks and profilers read the worker."""
+        return self.call_utility("collective_rpc", method, list(args))
+
+    async def collective_rpc_async(self, method: str, args: tuple | list = ()) -> Any:
+        return await self.call_utility_async("collective_rpc", method, list(args))
+
     def shutdown(self) -> None:  # noqa: B027 - nothing to release in process
         pass
 

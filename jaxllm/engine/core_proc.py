@@ -31,13 +31,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from jaxllm.engine import (
-    UTILITY_METHODS,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-)
+from jaxllm.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.engine.core_client import check_utility
 from jaxllm.engine.serial_utils import (
     REQUEST_DECODERS,
     MsgpackEncoder,
@@ -140,9 +136,7 @@ class EngineCoreProc:
 
     def _call_utility(self, call: UtilityRequest) -> None:
         try:
-            if call.method not in UTILITY_METHODS:
-                raise ValueError(f"{call.method!r} is not an engine-core utility; "
-                                 f"known: {sorted(UTILITY_METHODS)}")
+            check_utility(call.method)
             result = getattr(self.engine_core, call.method)(*call.args)
             out = UtilityOutput(call.call_id, msgspec.Raw(self._encoder.encode(result)))
         except Exception as e:

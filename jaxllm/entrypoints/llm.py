@@ -46,6 +46,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def collective_rpc(self, method: str, args: tuple | list = ()) -> Any:
+        """Call `method` on the engine core's model runner, wherever the core runs, and return
+        its result (vLLM's name), e.g. `collective_rpc("get_step_shape_counts")`."""
+        return self.llm_engine.engine_core_client.collective_rpc(method, args)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -50,21 +50,24 @@ def min_p_threshold(zmax: float, temperature: float, min_p: float) -> np.float32
     return np.float32(zmax + temperature * math.log(min_p))
 
 
-def exact_rows(md: SamplingMetadata, processed: np.ndarray, topk: TopKLogits) -> np.ndarray:
+def exact_rows(metadata: SamplingMetadata, processed: np.ndarray,
+               topk: TopKLogits) -> np.ndarray:
     """Which rows the candidates sample exactly (see the module docstring). `processed`: the
     rows that need logits processing this step."""
     vals = topk.values
     num, k_max = vals.shape
-    ar = np.arange(num)
+    rows = np.arange(num)
     # Values a cut must lie strictly above; -inf when the candidates are the whole vocabulary.
     last = np.full(num, -np.inf, np.float32) if topk.complete else vals[:, k_max - 1]
-    nlp = md.num_logprobs
-    lp_ok = (nlp <= 0) | ((nlp <= k_max) & (vals[ar, np.clip(nlp - 1, 0, k_max - 1)] > last))
-    top_k_ok = ((md.top_k > 0) & (md.top_k < k_max)
-                & (last < vals[ar, np.clip(md.top_k - 1, 0, k_max - 1)]))
-    min_p_ok = last < md.min_p_thresholds(vals[:, 0])  # -inf threshold where there is none
+    num_logprobs = metadata.num_logprobs
+    logprobs_ok = (num_logprobs <= 0) | (
+        (num_logprobs <= k_max) & (vals[rows, np.clip(num_logprobs - 1, 0, k_max - 1)] > last))
+    top_k = metadata.top_k
+    top_k_ok = ((top_k > 0) & (top_k < k_max)
+                & (last < vals[rows, np.clip(top_k - 1, 0, k_max - 1)]))
+    min_p_ok = last < metadata.min_p_thresholds(vals[:, 0])  # -inf threshold where none
     random_ok = top_k_ok | min_p_ok
-    return ~processed & lp_ok & np.where(md.greedy, vals[:, 0] > last, random_ok)
+    return ~processed & logprobs_ok & np.where(metadata.greedy, vals[:, 0] > last, random_ok)
 
 
 def candidate_weights(z: np.ndarray, valid: np.ndarray, zmax: np.ndarray,
@@ -112,7 +115,7 @@ def inverse_cdf(w: np.ndarray, u: np.ndarray) -> np.ndarray:
     return col
 
 
-def sample_from_topk(topk: TopKLogits, md: SamplingMetadata, u: np.ndarray
+def sample_from_topk(topk: TopKLogits, metadata: SamplingMetadata, u: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray, list[LogprobsLists | None]]:
     """Sample every row from its candidates (all rows exact, see `exact_rows`); `u` holds each
     random row's uniform draw (ignored for greedy rows).
@@ -122,40 +125,41 @@ def sample_from_topk(topk: TopKLogits, md: SamplingMetadata, u: np.ndarray
     num, k_max = vals.shape
     col = np.zeros(num, dtype=np.intp)
     tokens = ids[:, 0].astype(np.int64)
-    rand = np.flatnonzero(~md.greedy)
+    rand = np.flatnonzero(~metadata.greedy)
     if rand.size:
         n = rand.size
-        sub = md if n == num else md.rows(rand)
+        rand_metadata = metadata if n == num else metadata.rows(rand)
         z = vals if n == num else vals[rand]
         zmax = z[:, 0]
         # Per row: top_k's cut (the top_k-th value; ties stay) and min_p's threshold, float32
         # as the full-row sampler compares them; -inf where the row has neither.
-        top_k = np.where((sub.top_k > 0) & (sub.top_k < k_max), sub.top_k, 0)
+        top_k = rand_metadata.top_k
+        top_k = np.where((top_k > 0) & (top_k < k_max), top_k, 0)
         cut = np.where(top_k > 0, z[np.arange(n), top_k - 1], np.float32(-np.inf))
-        cut = np.maximum(cut, sub.min_p_thresholds(zmax))
+        cut = np.maximum(cut, rand_metadata.min_p_thresholds(zmax))
         valid = z >= cut[:, None]
-        rid = ids if n == num else ids[rand]
+        rand_ids = ids if n == num else ids[rand]
         # Values are descending, so each row's candidates are a prefix: columns past the
         # longest are zero weights everywhere, which change no sum (candidate_weights).
         width = int(np.count_nonzero(valid, axis=1).max())
         if width < k_max:
-            z, valid, rid = z[:, :width], valid[:, :width], rid[:, :width]
-        order = np.argsort(rid, axis=1)  # ids are distinct: any sort gives token order
+            z, valid, rand_ids = z[:, :width], valid[:, :width], rand_ids[:, :width]
+        order = np.argsort(rand_ids, axis=1)  # ids are distinct: any sort gives token order
         w = candidate_weights(np.take_along_axis(z, order, 1),
-                              np.take_along_axis(valid, order, 1), zmax, sub.temperature,
-                              sub.top_p)
+                              np.take_along_axis(valid, order, 1), zmax,
+                              rand_metadata.temperature, rand_metadata.top_p)
         c = order[np.arange(n), inverse_cdf(w, np.asarray(u, np.float64)[rand])]
-        tokens[rand] = rid[np.arange(n), c]
+        tokens[rand] = rand_ids[np.arange(n), c]
         col[rand] = c
     chosen = vals[np.arange(num), col].astype(np.float64)
-    sampled_lp = (chosen - lse.astype(np.float64)).astype(np.float32)
+    sampled_logprobs = (chosen - lse.astype(np.float64)).astype(np.float32)
     logprobs: list[LogprobsLists | None] = [None] * num
-    for i in np.flatnonzero(md.num_logprobs >= 0).tolist():
-        top = int(md.num_logprobs[i])
+    for i in np.flatnonzero(metadata.num_logprobs >= 0).tolist():
+        top = int(metadata.num_logprobs[i])
         row_ids = [int(tokens[i])] + ids[i, :top].tolist()
         row_vals = [float(chosen[i])] + vals[i, :top].tolist()
         lse_i = float(lse[i])
         rank = int(np.count_nonzero(vals[i] > vals[i, col[i]])) + 1
         logprobs[i] = LogprobsLists([row_ids], [[v - lse_i for v in row_vals]],
                                     [[rank] + list(range(1, top + 1))])
-    return tokens, sampled_lp, logprobs
+    return tokens, sampled_logprobs, logprobs

@@ -43,26 +43,26 @@ class SamplingMetadata:
                    np.zeros(num_rows), np.zeros(num_rows), np.full(num_rows, -1, np.int64),
                    np.ones(num_rows, bool), np.zeros(num_rows, bool))
 
-    def set_row(self, row: int, p: SamplingParams | None) -> None:
-        if p is None:
-            p = SamplingParams(temperature=0.0)
-        self.temperature[row] = p.temperature
-        self.top_k[row] = p.top_k
-        self.top_p[row] = p.top_p
-        self.min_p[row] = p.min_p
-        self.log_min_p[row] = math.log(p.min_p) if p.min_p > 0.0 else 0.0
-        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
-        self.greedy[row] = p.greedy
+    def set_row(self, row: int, params: SamplingParams | None) -> None:
+        if params is None:
+            params = SamplingParams(temperature=0.0)
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.log_min_p[row] = math.log(params.min_p) if params.min_p > 0.0 else 0.0
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.greedy[row] = params.greedy
         self.maybe_processed[row] = bool(
-            p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0
-            or p.frequency_penalty or p.presence_penalty)
+            params.logit_bias or params.min_tokens or params.repetition_penalty != 1.0
+            or params.frequency_penalty or params.presence_penalty)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams]) -> SamplingMetadata:
-        md = cls.empty(len(params))
-        for i, p in enumerate(params):
-            md.set_row(i, p)
-        return md
+        metadata = cls.empty(len(params))
+        for i, row_params in enumerate(params):
+            metadata.set_row(i, row_params)
+        return metadata
 
     def min_p_thresholds(self, zmax: np.ndarray) -> np.ndarray:
         """float32 logit threshold of min_p per row (-inf where there is none), as

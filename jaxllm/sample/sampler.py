@@ -83,11 +83,11 @@ class SamplerOutput:
 
 
 def needs_processing(row: SamplingRow) -> bool:
-    p = row.params
-    return bool(p.logit_bias
-                or (p.min_tokens > 0 and len(row.output_token_ids) < p.min_tokens)
-                or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                or p.presence_penalty != 0.0)
+    params = row.params
+    return bool(params.logit_bias
+                or (params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens)
+                or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+                or params.presence_penalty != 0.0)
 
 
 def _ids_in_vocab(ids: Sequence[int] | np.ndarray, vocab: int) -> np.ndarray:
@@ -99,21 +99,23 @@ def _process_row(raw: np.ndarray, row: SamplingRow) -> np.ndarray | None:
     """The processed copy of one raw logits row, or None when nothing applies to it."""
     if not needs_processing(row):
         return None
-    p = row.params
+    params = row.params
     vocab = raw.shape[0]
     z = np.array(raw, dtype=np.float32, copy=True)
-    if p.logit_bias:
-        ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias))
+    bias = params.logit_bias
+    if bias:
+        ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
         if ids.max() >= vocab:
             raise ValueError(f"SamplingParams.logit_bias has token id {int(ids.max())} outside "
-                             f"the vocabulary of {vocab}, got {p.logit_bias!r}")
-        vals = np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))
+                             f"the vocabulary of {vocab}, got {bias!r}")
+        vals = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
         z[ids] += vals
-    if p.min_tokens > 0 and len(row.output_token_ids) < p.min_tokens:
-        stop_ids = set(p.stop_token_ids) | set(row.eos_token_ids)
+    if params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens:
+        stop_ids = set(params.stop_token_ids) | set(row.eos_token_ids)
         if stop_ids:
             z[_ids_in_vocab(sorted(stop_ids), vocab)] = -np.inf
-    if p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
+    if (params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0):
         return z
     state = row.penalties
     if state is None:
@@ -121,14 +123,14 @@ def _process_row(raw: np.ndarray, row: SamplingRow) -> np.ndarray | None:
     out_ids, counts, seen = state.arrays()
     out_ok = (out_ids >= 0) & (out_ids < vocab)
     out_ids, counts = out_ids[out_ok], counts[out_ok]
-    if p.repetition_penalty != 1.0:
+    if params.repetition_penalty != 1.0:
         seen = seen[(seen >= 0) & (seen < vocab)]
         v = z[seen]
-        z[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-    if out_ids.size and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+        z[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    if out_ids.size and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
         # Distinct ids: frequency once per occurrence (count), presence once per token.
-        z[out_ids] -= (np.float32(p.frequency_penalty) * counts
-                       + np.float32(p.presence_penalty))
+        z[out_ids] -= (np.float32(params.frequency_penalty) * counts
+                       + np.float32(params.presence_penalty))
     return z
 
 
@@ -249,7 +251,7 @@ class _Exp:
     emax: float
 
 
-def _candidates(z: np.ndarray, p: SamplingParams, buf: np.ndarray,
+def _candidates(z: np.ndarray, params: SamplingParams, buf: np.ndarray,
                 cached: _Exp | None = None) -> tuple[np.ndarray | None, np.ndarray]:
     """The tokens a random row may draw and their unnormalised weights.
 
@@ -260,15 +262,15 @@ def _candidates(z: np.ndarray, p: SamplingParams, buf: np.ndarray,
     `cached`: the row's exponentials when the caller has them and temperature is 1.
     """
     vocab = z.shape[0]
-    temp = p.temperature
+    temp = params.temperature
     zmax = float(z.max()) if cached is None else cached.zmax
     if not math.isfinite(zmax):  # everything masked (or inf logits): take the argmax
         return np.array([int(np.argmax(z))]), np.ones(1)
 
     cand: np.ndarray | None = None
-    if p.min_p > 0.0:
-        cand = np.flatnonzero(z >= min_p_threshold(zmax, temp, p.min_p))
-    k = p.top_k
+    if params.min_p > 0.0:
+        cand = np.flatnonzero(z >= min_p_threshold(zmax, temp, params.min_p))
+    k = params.top_k
     if 0 < k < vocab:
         if cand is None:
             cand = np.flatnonzero(z >= _kth_largest(z, k))
@@ -281,16 +283,16 @@ def _candidates(z: np.ndarray, p: SamplingParams, buf: np.ndarray,
         one = np.ones(1)
         return cand, candidate_weights(z[cand][None], np.ones((1, cand.shape[0]), bool),
                                        np.array([zmax], np.float32), one * temp,
-                                       one * p.top_p)[0]
+                                       one * params.top_p)[0]
 
     # No top-k or min_p cut: the whole vocabulary's tempered exponentials.
     if cached is not None:
         e, emax = cached.e, cached.emax
     else:
         e, emax = _exp_scaled(z, 1.0 / temp, zmax, buf)
-    if p.top_p >= 1.0:
+    if params.top_p >= 1.0:
         return None, e
-    target = p.top_p * _total(e)
+    target = params.top_p * _total(e)
     cand, w = _top_p_candidates(e, emax, target)
     mask = _top_p_mask(w, target)
     return (np.flatnonzero(mask) if cand is None else cand[mask]), w[mask].astype(np.float64)
@@ -408,38 +410,38 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *, lse: np.ndarray |
         raise ValueError(f"logits of shape {x.shape} for {len(rows)} rows")
     num_rows, vocab = x.shape
     token_ids = np.empty(num_rows, dtype=np.int64)
-    sampled_lp = np.full(num_rows, np.nan, dtype=np.float32)
+    sampled_logprobs = np.full(num_rows, np.nan, dtype=np.float32)
     logprobs: list[LogprobsLists | None] = [None] * num_rows
     raw_buf = np.empty(vocab, dtype=np.float32)   # exponentials of the raw row
     work_buf = np.empty(vocab, dtype=np.float32)  # tempered exponentials of the processed row
 
     for i, row in enumerate(rows):
-        p = row.params
+        params = row.params
         raw = np.ascontiguousarray(x[i])
         z = _process_row(raw, row)
         if lse is not None:
-            want_lp, row_lse = True, float(lse[i])
+            want_logprobs, row_lse = True, float(lse[i])
         else:
-            want_lp, row_lse = all_sampled_logprobs or p.logprobs is not None, None
-        if p.greedy:
+            want_logprobs, row_lse = all_sampled_logprobs or params.logprobs is not None, None
+        if params.greedy:
             tok = int(np.argmax(raw if z is None else z))
         elif u is None and row.generator is None:
             raise ValueError(f"row {i}: a random-sampling row needs a generator")
         ex = None
-        if row_lse is None and want_lp:
-            m = float(raw[tok]) if p.greedy and z is None else float(raw.max())
+        if row_lse is None and want_logprobs:
+            m = float(raw[tok]) if params.greedy and z is None else float(raw.max())
             ex = _exp_row(raw, raw_buf, m) if math.isfinite(m) else None
             row_lse = _lse(ex) if ex is not None else m
-        if not p.greedy:
+        if not params.greedy:
             # exactly one draw per sampled token
             draw = float(row.generator.random()) if u is None else float(u[i])
-            cached = ex if (z is None and p.temperature == 1.0) else None
-            cand, w = _candidates(raw if z is None else z, p, work_buf, cached)
+            cached = ex if (z is None and params.temperature == 1.0) else None
+            cand, w = _candidates(raw if z is None else z, params, work_buf, cached)
             tok = _draw(cand, w, draw)
         token_ids[i] = tok
-        if want_lp:
-            sampled_lp[i] = float(raw[tok]) - row_lse
-            if p.logprobs is not None:
-                ids, lps, ranks = _logprob_row(raw, row_lse, p.logprobs, tok)
+        if want_logprobs:
+            sampled_logprobs[i] = float(raw[tok]) - row_lse
+            if params.logprobs is not None:
+                ids, lps, ranks = _logprob_row(raw, row_lse, params.logprobs, tok)
                 logprobs[i] = LogprobsLists([ids], [lps], [ranks])
-    return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled_lp, logprobs=logprobs)
+    return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled_logprobs, logprobs=logprobs)

@@ -1,6 +1,7 @@
 """A step's weight matmuls alone, timed on the weights the worker holds: the benchmarks'
 matmul floor (jaxllm/benchmarks/matmul_floor.py) prices a run's step shapes with it through
-the engine core's `time_weight_matmuls` utility, since only the core has the weights."""
+`ModelRunner.time_weight_matmuls` (the engine core's collective_rpc), since only the runner
+has the weights."""
 
 from __future__ import annotations
 

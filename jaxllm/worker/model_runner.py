@@ -72,6 +72,7 @@ from jaxllm.sample.topk import TOPK
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.worker.buckets import MIN_TOKEN_BUCKET, decode_buckets, token_buckets
 from jaxllm.worker.input_batch import InputBatch
+from jaxllm.worker.matmul_timing import time_runner_matmuls, weight_stats
 from jaxllm.worker.outputs import (  # re-exported: the engine core imports them from here
     ModelRunnerOutput,
     PreparedStep,
@@ -500,3 +501,22 @@ class ModelRunner:
         out = self.wait(self.dispatch(self.prepare(so)))
         self.add_prompt_logprobs(out, prompt_logprobs or {})
         return out
+
+    # --- what benchmarks read, through the engine core's collective_rpc ------------------------
+
+    def get_step_shape_counts(self) -> list[tuple[int, int, int]]:
+        """(num_tokens, max_query_len, steps) of every step shape run since the last reset."""
+        return [(num_tokens, max_query_len, steps) for (num_tokens, max_query_len), steps
+                in sorted(self.step_shape_counts.items())]
+
+    def reset_step_shape_counts(self) -> None:
+        self.step_shape_counts.clear()
+
+    def get_weight_stats(self) -> dict[str, int]:
+        """The weights' sizes (`matmul_timing.weight_stats`)."""
+        return weight_stats(self)
+
+    def time_weight_matmuls(self, num_tokens: list[int], reps: int = 3) -> dict[int, float]:
+        """Best-of-`reps` seconds of one step's weight matmuls at each token count: the
+        benchmarks' matmul floor (it needs the weights, which only the runner holds)."""
+        return time_runner_matmuls(self, num_tokens, reps)

@@ -1,0 +1,148 @@
+"""HostSampler: a step's sampled rows to tokens on the host, for the engine core.
+
+Rows the device's top-K candidates sample exactly (`candidates.exact_rows`) go through the
+vectorized candidate sampler, the rest through the full-row sampler (`sampler.sample`) on their
+fetched logits. Split in two for async scheduling: `prepare` gathers everything but the
+candidates while the step still runs (which rows still have their request, their parameters,
+which need logits processing, each random row's draw), so that `sample`, inside the host's
+critical section between one step's candidates and the next step's dispatch, is array work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxllm.sample.candidates import exact_rows, sample_from_topk
+from jaxllm.sample.logprobs import LogprobsLists
+from jaxllm.sample.metadata import SamplingMetadata
+from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
+
+if TYPE_CHECKING:
+    from jaxllm.engine import SchedulerStats
+    from jaxllm.engine.core import CoreRequestState
+    from jaxllm.worker.outputs import ModelRunnerOutput, PreparedStep
+    from scheduler import Request, Scheduler
+
+
+@dataclass
+class SampleInputs:
+    """What sampling a step's rows needs besides the candidates: the rows whose request is still
+    here, their parameters, whether each needs logits processing now, and each random row's
+    draw."""
+
+    live: np.ndarray  # [n] positions among the step's sampled rows
+    requests: list[Request]
+    req_ids: list[str]
+    metadata: SamplingMetadata
+    processed: np.ndarray  # [n] bool
+    u: np.ndarray  # [n] float64 (0 for greedy rows)
+
+    def positions_of(self, req_ids: list[str]) -> np.ndarray:
+        """Each request's position among the live rows, -1 for one no longer here."""
+        pos = {rid: j for j, rid in enumerate(self.req_ids)}
+        return np.fromiter((pos.get(rid, -1) for rid in req_ids), np.intp, len(req_ids))
+
+
+@dataclass
+class SampledTokens:
+    """A step's sampled tokens, per live row: the token, its raw logprob and (when asked) its
+    logprob row."""
+
+    req_ids: list[str]
+    tokens: np.ndarray  # [n] int64
+    logprobs_raw: np.ndarray  # [n] float32
+    logprobs: list[LogprobsLists | None]
+
+    def tokens_for(self, positions: np.ndarray) -> np.ndarray:
+        """Tokens at `positions`, 0 where a position is -1 (a request no longer here)."""
+        return np.append(self.tokens, 0)[positions]
+
+
+NOTHING_SAMPLED = SampledTokens([], np.zeros(0, np.int64), np.zeros(0, np.float32), [])
+
+
+class HostSampler:
+    """Samples the rows of the scheduler's requests; `states` holds each request's generator,
+    EOS ids and penalty statistics (the engine core's per-request state)."""
+
+    def __init__(self, scheduler: Scheduler, states: Mapping[str, CoreRequestState]) -> None:
+        self.scheduler = scheduler
+        self.states = states
+
+    def prepare(self, prepared: PreparedStep) -> SampleInputs:
+        """The step's sampled rows whose request is still here (with async scheduling a row may
+        belong to a request that finished or was aborted, or whose id was reused, since the
+        step was scheduled), their parameters from the persistent batch, and their draws."""
+        stamp = {r.request_id: r.arrival_index for r in prepared.so.scheduled}
+        requests = self.scheduler.requests
+        live, reqs = [], []
+        for i, rid in enumerate(prepared.inputs.sample_req_ids):
+            req = requests.get(rid)
+            if req is not None and req.arrival_index == stamp[rid]:
+                live.append(i)
+                reqs.append(req)
+        idx = np.asarray(live, np.intp)
+        metadata = prepared.inputs.sampling
+        if len(idx) < len(metadata):
+            metadata = metadata.rows(idx)
+        processed = np.zeros(len(idx), bool)
+        for j in np.flatnonzero(metadata.maybe_processed).tolist():
+            processed[j] = needs_processing(self._row(reqs[j]))
+        u = np.zeros(len(idx))
+        states = self.states
+        for j in np.flatnonzero(~metadata.greedy).tolist():  # exactly one draw per sampled token
+            u[j] = states[reqs[j].request_id].generator.random()
+        return SampleInputs(idx, reqs, [r.request_id for r in reqs], metadata, processed, u)
+
+    def sample(self, out: ModelRunnerOutput, inputs: SampleInputs,
+               stats: SchedulerStats) -> SampledTokens:
+        """Sample the live rows: exact rows from the candidates, the others from their full
+        logits rows."""
+        t0 = time.perf_counter()
+        n = len(inputs.live)
+        tokens = np.empty(n, np.int64)
+        sampled_logprobs = np.full(n, np.nan, np.float32)
+        logprobs: list[LogprobsLists | None] = [None] * n
+        metadata, topk = inputs.metadata, out.topk
+        if topk is not None:
+            if n < len(out.sample_req_ids):
+                topk = topk.rows(inputs.live)
+            exact = exact_rows(metadata, inputs.processed, topk)
+        else:
+            exact = np.zeros(n, bool)
+        fast = np.flatnonzero(exact)
+        if fast.size:
+            every = fast.size == n
+            fast_tokens, fast_logprobs, fast_logprob_rows = sample_from_topk(
+                topk if every else topk.rows(fast),
+                metadata if every else metadata.rows(fast), inputs.u[fast])
+            tokens[fast], sampled_logprobs[fast] = fast_tokens, fast_logprobs
+            for j in np.flatnonzero(metadata.num_logprobs[fast] >= 0).tolist():
+                logprobs[int(fast[j])] = fast_logprob_rows[j]
+        full = np.flatnonzero(~exact)
+        if full.size:
+            full_rows = [self._row(inputs.requests[i]) for i in full.tolist()]
+            logits = out.logits_rows(inputs.live[full].tolist())
+            if topk is not None:
+                result = sample(logits, full_rows, lse=topk.lse[full], u=inputs.u[full])
+            else:  # the raw log-normaliser costs a pass over the vocabulary: only when asked
+                result = sample(logits, full_rows, u=inputs.u[full], all_sampled_logprobs=any(
+                    r.params.logprobs is not None for r in full_rows))
+            tokens[full], sampled_logprobs[full] = result.token_ids, result.sampled_logprobs
+            for j, i in enumerate(full.tolist()):
+                logprobs[i] = result.logprobs[j]
+        stats.num_full_row_samples = int(full.size)
+        stats.sample_s = time.perf_counter() - t0
+        return SampledTokens(inputs.req_ids, tokens, sampled_logprobs, logprobs)
+
+    def _row(self, req: Request) -> SamplingRow:
+        state = self.states[req.request_id]
+        return SamplingRow(params=req.sampling_params, generator=state.generator,
+                           prompt_token_ids=req.prompt_token_ids,
+                           output_token_ids=req.output_token_ids,
+                           eos_token_ids=state.eos_token_ids, penalties=state.penalties)
