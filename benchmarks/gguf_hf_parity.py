@@ -1,5 +1,5 @@
 """quantization="gguf" on the embedded model against transformers on the same GGUF: greedy
-tokens of tests/test_real_model.py's prompts, batched (decode buckets 2 and 4: the quantized
+tokens of tests/model/test_real_model.py's prompts, batched (decode buckets 2 and 4: the quantized
 GEMVs) and each alone (bucket 1). Not in the test suite: a second 0.5B engine beside the
 suite's shared one would pass its memory budget.
 
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.model_executor.model_loader.default_model import default_model_path
-from tests.test_real_model import PROMPTS
+from tests.model.test_real_model import PROMPTS
 
 
 def main() -> None:

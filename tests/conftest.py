@@ -5,26 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-TINY_KW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0)
-
-
-def make_tiny_checkpoint(path, tied: bool, vocab_size: int = 512, seed: int = 0, **overrides):
-    """Save a random HF Qwen2 model with save_pretrained (safetensors); returns the HF model."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.Qwen2Config(vocab_size=vocab_size, tie_word_embeddings=tied,
-                                      **{**TINY_KW, **overrides})
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    # Random init leaves the q/k/v biases at zero; make them count.
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    model.save_pretrained(path)
-    return model
+from tests.utils import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ W: weight bytes read per step (every layer's weights and the LM head; the embedd
 the batch's rows), KV: the batch's K/V bytes read by attention (kv heads split over N, or
 replicated when N exceeds them: each device then reads one head), A = 2 L + 1 all-reduces per
 step (o_proj and down_proj per layer, the embedding; counted in the lowered module,
-tests/test_tp_lowering.py), B = T x hidden x 2 bytes each (bf16 [T, hidden]), a ring
+tests/distributed/test_tp_lowering.py), B = T x hidden x 2 bytes each (bf16 [T, hidden]), a ring
 all-reduce moving 2 (N - 1) / N of them over NVLink at LINK per direction, plus a fixed latency
 alpha per all-reduce, which dominates small decode steps. Matmuls are taken as HBM-bound (decode)
 and kernel launch floors are left out (docs/perf/gpu-kernel-model.md's single-GPU table has them).

@@ -19,8 +19,8 @@ Otherwise XLA materialises the whole float32 weight every call, several times sl
 float32 GEMV (docs/perf/gguf-cpu.md), as it does for any multi-row dot of a converted weight.
 The weight values inside the dot are exactly the float32 path's; the summation order is that of
 XLA's fused dot emitter (and of the chunks) rather than of the float32 GEMV, and each row's
-result is the same whatever the other rows are (tests/test_gguf_quant.py checks both, and that a
-compiled decode step materialises no dequantized weight).
+result is the same whatever the other rows are (tests/model/test_gguf_quant.py checks both, and
+that a compiled decode step materialises no dequantized weight).
 """
 
 from __future__ import annotations

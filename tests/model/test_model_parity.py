@@ -10,8 +10,8 @@ import torch
 from jaxllm import LLM, SamplingParams
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, rope_variables
-from tests.conftest import make_tiny_checkpoint
 from tests.model_inputs import prefill_inputs
+from tests.utils import make_tiny_checkpoint
 
 PROMPT_LENS = [1, 5, 16, 23, 40]
 

@@ -19,7 +19,7 @@ from jaxllm.benchmarks.profile import PROFILE_PHASES
 from jaxllm.benchmarks.roofline import ModelCost, roofline, workload_cost
 from jaxllm.entrypoints.cli.main import main
 from jaxllm.worker.matmul_timing import time_weight_matmuls, weight_matmuls
-from tests.conftest import make_tiny_checkpoint
+from tests.utils import make_tiny_checkpoint
 
 # One engine shape for every test, so the compiled buckets come from the disk cache after the
 # first start-up.
@@ -267,7 +267,7 @@ def test_cli_parser_does_not_import_the_benchmarks():
     """`jaxllm chat` / `generate` (and building the `bench` parser, or parsing its flags) load
     no benchmark code: each bench command imports its module when it runs. A fresh interpreter,
     so modules this test process already imported cannot hide an import."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     code = ("import sys\n"
             "from jaxllm.entrypoints.cli.main import build_parser\n"
             "parser = build_parser()\n"

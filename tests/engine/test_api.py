@@ -7,7 +7,7 @@ import pytest
 import jaxllm
 from jaxllm import LLM, RequestOutput, SamplingParams
 from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
-from tests.conftest import make_tiny_checkpoint
+from tests.utils import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from http.client import HTTPConnection
 
 import openai
 import pytest
-from openai_server import ServerProcess, bad_requests, http, metric, stream_text
+
+from tests.server.openai_server import ServerProcess, bad_requests, http, metric, stream_text
 
 KEY = "test-key-123"
 MAX_MODEL_LEN = 256

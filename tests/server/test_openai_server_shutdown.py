@@ -9,7 +9,8 @@ import threading
 import time
 
 import openai
-from openai_server import ServerProcess, http
+
+from tests.server.openai_server import ServerProcess, http
 
 
 def test_sigterm_finishes_running_stream_then_exits_0(tmp_path):

@@ -2,7 +2,7 @@
 with two virtual CPU devices and JAXLLM_* variables): TP = 4 over both processes, greedy
 PROMPTS; writes the tokens (or the error) to OUT as JSON.
 
-usage: python tests/tp_multihost_child.py CHECKPOINT OUT.json [--then-wait-for FILE]
+usage: python tests/distributed/tp_multihost_child.py CHECKPOINT OUT.json [--then-wait-for FILE]
   --then-wait-for: after the first generate, write OUT.json.ready and wait for FILE, then
   generate again (the test kills the follower in between) and record the error.
 """

@@ -14,8 +14,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.sample import host_sampler
-from tests.conftest import make_tiny_checkpoint
-from tests.test_engine import assert_pool_free
+from tests.utils import assert_pool_free, make_tiny_checkpoint
 
 VOCAB = 4096
 

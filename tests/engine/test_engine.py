@@ -7,18 +7,14 @@ the prefix cache; nothing compiles after warm-up; every block is free again afte
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 import pytest
 import torch
 
-from jaxllm import LLM, SamplingParams
-from scheduler import NULL_BLOCK_ID
+from jaxllm import SamplingParams
+from tests.utils import MAX_NEW, assert_pool_free, make_llm, on_each_step
 
-MAX_NEW = 24
-PROMPT_LENS = [3, 70, 17, 40, 9, 33]
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
@@ -33,62 +29,6 @@ class CompileCounter:
 
 
 COMPILES = CompileCounter()
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_models):
-    return tiny_models["untied"]
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(42)
-    base = [rng.integers(0, 512, n).tolist() for n in PROMPT_LENS]
-    # Two prompts sharing a 48-token prefix with the 70-token one (3 full blocks of 16).
-    base.append(base[1][:48] + rng.integers(0, 512, 5).tolist())
-    base.append(base[1][:50] + rng.integers(0, 512, 12).tolist())
-    return base
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(tiny):
-    _, hf = tiny
-
-    @functools.cache
-    def run(prompt: tuple[int, ...]) -> list[int]:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
-                              min_new_tokens=MAX_NEW, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
-
-    return run
-
-
-def make_llm(path, **kw) -> LLM:
-    args = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=8,
-                max_num_batched_tokens=64, show_progress=False)
-    args.update(kw)
-    return LLM(model=str(path), **args)
-
-
-def assert_pool_free(llm: LLM) -> None:
-    core = llm.llm_engine.engine_core_client.engine_core
-    pool = core.scheduler.kv_cache_manager.block_pool
-    assert pool.num_free_blocks == llm.llm_engine.num_kv_blocks - 1  # block 0 is the null block
-    assert not core.scheduler.requests and not llm.llm_engine.output_processor.parents
-    assert NULL_BLOCK_ID == 0
-
-
-def on_each_step(llm: LLM, record) -> None:
-    """Call record(scheduler_output) before the runner executes each step."""
-    runner = llm.llm_engine.engine_core_client.engine_core.runner
-    original = runner.prepare
-
-    def spy(so, *args, **kwargs):
-        record(so)
-        return original(so, *args, **kwargs)
-
-    runner.prepare = spy
 
 
 def greedy(prompts, llm):

@@ -9,7 +9,7 @@ import pytest
 
 from jaxllm.model_executor.model_loader import default_model
 from jaxllm.model_executor.model_loader.loader import ModelLoadError, load_model
-from tests.conftest import make_tiny_checkpoint
+from tests.utils import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

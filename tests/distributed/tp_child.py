@@ -3,9 +3,10 @@ set before JAX starts): one engine per TP size over one checkpoint, the same gre
 each, and what the parent compares saved to an .npz (every step's full logits, the sampled
 top-K, tokens, prompt logprobs, shardings, compiles after warm-up).
 
-usage: python tests/tp_child.py CHECKPOINT OUT.npz TP_SIZE[,TP_SIZE...] [ENGINE_KWARGS_JSON]
-       python tests/tp_child.py --real OUT.npz TP_SIZE   (the embedded 0.5B model, REAL_PROMPTS
-       with few KV blocks: preemption and prefix-cache hits)
+usage: python tests/distributed/tp_child.py CHECKPOINT OUT.npz TP_SIZE[,TP_SIZE...] [KWARGS_JSON]
+       python tests/distributed/tp_child.py --real OUT.npz TP_SIZE
+           (the embedded 0.5B model, REAL_PROMPTS with few KV blocks: preemption and prefix-cache
+           hits)
 """
 
 from __future__ import annotations

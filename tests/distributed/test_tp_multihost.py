@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.conftest import make_tiny_checkpoint
-from tests.tp_multihost_child import ENGINE, PROMPTS, sampling_params
+from tests.distributed.tp_multihost_child import ENGINE, PROMPTS, sampling_params
+from tests.utils import make_tiny_checkpoint
 
 CHILD = Path(__file__).with_name("tp_multihost_child.py")
 TIMEOUT_S = 90
@@ -33,7 +33,7 @@ def _free_port() -> int:
 def _env(port: int, process_id: int) -> dict[str, str]:
     return dict(os.environ, JAX_PLATFORMS="cpu",
                 XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                PYTHONPATH=str(CHILD.parent.parent),
+                PYTHONPATH=str(CHILD.parents[2]),
                 JAXLLM_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAXLLM_NUM_PROCESSES="2",
                 JAXLLM_PROCESS_ID=str(process_id))
 

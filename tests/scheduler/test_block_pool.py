@@ -57,7 +57,7 @@ def test_hash_is_chained_and_stable_across_processes() -> None:
     # Python's hash() is salted per process; ours must not be.
     code = "from scheduler import hash_block_tokens as h; print(h(None, [1, 2, 3, 4]).hex())"
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     other = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True
     ).stdout.strip()

@@ -30,7 +30,7 @@ from jaxllm.engine.mp_client import AsyncMPClient, SyncMPClient
 
 ENGINE_KW = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64,
                  num_kv_blocks=96, show_progress=False)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

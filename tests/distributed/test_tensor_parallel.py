@@ -1,9 +1,9 @@
 """Tensor parallelism on virtual CPU devices: TP = 2, 4, 8 against TP = 1.
 
-The sharded engines run in a child process (tests/tp_child.py), since the virtual device count
-must be set before JAX starts; this process compares what it saved. The tiny model (8 query
-heads, 4 KV heads) covers several KV heads per device (TP 2), one (TP 4) and replicated KV heads
-(TP 8), with an untied LM head; the refusals and the per-shard weight layout run here.
+The sharded engines run in a child process (tp_child.py beside this file), since the virtual
+device count must be set before JAX starts; this process compares what it saved. The tiny model
+(8 query heads, 4 KV heads) covers several KV heads per device (TP 2), one (TP 4) and replicated
+KV heads (TP 8), with an untied LM head; the refusals and the per-shard weight layout run here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 
 from jaxllm.distributed.tensor_parallel import _per_shard_gate_up, _per_shard_qkv, tp_layout
 from jaxllm.model_executor.config import ModelConfig
-from tests.conftest import make_tiny_checkpoint
-from tests.tp_child import REAL_ENGINE, REAL_MAX_NEW, REAL_PROMPTS
+from tests.distributed.tp_child import REAL_ENGINE, REAL_MAX_NEW, REAL_PROMPTS
+from tests.utils import make_tiny_checkpoint
 
 SIZES = (1, 2, 4, 8)
 CHILD = Path(__file__).with_name("tp_child.py")
@@ -28,7 +28,7 @@ CHILD = Path(__file__).with_name("tp_child.py")
 def run_child(args: list[str], timeout: float, devices: int = 8) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=str(CHILD.parent.parent))
+               PYTHONPATH=str(CHILD.parents[2]))
     proc = subprocess.run([sys.executable, str(CHILD), *args], env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]

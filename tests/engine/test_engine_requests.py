@@ -14,7 +14,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.engine import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.worker.model_runner import kv_block_bytes
-from tests.test_engine import assert_pool_free, hf_greedy, make_llm, prompts, tiny  # noqa: F401
+from tests.utils import assert_pool_free, make_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
