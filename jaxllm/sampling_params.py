@@ -64,20 +64,26 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.stop is None:
-            self.stop = []
+            stop = []
         elif isinstance(self.stop, str):
-            self.stop = [self.stop]
+            stop = [self.stop]
         elif isinstance(self.stop, (list, tuple)):
-            self.stop = list(self.stop)
+            stop = list(self.stop)
         else:
             raise self._bad("stop", "must be a string, a list of strings or None")
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise self._bad("stop", "must be non-empty strings")
+        self.stop = stop
         if self.stop_token_ids is None:
-            self.stop_token_ids = []
+            stop_token_ids = []
         elif isinstance(self.stop_token_ids, (list, tuple)):
-            self.stop_token_ids = [self._int(t, "stop_token_ids", "must be non-negative integers")
-                                   for t in self.stop_token_ids]
+            stop_token_ids = [self._int(t, "stop_token_ids", "must be non-negative integers")
+                              for t in self.stop_token_ids]
         else:
             raise self._bad("stop_token_ids", "must be a list of non-negative integers or None")
+        if any(t < 0 for t in stop_token_ids):
+            raise self._bad("stop_token_ids", "must be non-negative integers")
+        self.stop_token_ids = stop_token_ids
         if self.logit_bias is not None:
             self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self._verify()
@@ -153,10 +159,6 @@ class SamplingParams:
                 self.seed = None  # as vLLM's OpenAI server: -1 means "no seed"
             elif self.seed < 0:
                 raise self._bad("seed", why)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise self._bad("stop", "must be non-empty strings")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise self._bad("stop_token_ids", "must be non-negative integers")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise self._bad(name, "must be a bool")

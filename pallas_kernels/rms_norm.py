@@ -36,11 +36,15 @@ def rms_norm_reference(
         # The residual stream is kept in the model dtype (as Hugging Face and vLLM do), so the
         # sum is rounded once to `dtype` and the norm is taken of that rounded value.
         h = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(dtype)
-        return rms_norm_reference(h, weight, eps), h
+        return _normalize(h, weight, eps), h
+    return _normalize(x, weight, eps)
+
+
+def _normalize(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     var = jnp.mean(xf * xf, axis=-1, keepdims=True)
     y = xf * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)
-    return y.astype(dtype)
+    return y.astype(x.dtype)
 
 
 # --------------------------------------------------------------------------- pallas kernel
@@ -65,6 +69,7 @@ def _rms_norm_kernel(*refs, eps: float, n_rows: int, hidden: int, block_rows: in
 
     x = plgpu.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
     if has_residual:
+        assert r_ref is not None and h_ref is not None
         r = plgpu.load(r_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
         h = (x + r).astype(h_ref.dtype)
         plgpu.store(h_ref.at[idx], h, mask=mask)
@@ -79,8 +84,9 @@ def _rms_norm_kernel(*refs, eps: float, n_rows: int, hidden: int, block_rows: in
     plgpu.store(y_ref.at[idx], y.astype(y_ref.dtype), mask=mask)
 
 
-def _rms_norm_pallas(x: jax.Array, weight: jax.Array, eps: float,
-                     residual: jax.Array | None, interpret: bool):
+def _rms_norm_pallas(x: jax.Array, weight: jax.Array, eps: float, residual: jax.Array | None,
+                     interpret: bool) -> tuple[jax.Array, jax.Array | None]:
+    """(y, h): h, the stored residual sum, is None without a residual."""
     n_rows, hidden = x.shape
     block_cols = next_pow2(hidden)
     # Rows per program: as many as fit _BLOCK_ELEMS, but keep >= ~_MIN_PROGRAMS programs so a
@@ -104,7 +110,7 @@ def _rms_norm_pallas(x: jax.Array, weight: jax.Array, eps: float,
     if has_residual:
         y, h = call(x, residual, weight)
         return y, h
-    return call(x, weight)
+    return call(x, weight), None
 
 
 # --------------------------------------------------------------------------- public
@@ -144,8 +150,8 @@ def _rms_norm_jit(x, weight, residual, *, eps: float, backend: str):
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     r2 = None if residual is None else residual.reshape(x2.shape)
-    out = _rms_norm_pallas(x2, weight, eps, r2, interpret=backend == "interpret")
-    if residual is None:
-        return out.reshape(shape)
-    return out[0].reshape(shape), out[1].reshape(shape)
+    y, h = _rms_norm_pallas(x2, weight, eps, r2, interpret=backend == "interpret")
+    if h is None:
+        return y.reshape(shape)
+    return y.reshape(shape), h.reshape(shape)
 

@@ -209,6 +209,7 @@ class Scheduler:
                     break
             if not scheduled:
                 break
+            assert new_blocks is not None  # the loop above exits with blocks or unscheduled
             self._add_to_output(out, request, num_new, [b.block_id for b in new_blocks],
                                 is_new=False)
             budget -= num_new

@@ -31,6 +31,7 @@ class HFRunner:
                        "float16": torch.float16}.get(dtype_name, torch.float32)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         start = time.perf_counter()
+        hf: Any  # transformers' annotations name a mixin without `to` / `generate`
         if path.is_file() and path.suffix == ".gguf":
             hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                       dtype=torch_dtype)
@@ -105,7 +106,8 @@ class HFRunner:
             bar.update(len(prompts))
         elapsed = time.perf_counter() - start
         bar.close()
-        out = throughput_metrics(elapsed, sum(workload.prompt_lens), useful, len(workload))
+        out: dict[str, Any] = throughput_metrics(elapsed, sum(workload.prompt_lens), useful,
+                                                 len(workload))
         out.update(batch_size=batch_size, generated_tokens_incl_padding_rows=computed,
                    dtype=self.dtype_name, device=self.device)
         return out

@@ -104,11 +104,8 @@ def profile_steps(llm: LLM, sampler: TokenSampler, batch_sizes: list[int], input
             results.append({"batch_size": bs, "skipped": "no steady-state decode step"})
             continue
         step_ms = 1e3 * float(np.mean([s.wall_s for s in steady]))
-        critical = [s.host_critical_s for s in steady]
-        critical_ms = (None if any(c is None for c in critical)
-                       else 1e3 * float(np.mean(critical)))
-        launch_ms = (None if critical_ms is None
-                     else 1e3 * float(np.mean([s.launch_s for s in steady])))
+        critical_ms = _mean_ms([s.host_critical_s for s in steady])
+        launch_ms = None if critical_ms is None else _mean_ms([s.launch_s for s in steady])
         phases = {}
         for name in PROFILE_PHASES:
             ms = 1e3 * float(np.mean([s.parts[name] for s in steady]))
@@ -174,3 +171,8 @@ def maybe_profile(args: argparse.Namespace, llm: LLM, sampler: TokenSampler,
     result["profile"] = prof
     print_profile(prof)
 
+
+def _mean_ms(seconds: list[float | None]) -> float | None:
+    """Mean in milliseconds, or None when any step did not record the time."""
+    known = [s for s in seconds if s is not None]
+    return 1e3 * float(np.mean(known)) if len(known) == len(seconds) else None

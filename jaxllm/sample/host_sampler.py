@@ -117,6 +117,7 @@ class HostSampler:
             exact = np.zeros(n, bool)
         fast = np.flatnonzero(exact)
         if fast.size:
+            assert topk is not None  # rows are exact only with candidates
             every = fast.size == n
             fast_tokens, fast_logprobs, fast_logprob_rows = sample_from_topk(
                 topk if every else topk.rows(fast),

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -111,7 +112,7 @@ def _process_row(raw: np.ndarray, row: SamplingRow) -> np.ndarray | None:
         vals = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
         z[ids] += vals
     if params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens:
-        stop_ids = set(params.stop_token_ids) | set(row.eos_token_ids)
+        stop_ids = set(params.stop_token_ids or ()) | set(row.eos_token_ids)
         if stop_ids:
             z[_ids_in_vocab(sorted(stop_ids), vocab)] = -np.inf
     if (params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
@@ -174,7 +175,7 @@ def _block_sums(w: np.ndarray) -> np.ndarray:
     return sums
 
 
-def _cum_search(w: np.ndarray, target: float, side: str) -> int:
+def _cum_search(w: np.ndarray, target: float, side: Literal["left", "right"]) -> int:
     """The first index whose inclusive cumulative sum of w reaches `target` (side "left": >=,
     "right": >), clamped to the last index. Cumulative sums per block first, then in one block."""
     n = w.shape[0]
@@ -434,12 +435,17 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *, lse: np.ndarray |
             row_lse = _lse(ex) if ex is not None else m
         if not params.greedy:
             # exactly one draw per sampled token
-            draw = float(row.generator.random()) if u is None else float(u[i])
+            if u is not None:
+                draw = float(u[i])
+            else:
+                assert row.generator is not None  # checked above
+                draw = float(row.generator.random())
             cached = ex if (z is None and params.temperature == 1.0) else None
             cand, w = _candidates(raw if z is None else z, params, work_buf, cached)
             tok = _draw(cand, w, draw)
         token_ids[i] = tok
         if want_logprobs:
+            assert row_lse is not None  # set above whenever logprobs are wanted
             sampled_logprobs[i] = float(raw[tok]) - row_lse
             if params.logprobs is not None:
                 ids, lps, ranks = _logprob_row(raw, row_lse, params.logprobs, tok)
