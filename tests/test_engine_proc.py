@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny_path():
-    from jaxllm.benchmarks.tiny_model import tiny_qwen2_path
+    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
 
     return str(tiny_qwen2_path())
 

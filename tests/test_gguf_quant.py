@@ -30,7 +30,7 @@ from jaxllm.model_executor.layers.quantization.gguf import (
 from jaxllm.model_executor.model_loader import gguf_repack
 from jaxllm.model_executor.model_loader.loader import ModelLoadError, load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, linear, rope_variables
-from jaxllm.worker.model_runner import GGUF_GEMV_MAX_ROWS
+from jaxllm.config import GGUF_GEMV_MAX_ROWS
 from tests.gguf_models import hf_model_from, quantized_bytes, random_blocks, write_tiny_gguf
 from tests.model_inputs import prefill_inputs
 

@@ -28,7 +28,7 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time",
 
 @pytest.fixture(scope="module")
 def tiny_path():
-    from jaxllm.benchmarks.tiny_model import tiny_qwen2_path
+    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
 
     return str(tiny_qwen2_path())
 

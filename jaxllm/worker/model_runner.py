@@ -18,7 +18,7 @@ start-up, so serving never compiles:
   - the sequence count S and the number of logits rows are min(T, max_num_seqs), so they follow
     T and add no bucket dimension.
 Weights are picked per bucket when it is compiled (`params_for`), between two trees of the same
-values: with quantization="gguf" the decode buckets up to GGUF_GEMV_MAX_ROWS run on
+values: with quantization="gguf" the decode buckets up to `gemv_max_rows` run on
 `gemv_params` (GGUF blocks kept quantized, fused dequant GEMVs: fewer bytes per step), every
 other bucket on `params` (float32 copies, fastest for multi-row dots); with a Pallas kernel
 backend the loader gives one tree, all quantized, and every bucket runs the fused dequant
@@ -61,7 +61,7 @@ from jaxllm.distributed.tensor_parallel import (
     tp_layout,
 )
 from jaxllm.model_executor.config import ModelConfig
-from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, use_cpu_kernel
+from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
 from jaxllm.model_executor.models.qwen2 import (
     AttentionMetadata,
     Qwen2ForCausalLM,
@@ -71,7 +71,7 @@ from jaxllm.model_executor.models.qwen2 import (
 from jaxllm.sample.candidates import TopKLogits
 from jaxllm.sample.topk import TOPK
 from jaxllm.sampling_params import MAX_LOGPROBS
-from jaxllm.worker.buckets import MIN_TOKEN_BUCKET, decode_buckets, token_buckets
+from jaxllm.worker.buckets import decode_buckets, token_buckets
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.outputs import (  # re-exported: the engine core imports them from here
     ModelRunnerOutput,
@@ -90,11 +90,6 @@ from scheduler import SchedulerOutput
 # Prompt-logprob rows go through the LM head in chunks of this many rows, top-N up to the
 # logprobs limit.
 PROMPT_LOGPROB_ROWS = 32
-# quantization="gguf": decode buckets of at most this many rows use the quantized weights, through
-# our CPU kernel (int8 weights read once per step), or where it cannot be built through XLA's
-# fused GEMVs (read once per row); larger buckets run float32 GEMMs. BENCHMARKS.md (issue 17).
-GGUF_GEMV_MAX_ROWS = 16
-GGUF_XLA_GEMV_MAX_ROWS = 8
 
 
 def float32_weights(params: dict) -> dict:
@@ -129,7 +124,12 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, *, dtype: Any, kernel_backend: str,
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, topk_sampling: bool = False,
-                 gemv_params: dict | None = None, tensor_parallel_size: int = 1) -> None:
+                 gemv_params: dict | None = None, gemv_max_rows: int = 0,
+                 kv_cache_dtype: Any = None, activation_dtype: Any = None,
+                 tensor_parallel_size: int = 1) -> None:
+        """`gemv_max_rows`, `kv_cache_dtype` and `activation_dtype` as EngineConfig resolved
+        them (None: `dtype`); with `gemv_max_rows` and no `gemv_params`, the GEMV buckets run
+        on float32 copies of `params`."""
         self.config = config
         self.local_config = config  # one device's slice of the model
         self.mesh = None
@@ -145,23 +145,12 @@ class ModelRunner:
             params = shard_params(params, layout, self.mesh)
         self.params = params
         self.gemv_params = gemv_params
-        self.gemv_max_rows = 0
-        if gemv_params is not None:  # quantization="gguf" on XLA
-            self.gemv_max_rows = GGUF_GEMV_MAX_ROWS if use_cpu_kernel() \
-                else GGUF_XLA_GEMV_MAX_ROWS
-        if gemv_params is None and jnp.dtype(dtype) == jnp.bfloat16 \
-                and jax.default_backend() == "cpu":
+        self.gemv_max_rows = gemv_max_rows
+        if gemv_max_rows and gemv_params is None:  # bfloat16 weights on CPU
             self.gemv_params = float32_weights(params)
-            self.gemv_max_rows = MIN_TOKEN_BUCKET - 1
         self.dtype = dtype
-        # XLA on CPU scatters into a 16-bit float KV array by converting all of it to float32
-        # and back, twice per step (3 s per step for a 1 GiB bfloat16 cache): keep it float32.
-        self.kv_cache_dtype = jnp.float32 if jnp.dtype(dtype).itemsize == 2 \
-            and jax.default_backend() == "cpu" else dtype
-        # Likewise the hidden states on XLA (reference backend): XLA on CPU runs 16-bit
-        # elementwise ops, norms and attention slower than float32 ones, so only the GEMMs'
-        # operands are 16-bit there. (Interpret-mode Pallas keeps the GPU's dtypes.)
-        self.activation_dtype = self.kv_cache_dtype if kernel_backend == "reference" else dtype
+        self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+        self.activation_dtype = dtype if activation_dtype is None else activation_dtype
         self.block_size = block_size
         self.num_kv_blocks = 0
         self.max_model_len = max_model_len
