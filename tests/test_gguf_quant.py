@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.config import GGUF_GEMV_MAX_ROWS
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
 from jaxllm.model_executor.layers.quantization.gguf import (
@@ -28,9 +29,9 @@ from jaxllm.model_executor.layers.quantization.gguf import (
     gguf_linear,
 )
 from jaxllm.model_executor.model_loader import gguf_repack
-from jaxllm.model_executor.model_loader.loader import ModelLoadError, load_model
+from jaxllm.model_executor.model_loader.errors import ModelLoadError
+from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, linear, rope_variables
-from jaxllm.config import GGUF_GEMV_MAX_ROWS
 from tests.gguf_models import hf_model_from, quantized_bytes, random_blocks, write_tiny_gguf
 from tests.model_inputs import prefill_inputs
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import numbers
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,22 +237,20 @@ class EngineArgs:
 
 
 def engine_args_markdown() -> str:
-    """docs/engine_args.md: one row per EngineArgs field (Python name, CLI flag, default, help)."""
+    """docs/engine_args.md (written by scripts/generate_engine_args_doc.py): one row per
+    EngineArgs field with its CLI flag, type, default and help."""
     lines = ["# Engine arguments", "",
-             "Generated from `EngineArgs` (jaxllm/engine/arg_utils.py) by "
-             "`python -m jaxllm.engine.arg_utils --markdown`; do not edit by hand.", "",
-             "Every argument is a keyword of `LLM(...)` and `AsyncLLM(...)`, a field of "
-             "`EngineArgs` and an option of `jaxllm generate`, `chat`, `serve` and `bench` "
-             "(`--max-num-seqs` for `max_num_seqs`; a boolean that is on by default is turned "
-             "off with `--no-...`).", "",
-             "| argument | type | default | what it does |", "|---|---|---|---|"]
+             "Generated from the `EngineArgs` fields (jaxllm/engine/arg_utils.py) by "
+             "`python scripts/generate_engine_args_doc.py`; edit the field's help there, not "
+             "this file.", "",
+             "Every argument is a keyword of `LLM(...)` and `AsyncLLM(...)` and a field of "
+             "`EngineArgs`, and its flag is an option of `jaxllm generate`, `chat`, `serve` and "
+             "`bench`. A boolean that is on by default is turned off with `--no-...`; one whose "
+             "default is `None` (decided per platform) takes `--flag` or `--no-flag`.", "",
+             "| argument | flag | type | default | what it does |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(EngineArgs):
-        help_text = f.metadata["help"].replace("|", "\\|")
-        lines.append(f"| `{f.name}` | `{f.type}` | `{f.default!r}` | {help_text} |")
+        flag = ("--no-" if f.default is True else "--") + f.name.replace("_", "-")
+        cells = [f"`{f.name}`", f"`{flag}`", f"`{f.type}`", f"`{f.default!r}`",
+                 f.metadata["help"]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--markdown"]:
-        raise SystemExit("usage: python -m jaxllm.engine.arg_utils --markdown")
-    sys.stdout.write(engine_args_markdown())

@@ -27,7 +27,7 @@ from jaxllm.engine import (
     SchedulerStats,
 )
 from jaxllm.engine.arg_utils import EngineArgs
-from jaxllm.model_executor.model_loader import load_model
+from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.sample.candidates import exact_rows, sample_from_topk
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata

@@ -105,6 +105,8 @@ _FORMATS = {
     "Q6_K": (QK_K, 210, 16, _q6_k),
 }
 SUPPORTED_TYPES = tuple(_FORMATS)
+# Tensor types that are not block formats: they load as float32, as with quantization="none".
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 class UnsupportedGGUFType(ValueError):
