@@ -8,6 +8,8 @@ rows: no Python loop rebuilds block tables, positions or slot mappings.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from itertools import chain
 
@@ -18,8 +20,10 @@ from scheduler import SchedulerOutput
 
 
 @dataclass
-class StepInputs:
-    """Host arrays of one step, padded to its bucket (T tokens, S sequences)."""
+class DeviceInputs:
+    """The arrays one step sends to the device, padded to its bucket (T tokens, S sequences):
+    `ModelRunner.launch`'s inputs, and what process 0 of a multi-host engine broadcasts to the
+    others as one vector (`pack` / `unpack`, field by field)."""
 
     input_ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int32
@@ -28,6 +32,34 @@ class StepInputs:
     seq_lens: np.ndarray  # [S] int32, 0 for padding
     query_start_loc: np.ndarray  # [S + 1] int32
     logits_indices: np.ndarray  # [S] int32: rows that sample first, then 0
+
+    @staticmethod
+    def shapes(num_tokens: int, num_seqs: int, max_blocks_per_seq: int
+               ) -> dict[str, tuple[int, ...]]:
+        t, s = num_tokens, num_seqs
+        return {"input_ids": (t,), "positions": (t,), "slot_mapping": (t,),
+                "block_tables": (s, max_blocks_per_seq), "seq_lens": (s,),
+                "query_start_loc": (s + 1,), "logits_indices": (s,)}
+
+    def pack(self) -> np.ndarray:
+        """Every device field, flattened into one int32 vector."""
+        return np.concatenate([getattr(self, f.name).ravel()
+                               for f in dataclasses.fields(DeviceInputs)]).astype(np.int32)
+
+    @classmethod
+    def unpack(cls, flat: np.ndarray, shapes: dict[str, tuple[int, ...]]) -> DeviceInputs:
+        """`pack`'s vector back into arrays of `shapes` (`DeviceInputs.shapes` of its bucket)."""
+        names = [f.name for f in dataclasses.fields(DeviceInputs)]
+        sizes = [math.prod(shapes[name]) for name in names]
+        parts = np.split(flat, np.cumsum(sizes)[:-1])
+        return DeviceInputs(**{name: part.reshape(shapes[name])
+                               for name, part in zip(names, parts, strict=True)})
+
+
+@dataclass
+class StepInputs(DeviceInputs):
+    """One step's device arrays and what the host keeps about them."""
+
     sample_req_ids: list[str]  # request of each sampled row, in order
     num_tokens: np.ndarray  # [len(scheduled)] tokens of each scheduled request
     sampling: SamplingMetadata  # the sampled rows' parameters, in sample_req_ids order

@@ -72,7 +72,7 @@ from jaxllm.sample.candidates import TopKLogits
 from jaxllm.sample.topk import TOPK
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.worker.buckets import decode_buckets, token_buckets
-from jaxllm.worker.input_batch import InputBatch
+from jaxllm.worker.input_batch import DeviceInputs, InputBatch
 from jaxllm.worker.outputs import (  # re-exported: the engine core imports them from here
     ModelRunnerOutput,
     PreparedStep,
@@ -364,21 +364,19 @@ class ModelRunner:
         if self.leader is not None:  # several hosts: the followers launch the same step
             self.leader.step(prepared.shape, inputs)
         t = time.perf_counter()
-        values, token_ids, lse, logits, hidden = self.launch(
-            prepared.shape, inputs.input_ids, inputs.positions, inputs.slot_mapping,
-            inputs.block_tables, inputs.seq_lens, inputs.query_start_loc, inputs.logits_indices)
+        values, token_ids, lse, logits, hidden = self.launch(prepared.shape, inputs)
         if logits.is_fully_addressable:
             for x in (values, token_ids, lse) if self.top_k else (logits,):
                 x.copy_to_host_async()
         return StepHandle(prepared, values, token_ids, lse, logits, hidden, t,
                           time.perf_counter(), self.launches)
 
-    def launch(self, shape: tuple[int, int], input_ids: np.ndarray, positions: np.ndarray,
-               *metadata: np.ndarray) -> tuple:
-        """Run a compiled step on padded inputs (`metadata`: AttentionMetadata's arrays);
-        returns (top-K values, ids, log-sum-exp, logits, hidden states)."""
-        md = AttentionMetadata(*metadata)
-        num_seqs = md.seq_lens.shape[0]
+    def launch(self, shape: tuple[int, int], inputs: DeviceInputs) -> tuple:
+        """Run a compiled step on padded inputs; returns (top-K values, ids, log-sum-exp,
+        logits, hidden states)."""
+        attn_metadata = AttentionMetadata(**{name: getattr(inputs, name)
+                                             for name in AttentionMetadata._fields})
+        num_seqs = inputs.seq_lens.shape[0]
         buf = self._logits_bufs.pop(num_seqs, None)
         if buf is None:  # first step of this shape (a transfer, not a compile)
             zeros = np.zeros((num_seqs, self.config.vocab_size), np.float32)
@@ -388,7 +386,8 @@ class ModelRunner:
                 buf = jax.make_array_from_callback(zeros.shape, self._sharding(LOGITS_SPEC),
                                                    lambda index: zeros[index])
         *out, self.kv_cache = self._compiled[shape](
-            self.params_for(*shape), self.rope, self.kv_cache, buf, input_ids, positions, md)
+            self.params_for(*shape), self.rope, self.kv_cache, buf, inputs.input_ids,
+            inputs.positions, attn_metadata)
         self.launches += 1
         return tuple(out)
 
