@@ -128,7 +128,7 @@ class LLMEngine:
     def get_step_shape_counts(self) -> dict[tuple[int, int], int]:
         """Steps run per (num_tokens, max_query_len) since the last reset."""
         rows = self.engine_core_client.call_utility("get_step_shape_counts")
-        return {(t, q): n for t, q, n in rows}
+        return {(num_tokens, max_query_len): n for num_tokens, max_query_len, n in rows}
 
     def reset_step_shape_counts(self) -> None:
         self.engine_core_client.call_utility("reset_step_shape_counts")

@@ -85,12 +85,12 @@ class InputBatch:
         row = self.req_id_to_row[request_id]
         return self.block_table[row, :self.num_blocks[row]].tolist()
 
-    def update_states(self, so: SchedulerOutput) -> None:
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply a step's schedule: drop finished and preempted requests, give new ones a row
         with their whole block table, append the new blocks of continuing ones."""
-        for rid in chain(so.finished_req_ids, so.preempted_req_ids):
+        for rid in chain(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids):
             self._remove(rid)
-        for r in so.scheduled:
+        for r in scheduler_output.scheduled:
             if r.is_new:
                 self._remove(r.request_id)  # a stale row must never leak into a new one
                 if not self._free_rows:
@@ -118,12 +118,12 @@ class InputBatch:
         self.num_blocks[row] = 0
         self._free_rows.append(row)
 
-    def prepare_inputs(self, so: SchedulerOutput, padded_tokens: int,
+    def prepare_inputs(self, scheduler_output: SchedulerOutput, padded_tokens: int,
                        num_seqs: int) -> StepInputs:
         """The step's device inputs (after update_states), in the scheduler's request order."""
-        reqs = so.scheduled
+        reqs = scheduler_output.scheduled
         n = len(reqs)
-        total = so.total_num_scheduled_tokens
+        total = scheduler_output.total_num_scheduled_tokens
         bs = self.block_size
         rows = np.fromiter((self.req_id_to_row[r.request_id] for r in reqs), np.intp, n)
         num_tokens = np.fromiter((len(r.token_ids) for r in reqs), np.int32, n)

@@ -195,11 +195,11 @@ class ModelRunner:
         # Several hosts, process 0: broadcasts each launch to the followers (multihost.py).
         self.leader: Any = None
 
-    def _forward(self, params, rope, kv_cache, logits_buf, input_ids, positions, md,
+    def _forward(self, params, rope, kv_cache, logits_buf, input_ids, positions, attn_metadata,
                  max_query_len, num_splits):
         del logits_buf  # only its buffer is wanted, for the logits output
         return forward_step(self.model, self.top_k, self.mesh, params, rope, kv_cache,
-                            input_ids, positions, md, max_query_len, num_splits)
+                            input_ids, positions, attn_metadata, max_query_len, num_splits)
 
     def _prompt_stats(self, params, hidden, rows, targets):
         return prompt_stats(self.model, min(MAX_LOGPROBS, self.config.vocab_size), self.mesh,
@@ -225,7 +225,8 @@ class ModelRunner:
 
     def bucket_table(self) -> list[tuple[int, int, int]]:
         """(num_tokens, max_query_len, attention split count) of every compiled step."""
-        return [(t, q, self.decode_splits[t] if q == 1 else 1) for t, q in self.bucket_shapes()]
+        return [(num_tokens, max_query_len, self.decode_splits[num_tokens] if max_query_len == 1
+                 else 1) for num_tokens, max_query_len in self.bucket_shapes()]
 
     def params_for(self, num_tokens: int, max_query_len: int) -> dict:
         """The param tree a bucket's executable is compiled for and runs with."""
@@ -241,17 +242,17 @@ class ModelRunner:
         def spec(*shape):
             return jax.ShapeDtypeStruct(shape, i32, sharding=self._replicated())
 
-        md = AttentionMetadata(spec(num_tokens), spec(s, self.max_blocks_per_seq), spec(s),
-                               spec(s + 1), spec(s))
-        return spec(num_tokens), spec(num_tokens), md
+        attn_metadata = AttentionMetadata(spec(num_tokens), spec(s, self.max_blocks_per_seq),
+                                          spec(s), spec(s + 1), spec(s))
+        return spec(num_tokens), spec(num_tokens), attn_metadata
 
     def _compile_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int):
         kv_spec = jax.ShapeDtypeStruct(self.kv_shape(num_kv_blocks), self.kv_cache_dtype,
                                        sharding=self._sharding(KV_SPEC))
-        ids, pos, md = self._abstract_inputs(num_tokens)
+        ids, pos, attn_metadata = self._abstract_inputs(num_tokens)
         splits = self.decode_splits[num_tokens] if max_query_len == 1 else 1
         return self._step.lower(self.params_for(num_tokens, max_query_len), self.rope, kv_spec,
-                                self._logits_spec(num_tokens), ids, pos, md,
+                                self._logits_spec(num_tokens), ids, pos, attn_metadata,
                                 max_query_len=max_query_len, num_splits=splits).compile()
 
     def _logits_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct:
@@ -326,29 +327,33 @@ class ModelRunner:
 
     # --- one step -----------------------------------------------------------------------------
 
-    def update_states(self, so: SchedulerOutput) -> None:
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply a schedule to the persistent batch; also for a step with nothing to run, so
         that the requests it reports finished free their rows."""
-        self.input_batch.update_states(so)
+        self.input_batch.update_states(scheduler_output)
 
-    def prepare(self, so: SchedulerOutput) -> PreparedStep:
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """Host inputs of a non-empty step (after applying it to the persistent batch)."""
         t0 = time.perf_counter()
-        num_tokens = so.total_num_scheduled_tokens
-        decode_only = num_tokens == len(so.scheduled)  # every request computes one token
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        # Every request computes one token.
+        decode_only = num_tokens == len(scheduler_output.scheduled)
         padded = self.bucket_for(num_tokens, decode_only)
         shape = (padded, 1 if decode_only else padded)
         if shape not in self._compiled:
             raise RuntimeError(f"step shape {shape} was not compiled; call compile() first")
-        self.update_states(so)
-        inputs = self.input_batch.prepare_inputs(so, padded, min(padded, self.max_num_seqs))
+        self.update_states(scheduler_output)
+        inputs = self.input_batch.prepare_inputs(scheduler_output, padded,
+                                                 min(padded, self.max_num_seqs))
         index = np.flatnonzero(inputs.input_ids[:num_tokens] < 0)
         req_ids = []
         if index.size:
-            owner = np.searchsorted(inputs.query_start_loc[1:len(so.scheduled) + 1], index,
+            num_scheduled = len(scheduler_output.scheduled)
+            owner = np.searchsorted(inputs.query_start_loc[1:num_scheduled + 1], index,
                                     side="right")
-            req_ids = [so.scheduled[i].request_id for i in owner.tolist()]
-        return PreparedStep(so, inputs, shape, index, req_ids, time.perf_counter() - t0)
+            req_ids = [scheduler_output.scheduled[i].request_id for i in owner.tolist()]
+        return PreparedStep(scheduler_output, inputs, shape, index, req_ids,
+                            time.perf_counter() - t0)
 
     def dispatch(self, prepared: PreparedStep,
                  placeholder_tokens: np.ndarray | None = None) -> StepHandle:
@@ -482,10 +487,10 @@ class ModelRunner:
                 lse[start:end])
             start = end
 
-    def execute_model(self, so: SchedulerOutput,
+    def execute_model(self, scheduler_output: SchedulerOutput,
                       prompt_logprobs: dict[str, tuple[int, list[int]]] | None = None
                       ) -> ModelRunnerOutput:
         """Run one step synchronously: prepare, dispatch, wait (and the prompt logprobs)."""
-        out = self.wait(self.dispatch(self.prepare(so)))
+        out = self.wait(self.dispatch(self.prepare(scheduler_output)))
         self.add_prompt_logprobs(out, prompt_logprobs or {})
         return out

@@ -84,9 +84,9 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         for (group, mod), hf_names in _LAYER_WEIGHTS.items():
             if not any_width and not single_chunk(layer[group][mod]["weight"].shape[1]):
                 continue
-            q = quantized([f"layers.{i}.{n}" for n in hf_names])
-            if q is not None:
-                layer[group][mod]["weight"] = q
+            weight = quantized([f"layers.{i}.{n}" for n in hf_names])
+            if weight is not None:
+                layer[group][mod]["weight"] = weight
         gemv[f"layers_{i}"] = layer
     embed = quantized(["embed_tokens.weight"])
     if embed is not None:
