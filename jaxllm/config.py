@@ -55,8 +55,9 @@ class EngineConfig:
     async_scheduling: bool
     multiprocess_mode: bool
     block_size: int
-    # KV budget: num_kv_blocks when given, else kv_cache_memory_bytes when set (given, or the
-    # CPU default), else gpu_memory_utilization of the device less weights and activations.
+    # KV budget (num_kv_blocks_for): num_kv_blocks when given, else kv_cache_memory_bytes when
+    # given, else gpu_memory_utilization of the device less weights and activations, else (a
+    # device that reports no memory: CPU) DEFAULT_CPU_KV_BYTES over the devices.
     num_kv_blocks: int | None
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
@@ -176,26 +177,23 @@ def resolve_activation_dtype(dtype: str, kv_cache_dtype: str, kernel_backend: st
     return kv_cache_dtype if kernel_backend == "reference" else dtype
 
 
-def cpu_kv_cache_bytes(tensor_parallel_size: int) -> int:
-    """Each device's share of the CPU default: virtual CPU devices share the host's memory."""
-    return DEFAULT_CPU_KV_BYTES // tensor_parallel_size
-
-
 def num_kv_blocks_for(config: EngineConfig, runner: ModelRunner) -> int:
-    """KV blocks from the budget: num_kv_blocks when given; else kv_cache_memory_bytes; else
-    (a GPU) gpu_memory_utilization of the device minus the weights and the measured activation
-    bytes of the largest step."""
+    """KV blocks from the budget: num_kv_blocks when given; else kv_cache_memory_bytes; else (a
+    GPU) gpu_memory_utilization of the device minus the weights and the measured activation
+    bytes of the largest step; else (CPU) DEFAULT_CPU_KV_BYTES."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     from jaxllm.worker.model_runner import device_memory_bytes, kv_block_bytes
 
     # Per device: with tensor parallelism each holds its kv heads' slice of every block.
     per_block = kv_block_bytes(runner.local_config, config.block_size, runner.kv_cache_dtype)
-    total = None if config.kv_cache_memory_bytes is not None else device_memory_bytes()
-    if total is None:
-        # An accelerator that does not report its memory gets the CPU's default.
-        budget = config.kv_cache_memory_bytes or cpu_kv_cache_bytes(config.tensor_parallel_size)
-        how = f"kv_cache_memory_bytes = {budget}"
+    total = device_memory_bytes()
+    if config.kv_cache_memory_bytes is not None:
+        budget, how = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    elif total is None:
+        # Virtual CPU devices share the host's memory: the default is for all of them.
+        budget = DEFAULT_CPU_KV_BYTES // config.tensor_parallel_size
+        how = "the CPU default of 1 GiB (over all devices)"
     else:
         weights = runner.weight_bytes()
         activations = runner.measure_activation_bytes() + runner.logits_buffer_bytes()

@@ -17,7 +17,6 @@ from jaxllm.config import (
     KERNEL_BACKENDS,
     QUANTIZATIONS,
     EngineConfig,
-    cpu_kv_cache_bytes,
     resolve_activation_dtype,
     resolve_dtype,
     resolve_gemv_max_rows,
@@ -209,9 +208,6 @@ class EngineArgs:
         quantization = resolve_quantization(self.quantization, path, dtype, backend,
                                             self.tensor_parallel_size, platform)
         kv_cache_dtype = resolve_kv_cache_dtype(dtype, platform)
-        kv_bytes = self.kv_cache_memory_bytes
-        if kv_bytes is None and platform == "cpu":
-            kv_bytes = cpu_kv_cache_bytes(self.tensor_parallel_size)
         if self.model is None:
             from jaxllm.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
 
@@ -228,7 +224,8 @@ class EngineArgs:
             async_scheduling=True if self.async_scheduling is None else self.async_scheduling,
             multiprocess_mode=resolve_multiprocess_mode(self.multiprocess_mode),
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_n=self.max_n,
             enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
