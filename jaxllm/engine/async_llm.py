@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jaxllm.config import EngineConfig
 from jaxllm.engine import EngineDeadError, SchedulerStats
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient
-from jaxllm.engine.frontend import EngineFrontend
+from jaxllm.engine.frontend import EngineFrontend, ParentRequests
 from jaxllm.engine.processor import PromptType
 from jaxllm.entrypoints.utils import enable_compilation_cache
 from jaxllm.outputs import RequestOutput
@@ -41,7 +40,8 @@ logger = logging.getLogger(__name__)
 class _OutputState:
     """What the output handler shares with the engine (and nothing that refers back to it)."""
 
-    frontend: EngineFrontend
+    client: EngineCoreClient
+    parent_requests: ParentRequests
     queues: dict[str, asyncio.Queue] = field(default_factory=dict)
     has_requests: asyncio.Event | None = None
     dead: BaseException | None = None
@@ -52,16 +52,16 @@ class _OutputState:
 
 async def _abort(state: _OutputState, request_id: str) -> None:
     """End a request as aborted: its stream gets the final output, the core drops it."""
-    child_ids, out = state.frontend.abort(request_id, stream=True)
+    child_ids, out = state.parent_requests.abort(request_id, stream=True)
     queue = state.queues.pop(request_id, None)
     if queue is not None and out is not None:
         queue.put_nowait(out)
     if child_ids and state.dead is None:
-        await state.frontend.client.abort_requests_async(child_ids)
+        await state.client.abort_requests_async(child_ids)
 
 
 async def _output_handler(state: _OutputState) -> None:
-    client, output_processor = state.frontend.client, state.frontend.output_processor
+    client, output_processor = state.client, state.parent_requests.output_processor
     try:
         while True:
             if not output_processor.has_unfinished():
@@ -86,7 +86,7 @@ async def _output_handler(state: _OutputState) -> None:
                     state.queues.pop(ro.request_id, None)
             if to_abort:
                 await client.abort_requests_async(to_abort)
-            for parent in state.frontend.release_siblings(outs.outputs):
+            for parent in state.parent_requests.release_siblings(outs.outputs):
                 try:
                     for child in parent.waiting_siblings:
                         await client.add_request_async(child)
@@ -116,7 +116,7 @@ def _shutdown(client: EngineCoreClient, handler: list[asyncio.Task]) -> None:
     client.shutdown()
 
 
-class AsyncLLM:
+class AsyncLLM(EngineFrontend):
     """`AsyncLLM(model=None, dtype=None, stat_loggers=None, **engine_args)`, with the engine
     arguments of `LLM` (docs/engine_args.md); each stat logger is called with every step's
     SchedulerStats."""
@@ -139,22 +139,12 @@ class AsyncLLM:
         enable_compilation_cache()
         # The core's own process unless asked otherwise, on every platform: in process, each
         # step would block the event loop.
-        frontend = EngineFrontend(engine_args, asyncio_mode=True, default_cpu_multiprocess=True)
-        self.engine_args = frontend.engine_args
-        self.multiprocess_mode = frontend.multiprocess_mode
-        self.engine_core = frontend.client
-        self.core_info = frontend.core_info
-        self.tokenizer = frontend.tokenizer
-        self.processor = frontend.processor
-        self.output_processor = frontend.output_processor
-        self._frontend = frontend
-        self._state = _OutputState(frontend, stat_loggers=list(stat_loggers or ()))
+        super().__init__(engine_args, asyncio_mode=True, default_cpu_multiprocess=True)
+        client = self.engine_core = self.engine_core_client  # vLLM's AsyncLLM name
+        self._state = _OutputState(client, self.parent_requests,
+                                   stat_loggers=list(stat_loggers or ()))
         self._handler: list[asyncio.Task] = []  # shared with the finalizer
-        self._finalizer = weakref.finalize(self, _shutdown, frontend.client, self._handler)
-
-    @property
-    def engine_config(self) -> EngineConfig:
-        return self._frontend.config
+        self._finalizer = weakref.finalize(self, _shutdown, client, self._handler)
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -164,7 +154,7 @@ class AsyncLLM:
         `sampling_params.output_kind`); the last one has `finished` set. Leaving the loop early
         (break, cancellation) aborts the request."""
         if request_id is None:
-            request_id = f"async-{self._frontend.request_index}"
+            request_id = f"async-{self.parent_requests.request_index}"
         queue = await self.add_request(request_id, prompt, sampling_params)
         finished = False
         try:
@@ -186,7 +176,7 @@ class AsyncLLM:
             raise EngineDeadError(*state.dead.args)
         self._ensure_output_handler()
         req = self.processor.process_inputs(request_id, prompt, sampling_params)
-        parent = self._frontend.admit(req)
+        parent = self.parent_requests.admit(req)
         queue: asyncio.Queue = asyncio.Queue()
         state.queues[request_id] = queue
         try:
@@ -195,7 +185,7 @@ class AsyncLLM:
         except BaseException:
             await self.abort(request_id)
             raise
-        self._frontend.admitted()
+        self.parent_requests.admitted()
         state.has_requests.set()
         return queue
 

@@ -1,8 +1,11 @@
-"""EngineFrontend: what LLMEngine (blocking) and AsyncLLM (asyncio) share, so they cannot drift:
-building the frontend (tokenizer, engine core client, Processor, OutputProcessor), admitting a
-request (id check, default seeds, output state, n > 1 fan-out as ParentRequests) and aborting
-one. It makes no call to the core itself: the two shells send what it returns, the one with
-blocking calls, the other with `*_async` ones.
+"""What LLMEngine (blocking) and AsyncLLM (asyncio) share, so they cannot drift.
+
+EngineFrontend, their base class, builds the frontend: the tokenizer, the engine core client, the
+Processor and the OutputProcessor. ParentRequests admits requests (id check, default seeds,
+output state, n > 1 fan-out as ParentRequests) and aborts them. Neither makes a call to the core
+for a request: the two shells send what ParentRequests returns, the one with blocking calls, the
+other with `*_async` ones. ParentRequests refers to no shell, so AsyncLLM's output handler can
+hold it without keeping the engine alive.
 """
 
 from __future__ import annotations
@@ -42,37 +45,17 @@ class ParentRequest:
         return self.child_requests[:len(self.child_requests) - len(self.waiting_siblings)]
 
 
-class EngineFrontend:
-    """The frontend state of one engine. `default_cpu_multiprocess`: the multiprocess default on
-    CPU when neither the argument nor the environment decide (AsyncLLM: on, so no step blocks
-    its event loop)."""
+class ParentRequests:
+    """The live requests' admission and abort bookkeeping around the OutputProcessor."""
 
-    def __init__(self, engine_args: EngineArgs, asyncio_mode: bool,
-                 default_cpu_multiprocess: bool | None = None) -> None:
-        # Decided here, before any JAX backend starts; the core is told the outcome.
-        self.multiprocess_mode = resolve_multiprocess_mode(engine_args.multiprocess_mode,
-                                                           default_cpu_multiprocess)
-        args = self.engine_args = dataclasses.replace(engine_args,
-                                                      multiprocess_mode=self.multiprocess_mode)
-        # The tokenizer first: a missing one fails in seconds, not after minutes of compiling.
-        self.tokenizer = None if args.skip_tokenizer_init else \
-            load_tokenizer(resolve_model(args.model))
-        self.client = EngineCoreClient.make_client(self.multiprocess_mode, asyncio_mode, args)
-        info: EngineCoreInfo = self.client.get_engine_info()
-        self.core_info = info
-        eos = set(info.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        self.processor = Processor(self.tokenizer, info, self.eos_token_ids, args.max_n)
-        self.output_processor = OutputProcessor(self.tokenizer)
+    def __init__(self, output_processor: OutputProcessor, seed: int,
+                 enable_prefix_caching: bool) -> None:
+        self.output_processor = output_processor
+        self.seed = seed
+        self.defer_siblings = enable_prefix_caching
         # Parents whose siblings wait, by the id of their first child.
         self._waiting: dict[str, ParentRequest] = {}
         self.request_index = 0  # requests admitted so far: default seeds and ids
-
-    @property
-    def config(self) -> EngineConfig:
-        return self.core_info.config
 
     def admit(self, req: ProcessedRequest) -> ParentRequest:
         """Register a validated request (its output state, its waiting siblings) before the
@@ -83,14 +66,14 @@ class EngineFrontend:
         if taken:
             raise ValueError(f"request id {req.request_id!r} is already in use (or one of its "
                              f"sequence ids {req.child_ids} is): {taken}")
-        index, seed = self.request_index, self.engine_args.seed
-        children = [c if c.seed is not None else _with_seed(c, [seed, index, i])
+        index = self.request_index
+        children = [c if c.seed is not None else _with_seed(c, [self.seed, index, i])
                     for i, c in enumerate(req.child_requests)]
         owner.add_request(req.request_id, req.prompt, req.prompt_token_ids, req.child_ids,
                           [c.sampling_params for c in children], req.arrival_time)
-        waiting = children[1:] if self.engine_args.enable_prefix_caching else []
-        parent = ParentRequest(req.request_id, children, waiting)
-        if waiting:
+        parent = ParentRequest(req.request_id, children,
+                               children[1:] if self.defer_siblings else [])
+        if parent.waiting_siblings:
             self._waiting[parent.first_child_id] = parent
         return parent
 
@@ -122,8 +105,41 @@ class EngineFrontend:
                     released.append(parent)
         return released
 
+
+class EngineFrontend:
+    """The frontend of one engine. `default_cpu_multiprocess`: the multiprocess default on CPU
+    when neither the argument nor the environment decide (AsyncLLM: on, so no step blocks its
+    event loop)."""
+
+    def __init__(self, engine_args: EngineArgs, asyncio_mode: bool,
+                 default_cpu_multiprocess: bool | None = None) -> None:
+        # Decided here, before any JAX backend starts; the core is told the outcome.
+        self.multiprocess_mode = resolve_multiprocess_mode(engine_args.multiprocess_mode,
+                                                           default_cpu_multiprocess)
+        args = self.engine_args = dataclasses.replace(engine_args,
+                                                      multiprocess_mode=self.multiprocess_mode)
+        # The tokenizer first: a missing one fails in seconds, not after minutes of compiling.
+        self.tokenizer = None if args.skip_tokenizer_init else \
+            load_tokenizer(resolve_model(args.model))
+        self.engine_core_client = EngineCoreClient.make_client(self.multiprocess_mode,
+                                                               asyncio_mode, args)
+        info: EngineCoreInfo = self.engine_core_client.get_engine_info()
+        self.core_info = info
+        eos = set(info.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.processor = Processor(self.tokenizer, info, self.eos_token_ids, args.max_n)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.parent_requests = ParentRequests(self.output_processor, args.seed,
+                                              args.enable_prefix_caching)
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self.core_info.config
+
     def describe(self) -> dict[str, Any]:
-        info, config = self.core_info, self.config
+        info, config = self.core_info, self.engine_config
         return {
             "model": config.model, "dtype": config.dtype, "quantization": config.quantization,
             "kernel_backend": config.kernel_backend, "num_kv_blocks": info.num_kv_blocks,

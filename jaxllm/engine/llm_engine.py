@@ -1,16 +1,15 @@
 """LLMEngine: add_request -> step() loop, with vLLM's names.
 
-The frontend half of the engine: a client to the engine core (which owns the model, the KV
-array and the scheduler), the Processor (validation, tokenizing) and the OutputProcessor
-(detokenizing, stop strings, RequestOutputs).
+The frontend half of the engine, the blocking shell over EngineFrontend (frontend.py, shared
+with AsyncLLM): a client to the engine core (which owns the model, the KV array and the
+scheduler), the Processor (validation, tokenizing) and the OutputProcessor (detokenizing, stop
+strings, RequestOutputs).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from jaxllm.config import EngineConfig
 from jaxllm.engine import SchedulerStats
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.frontend import EngineFrontend
@@ -20,28 +19,15 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 
-class LLMEngine:
+class LLMEngine(EngineFrontend):
     def __init__(self, engine_args: EngineArgs | None = None) -> None:
-        frontend = self.frontend = EngineFrontend(engine_args or EngineArgs(),
-                                                  asyncio_mode=False)
-        self.engine_args = frontend.engine_args
-        self.multiprocess_mode = frontend.multiprocess_mode
-        self.engine_core_client = frontend.client
-        self.core_info = frontend.core_info
-        self.tokenizer = frontend.tokenizer
-        self.eos_token_ids = frontend.eos_token_ids
-        self.processor = frontend.processor
-        self.output_processor = frontend.output_processor
+        super().__init__(engine_args or EngineArgs(), asyncio_mode=False)
         self.last_scheduler_stats = SchedulerStats()
         self.last_output_processing_s = 0.0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         return cls(engine_args)
-
-    @property
-    def engine_config(self) -> EngineConfig:
-        return self.frontend.config
 
     @property
     def model_config(self) -> ModelConfig:
@@ -71,14 +57,14 @@ class LLMEngine:
     def add_processed_request(self, req: ProcessedRequest) -> None:
         """Queue a request the Processor validated; if the core refuses it, nothing of it is
         left behind."""
-        parent = self.frontend.admit(req)
+        parent = self.parent_requests.admit(req)
         try:
             for child in parent.requests_to_add():
                 self.engine_core_client.add_request(child)
         except BaseException:
             self.abort_request(req.request_id)  # whatever the core took, and the output state
             raise
-        self.frontend.admitted()
+        self.parent_requests.admitted()
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort requests (by the id given to add_request); returns their final outputs."""
@@ -86,7 +72,7 @@ class LLMEngine:
             request_ids = [request_ids]
         outs = []
         for rid in request_ids:
-            child_ids, out = self.frontend.abort(rid)
+            child_ids, out = self.parent_requests.abort(rid)
             if child_ids:
                 self.engine_core_client.abort_requests(child_ids)
             if out is not None:
@@ -110,7 +96,7 @@ class LLMEngine:
         self.last_output_processing_s = time.perf_counter() - t
         if to_abort:
             self.engine_core_client.abort_requests(to_abort)
-        for parent in self.frontend.release_siblings(outputs):
+        for parent in self.parent_requests.release_siblings(outputs):
             # If the core refuses one, the whole request ends as aborted (its output is
             # returned) and the step goes on.
             try:
@@ -119,9 +105,6 @@ class LLMEngine:
             except Exception:
                 finished.extend(self.abort_request(parent.request_id))
         return finished
-
-    def describe(self) -> dict[str, Any]:
-        return self.frontend.describe()
 
     # --- what benchmarks and profilers read (utility calls on the core) ------------------------
 
