@@ -1,6 +1,6 @@
 """quantization="gguf": one decode step's weight matmuls (24 layers + LM head) on the embedded
 model, float32 weights against the GGUF blocks kept quantized (fused dequant GEMV per row), per
-row count, in one run; picks GGUF_GEMV_MAX_ROWS (worker/model_runner.py).
+row count, in one run; picks GGUF_GEMV_MAX_ROWS (jaxllm/config.py).
 
     PYTHONPATH=. .venv/bin/python benchmarks/gguf_matmuls.py
 """

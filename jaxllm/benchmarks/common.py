@@ -5,7 +5,6 @@ result JSON."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,7 +14,7 @@ import numpy as np
 from jaxllm.benchmarks.datasets import TokenSampler, Workload
 from jaxllm.benchmarks.hf_runner import HFRunner
 from jaxllm.benchmarks.roofline import measure_machine
-from jaxllm.benchmarks.tiny_model import resolve_model
+from jaxllm.config import resolve_model
 from jaxllm.engine.arg_utils import EngineArgs
 
 if TYPE_CHECKING:
@@ -38,11 +37,11 @@ def warm_up(llm: LLM, sampler: TokenSampler) -> None:
 def make_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
     from jaxllm import LLM
 
-    # The HF baseline reads args.model later: it gets the resolved directory too.
-    args.model = resolve_model(args.model)
-    engine_args = EngineArgs.from_cli_args(args, max_num_seqs=max_num_seqs,
-                                           show_progress=not args.no_progress)
-    return LLM(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)})
+    # The HF baseline reads args.model later: it gets the resolved checkpoint too.
+    if args.model is not None:
+        args.model = str(resolve_model(args.model))
+    return LLM.from_engine_args(EngineArgs.from_cli_args(
+        args, max_num_seqs=max_num_seqs, show_progress=not args.no_progress))
 
 
 def check_fits(llm: LLM, workload: Workload) -> None:

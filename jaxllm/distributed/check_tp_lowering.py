@@ -100,13 +100,14 @@ def lower_sharded_step(config: ModelConfig, tp: int, num_tokens: int, decode: bo
     def i32(*shape):
         return sharded(jax.ShapeDtypeStruct(shape, jnp.int32))
 
-    md = AttentionMetadata(i32(num_tokens), i32(seqs, -(-max_model_len // block_size)),
+    attn_metadata = AttentionMetadata(i32(num_tokens), i32(seqs, -(-max_model_len // block_size)),
                            i32(seqs), i32(seqs + 1), i32(seqs))
     splits = decode_num_splits(max_model_len, seqs, layout.local.num_key_value_heads,
                                num_sms=132) if decode else 1
     fn = functools.partial(forward_step, model, top_k, mesh,
                            max_query_len=1 if decode else num_tokens, num_splits=splits)
-    return jax.jit(fn).trace(params, rope, kv, i32(num_tokens), i32(num_tokens), md).lower(
+    return jax.jit(fn).trace(params, rope, kv, i32(num_tokens), i32(num_tokens),
+                             attn_metadata).lower(
         lowering_platforms=("cuda",)).as_text()
 
 

@@ -18,11 +18,18 @@ frontend in another process sees as EngineDeadError.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
+
+from jaxllm.worker.input_batch import DeviceInputs
+
+if TYPE_CHECKING:
+    from jaxllm.worker.model_runner import ModelRunner
 
 HEARTBEAT_TIMEOUT_S = 5
 ENV_COORDINATOR = "JAXLLM_COORDINATOR_ADDRESS"
@@ -76,27 +83,14 @@ def _broadcast(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(x))
 
 
-def input_size(runner, shape: tuple[int, int]) -> int:
-    t = shape[0]
-    s = min(t, runner.max_num_seqs)
-    return 3 * t + s * runner.max_blocks_per_seq + 3 * s + 1
+def input_shapes(runner: ModelRunner, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+    num_tokens = shape[0]
+    return DeviceInputs.shapes(num_tokens, min(num_tokens, runner.max_num_seqs),
+                               runner.max_blocks_per_seq)
 
 
-def pack(inputs) -> np.ndarray:
-    return np.concatenate([inputs.input_ids, inputs.positions, inputs.slot_mapping,
-                           inputs.block_tables.ravel(), inputs.seq_lens, inputs.query_start_loc,
-                           inputs.logits_indices]).astype(np.int32)
-
-
-def unpack(runner, shape: tuple[int, int], flat: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc,
-    logits_indices) of a bucket from `pack`'s vector."""
-    t = shape[0]
-    s = min(t, runner.max_num_seqs)
-    sizes = [t, t, t, s * runner.max_blocks_per_seq, s, s + 1, s]
-    parts = np.split(flat, np.cumsum(sizes)[:-1])
-    parts[3] = parts[3].reshape(s, runner.max_blocks_per_seq)
-    return tuple(parts)
+def input_size(runner: ModelRunner, shape: tuple[int, int]) -> int:
+    return sum(math.prod(s) for s in input_shapes(runner, shape).values())
 
 
 class Leader:
@@ -107,9 +101,9 @@ class Leader:
         self.shapes = runner.bucket_shapes()
         self.stopped = False
 
-    def step(self, shape: tuple[int, int], inputs) -> None:
+    def step(self, shape: tuple[int, int], inputs: DeviceInputs) -> None:
         _broadcast(np.array([STEP, self.shapes.index(shape), 0], np.int32))
-        _broadcast(pack(inputs))
+        _broadcast(inputs.pack())
 
     def prompt(self, rows: np.ndarray, targets: np.ndarray) -> None:
         _broadcast(np.array([PROMPT, 0, 0], np.int32))
@@ -155,7 +149,8 @@ def follow(runner, prompt_rows: int) -> int:
         if command == STEP:
             shape = shapes[index]
             flat = _broadcast(np.zeros(input_size(runner, shape), np.int32))
-            *_, logits, hidden = runner.launch(shape, *unpack(runner, shape, flat))
+            *_, logits, hidden = runner.launch(
+                shape, DeviceInputs.unpack(flat, input_shapes(runner, shape)))
             recent[runner.launches] = logits
             old = recent.pop(runner.launches - RECENT_STEPS, None)
             if old is not None:  # as process 0's release(): no fresh buffer every step
@@ -197,27 +192,3 @@ def attach(cfg: DistributedConfig | None, runner, prompt_rows: int) -> None:
     if cfg.process_id == 0:
         runner.leader = Leader(runner)
         atexit.register(runner.leader.stop)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """A follower process: `python -m jaxllm.distributed.multihost [engine options]` with the
-    same engine options as process 0 and its own JAXLLM_PROCESS_ID (or --process-id)."""
-    import argparse
-
-    from jaxllm.engine.arg_utils import EngineArgs
-    from jaxllm.engine.core import EngineCore
-    from jaxllm.worker.model_runner import PROMPT_LOGPROB_ROWS
-
-    parser = EngineArgs.add_cli_args(argparse.ArgumentParser(description=main.__doc__))
-    args = EngineArgs.from_cli_args(parser.parse_args(argv))
-    core = EngineCore(args)
-    if core.distributed is None or core.distributed.process_id == 0:
-        raise SystemExit("a follower needs a coordinator address and a process id > 0")
-    steps = follow(core.runner, PROMPT_LOGPROB_ROWS)
-    print(f"follower {core.distributed.process_id}: {steps} steps, stopped by process 0",
-          flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

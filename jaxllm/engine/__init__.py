@@ -11,6 +11,7 @@ import time
 
 import msgspec
 
+from jaxllm.config import EngineConfig
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sampling_params import SamplingParams
@@ -89,20 +90,16 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
 
 class EngineCoreInfo(msgspec.Struct):
     """What the frontend learns from the core once, after it loaded the model and sized the KV
-    array: the limits the Processor validates against, and a description for benchmarks."""
+    array: the resolved EngineConfig (the core resolves it: it knows the platform), the limits
+    the Processor validates against, and a description for benchmarks."""
 
-    model_name: str
+    config: EngineConfig
     model_config: ModelConfig
-    dtype: str
-    kernel_backend: str
     max_model_len: int
-    block_size: int
     num_kv_blocks: int  # including the reserved null block
     eos_token_ids: list[int]  # from the model's config
     bucket_shapes: list[tuple[int, int]]
     compile_time_s: float
-    platform: str = ""  # JAX's backend in the core ("cpu", "gpu"): the frontend starts none
-    quantization: str = "none"  # as resolved ("gguf" or "none")
 
     @property
     def num_usable_blocks(self) -> int:

@@ -1,133 +1,94 @@
 """EngineArgs: every engine setting in one validated, serialisable dataclass (vLLM's
-`EngineArgs`). The engine core is built from it alone, so it can be built in another process;
-the CLI derives its engine options from its fields and defaults."""
+`EngineArgs`), with its help text on the field. `create_engine_config()` resolves it into the
+EngineConfig the engine runs with. The CLI's engine options and docs/engine_args.md
+(`python -m jaxllm.engine.arg_utils --markdown`) are generated from the fields, so the Python API,
+the CLI and the docs cannot disagree. Importing this module starts no JAX backend."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import numbers
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import pallas_kernels
-
-DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("gguf", "none")
-
-# Help for the CLI options generated from the fields below.
-_HELP = {
-    "model": "checkpoint directory or .gguf file (default: the embedded "
-             "Qwen2.5-Coder-0.5B-Instruct)",
-    "dtype": "float32 on CPU, bfloat16 on GPU when not given",
-    "kernel_backend": "pallas on GPU, reference on CPU when not given",
-    "quantization": "gguf: keep a .gguf model's block weights quantized (int8 + per-block "
-                    "scales, exactly its values): on CPU our fused dequant matmul kernel "
-                    "runs decode buckets of up to 16 rows on them, float32 copies the rest; "
-                    "with a Pallas backend every matmul runs the fused dequant kernel on "
-                    "them. none: dequantize to dtype. Not given: gguf for a .gguf model on "
-                    "CPU (float32, reference backend, one device, block formats kept exactly, "
-                    "our CPU kernel built), else none",
-    "block_size": "tokens per KV block",
-    "num_kv_blocks": "overrides the KV sizing (when not given: from the memory budget)",
-    "gpu_memory_utilization": "GPU: fraction of device memory for weights, activations and KV",
-    "kv_cache_memory_bytes": "byte budget for the KV array (CPU default 1 GiB)",
-    "max_model_len": "longest prompt + output (when not given: the model's)",
-    "max_num_seqs": "sequences per step",
-    "max_num_batched_tokens": "token budget per step (longer prompts are prefilled in chunks)",
-    "max_n": "most sequences one request may ask for (SamplingParams.n)",
-    "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
-    "seed": "seeds requests that bring no seed of their own",
-    "skip_tokenizer_init": "no tokenizer: token-id prompts only, no text",
-    "show_progress": "loading and compiling progress bars",
-    "async_scheduling": "schedule and prepare step N+1 while step N runs on the device "
-                        "(when not given: on for GPU and CPU)",
-    "topk_sampling": "the device returns each sampled row's top-64 logits and log-sum-exp; "
-                     "the host samples from them when exact (when not given: on for GPU, "
-                     "off on CPU, where the device top-k costs more than the host saves)",
-    "tensor_parallel_size": "devices the model is split over (Megatron-style tensor "
-                            "parallelism on a JAX mesh; must divide the query heads, "
-                            "intermediate size and vocabulary)",
-    "coordinator_address": "several hosts: host:port of process 0's jax.distributed "
-                           "coordinator (or JAXLLM_COORDINATOR_ADDRESS)",
-    "num_processes": "several hosts: processes in the job (or JAXLLM_NUM_PROCESSES)",
-    "process_id": "several hosts: this process's rank, 0 runs the engine (or JAXLLM_PROCESS_ID)",
-    "multiprocess_mode": "run the engine core in its own process (default: per platform, see "
-                         "README; the env var JAXLLM_ENABLE_V1_MULTIPROCESSING=0/1 wins)",
-}
-
-MP_ENV_VAR = "JAXLLM_ENABLE_V1_MULTIPROCESSING"
-
-
-def gpu_platform_installed() -> bool:
-    """Whether JAX would pick a GPU, judged without starting a backend (that would take most of
-    the GPU's memory in the frontend process): JAX_PLATFORMS if set, else an installed CUDA
-    plugin."""
-    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
-    if platforms:
-        return any(p in platforms for p in ("cuda", "gpu", "rocm"))
-    return any(importlib.util.find_spec(m) is not None
-               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))
-
-
-def resolve_multiprocess_mode(value: bool | None, default_cpu: bool | None = None) -> bool:
-    """JAXLLM_ENABLE_V1_MULTIPROCESSING (0/1) when set, else `value`, else the platform's
-    default: on a GPU the core's own process (the frontend's host work then overlaps the device
-    step), on CPU `default_cpu` if given, else in process (docs/perf/multiprocess.md)."""
-    env = os.environ.get(MP_ENV_VAR)
-    if env is not None and env.strip() != "":
-        if env.strip() not in ("0", "1"):
-            raise ValueError(f"{MP_ENV_VAR} must be 0 or 1, got {env!r}")
-        return env.strip() == "1"
-    if value is not None:
-        return bool(value)
-    if gpu_platform_installed():
-        return True
-    return DEFAULT_CPU_MULTIPROCESS if default_cpu is None else default_cpu
-
-
-# On CPU the frontend and the core share the same few cores, so a second process buys nothing
-# there (docs/perf/multiprocess.md).
-DEFAULT_CPU_MULTIPROCESS = False
-
+from jaxllm.config import (
+    DTYPES,
+    KERNEL_BACKENDS,
+    QUANTIZATIONS,
+    EngineConfig,
+    resolve_activation_dtype,
+    resolve_dtype,
+    resolve_gemv_max_rows,
+    resolve_kv_cache_dtype,
+    resolve_model,
+    resolve_multiprocess_mode,
+    resolve_quantization,
+)
 
 GGUF_TP_REFUSAL = ("quantization='gguf' does not run with tensor_parallel_size > 1 yet; leave "
                    "quantization unset (dequantized weights) for TP")
+
+
+def _arg(default: Any, help: str) -> Any:  # noqa: A002 - argparse's name
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class EngineArgs:
     """Engine settings; unknown names are refused by LLM(), bad values raise ValueError."""
 
-    model: str | None = None  # None: the embedded default model
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
-    kernel_backend: str | None = None  # None: "pallas" on a GPU, "reference" on CPU
-    # "gguf": GGUF blocks kept quantized; "none": dequantized to dtype; None: "gguf" for a .gguf
-    # model on CPU where that is faster (core.resolve_quantization), else "none".
-    quantization: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: from the memory budget below
-    gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for the engine
-    kv_cache_memory_bytes: int | None = None  # CPU budget for the KV array (default 1 GiB)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_n: int = 128
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    skip_tokenizer_init: bool = False
-    show_progress: bool = True
-    async_scheduling: bool | None = None  # None: per platform (see _HELP)
-    topk_sampling: bool | None = None  # None: per platform (see _HELP)
-    multiprocess_mode: bool | None = None  # None: per platform (resolve_multiprocess_mode)
-    tensor_parallel_size: int = 1
-    # Several hosts (jax.distributed); None: the JAXLLM_COORDINATOR_ADDRESS /
-    # JAXLLM_NUM_PROCESSES / JAXLLM_PROCESS_ID environment variables, else one process.
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
+    model: str | None = _arg(
+        None, "checkpoint directory, .gguf file or `tiny-qwen2` (a random 2-layer Qwen2 with "
+              "the real tokenizer); not given: the embedded Qwen2.5-Coder-0.5B-Instruct")
+    dtype: str | None = _arg(None, "weights' dtype; not given: float32 on CPU, bfloat16 on GPU")
+    kernel_backend: str | None = _arg(
+        None, "attention and norm kernels; not given: pallas on GPU, reference (XLA) on CPU")
+    quantization: str | None = _arg(
+        None, "gguf: keep a .gguf model's block weights quantized (int8 + per-block scales, "
+              "exactly its values): on CPU our fused dequant matmul kernel runs decode buckets "
+              "of up to 16 rows on them, float32 copies the rest; with a Pallas backend every "
+              "matmul runs the fused dequant kernel on them. none: dequantize to dtype. Not "
+              "given: gguf for a .gguf model on CPU (float32, reference backend, one device, "
+              "block formats kept exactly, our CPU kernel built), else none")
+    block_size: int = _arg(16, "tokens per KV block (16 or 32)")
+    num_kv_blocks: int | None = _arg(
+        None, "KV blocks, overriding the memory budget; not given: from the budget")
+    gpu_memory_utilization: float = _arg(
+        0.9, "GPU: fraction of device memory for weights, activations and the KV array")
+    kv_cache_memory_bytes: int | None = _arg(
+        None, "byte budget for the KV array; not given: 1 GiB on CPU (over all devices), "
+              "from gpu_memory_utilization on GPU")
+    max_model_len: int | None = _arg(
+        None, "longest prompt + output; not given: the model's max_position_embeddings")
+    max_num_seqs: int = _arg(64, "sequences per step")
+    max_num_batched_tokens: int = _arg(
+        512, "token budget per step (longer prompts are prefilled in chunks)")
+    max_n: int = _arg(128, "most sequences one request may ask for (SamplingParams.n)")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
+    seed: int = _arg(0, "seeds requests that bring no seed of their own")
+    skip_tokenizer_init: bool = _arg(False, "no tokenizer: token-id prompts only, no text")
+    show_progress: bool = _arg(True, "loading and compiling progress bars")
+    async_scheduling: bool | None = _arg(
+        None, "schedule and prepare step N+1 while step N runs on the device; not given: on")
+    topk_sampling: bool | None = _arg(
+        None, "the device returns each sampled row's top-64 logits and log-sum-exp; the host "
+              "samples from them when exact; not given: on for GPU, off on CPU, where the "
+              "device top-k costs more than the host saves")
+    multiprocess_mode: bool | None = _arg(
+        None, "run the engine core in its own process; not given: on for GPU and for "
+              "AsyncLLM / the server, off for LLM on CPU; the environment variable "
+              "JAXLLM_ENABLE_V1_MULTIPROCESSING=0/1 wins")
+    tensor_parallel_size: int = _arg(
+        1, "devices the model is split over (Megatron-style tensor parallelism on a JAX mesh; "
+           "must divide the query heads, intermediate size and vocabulary)")
+    coordinator_address: str | None = _arg(
+        None, "several hosts: host:port of process 0's jax.distributed coordinator (or "
+              "JAXLLM_COORDINATOR_ADDRESS)")
+    num_processes: int | None = _arg(
+        None, "several hosts: processes in the job (or JAXLLM_NUM_PROCESSES)")
+    process_id: int | None = _arg(
+        None, "several hosts: this process's rank, 0 runs the engine (or JAXLLM_PROCESS_ID)")
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -145,8 +106,8 @@ class EngineArgs:
             raise ValueError(f"quantization {self.quantization!r} is not one of {QUANTIZATIONS} "
                              f"or None (automatic)")
         backend = self.kernel_backend
-        if backend is not None and backend not in pallas_kernels.BACKENDS:
-            raise ValueError(f"kernel_backend {backend!r} is not one of {pallas_kernels.BACKENDS}")
+        if backend is not None and backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend {backend!r} is not one of {KERNEL_BACKENDS}")
         if self.block_size not in (16, 32):
             raise ValueError(f"block_size must be 16 or 32, got {self.block_size}")
         for name, low, optional, why in (
@@ -190,7 +151,7 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             default = f.default
-            help_text = overrides.get(f.name, _HELP.get(f.name, ""))
+            help_text = overrides.get(f.name, f.metadata["help"])
             if f.type == "bool | None":
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                    help=help_text)
@@ -207,7 +168,7 @@ class EngineArgs:
             if f.name in ("model", "dtype", "kernel_backend", "quantization",
                           "coordinator_address"):
                 kind = str
-            choices = {"dtype": DTYPES, "kernel_backend": pallas_kernels.BACKENDS,
+            choices = {"dtype": DTYPES, "kernel_backend": KERNEL_BACKENDS,
                        "quantization": QUANTIZATIONS,
                        "block_size": (16, 32)}.get(f.name)
             shown = "" if default is None or f.name in overrides else f" (default: {default})"
@@ -233,3 +194,60 @@ class EngineArgs:
                   if hasattr(args, f.name)}
         values.update(overrides)
         return cls(**values)
+
+    def create_engine_config(self, platform: str | None = None) -> EngineConfig:
+        """Resolve every "None: per platform" setting for `platform` (JAX's backend name; None:
+        the one JAX starts, so in a multi-host job call it after joining jax.distributed)."""
+        if platform is None:
+            import jax
+
+            platform = jax.default_backend()
+        path = resolve_model(self.model)
+        dtype = resolve_dtype(self.dtype, platform)
+        backend = self.kernel_backend or ("pallas" if platform == "gpu" else "reference")
+        quantization = resolve_quantization(self.quantization, path, dtype, backend,
+                                            self.tensor_parallel_size, platform)
+        kv_cache_dtype = resolve_kv_cache_dtype(dtype, platform)
+        if self.model is None:
+            from jaxllm.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
+
+            name = DEFAULT_MODEL_NAME
+        else:
+            name = self.model
+        return EngineConfig(
+            model=name, model_path=str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+            activation_dtype=resolve_activation_dtype(dtype, kv_cache_dtype, backend),
+            kernel_backend=backend, quantization=quantization,
+            gemv_max_rows=resolve_gemv_max_rows(quantization, dtype, backend, platform),
+            topk_sampling=platform != "cpu" if self.topk_sampling is None
+            else self.topk_sampling,
+            async_scheduling=True if self.async_scheduling is None else self.async_scheduling,
+            multiprocess_mode=resolve_multiprocess_mode(self.multiprocess_mode),
+            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_n=self.max_n,
+            enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
+            skip_tokenizer_init=self.skip_tokenizer_init, show_progress=self.show_progress,
+            tensor_parallel_size=self.tensor_parallel_size, platform=platform)
+
+
+def engine_args_markdown() -> str:
+    """docs/engine_args.md (written by scripts/generate_engine_args_doc.py): one row per
+    EngineArgs field with its CLI flag, type, default and help."""
+    lines = ["# Engine arguments", "",
+             "Generated from the `EngineArgs` fields (jaxllm/engine/arg_utils.py) by "
+             "`python scripts/generate_engine_args_doc.py`; edit the field's help there, not "
+             "this file.", "",
+             "Every argument is a keyword of `LLM(...)` and `AsyncLLM(...)` and a field of "
+             "`EngineArgs`, and its flag is an option of `jaxllm generate`, `chat`, `serve` and "
+             "`bench`. A boolean that is on by default is turned off with `--no-...`; one whose "
+             "default is `None` (decided per platform) takes `--flag` or `--no-flag`.", "",
+             "| argument | flag | type | default | what it does |", "|---|---|---|---|---|"]
+    for f in dataclasses.fields(EngineArgs):
+        flag = ("--no-" if f.default is True else "--") + f.name.replace("_", "-")
+        cells = [f"`{f.name}`", f"`{flag}`", f"`{f.type}`", f"`{f.default!r}`",
+                 f.metadata["help"]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"

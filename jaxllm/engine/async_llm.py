@@ -24,14 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jaxllm.engine import EngineCoreInfo, EngineDeadError, SchedulerStats
-from jaxllm.engine.arg_utils import EngineArgs, resolve_multiprocess_mode
+from jaxllm.engine import EngineDeadError, SchedulerStats
+from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient
-from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.processor import Processor, PromptType
+from jaxllm.engine.frontend import EngineFrontend, ParentRequests
+from jaxllm.engine.processor import PromptType
 from jaxllm.entrypoints.utils import enable_compilation_cache
-from jaxllm.model_executor.model_loader.default_model import default_model_path
-from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -43,7 +41,7 @@ class _OutputState:
     """What the output handler shares with the engine (and nothing that refers back to it)."""
 
     client: EngineCoreClient
-    output_processor: OutputProcessor
+    parent_requests: ParentRequests
     queues: dict[str, asyncio.Queue] = field(default_factory=dict)
     has_requests: asyncio.Event | None = None
     dead: BaseException | None = None
@@ -52,11 +50,21 @@ class _OutputState:
     stat_loggers: list[Callable[[SchedulerStats], None]] = field(default_factory=list)
 
 
+async def _abort(state: _OutputState, request_id: str) -> None:
+    """End a request as aborted: its stream gets the final output, the core drops it."""
+    child_ids, out = state.parent_requests.abort(request_id, stream=True)
+    queue = state.queues.pop(request_id, None)
+    if queue is not None and out is not None:
+        queue.put_nowait(out)
+    if child_ids and state.dead is None:
+        await state.client.abort_requests_async(child_ids)
+
+
 async def _output_handler(state: _OutputState) -> None:
-    client, op = state.client, state.output_processor
+    client, output_processor = state.client, state.parent_requests.output_processor
     try:
         while True:
-            if not op.has_unfinished():
+            if not output_processor.has_unfinished():
                 # Idle: an in-process core would otherwise step in a busy loop.
                 state.has_requests.clear()
                 await state.has_requests.wait()
@@ -68,15 +76,22 @@ async def _output_handler(state: _OutputState) -> None:
                         log(outs.scheduler_stats)
                     except Exception:  # a broken logger must not take the engine down
                         logger.exception("stat logger %r failed", log)
-            request_outputs, to_abort = op.process_outputs(outs.outputs, stream=True)
+            request_outputs, to_abort = output_processor.process_outputs(outs.outputs,
+                                                                         stream=True)
             for ro in request_outputs:
-                q = state.queues.get(ro.request_id)
-                if q is not None:
-                    q.put_nowait(ro)
+                queue = state.queues.get(ro.request_id)
+                if queue is not None:
+                    queue.put_nowait(ro)
                 if ro.finished:
                     state.queues.pop(ro.request_id, None)
             if to_abort:
                 await client.abort_requests_async(to_abort)
+            for parent in state.parent_requests.release_siblings(outs.outputs):
+                try:
+                    for child in parent.waiting_siblings:
+                        await client.add_request_async(child)
+                except Exception:  # the core refused one: the whole request ends as aborted
+                    await _abort(state, parent.request_id)
             # Let the consumers run (an in-process step returns without yielding).
             await asyncio.sleep(0)
     except asyncio.CancelledError:
@@ -87,8 +102,8 @@ async def _output_handler(state: _OutputState) -> None:
         if err is not e:
             err.__cause__ = e
         state.dead = err
-        for q in state.queues.values():
-            q.put_nowait(err)
+        for queue in state.queues.values():
+            queue.put_nowait(err)
         state.queues.clear()
 
 
@@ -101,34 +116,34 @@ def _shutdown(client: EngineCoreClient, handler: list[asyncio.Task]) -> None:
     client.shutdown()
 
 
-class AsyncLLM:
+class AsyncLLM(EngineFrontend):
     """`AsyncLLM(model=None, dtype=None, stat_loggers=None, **engine_args)`, with the engine
-    arguments of `LLM`; each stat logger is called with every step's SchedulerStats."""
+    arguments of `LLM` (docs/engine_args.md); each stat logger is called with every step's
+    SchedulerStats."""
 
     def __init__(self, model: str | Path | None = None, dtype: Any = None,
                  stat_loggers: list[Callable[[SchedulerStats], None]] | None = None,
                  **engine_args: Any) -> None:
-        args = self.engine_args = EngineArgs.from_user("AsyncLLM", model, dtype, engine_args)
+        self._start(EngineArgs.from_user("AsyncLLM", model, dtype, engine_args), stat_loggers)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs,
+                         stat_loggers: list[Callable[[SchedulerStats], None]] | None = None
+                         ) -> AsyncLLM:
+        engine = cls.__new__(cls)
+        engine._start(engine_args, stat_loggers)
+        return engine
+
+    def _start(self, engine_args: EngineArgs,
+               stat_loggers: list[Callable[[SchedulerStats], None]] | None) -> None:
         enable_compilation_cache()
-        path = default_model_path() if args.model is None else Path(args.model)
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path)
         # The core's own process unless asked otherwise, on every platform: in process, each
         # step would block the event loop.
-        self.multiprocess_mode = resolve_multiprocess_mode(args.multiprocess_mode,
-                                                           default_cpu=True)
-        client = EngineCoreClient.make_client(self.multiprocess_mode, True, args)
-        self.engine_core = client
-        info: EngineCoreInfo = client.get_engine_info()
-        self.core_info = info
-        eos = set(info.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.processor = Processor(self.tokenizer, info, frozenset(eos), args.max_n)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self._state = _OutputState(client, self.output_processor,
+        super().__init__(engine_args, asyncio_mode=True, default_cpu_multiprocess=True)
+        client = self.engine_core = self.engine_core_client  # vLLM's AsyncLLM name
+        self._state = _OutputState(client, self.parent_requests,
                                    stat_loggers=list(stat_loggers or ()))
         self._handler: list[asyncio.Task] = []  # shared with the finalizer
-        self._request_index = 0
         self._finalizer = weakref.finalize(self, _shutdown, client, self._handler)
 
     # --- requests -----------------------------------------------------------------------------
@@ -139,12 +154,12 @@ class AsyncLLM:
         `sampling_params.output_kind`); the last one has `finished` set. Leaving the loop early
         (break, cancellation) aborts the request."""
         if request_id is None:
-            request_id = f"async-{self._request_index}"
-        q = await self.add_request(request_id, prompt, sampling_params)
+            request_id = f"async-{self.parent_requests.request_index}"
+        queue = await self.add_request(request_id, prompt, sampling_params)
         finished = False
         try:
             while not finished:
-                out = q.get_nowait() if not q.empty() else await q.get()
+                out = queue.get_nowait() if not queue.empty() else await queue.get()
                 if isinstance(out, BaseException):
                     raise EngineDeadError(*out.args) from out
                 finished = out.finished
@@ -161,44 +176,24 @@ class AsyncLLM:
             raise EngineDeadError(*state.dead.args)
         self._ensure_output_handler()
         req = self.processor.process_inputs(request_id, prompt, sampling_params)
-        op = self.output_processor
-        taken = [i for i in [req.request_id, *req.child_ids] if op.owns(i)]
-        if taken:
-            raise ValueError(f"request id {request_id!r} is already in use (or one of its "
-                             f"sequence ids is): {taken}")
-        index = self._request_index
-        seed = self.engine_args.seed
-        children = [c if c.seed is not None else _with_seed(c, [seed, index, i])
-                    for i, c in enumerate(req.child_requests)]
-        q: asyncio.Queue = asyncio.Queue()
-        op.add_request(req.request_id, req.prompt, req.prompt_token_ids, req.child_ids,
-                       [c.sampling_params for c in children], req.arrival_time)
-        state.queues[request_id] = q
+        parent = self.parent_requests.admit(req)
+        queue: asyncio.Queue = asyncio.Queue()
+        state.queues[request_id] = queue
         try:
-            for child in children:
+            for child in parent.requests_to_add():
                 await self.engine_core.add_request_async(child)
         except BaseException:
             await self.abort(request_id)
             raise
-        self._request_index += 1
+        self.parent_requests.admitted()
         state.has_requests.set()
-        return q
+        return queue
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests in the core (their blocks are freed); their streams end with a final
         output whose finish_reason is "abort"."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            parent = self.output_processor.parents.get(rid)
-            if parent is None:
-                continue
-            child_ids = [c.request_id for c in parent.children if c.finish_reason is None]
-            out = self.output_processor.abort_parent(rid, stream=True)
-            q = self._state.queues.pop(rid, None)
-            if q is not None and out is not None:
-                q.put_nowait(out)
-            if child_ids and self._state.dead is None:
-                await self.engine_core.abort_requests_async(child_ids)
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            await _abort(self._state, rid)
 
     def _ensure_output_handler(self) -> None:
         loop = asyncio.get_running_loop()
@@ -230,8 +225,3 @@ class AsyncLLM:
         """Stop the output handler and the core's process; idempotent."""
         self._finalizer()
 
-
-def _with_seed(req: Any, seed: list[int]) -> Any:
-    import msgspec
-
-    return msgspec.structs.replace(req, seed=seed)

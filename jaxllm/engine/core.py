@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
+from jaxllm.config import num_kv_blocks_for
 from jaxllm.distributed import multihost
 from jaxllm.engine import UTILITY_METHODS as UTILITY_METHODS
 from jaxllm.engine import (
@@ -30,11 +29,7 @@ from jaxllm.engine import (
     SchedulerStats,
 )
 from jaxllm.engine.arg_utils import EngineArgs
-from jaxllm.model_executor.model_loader import load_model
-from jaxllm.model_executor.model_loader.default_model import (
-    DEFAULT_MODEL_NAME,
-    default_model_path,
-)
+from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
@@ -45,68 +40,8 @@ from jaxllm.worker.model_runner import (
     PreparedStep,
     PromptLogprobRows,
     StepHandle,
-    device_memory_bytes,
-    kv_block_bytes,
 )
 from scheduler import Request, RequestResult, Scheduler, SchedulerConfig, SchedulerOutput
-
-DEFAULT_CPU_KV_BYTES = 1 << 30
-_JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def resolve_dtype(name: str | None) -> Any:
-    """None -> float32 on CPU, bfloat16 on GPU (on CPU a bfloat16 GEMV is many times slower than a
-    float32 one: docs/perf/gguf-cpu.md)."""
-    if name is None:
-        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    return _JNP_DTYPES[name]
-
-
-def resolve_quantization(args: EngineArgs, path: Path, dtype: Any, backend: str) -> str | None:
-    """None (auto) -> "gguf" for a .gguf model where its quantized path is the faster one: on CPU
-    with the reference backend, float32 and one device, when our CPU kernel builds (faster
-    decode up to 16 rows, the same float32 steps beyond: docs/perf/gguf-cpu.md).
-    On a GPU (Pallas backend) the kernel is proven but untimed, so it stays opt-in there.
-    "none" -> dequantize to dtype."""
-    if args.quantization is not None:
-        return None if args.quantization == "none" else args.quantization
-    from jaxllm.model_executor.layers.quantization.gguf import use_cpu_kernel
-    from jaxllm.model_executor.model_loader.loader import gguf_keeps_quantized, is_gguf_model
-
-    if not is_gguf_model(path) or backend != "reference" or args.tensor_parallel_size > 1 \
-            or jnp.dtype(dtype) != jnp.float32 or jax.default_backend() != "cpu" \
-            or not gguf_keeps_quantized(path):  # e.g. Q4_1 / IQ formats: dequantized as before
-        return None
-    return "gguf" if use_cpu_kernel() else None
-
-
-def num_kv_blocks_for(args: EngineArgs, runner: ModelRunner) -> int:
-    """KV blocks from the memory budget. CPU: kv_cache_memory_bytes (default 1 GiB). GPU:
-    gpu_memory_utilization of the device minus the weights and the measured activation bytes of
-    the largest step (or kv_cache_memory_bytes when given)."""
-    if args.num_kv_blocks is not None:
-        return args.num_kv_blocks
-    # Per device: with tensor parallelism each holds its kv heads' slice of every block.
-    per_block = kv_block_bytes(runner.local_config, args.block_size, runner.kv_cache_dtype)
-    total = device_memory_bytes()
-    if args.kv_cache_memory_bytes is not None:
-        budget, how = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-    elif total is None:
-        # Virtual CPU devices share the host's memory: the default is for all of them.
-        budget = DEFAULT_CPU_KV_BYTES // args.tensor_parallel_size
-        how = "the CPU default of 1 GiB (over all devices)"
-    else:
-        weights = runner.weight_bytes()
-        activations = runner.measure_activation_bytes() + runner.logits_buffer_bytes()
-        budget = int(total * args.gpu_memory_utilization) - weights - activations
-        how = (f"{args.gpu_memory_utilization} x {total} device bytes - {weights} of weights - "
-               f"{activations} of activations (largest step, measured) and kept logits buffers")
-    blocks = max(budget, 0) // per_block
-    if blocks < 2:
-        raise ValueError(f"the KV budget ({how}) holds {blocks} blocks of {per_block} bytes; "
-                         f"raise kv_cache_memory_bytes or gpu_memory_utilization, or lower "
-                         f"max_num_batched_tokens")
-    return int(blocks)
 
 
 @dataclass
@@ -137,46 +72,43 @@ class _FinishedStep:
 
 class EngineCore:
     def __init__(self, engine_args: EngineArgs) -> None:
-        args = self.engine_args = engine_args
+        self.engine_args = engine_args
         # Several hosts: join jax.distributed before JAX starts a backend.
-        self.distributed = multihost.start(args)
-        dtype = resolve_dtype(args.dtype)
-        path = default_model_path() if args.model is None else Path(args.model)
-        self.model_name = DEFAULT_MODEL_NAME if args.model is None else args.model
-        backend = args.kernel_backend or pallas_kernels.default_backend()
-        self.quantization = resolve_quantization(args, path, dtype, backend)
-        loaded = load_model(path, dtype=dtype, progress=args.show_progress,
-                            quantization=self.quantization, kernel_backend=backend)
-        config = loaded.config
-        max_model_len = args.max_model_len or config.max_position_embeddings
-        if max_model_len > config.max_position_embeddings:
+        self.distributed = multihost.start(engine_args)
+        config = self.config = engine_args.create_engine_config()
+        loaded = load_model(Path(config.model_path), dtype=jnp.dtype(config.dtype),
+                            progress=config.show_progress, quantization=config.quantization,
+                            kernel_backend=config.kernel_backend)
+        model_config = loaded.config
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                             f"max_position_embeddings {config.max_position_embeddings}")
-        on_gpu = jax.default_backend() != "cpu"
-        self.async_scheduling = (True if args.async_scheduling is None
-                                 else args.async_scheduling)
-        topk_sampling = on_gpu if args.topk_sampling is None else args.topk_sampling
+                             f"max_position_embeddings {model_config.max_position_embeddings}")
+        self.async_scheduling = config.async_scheduling
         self.runner = ModelRunner(
-            config, loaded.params, dtype=dtype, kernel_backend=backend,
-            block_size=args.block_size, max_model_len=max_model_len,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            topk_sampling=topk_sampling, gemv_params=loaded.gemv_params,
-            tensor_parallel_size=args.tensor_parallel_size)
-        num_blocks = multihost.agree(self.distributed, num_kv_blocks_for(args, self.runner))
+            model_config, loaded.params, dtype=jnp.dtype(config.dtype),
+            kernel_backend=config.kernel_backend, block_size=config.block_size,
+            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            topk_sampling=config.topk_sampling, gemv_params=loaded.gemv_params,
+            gemv_max_rows=config.gemv_max_rows, kv_cache_dtype=jnp.dtype(config.kv_cache_dtype),
+            activation_dtype=jnp.dtype(config.activation_dtype),
+            tensor_parallel_size=config.tensor_parallel_size)
+        num_blocks = multihost.agree(self.distributed, num_kv_blocks_for(config, self.runner))
         self.runner.initialize_kv_cache(num_blocks)
-        compile_time_s = self.runner.compile(progress=args.show_progress)
+        compile_time_s = self.runner.compile(progress=config.show_progress)
         multihost.attach(self.distributed, self.runner, PROMPT_LOGPROB_ROWS)
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_model_len, block_size=args.block_size, num_blocks=num_blocks,
-            enable_prefix_caching=args.enable_prefix_caching))
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+            block_size=config.block_size, num_blocks=num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching))
         self.info = EngineCoreInfo(
-            model_name=self.model_name, model_config=config, dtype=jnp.dtype(dtype).name,
-            kernel_backend=backend, max_model_len=max_model_len, block_size=args.block_size,
+            config=config, model_config=model_config, max_model_len=max_model_len,
             num_kv_blocks=num_blocks,
-            eos_token_ids=[] if config.eos_token_id is None else [config.eos_token_id],
-            bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s,
-            platform=jax.default_backend(), quantization=self.quantization or "none")
+            eos_token_ids=[] if model_config.eos_token_id is None
+            else [model_config.eos_token_id],
+            bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s)
         self._states: dict[str, CoreRequestState] = {}
         # How many requests use penalties / owe prompt logprobs: most steps have none, and
         # skip their per-request work.

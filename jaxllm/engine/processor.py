@@ -49,7 +49,7 @@ class Processor:
         self.tokenizer = tokenizer
         self.vocab_size = info.model_config.vocab_size
         self.max_model_len = info.max_model_len
-        self.block_size = info.block_size
+        self.block_size = info.config.block_size
         self.num_usable_blocks = info.num_usable_blocks
         self.eos_token_ids = eos_token_ids
         self.max_n = max_n

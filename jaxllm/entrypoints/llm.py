@@ -18,21 +18,27 @@ from jaxllm.sampling_params import SamplingParams
 
 
 class LLM:
-    """Generate text with a Qwen2 model: `LLM(model=None)` uses the embedded default model.
+    """Generate text with a Qwen2 model: `LLM(model=None)` uses the embedded default model,
+    `LLM(model="tiny-qwen2")` a tiny random one with the real tokenizer.
 
-    Engine arguments (see EngineArgs): kernel_backend, block_size, num_kv_blocks,
-    gpu_memory_utilization, kv_cache_memory_bytes, max_model_len, max_num_seqs,
-    max_num_batched_tokens, max_n, enable_prefix_caching, seed, skip_tokenizer_init,
-    show_progress, multiprocess_mode (the engine core in its own process; None: per platform,
-    JAXLLM_ENABLE_V1_MULTIPROCESSING=0/1 wins). In multiprocess mode, `shutdown()` (or dropping
-    the LLM) stops the core's process.
+    Every other keyword is an engine argument (EngineArgs), listed with its default and meaning
+    in docs/engine_args.md. In multiprocess mode, `shutdown()` (or dropping the LLM) stops the
+    core's process.
     """
 
     def __init__(self, model: str | Path | None = None, dtype: Any = None,
                  **engine_args: Any) -> None:
-        args = EngineArgs.from_user("LLM", model, dtype, engine_args)
+        self._start(EngineArgs.from_user("LLM", model, dtype, engine_args))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(engine_args)
+        return llm
+
+    def _start(self, engine_args: EngineArgs) -> None:
         enable_compilation_cache()
-        self.llm_engine = LLMEngine(args)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = 0
 
     def shutdown(self) -> None:
@@ -49,7 +55,7 @@ class LLM:
     def collective_rpc(self, method: str, args: tuple | list = ()) -> Any:
         """Call `method` on the engine core's model runner, wherever the core runs, and return
         its result (vLLM's name), e.g. `collective_rpc("get_step_shape_counts")`."""
-        return self.llm_engine.engine_core_client.collective_rpc(method, args)
+        return self.llm_engine.collective_rpc(method, args)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -78,7 +78,7 @@ class HostSampler:
         """The step's sampled rows whose request is still here (with async scheduling a row may
         belong to a request that finished or was aborted, or whose id was reused, since the
         step was scheduled), their parameters from the persistent batch, and their draws."""
-        stamp = {r.request_id: r.arrival_index for r in prepared.so.scheduled}
+        stamp = {r.request_id: r.arrival_index for r in prepared.scheduler_output.scheduled}
         requests = self.scheduler.requests
         live, reqs = [], []
         for i, rid in enumerate(prepared.inputs.sample_req_ids):

@@ -8,6 +8,8 @@ rows: no Python loop rebuilds block tables, positions or slot mappings.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from itertools import chain
 
@@ -18,8 +20,10 @@ from scheduler import SchedulerOutput
 
 
 @dataclass
-class StepInputs:
-    """Host arrays of one step, padded to its bucket (T tokens, S sequences)."""
+class DeviceInputs:
+    """The arrays one step sends to the device, padded to its bucket (T tokens, S sequences):
+    `ModelRunner.launch`'s inputs, and what process 0 of a multi-host engine broadcasts to the
+    others as one vector (`pack` / `unpack`, field by field)."""
 
     input_ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int32
@@ -28,6 +32,34 @@ class StepInputs:
     seq_lens: np.ndarray  # [S] int32, 0 for padding
     query_start_loc: np.ndarray  # [S + 1] int32
     logits_indices: np.ndarray  # [S] int32: rows that sample first, then 0
+
+    @staticmethod
+    def shapes(num_tokens: int, num_seqs: int, max_blocks_per_seq: int
+               ) -> dict[str, tuple[int, ...]]:
+        t, s = num_tokens, num_seqs
+        return {"input_ids": (t,), "positions": (t,), "slot_mapping": (t,),
+                "block_tables": (s, max_blocks_per_seq), "seq_lens": (s,),
+                "query_start_loc": (s + 1,), "logits_indices": (s,)}
+
+    def pack(self) -> np.ndarray:
+        """Every device field, flattened into one int32 vector."""
+        return np.concatenate([getattr(self, f.name).ravel()
+                               for f in dataclasses.fields(DeviceInputs)]).astype(np.int32)
+
+    @classmethod
+    def unpack(cls, flat: np.ndarray, shapes: dict[str, tuple[int, ...]]) -> DeviceInputs:
+        """`pack`'s vector back into arrays of `shapes` (`DeviceInputs.shapes` of its bucket)."""
+        names = [f.name for f in dataclasses.fields(DeviceInputs)]
+        sizes = [math.prod(shapes[name]) for name in names]
+        parts = np.split(flat, np.cumsum(sizes)[:-1])
+        return DeviceInputs(**{name: part.reshape(shapes[name])
+                               for name, part in zip(names, parts, strict=True)})
+
+
+@dataclass
+class StepInputs(DeviceInputs):
+    """One step's device arrays and what the host keeps about them."""
+
     sample_req_ids: list[str]  # request of each sampled row, in order
     num_tokens: np.ndarray  # [len(scheduled)] tokens of each scheduled request
     sampling: SamplingMetadata  # the sampled rows' parameters, in sample_req_ids order
@@ -53,12 +85,12 @@ class InputBatch:
         row = self.req_id_to_row[request_id]
         return self.block_table[row, :self.num_blocks[row]].tolist()
 
-    def update_states(self, so: SchedulerOutput) -> None:
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply a step's schedule: drop finished and preempted requests, give new ones a row
         with their whole block table, append the new blocks of continuing ones."""
-        for rid in chain(so.finished_req_ids, so.preempted_req_ids):
+        for rid in chain(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids):
             self._remove(rid)
-        for r in so.scheduled:
+        for r in scheduler_output.scheduled:
             if r.is_new:
                 self._remove(r.request_id)  # a stale row must never leak into a new one
                 if not self._free_rows:
@@ -86,12 +118,12 @@ class InputBatch:
         self.num_blocks[row] = 0
         self._free_rows.append(row)
 
-    def prepare_inputs(self, so: SchedulerOutput, padded_tokens: int,
+    def prepare_inputs(self, scheduler_output: SchedulerOutput, padded_tokens: int,
                        num_seqs: int) -> StepInputs:
         """The step's device inputs (after update_states), in the scheduler's request order."""
-        reqs = so.scheduled
+        reqs = scheduler_output.scheduled
         n = len(reqs)
-        total = so.total_num_scheduled_tokens
+        total = scheduler_output.total_num_scheduled_tokens
         bs = self.block_size
         rows = np.fromiter((self.req_id_to_row[r.request_id] for r in reqs), np.intp, n)
         num_tokens = np.fromiter((len(r.token_ids) for r in reqs), np.int32, n)

@@ -17,7 +17,7 @@ start-up, so serving never compiles:
   - the sequence count S and the number of logits rows are min(T, max_num_seqs), so they follow
     T and add no bucket dimension.
 Weights are picked per bucket when it is compiled (`params_for`), between two trees of the same
-values: with quantization="gguf" the decode buckets up to GGUF_GEMV_MAX_ROWS run on
+values: with quantization="gguf" the decode buckets up to `gemv_max_rows` run on
 `gemv_params` (GGUF blocks kept quantized, fused dequant GEMVs: fewer bytes per step), every
 other bucket on `params` (float32 copies, fastest for multi-row dots); with a Pallas kernel
 backend the loader gives one tree, all quantized, and every bucket runs the fused dequant
@@ -60,7 +60,7 @@ from jaxllm.distributed.tensor_parallel import (
     tp_layout,
 )
 from jaxllm.model_executor.config import ModelConfig
-from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, use_cpu_kernel
+from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
 from jaxllm.model_executor.models.qwen2 import (
     AttentionMetadata,
     Qwen2ForCausalLM,
@@ -70,8 +70,8 @@ from jaxllm.model_executor.models.qwen2 import (
 from jaxllm.sample.candidates import TopKLogits
 from jaxllm.sample.topk import TOPK
 from jaxllm.sampling_params import MAX_LOGPROBS
-from jaxllm.worker.buckets import MIN_TOKEN_BUCKET, decode_buckets, token_buckets
-from jaxllm.worker.input_batch import InputBatch
+from jaxllm.worker.buckets import decode_buckets, token_buckets
+from jaxllm.worker.input_batch import DeviceInputs, InputBatch
 from jaxllm.worker.matmul_timing import time_runner_matmuls, weight_stats
 from jaxllm.worker.outputs import (  # re-exported: the engine core imports them from here
     ModelRunnerOutput,
@@ -90,11 +90,6 @@ from scheduler import SchedulerOutput
 # Prompt-logprob rows go through the LM head in chunks of this many rows, top-N up to the
 # logprobs limit.
 PROMPT_LOGPROB_ROWS = 32
-# quantization="gguf": decode buckets of at most this many rows use the quantized weights, through
-# our CPU kernel (int8 weights read once per step), or where it cannot be built through XLA's
-# fused GEMVs (read once per row); larger buckets run float32 GEMMs (docs/perf/gguf-cpu.md).
-GGUF_GEMV_MAX_ROWS = 16
-GGUF_XLA_GEMV_MAX_ROWS = 8
 
 
 def float32_weights(params: dict) -> dict:
@@ -129,7 +124,12 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, *, dtype: Any, kernel_backend: str,
                  block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, topk_sampling: bool = False,
-                 gemv_params: dict | None = None, tensor_parallel_size: int = 1) -> None:
+                 gemv_params: dict | None = None, gemv_max_rows: int = 0,
+                 kv_cache_dtype: Any = None, activation_dtype: Any = None,
+                 tensor_parallel_size: int = 1) -> None:
+        """`gemv_max_rows`, `kv_cache_dtype` and `activation_dtype` as EngineConfig resolved
+        them (None: `dtype`); with `gemv_max_rows` and no `gemv_params`, the GEMV buckets run
+        on float32 copies of `params`."""
         self.config = config
         self.local_config = config  # one device's slice of the model
         self.mesh = None
@@ -145,23 +145,12 @@ class ModelRunner:
             params = shard_params(params, layout, self.mesh)
         self.params = params
         self.gemv_params = gemv_params
-        self.gemv_max_rows = 0
-        if gemv_params is not None:  # quantization="gguf" on XLA
-            self.gemv_max_rows = GGUF_GEMV_MAX_ROWS if use_cpu_kernel() \
-                else GGUF_XLA_GEMV_MAX_ROWS
-        if gemv_params is None and jnp.dtype(dtype) == jnp.bfloat16 \
-                and jax.default_backend() == "cpu":
+        self.gemv_max_rows = gemv_max_rows
+        if gemv_max_rows and gemv_params is None:  # bfloat16 weights on CPU
             self.gemv_params = float32_weights(params)
-            self.gemv_max_rows = MIN_TOKEN_BUCKET - 1
         self.dtype = dtype
-        # XLA on CPU scatters into a 16-bit float KV array by converting all of it to float32
-        # and back, twice per step (seconds per step for a 1 GiB cache): keep it float32.
-        self.kv_cache_dtype = jnp.float32 if jnp.dtype(dtype).itemsize == 2 \
-            and jax.default_backend() == "cpu" else dtype
-        # Likewise the hidden states on XLA (reference backend): XLA on CPU runs 16-bit
-        # elementwise ops, norms and attention slower than float32 ones, so only the GEMMs'
-        # operands are 16-bit there. (Interpret-mode Pallas keeps the GPU's dtypes.)
-        self.activation_dtype = self.kv_cache_dtype if kernel_backend == "reference" else dtype
+        self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+        self.activation_dtype = dtype if activation_dtype is None else activation_dtype
         self.block_size = block_size
         self.num_kv_blocks = 0
         self.max_model_len = max_model_len
@@ -206,11 +195,11 @@ class ModelRunner:
         # Several hosts, process 0: broadcasts each launch to the followers (multihost.py).
         self.leader: Any = None
 
-    def _forward(self, params, rope, kv_cache, logits_buf, input_ids, positions, md,
+    def _forward(self, params, rope, kv_cache, logits_buf, input_ids, positions, attn_metadata,
                  max_query_len, num_splits):
         del logits_buf  # only its buffer is wanted, for the logits output
         return forward_step(self.model, self.top_k, self.mesh, params, rope, kv_cache,
-                            input_ids, positions, md, max_query_len, num_splits)
+                            input_ids, positions, attn_metadata, max_query_len, num_splits)
 
     def _prompt_stats(self, params, hidden, rows, targets):
         return prompt_stats(self.model, min(MAX_LOGPROBS, self.config.vocab_size), self.mesh,
@@ -236,7 +225,8 @@ class ModelRunner:
 
     def bucket_table(self) -> list[tuple[int, int, int]]:
         """(num_tokens, max_query_len, attention split count) of every compiled step."""
-        return [(t, q, self.decode_splits[t] if q == 1 else 1) for t, q in self.bucket_shapes()]
+        return [(num_tokens, max_query_len, self.decode_splits[num_tokens] if max_query_len == 1
+                 else 1) for num_tokens, max_query_len in self.bucket_shapes()]
 
     def params_for(self, num_tokens: int, max_query_len: int) -> dict:
         """The param tree a bucket's executable is compiled for and runs with."""
@@ -252,17 +242,17 @@ class ModelRunner:
         def spec(*shape):
             return jax.ShapeDtypeStruct(shape, i32, sharding=self._replicated())
 
-        md = AttentionMetadata(spec(num_tokens), spec(s, self.max_blocks_per_seq), spec(s),
-                               spec(s + 1), spec(s))
-        return spec(num_tokens), spec(num_tokens), md
+        attn_metadata = AttentionMetadata(spec(num_tokens), spec(s, self.max_blocks_per_seq),
+                                          spec(s), spec(s + 1), spec(s))
+        return spec(num_tokens), spec(num_tokens), attn_metadata
 
     def _compile_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int):
         kv_spec = jax.ShapeDtypeStruct(self.kv_shape(num_kv_blocks), self.kv_cache_dtype,
                                        sharding=self._sharding(KV_SPEC))
-        ids, pos, md = self._abstract_inputs(num_tokens)
+        ids, pos, attn_metadata = self._abstract_inputs(num_tokens)
         splits = self.decode_splits[num_tokens] if max_query_len == 1 else 1
         return self._step.lower(self.params_for(num_tokens, max_query_len), self.rope, kv_spec,
-                                self._logits_spec(num_tokens), ids, pos, md,
+                                self._logits_spec(num_tokens), ids, pos, attn_metadata,
                                 max_query_len=max_query_len, num_splits=splits).compile()
 
     def _logits_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct:
@@ -337,29 +327,33 @@ class ModelRunner:
 
     # --- one step -----------------------------------------------------------------------------
 
-    def update_states(self, so: SchedulerOutput) -> None:
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply a schedule to the persistent batch; also for a step with nothing to run, so
         that the requests it reports finished free their rows."""
-        self.input_batch.update_states(so)
+        self.input_batch.update_states(scheduler_output)
 
-    def prepare(self, so: SchedulerOutput) -> PreparedStep:
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """Host inputs of a non-empty step (after applying it to the persistent batch)."""
         t0 = time.perf_counter()
-        num_tokens = so.total_num_scheduled_tokens
-        decode_only = num_tokens == len(so.scheduled)  # every request computes one token
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        # Every request computes one token.
+        decode_only = num_tokens == len(scheduler_output.scheduled)
         padded = self.bucket_for(num_tokens, decode_only)
         shape = (padded, 1 if decode_only else padded)
         if shape not in self._compiled:
             raise RuntimeError(f"step shape {shape} was not compiled; call compile() first")
-        self.update_states(so)
-        inputs = self.input_batch.prepare_inputs(so, padded, min(padded, self.max_num_seqs))
+        self.update_states(scheduler_output)
+        inputs = self.input_batch.prepare_inputs(scheduler_output, padded,
+                                                 min(padded, self.max_num_seqs))
         index = np.flatnonzero(inputs.input_ids[:num_tokens] < 0)
         req_ids = []
         if index.size:
-            owner = np.searchsorted(inputs.query_start_loc[1:len(so.scheduled) + 1], index,
+            num_scheduled = len(scheduler_output.scheduled)
+            owner = np.searchsorted(inputs.query_start_loc[1:num_scheduled + 1], index,
                                     side="right")
-            req_ids = [so.scheduled[i].request_id for i in owner.tolist()]
-        return PreparedStep(so, inputs, shape, index, req_ids, time.perf_counter() - t0)
+            req_ids = [scheduler_output.scheduled[i].request_id for i in owner.tolist()]
+        return PreparedStep(scheduler_output, inputs, shape, index, req_ids,
+                            time.perf_counter() - t0)
 
     def dispatch(self, prepared: PreparedStep,
                  placeholder_tokens: np.ndarray | None = None) -> StepHandle:
@@ -375,21 +369,19 @@ class ModelRunner:
         if self.leader is not None:  # several hosts: the followers launch the same step
             self.leader.step(prepared.shape, inputs)
         t = time.perf_counter()
-        values, token_ids, lse, logits, hidden = self.launch(
-            prepared.shape, inputs.input_ids, inputs.positions, inputs.slot_mapping,
-            inputs.block_tables, inputs.seq_lens, inputs.query_start_loc, inputs.logits_indices)
+        values, token_ids, lse, logits, hidden = self.launch(prepared.shape, inputs)
         if logits.is_fully_addressable:
             for x in (values, token_ids, lse) if self.top_k else (logits,):
                 x.copy_to_host_async()
         return StepHandle(prepared, values, token_ids, lse, logits, hidden, t,
                           time.perf_counter(), self.launches)
 
-    def launch(self, shape: tuple[int, int], input_ids: np.ndarray, positions: np.ndarray,
-               *metadata: np.ndarray) -> tuple:
-        """Run a compiled step on padded inputs (`metadata`: AttentionMetadata's arrays);
-        returns (top-K values, ids, log-sum-exp, logits, hidden states)."""
-        md = AttentionMetadata(*metadata)
-        num_seqs = md.seq_lens.shape[0]
+    def launch(self, shape: tuple[int, int], inputs: DeviceInputs) -> tuple:
+        """Run a compiled step on padded inputs; returns (top-K values, ids, log-sum-exp,
+        logits, hidden states)."""
+        attn_metadata = AttentionMetadata(**{name: getattr(inputs, name)
+                                             for name in AttentionMetadata._fields})
+        num_seqs = inputs.seq_lens.shape[0]
         buf = self._logits_bufs.pop(num_seqs, None)
         if buf is None:  # first step of this shape (a transfer, not a compile)
             zeros = np.zeros((num_seqs, self.config.vocab_size), np.float32)
@@ -399,7 +391,8 @@ class ModelRunner:
                 buf = jax.make_array_from_callback(zeros.shape, self._sharding(LOGITS_SPEC),
                                                    lambda index: zeros[index])
         *out, self.kv_cache = self._compiled[shape](
-            self.params_for(*shape), self.rope, self.kv_cache, buf, input_ids, positions, md)
+            self.params_for(*shape), self.rope, self.kv_cache, buf, inputs.input_ids,
+            inputs.positions, attn_metadata)
         self.launches += 1
         return tuple(out)
 
@@ -466,7 +459,7 @@ class ModelRunner:
             return
         rows, targets, owners = [], [], []
         offset = 0
-        for r in out.handle.prepared.so.scheduled:
+        for r in out.handle.prepared.scheduler_output.scheduled:
             want = wants.get(r.request_id)
             if want is not None:
                 skip, tokens = want
@@ -494,11 +487,11 @@ class ModelRunner:
                 lse[start:end])
             start = end
 
-    def execute_model(self, so: SchedulerOutput,
+    def execute_model(self, scheduler_output: SchedulerOutput,
                       prompt_logprobs: dict[str, tuple[int, list[int]]] | None = None
                       ) -> ModelRunnerOutput:
         """Run one step synchronously: prepare, dispatch, wait (and the prompt logprobs)."""
-        out = self.wait(self.dispatch(self.prepare(so)))
+        out = self.wait(self.dispatch(self.prepare(scheduler_output)))
         self.add_prompt_logprobs(out, prompt_logprobs or {})
         return out
 

@@ -28,7 +28,7 @@ class PreparedStep:
     run. Tokens the previous step has yet to sample are placeholders (-1) in `input_ids`, one
     per listed request, filled by `ModelRunner.dispatch`."""
 
-    so: SchedulerOutput
+    scheduler_output: SchedulerOutput
     inputs: StepInputs
     shape: tuple[int, int]  # (num_tokens, max_query_len) of the compiled step
     placeholder_index: np.ndarray  # [P] flat token index of each placeholder

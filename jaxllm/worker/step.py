@@ -28,12 +28,12 @@ def _top_k(logits: jax.Array, k: int, mesh: Any):
 
 
 def forward_step(model: Qwen2ForCausalLM, top_k: int, mesh: Any, params, rope, kv_cache,
-                 input_ids, positions, md, max_query_len: int | None, num_splits: int):
+                 input_ids, positions, attn_metadata, max_query_len: int | None, num_splits: int):
     """(top-K values, ids, log-sum-exp or three Nones when top_k is 0; logits [R, vocab]
     (vocabulary-sharded with a mesh); hidden states [T, hidden]; the updated KV array)."""
-    def body(params, rope, input_ids, positions, md, kv_cache):
+    def body(params, rope, input_ids, positions, attn_metadata, kv_cache):
         logits, hidden, kv_cache = model.apply(
-            {"params": params, "rope": rope}, input_ids, positions, kv_cache, md,
+            {"params": params, "rope": rope}, input_ids, positions, kv_cache, attn_metadata,
             max_query_len=max_query_len, num_splits=num_splits)
         if not top_k:
             return None, None, None, logits, hidden, kv_cache
@@ -43,7 +43,7 @@ def forward_step(model: Qwen2ForCausalLM, top_k: int, mesh: Any, params, rope, k
     if mesh is not None:
         body = spmd(body, mesh, params, (P(), P(), P(), LOGITS_SPEC, P(), KV_SPEC),
                     extra_in_specs=(KV_SPEC,))
-    return body(params, rope, input_ids, positions, md, kv_cache)
+    return body(params, rope, input_ids, positions, attn_metadata, kv_cache)
 
 
 def prompt_stats(model: Qwen2ForCausalLM, num_top: int, mesh: Any, params, hidden, rows,

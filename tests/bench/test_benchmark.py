@@ -287,7 +287,7 @@ def test_tiny_qwen2_is_a_real_qwen2_and_benches_the_host_path(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from jaxllm import LLM, SamplingParams
-    from jaxllm.benchmarks.tiny_model import tiny_qwen2_path
+    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
 
     path = tiny_qwen2_path()
     assert tiny_qwen2_path() == path  # written once, then reused

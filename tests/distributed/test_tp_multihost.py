@@ -39,7 +39,7 @@ def _env(port: int, process_id: int) -> dict[str, str]:
 
 
 def _follower_cmd(path: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "jaxllm.distributed.multihost", "--model", str(path),
+    cmd = [sys.executable, "-m", "jaxllm.entrypoints.multihost_follower", "--model", str(path),
            "--tensor-parallel-size", "4"]
     for key, value in ENGINE.items():
         flag = "--" + key.replace("_", "-")

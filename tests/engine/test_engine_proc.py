@@ -8,6 +8,7 @@ bounded."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -24,8 +25,9 @@ import msgspec
 import pytest
 
 from jaxllm import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+from jaxllm.config import MP_ENV_VAR, resolve_multiprocess_mode
 from jaxllm.engine import EngineDeadError
-from jaxllm.engine.arg_utils import MP_ENV_VAR, EngineArgs, resolve_multiprocess_mode
+from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.mp_client import AsyncMPClient, SyncMPClient
 
 ENGINE_KW = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64,
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tiny_path():
-    from jaxllm.benchmarks.tiny_model import tiny_qwen2_path
+    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
 
     return str(tiny_qwen2_path())
 
@@ -135,7 +137,10 @@ def test_sync_mp_parity(engines):
         assert_same(a, b)
     assert len(got[2].outputs) == 3 and got[3].prompt_logprobs is not None
     a, b = mp.llm_engine.core_info, inproc.llm_engine.core_info
-    assert msgspec.structs.replace(a, compile_time_s=0) == \
+    # The same resolved config but for the mode each was asked for.
+    assert a.config.multiprocess_mode and not b.config.multiprocess_mode
+    assert msgspec.structs.replace(
+        a, compile_time_s=0, config=dataclasses.replace(a.config, multiprocess_mode=False)) == \
         msgspec.structs.replace(b, compile_time_s=0)
     # Utility calls travel too; every block is free again.
     free, usable = mp.llm_engine.engine_core_client.call_utility("get_kv_block_counts")
@@ -339,8 +344,8 @@ _PARENT_SCRIPT = textwrap.dedent("""
     client = llm.llm_engine.engine_core_client
     print(json.dumps({"backends": sorted(xb._backends), "pid": client.core_pid,
                       "dir": client.resources.tmpdir, "n": len(out[0].outputs[0].token_ids),
-                      "dtype": llm.llm_engine.core_info.dtype,
-                      "platform": llm.llm_engine.core_info.platform}), flush=True)
+                      "dtype": llm.llm_engine.engine_config.dtype,
+                      "platform": llm.llm_engine.engine_config.platform}), flush=True)
     time.sleep(120)
 """)
 

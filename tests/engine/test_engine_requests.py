@@ -167,8 +167,9 @@ def test_cli_passes_engine_args_defaults(monkeypatch, capsys):
     seen = []
 
     class Recorder:
-        def __init__(self, **kwargs):
-            seen.append(kwargs)
+        @classmethod
+        def from_engine_args(cls, engine_args):
+            seen.append(engine_args)
             raise RuntimeError("recorded")
 
     monkeypatch.setattr(jaxllm, "LLM", Recorder)
@@ -176,7 +177,7 @@ def test_cli_passes_engine_args_defaults(monkeypatch, capsys):
         assert main(command) == 2
         want = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
         want["max_num_seqs"] = 1  # documented: the CLI sizes max_num_seqs to its prompts
-        assert seen.pop() == want, command
+        assert dataclasses.asdict(seen.pop()) == want, command
     # A zero is refused, not replaced by a default.
     assert main(["generate", "x", "--max-num-seqs", "0"]) == 2
     assert "max_num_seqs must be a positive integer, got 0" in capsys.readouterr().err
@@ -271,7 +272,7 @@ def test_progress_bar_shows_input_and_output_speed(llm, capsys):
 
 
 def test_kv_array_sized_from_measured_activations(tiny, monkeypatch):  # noqa: F811
-    from jaxllm.engine import core as core_module
+    from jaxllm.worker import model_runner as runner_module
     from jaxllm.worker.model_runner import ModelRunner
 
     plain = make_llm(tiny[0])  # CPU: the 1 GiB default, no measurement
@@ -289,7 +290,7 @@ def test_kv_array_sized_from_measured_activations(tiny, monkeypatch):  # noqa: F
         measured.append(1)
         return original(self, *args)
 
-    monkeypatch.setattr(core_module, "device_memory_bytes", lambda: device_bytes)
+    monkeypatch.setattr(runner_module, "device_memory_bytes", lambda: device_bytes)
     monkeypatch.setattr(ModelRunner, "measure_activation_bytes", counting)
     llm = make_llm(tiny[0], gpu_memory_utilization=0.9)
     assert measured == [1]
@@ -297,6 +298,6 @@ def test_kv_array_sized_from_measured_activations(tiny, monkeypatch):  # noqa: F
     assert llm.llm_engine.num_kv_blocks == expected == 50
     out = llm.generate(ids(30), GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
-    monkeypatch.setattr(core_module, "device_memory_bytes", lambda: weights + activations)
+    monkeypatch.setattr(runner_module, "device_memory_bytes", lambda: weights + activations)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         make_llm(tiny[0])

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.config import GGUF_GEMV_MAX_ROWS
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
 from jaxllm.model_executor.layers.quantization.gguf import (
@@ -28,9 +29,9 @@ from jaxllm.model_executor.layers.quantization.gguf import (
     gguf_linear,
 )
 from jaxllm.model_executor.model_loader import gguf_repack
-from jaxllm.model_executor.model_loader.loader import ModelLoadError, load_model
+from jaxllm.model_executor.model_loader.errors import ModelLoadError
+from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, linear, rope_variables
-from jaxllm.worker.model_runner import GGUF_GEMV_MAX_ROWS
 from tests.gguf_models import hf_model_from, quantized_bytes, random_blocks, write_tiny_gguf
 from tests.model_inputs import prefill_inputs
 
@@ -225,7 +226,6 @@ def test_quantization_arg_and_its_errors(tiny_gguf, tiny_models):
 def test_default_quantization_is_gguf_for_gguf_models_on_cpu(tiny_gguf, tiny_models):
     """Not given: "gguf" for a .gguf model on CPU (float32, reference backend, one device, the
     kernel built), "none" for a checkpoint directory, a bfloat16 run, or when asked."""
-    from jaxllm.engine.core import resolve_quantization
     from jaxllm.model_executor.layers.quantization.gguf import use_cpu_kernel
     from jaxllm.model_executor.model_loader.loader import is_gguf_model
 
@@ -233,16 +233,17 @@ def test_default_quantization_is_gguf_for_gguf_models_on_cpu(tiny_gguf, tiny_mod
     assert is_gguf_model(path) and not is_gguf_model(tiny_models["tied"][0])
     assert not is_gguf_model(path.parent / "missing.gguf")
 
-    def resolved(model, **kw):
-        args = EngineArgs(model=str(model), **{k: v for k, v in kw.items() if k != "dtype"})
-        return resolve_quantization(args, model, kw.get("dtype", jnp.float32), "reference")
+    def resolved(model, platform="cpu", **kw):
+        return EngineArgs(model=str(model), **kw).create_engine_config(platform).quantization
 
-    assert resolved(path) == ("gguf" if use_cpu_kernel() else None)
-    assert resolved(path, quantization="none") is None
+    assert resolved(path) == ("gguf" if use_cpu_kernel() else "none")
+    assert resolved(path, quantization="none") == "none"
     assert resolved(path, quantization="gguf") == "gguf"
-    assert resolved(path, dtype=jnp.bfloat16) is None
-    assert resolved(path, tensor_parallel_size=2) is None
-    assert resolved(tiny_models["tied"][0]) is None
+    assert resolved(path, dtype="bfloat16") == "none"
+    assert resolved(path, tensor_parallel_size=2) == "none"
+    assert resolved(path, kernel_backend="interpret") == "none"
+    assert resolved(path, platform="gpu") == "none"  # opt-in on a GPU
+    assert resolved(tiny_models["tied"][0]) == "none"
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(parser.parse_args(["--quantization", "none"])) \
         .quantization == "none"

@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from jaxllm.model_executor.model_loader import default_model
-from jaxllm.model_executor.model_loader.loader import ModelLoadError, load_model
+from jaxllm.model_executor.model_loader.errors import ModelLoadError
+from jaxllm.model_executor.model_loader.loader import load_model
 from tests.utils import make_tiny_checkpoint
 
 

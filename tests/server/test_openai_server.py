@@ -29,7 +29,7 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time",
 
 @pytest.fixture(scope="module")
 def tiny_path():
-    from jaxllm.benchmarks.tiny_model import tiny_qwen2_path
+    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
 
     return str(tiny_qwen2_path())
 
@@ -353,6 +353,21 @@ def test_metrics_count_exactly_the_tokens_served(server, client):
         assert after[n] - before[n] == 3, n
     assert metric(server, "jaxllm:num_requests_running") == 0
     assert metric(server, "jaxllm:prefix_cache_queries_total") > 0
+
+
+def test_n_siblings_hit_the_prefix_cache(server, client):
+    """The n sequences of one request: the first computes the prompt, the others wait for it
+    and then find its full blocks in the prefix cache instead of computing them again."""
+    # 70 fresh tokens: each sibling finds the 4 full blocks of 16 before the last token.
+    prompt = [1000 + 7 * i for i in range(70)]
+    names = ("jaxllm:prefix_cache_hits_total", "jaxllm:prefix_cache_queries_total")
+    before = {n: metric(server, n) for n in names}
+    out = client.completions.create(model="tiny-qwen2", prompt=prompt, n=4, max_tokens=3,
+                                    temperature=1.0, seed=3)
+    assert len(out.choices) == 4 and out.usage.prompt_tokens == 70
+    after = {n: metric(server, n) for n in names}
+    assert after[names[1]] - before[names[1]] == 4 * 70
+    assert after[names[0]] - before[names[0]] == 3 * 64
 
 
 def test_tokenize_detokenize(server, tokenizer):

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
@@ -36,11 +35,9 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _make_llm(args: argparse.Namespace, num_prompts: int):
     from jaxllm import LLM
 
-    engine_args = EngineArgs.from_cli_args(
+    return LLM.from_engine_args(EngineArgs.from_cli_args(
         args, max_num_seqs=(min(num_prompts, EngineArgs.max_num_seqs)
-                      if args.max_num_seqs is None else args.max_num_seqs))
-    kw = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)}
-    return LLM(**kw)
+                            if args.max_num_seqs is None else args.max_num_seqs)))
 
 
 def _sampling_params(args: argparse.Namespace):

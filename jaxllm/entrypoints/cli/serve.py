@@ -4,11 +4,9 @@ vLLM's flags. Unlike vLLM it binds 127.0.0.1 unless --host says otherwise."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
-import sys
 
 from jaxllm.engine.arg_utils import EngineArgs
 
@@ -44,7 +42,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from jaxllm.benchmarks.tiny_model import resolve_model
     from jaxllm.engine.async_llm import AsyncLLM
     from jaxllm.entrypoints.openai.api_server import build_app, make_state
     from jaxllm.entrypoints.openai.metrics import ServerMetrics
@@ -60,16 +57,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("the server needs the tokenizer (drop --skip-tokenizer-init)")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
-    engine_args = EngineArgs.from_cli_args(args, model=resolve_model(tag))
+    engine_args = EngineArgs.from_cli_args(args, model=tag)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    kw = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)}
     name = args.served_model_name or tag or DEFAULT_MODEL_NAME
     metrics = ServerMetrics(name)
-    engine = AsyncLLM(stat_loggers=[metrics.record_stats], **kw)
+    engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[metrics.record_stats])
     pid = getattr(engine.engine_core, "core_pid", None)
     if pid is not None:
         log.info("engine core process pid %d", pid)
-    state = make_state(engine, name, str(engine_args.model or engine.core_info.model_name),
+    config = engine.engine_config
+    state = make_state(engine, name, config.model if tag is None else config.model_path,
                        metrics, args.max_request_bytes)
     app = build_app(state, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port,
@@ -85,9 +82,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.shutdown()
     log.info("server stopped")
     return 0
-
-
-if __name__ == "__main__":
-    from jaxllm.entrypoints.cli.main import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))

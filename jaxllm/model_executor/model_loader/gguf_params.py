@@ -33,15 +33,14 @@ from jaxllm.model_executor.layers.quantization.gguf import (
     single_chunk,
     use_cpu_kernel,
 )
+from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.gguf_repack import (
+    FLOAT_TYPES,
     RepackedBlocks,
     UnsupportedGGUFType,
     concat_rows,
     repack,
 )
-
-# Tensor types that are not block formats: they stay float32, as with quantization=None.
-FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 # Fused param -> the HF names of its parts, stacked along rows as the dense loader stacks them.
 _LAYER_WEIGHTS = {
@@ -61,8 +60,6 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
                           path: Path, fused_kernel: bool = False) -> tuple[dict, dict | None]:
     """(params, gemv_params) from the dense float32 tree and `tensor(hf_name)`, the GGUF reader's
     tensor of that name (None if absent); with `fused_kernel`, (the all-quantized tree, None)."""
-    from jaxllm.model_executor.model_loader.loader import ModelLoadError
-
     def quantized(hf_names: list[str]) -> GGUFWeight | None:
         parts = []
         for name in hf_names:
@@ -87,9 +84,9 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         for (group, mod), hf_names in _LAYER_WEIGHTS.items():
             if not any_width and not single_chunk(layer[group][mod]["weight"].shape[1]):
                 continue
-            q = quantized([f"layers.{i}.{n}" for n in hf_names])
-            if q is not None:
-                layer[group][mod]["weight"] = q
+            weight = quantized([f"layers.{i}.{n}" for n in hf_names])
+            if weight is not None:
+                layer[group][mod]["weight"] = weight
         gemv[f"layers_{i}"] = layer
     embed = quantized(["embed_tokens.weight"])
     if embed is not None:

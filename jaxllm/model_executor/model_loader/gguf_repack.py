@@ -50,8 +50,8 @@ def _q4_0(b: np.ndarray):
 def _q5_0(b: np.ndarray):
     # Bit j of the little-endian 32-bit qh is the fifth bit of value j.
     high = np.unpackbits(b[:, 2:6], axis=-1, bitorder="little")
-    q = _nibbles(b[:, 6:]) | (high << 4)
-    return q.astype(np.int8) - 16, _f16(b[:, :2]), None
+    quants = _nibbles(b[:, 6:]) | (high << 4)
+    return quants.astype(np.int8) - 16, _f16(b[:, :2]), None
 
 
 def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -71,8 +71,8 @@ def _k_scale_offset(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _q4_k(b: np.ndarray):
     n = len(b)
     # 4 chunks of 32 bytes; chunk c holds sub-block 2c in its low and 2c+1 in its high nibbles.
-    q = _nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, QK_K)
-    return (q.astype(np.int8), *_k_scale_offset(b))
+    quants = _nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, QK_K)
+    return (quants.astype(np.int8), *_k_scale_offset(b))
 
 
 def _q5_k(b: np.ndarray):
@@ -80,8 +80,8 @@ def _q5_k(b: np.ndarray):
     low = _nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
     # Byte i of qh carries the fifth bit of value i of every sub-block j, in bit j.
     high = np.unpackbits(b[:, 16:48], axis=-1, bitorder="little").reshape(n, 32, 8)
-    q = (low | (high.transpose(0, 2, 1) << 4)).reshape(n, QK_K)
-    return (q.astype(np.int8), *_k_scale_offset(b))
+    quants = (low | (high.transpose(0, 2, 1) << 4)).reshape(n, QK_K)
+    return (quants.astype(np.int8), *_k_scale_offset(b))
 
 
 def _q6_k(b: np.ndarray):
@@ -90,9 +90,9 @@ def _q6_k(b: np.ndarray):
     qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
     # Per 128-value half: values l, l+32 take ql[l], ql[l+32] low nibbles, l+64, l+96 their
     # high nibbles; the two high bits come from qh[l] at shifts 0, 2, 4, 6 in that order.
-    q = _nibbles(ql).reshape(n, 2, 4, 32) | ((qh & 3) << 4)
+    quants = _nibbles(ql).reshape(n, 2, 4, 32) | ((qh & 3) << 4)
     scale = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
-    return (q.reshape(n, QK_K).astype(np.int8) - 32, scale, None)
+    return (quants.reshape(n, QK_K).astype(np.int8) - 32, scale, None)
 
 
 # type name -> (values per block, bytes per block, sub-block size, unpack)
@@ -105,6 +105,8 @@ _FORMATS = {
     "Q6_K": (QK_K, 210, 16, _q6_k),
 }
 SUPPORTED_TYPES = tuple(_FORMATS)
+# Tensor types that are not block formats: they load as float32, as with quantization="none".
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 class UnsupportedGGUFType(ValueError):
@@ -127,10 +129,10 @@ def repack(data: np.ndarray, type_name: str, shape: tuple[int, ...],
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, nbytes)
     if len(blocks) != rows * cols // per_block:
         raise ValueError(f"{tensor_name}: {len(blocks)} {type_name} blocks for shape {shape}")
-    q, scale, offset = unpack(blocks)
+    quants, scale, offset = unpack(blocks)
     subs = cols // sub
     return RepackedBlocks(
-        np.ascontiguousarray(q, dtype=np.int8).reshape(rows, cols),
+        np.ascontiguousarray(quants, dtype=np.int8).reshape(rows, cols),
         np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, subs),
         None if offset is None else np.ascontiguousarray(offset, np.float32).reshape(rows, subs))
 

@@ -21,13 +21,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.model_loader.errors import ModelLoadError
+from jaxllm.model_executor.model_loader.gguf_params import quantized_param_trees
+from jaxllm.model_executor.model_loader.gguf_repack import FLOAT_TYPES, SUPPORTED_TYPES
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, abstract_params
 
 GGUF_MAGIC = b"GGUF"
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint that is missing, truncated, foreign or inconsistent; names the path."""
 
 
 @dataclass
@@ -86,8 +85,6 @@ def gguf_keeps_quantized(path: str | Path) -> bool:
     a format gguf_repack keeps exactly (reads the header only; the data is memory-mapped)."""
     import gguf
 
-    from jaxllm.model_executor.model_loader.gguf_params import FLOAT_TYPES
-    from jaxllm.model_executor.model_loader.gguf_repack import SUPPORTED_TYPES
 
     try:
         reader = gguf.GGUFReader(str(_gguf_file(Path(path).expanduser())))
@@ -214,8 +211,6 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
         bar.close()
     if quantization != "gguf":
         return LoadedModel(config, params, path, "gguf")
-    from jaxllm.model_executor.model_loader.gguf_params import quantized_param_trees
-
     params, gemv_params = quantized_param_trees(
         config, params, lambda hf_name: by_name.get(_gguf_name(hf_name)), path, fused_kernel)
     return LoadedModel(config, params, path, "gguf", gemv_params)

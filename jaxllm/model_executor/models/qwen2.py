@@ -115,7 +115,7 @@ class Qwen2Attention(nn.Module):
     tp_axis: str | None = None
 
     @nn.compact
-    def __call__(self, x, positions, kv_cache, md: AttentionMetadata, cos_sin_cache,
+    def __call__(self, x, positions, kv_cache, attn_metadata: AttentionMetadata, cos_sin_cache,
                  max_query_len: int | None, num_splits: int = 1):
         cfg = self.config
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -126,10 +126,11 @@ class Qwen2Attention(nn.Module):
         k = k.reshape(-1, nkv, hd)
         v = v.reshape(-1, nkv, hd)
         q, k = rope(q, k, positions, cos_sin_cache, backend=self.backend)
-        kv_cache = write_kv(kv_cache, self.layer_idx, k, v, md.slot_mapping,
-                                           backend=self.backend)
+        kv_cache = write_kv(kv_cache, self.layer_idx, k, v, attn_metadata.slot_mapping,
+                            backend=self.backend)
         out = paged_attention(
-            q, kv_cache, self.layer_idx, md.block_tables, md.seq_lens, md.query_start_loc,
+            q, kv_cache, self.layer_idx, attn_metadata.block_tables, attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
             scale=hd ** -0.5, max_query_len=max_query_len, backend=self.backend,
             num_splits=num_splits)
         out = Linear(cfg.hidden_size, False, self.dtype, self.backend, name="o_proj")(
@@ -171,8 +172,8 @@ class Qwen2DecoderLayer(nn.Module):
     tp_axis: str | None = None
 
     @nn.compact
-    def __call__(self, h, residual, positions, kv_cache, md, cos_sin_cache, max_query_len,
-                 num_splits=1):
+    def __call__(self, h, residual, positions, kv_cache, attn_metadata, cos_sin_cache,
+                 max_query_len, num_splits=1):
         cfg = self.config
         # vLLM's fused_add_rms_norm: the residual add rides along with the norm.
         if residual is None:
@@ -183,7 +184,7 @@ class Qwen2DecoderLayer(nn.Module):
                                   name="input_layernorm")(h, residual)
         h, kv_cache = Qwen2Attention(cfg, self.layer_idx, self.dtype, self.backend,
                                      self.tp_axis, name="self_attn")(
-            h, positions, kv_cache, md, cos_sin_cache, max_query_len, num_splits)
+            h, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len, num_splits)
         h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
                               name="post_attention_layernorm")(h, residual)
         h = Qwen2MLP(cfg, self.dtype, self.backend, self.tp_axis, name="mlp")(h)
@@ -191,7 +192,7 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """Returns (logits [R, vocab] float32 for the rows in `md.logits_indices`,
+    """Returns (logits [R, vocab] float32 for the rows in `attn_metadata.logits_indices`,
     final-normed hidden states [T, hidden] of every row, the updated kv_cache)."""
 
     config: ModelConfig
@@ -203,7 +204,7 @@ class Qwen2ForCausalLM(nn.Module):
     activation_dtype: Any = None
 
     @nn.compact
-    def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata,
+    def __call__(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata,
                  max_query_len: int | None = None, num_splits: int = 1):
         """num_splits > 1: split-K decode attention (needs max_query_len 1, see
         paged_attention)."""
@@ -227,13 +228,13 @@ class Qwen2ForCausalLM(nn.Module):
         for i in range(cfg.num_hidden_layers):
             h, residual, kv_cache = Qwen2DecoderLayer(
                 cfg, i, self.dtype, self.kernel_backend, self.tp_axis, name=f"layers_{i}")(
-                    h, residual, positions, kv_cache, md, cos_sin_cache, max_query_len,
+                    h, residual, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len,
                     num_splits)
         hidden_states, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend,
                                    name="norm")(h, residual)
         # Only the sampled rows go through the LM head (the vocabulary GEMM is the costly part);
         # the normed hidden states of all rows stay on device for prompt logprobs.
-        rows = jnp.take(hidden_states, md.logits_indices, axis=0)
+        rows = jnp.take(hidden_states, attn_metadata.logits_indices, axis=0)
         if not cfg.tie_word_embeddings:
             _weight_param(self, "lm_head", (cfg.vocab_size, cfg.hidden_size), self.dtype,
                           nn.initializers.normal(0.02))
@@ -253,14 +254,14 @@ def abstract_params(model: Qwen2ForCausalLM) -> dict:
     """The param tree's shapes and dtypes, without allocating anything."""
     cfg = model.config
     t, s = 4, 1
-    md = AttentionMetadata(
+    attn_metadata = AttentionMetadata(
         slot_mapping=jnp.zeros((t,), jnp.int32), block_tables=jnp.zeros((s, 1), jnp.int32),
         seq_lens=jnp.zeros((s,), jnp.int32), query_start_loc=jnp.zeros((s + 1,), jnp.int32),
         logits_indices=jnp.zeros((s,), jnp.int32))
     kv = jax.ShapeDtypeStruct(kv_cache_shape(cfg, 1, 16), model.dtype)
     variables = jax.eval_shape(
         lambda kv: model.init(jax.random.PRNGKey(0), jnp.zeros((t,), jnp.int32),
-                              jnp.zeros((t,), jnp.int32), kv, md), kv)
+                              jnp.zeros((t,), jnp.int32), kv, attn_metadata), kv)
     return variables["params"]
 
 

@@ -59,12 +59,12 @@ class GGUFWeight(NamedTuple):
 
 def dequantize(w: GGUFWeight, rows: jax.Array | None = None) -> jax.Array:
     """float32 [out, in] (or just `rows` of it, for an embedding gather), exactly gguf's values."""
-    q, scale, offset = w.qweight, w.scale, w.offset
+    qweight, scale, offset = w.qweight, w.scale, w.offset
     if rows is not None:
-        q, scale = jnp.take(q, rows, axis=0), jnp.take(scale, rows, axis=0)
+        qweight, scale = jnp.take(qweight, rows, axis=0), jnp.take(scale, rows, axis=0)
         offset = None if offset is None else jnp.take(offset, rows, axis=0)
-    n, cols = q.shape
-    deq = q.reshape(n, -1, w.block_size).astype(jnp.float32) * scale[..., None]
+    n, cols = qweight.shape
+    deq = qweight.reshape(n, -1, w.block_size).astype(jnp.float32) * scale[..., None]
     if offset is not None:
         deq = deq + offset[..., None]
     return deq.reshape(n, cols)

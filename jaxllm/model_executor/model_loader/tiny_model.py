@@ -1,8 +1,9 @@
-"""`--model tiny-qwen2`: a random 2-layer Qwen2 (hidden 64) with the real 151,936-token vocabulary
-and the embedded model's tokenizer. Its device step is nearly free, as a GPU step is next to our
-host work, so a benchmark on it measures the host path (scheduling, input preparation,
-sampling over the full vocabulary, detokenizing) on a CPU. Written once as a Hugging Face
-checkpoint (config.json, safetensors, tokenizer) under the cache directory."""
+"""The model named `tiny-qwen2` (`LLM(model="tiny-qwen2")`, `--model tiny-qwen2`): a random
+2-layer Qwen2 (hidden 64) with the real 151,936-token vocabulary and the embedded model's
+tokenizer. Its device step is nearly free, as a GPU step is next to our host work, so a benchmark
+on it measures the host path (scheduling, input preparation, sampling over the full vocabulary,
+detokenizing) on a CPU, and tests get a fast engine with real text. Written once as a Hugging
+Face checkpoint (config.json, safetensors, tokenizer) under the cache directory."""
 
 from __future__ import annotations
 
@@ -79,7 +80,3 @@ def tiny_qwen2_path(seed: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
-
-def resolve_model(model: str | None) -> str | None:
-    """`tiny-qwen2` -> its checkpoint directory; anything else unchanged."""
-    return str(tiny_qwen2_path()) if model == TINY_MODEL_NAME else model

@@ -1,0 +1,209 @@
+"""EngineConfig: every engine setting resolved, built once by `EngineArgs.create_engine_config()`.
+
+EngineArgs holds what the user asked for, where None often means "per platform"; EngineConfig
+holds what the engine runs with, so every such decision is made here, in one place: the model
+path, dtypes, kernel backend, quantization, top-K sampling, async scheduling, multiprocess mode,
+the rows that run on GEMV weights and the KV budget. The engine core builds it (it needs the JAX
+platform); the frontend gets it back in EngineCoreInfo.
+
+Importing this module starts no JAX backend (the frontend of a multiprocess engine never does):
+the resolvers that need JAX import it when called.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxllm.worker.model_runner import ModelRunner
+
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("gguf", "none")
+# pallas_kernels.BACKENDS, named here so validating an argument imports no JAX.
+KERNEL_BACKENDS = ("pallas", "interpret", "reference")
+DEFAULT_CPU_KV_BYTES = 1 << 30
+MP_ENV_VAR = "JAXLLM_ENABLE_V1_MULTIPROCESSING"
+# On CPU the frontend and the core share the same few cores (docs/perf/multiprocess.md).
+DEFAULT_CPU_MULTIPROCESS = False
+# quantization="gguf" on XLA: decode buckets of at most this many rows run on the quantized
+# weights, through our CPU kernel (int8 weights read once per step), or where it cannot be built
+# through XLA's fused GEMVs (read once per row); larger buckets run float32 GEMMs.
+GGUF_GEMV_MAX_ROWS = 16
+GGUF_XLA_GEMV_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The settings an engine runs with, nothing left to the platform (see EngineArgs for what
+    each one means)."""
+
+    model: str  # as the user named it, or the embedded model's name
+    model_path: str  # the checkpoint directory or .gguf file it resolved to
+    dtype: str  # the weights' dtype
+    kv_cache_dtype: str
+    activation_dtype: str  # hidden states between the GEMMs
+    kernel_backend: str
+    quantization: str  # "gguf" or "none"
+    # Decode buckets up to this many rows run on the runner's GEMV weight tree (GGUF blocks kept
+    # quantized, or float32 copies of bfloat16 weights on CPU); 0: one tree for every bucket.
+    gemv_max_rows: int
+    topk_sampling: bool
+    async_scheduling: bool
+    multiprocess_mode: bool
+    block_size: int
+    # KV budget (num_kv_blocks_for): num_kv_blocks when given, else kv_cache_memory_bytes when
+    # given, else gpu_memory_utilization of the device less weights and activations, else (a
+    # device that reports no memory: CPU) DEFAULT_CPU_KV_BYTES over the devices.
+    num_kv_blocks: int | None
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    max_model_len: int | None  # None: the model's max_position_embeddings
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_n: int
+    enable_prefix_caching: bool
+    seed: int
+    skip_tokenizer_init: bool
+    show_progress: bool
+    tensor_parallel_size: int
+    platform: str  # JAX's backend the engine core runs on ("cpu", "gpu")
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """A model name -> its checkpoint: None -> the embedded default model, `tiny-qwen2` -> the
+    tiny random checkpoint (written on first use), anything else a path."""
+    if model is None:
+        from jaxllm.model_executor.model_loader.default_model import default_model_path
+
+        return default_model_path()
+    from jaxllm.model_executor.model_loader.tiny_model import TINY_MODEL_NAME, tiny_qwen2_path
+
+    if str(model) == TINY_MODEL_NAME:
+        return tiny_qwen2_path()
+    return Path(model).expanduser()
+
+
+def gpu_platform_installed() -> bool:
+    """Whether JAX would pick a GPU, judged without starting a backend (that would take most of
+    the GPU's memory in the frontend process): JAX_PLATFORMS if set, else an installed CUDA
+    plugin."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        return any(p in platforms for p in ("cuda", "gpu", "rocm"))
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))
+
+
+def resolve_multiprocess_mode(value: bool | None, default_cpu: bool | None = None) -> bool:
+    """JAXLLM_ENABLE_V1_MULTIPROCESSING (0/1) when set, else `value`, else the platform's
+    default: on a GPU the core's own process (the frontend's host work then overlaps the device
+    step), on CPU `default_cpu` if given, else DEFAULT_CPU_MULTIPROCESS. Decided in the frontend
+    before any backend starts, so judged by `gpu_platform_installed`."""
+    env = os.environ.get(MP_ENV_VAR)
+    if env is not None and env.strip() != "":
+        if env.strip() not in ("0", "1"):
+            raise ValueError(f"{MP_ENV_VAR} must be 0 or 1, got {env!r}")
+        return env.strip() == "1"
+    if value is not None:
+        return bool(value)
+    if gpu_platform_installed():
+        return True
+    return DEFAULT_CPU_MULTIPROCESS if default_cpu is None else default_cpu
+
+
+def resolve_dtype(dtype: str | None, platform: str) -> str:
+    """None -> bfloat16 on a GPU, float32 on CPU (where XLA's bfloat16 GEMVs are far slower)."""
+    if dtype is not None:
+        return dtype
+    return "bfloat16" if platform == "gpu" else "float32"
+
+
+def resolve_quantization(quantization: str | None, path: Path, dtype: str, kernel_backend: str,
+                         tensor_parallel_size: int, platform: str) -> str:
+    """None (automatic) -> "gguf" for a .gguf model where its quantized path is the faster one:
+    on CPU with the reference backend, float32 and one device, every block format kept exactly
+    and our CPU kernel built. On a GPU the fused Pallas kernel is proven but untimed, so it stays
+    opt-in there. Else "none" (dequantized to dtype)."""
+    if quantization is not None:
+        return quantization
+    if platform != "cpu" or kernel_backend != "reference" or tensor_parallel_size > 1 \
+            or dtype != "float32":
+        return "none"
+    from jaxllm.model_executor.model_loader.loader import gguf_keeps_quantized, is_gguf_model
+
+    # gguf_keeps_quantized: e.g. Q4_1 / IQ formats load dequantized.
+    if not is_gguf_model(path) or not gguf_keeps_quantized(path):
+        return "none"
+    from jaxllm.model_executor.layers.quantization.gguf import use_cpu_kernel
+
+    return "gguf" if use_cpu_kernel() else "none"
+
+
+def resolve_gemv_max_rows(quantization: str, dtype: str, kernel_backend: str,
+                          platform: str) -> int:
+    """Decode buckets up to this many rows run on a second weight tree: GGUF blocks kept
+    quantized on XLA (the loader's GEMV tree; with a Pallas backend every bucket runs the fused
+    kernel on one tree), or float32 copies of bfloat16 weights on CPU, where a bfloat16 GEMV is
+    much slower than a float32 one (docs/perf/gguf-cpu.md)."""
+    if quantization == "gguf":
+        if kernel_backend != "reference":
+            return 0
+        if platform != "cpu":
+            return GGUF_XLA_GEMV_MAX_ROWS
+        from jaxllm.model_executor.layers.quantization.gguf import use_cpu_kernel
+
+        return GGUF_GEMV_MAX_ROWS if use_cpu_kernel() else GGUF_XLA_GEMV_MAX_ROWS
+    if dtype == "bfloat16" and platform == "cpu":
+        from jaxllm.worker.buckets import MIN_TOKEN_BUCKET
+
+        return MIN_TOKEN_BUCKET - 1
+    return 0
+
+
+def resolve_kv_cache_dtype(dtype: str, platform: str) -> str:
+    """XLA on CPU scatters into a 16-bit float KV array by converting all of it to float32 and
+    back, twice per step: there the KV array stays float32."""
+    return "float32" if platform == "cpu" and dtype in ("bfloat16", "float16") else dtype
+
+
+def resolve_activation_dtype(dtype: str, kv_cache_dtype: str, kernel_backend: str) -> str:
+    """Like the KV array on XLA (reference backend): XLA on CPU runs 16-bit elementwise ops,
+    norms and attention slower than float32 ones, so only the GEMMs' operands are 16-bit there.
+    Interpret-mode Pallas keeps the GPU's dtypes."""
+    return kv_cache_dtype if kernel_backend == "reference" else dtype
+
+
+def num_kv_blocks_for(config: EngineConfig, runner: ModelRunner) -> int:
+    """KV blocks from the budget: num_kv_blocks when given; else kv_cache_memory_bytes; else (a
+    GPU) gpu_memory_utilization of the device minus the weights and the measured activation
+    bytes of the largest step; else (CPU) DEFAULT_CPU_KV_BYTES."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    from jaxllm.worker.model_runner import device_memory_bytes, kv_block_bytes
+
+    # Per device: with tensor parallelism each holds its kv heads' slice of every block.
+    per_block = kv_block_bytes(runner.local_config, config.block_size, runner.kv_cache_dtype)
+    total = device_memory_bytes()
+    if config.kv_cache_memory_bytes is not None:
+        budget, how = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    elif total is None:
+        # Virtual CPU devices share the host's memory: the default is for all of them.
+        budget = DEFAULT_CPU_KV_BYTES // config.tensor_parallel_size
+        how = "the CPU default of 1 GiB (over all devices)"
+    else:
+        weights = runner.weight_bytes()
+        activations = runner.measure_activation_bytes() + runner.logits_buffer_bytes()
+        budget = int(total * config.gpu_memory_utilization) - weights - activations
+        how = (f"{config.gpu_memory_utilization} x {total} device bytes - {weights} of weights "
+               f"- {activations} of activations (largest step, measured) and kept logits "
+               f"buffers")
+    blocks = max(budget, 0) // per_block
+    if blocks < 2:
+        raise ValueError(f"the KV budget ({how}) holds {blocks} blocks of {per_block} bytes; "
+                         f"raise kv_cache_memory_bytes or gpu_memory_utilization, or lower "
+                         f"max_num_batched_tokens")
+    return int(blocks)

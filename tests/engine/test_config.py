@@ -1,0 +1,144 @@
+"""EngineArgs -> EngineConfig: per-platform resolution in one place, model names, the engine-args
+doc and CLI generated from the fields, and a frontend that imports no JAX."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxllm.config import (
+    KERNEL_BACKENDS,
+    EngineConfig,
+    resolve_model,
+)
+from jaxllm.engine.arg_utils import EngineArgs, engine_args_markdown
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_per_platform_defaults_resolve_in_one_config(tiny_models):
+    path = str(tiny_models["tied"][0])
+    cpu = EngineArgs(model=path).create_engine_config("cpu")
+    assert (cpu.model, cpu.model_path) == (path, path)
+    assert (cpu.dtype, cpu.kv_cache_dtype, cpu.activation_dtype) == ("float32",) * 3
+    assert (cpu.kernel_backend, cpu.quantization, cpu.gemv_max_rows) == ("reference", "none", 0)
+    assert not cpu.topk_sampling and cpu.async_scheduling
+    assert cpu.platform == "cpu"
+
+    gpu = EngineArgs(model=path).create_engine_config("gpu")
+    assert (gpu.dtype, gpu.kv_cache_dtype, gpu.activation_dtype) == ("bfloat16",) * 3
+    assert (gpu.kernel_backend, gpu.gemv_max_rows) == ("pallas", 0)
+    assert gpu.topk_sampling
+
+    # bfloat16 on CPU: float32 KV and hidden states, GEMV buckets (under 16 rows) on f32 copies.
+    bf16 = EngineArgs(model=path, dtype="bfloat16", tensor_parallel_size=2,
+                      topk_sampling=True, async_scheduling=False).create_engine_config("cpu")
+    assert (bf16.dtype, bf16.kv_cache_dtype, bf16.activation_dtype) == \
+        ("bfloat16", "float32", "float32")
+    assert bf16.gemv_max_rows == 15 and bf16.topk_sampling and not bf16.async_scheduling
+    # Interpret-mode Pallas keeps the weights' dtype for activations.
+    interp = EngineArgs(model=path, dtype="bfloat16", kernel_backend="interpret")
+    assert interp.create_engine_config("cpu").activation_dtype == "bfloat16"
+    given = EngineArgs(model=path, kv_cache_memory_bytes=1 << 20, num_kv_blocks=9)
+    assert (given.create_engine_config("gpu").kv_cache_memory_bytes,
+            given.create_engine_config("gpu").num_kv_blocks) == (1 << 20, 9)
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cpu.dtype = "bfloat16"  # type: ignore[misc]
+
+
+def test_model_names_resolve_in_one_function(tmp_path):
+    from jaxllm.model_executor.model_loader.default_model import default_model_path
+    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
+
+    assert resolve_model(None) == default_model_path()
+    assert resolve_model("tiny-qwen2") == tiny_qwen2_path()
+    assert resolve_model(str(tmp_path)) == tmp_path
+    assert resolve_model("~/x.gguf") == Path.home() / "x.gguf"
+    assert (tiny_qwen2_path() / "config.json").is_file()
+
+
+def test_llm_runs_the_tiny_model_by_name():
+    """LLM(model="tiny-qwen2") loads the tiny checkpoint; its greedy tokens are the argmax of
+    Hugging Face's logits on the same checkpoint, with the same logprobs."""
+    import torch
+    import transformers
+
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
+
+    llm = LLM(model="tiny-qwen2", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+              num_kv_blocks=16, show_progress=False)
+    config = llm.llm_engine.engine_config
+    assert (config.model, config.model_path) == ("tiny-qwen2", str(tiny_qwen2_path()))
+    assert llm.llm_engine.model_config.num_hidden_layers == 2
+    out = llm.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=4,
+                                                        logprobs=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    llm.shutdown()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_path())).eval()
+    tokens = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        logits = hf(torch.tensor([tokens])).logits[0].double()
+    logprobs = torch.log_softmax(logits, -1).numpy()
+    n = len(out.prompt_token_ids)
+    for i, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs,
+                                      strict=True)):
+        row = logprobs[n - 1 + i]
+        assert row[tok] >= row.max() - 1e-4  # the argmax, up to float ties
+        assert np.isclose(lp[tok].logprob, row[tok], atol=1e-3)
+
+
+def test_kernel_backends_named_without_jax_match_the_kernels():
+    import pallas_kernels
+
+    assert KERNEL_BACKENDS == pallas_kernels.BACKENDS
+
+
+def test_engine_args_doc_is_generated_from_the_fields():
+    assert (ROOT / "docs" / "engine_args.md").read_text() == engine_args_markdown(), \
+        "docs/engine_args.md is stale: run `python scripts/generate_engine_args_doc.py`"
+    for f in dataclasses.fields(EngineArgs):
+        assert f.metadata["help"] and f"| `{f.name}` |" in engine_args_markdown()
+    # Every resolved setting has its argument (the config adds the model path, dtypes derived
+    # from dtype, the GEMV rows and the platform).
+    derived = {"model_path", "kv_cache_dtype", "activation_dtype", "gemv_max_rows", "platform"}
+    args = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - derived <= args
+
+
+def test_cli_flags_and_help_come_from_the_fields():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    actions = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(EngineArgs):
+        assert actions[f.name].help.startswith(f.metadata["help"]) or \
+            actions[f.name].help.startswith("turn off: " + f.metadata["help"]), f.name
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--model", "tiny-qwen2", "--no-enable-prefix-caching", "--topk-sampling",
+         "--max-num-seqs", "3"]))
+    assert args == EngineArgs(model="tiny-qwen2", enable_prefix_caching=False,
+                              topk_sampling=True, max_num_seqs=3)
+
+
+FRONTEND_MODULES = ("jaxllm", "jaxllm.engine.arg_utils", "jaxllm.engine.llm_engine",
+                    "jaxllm.engine.async_llm", "jaxllm.engine.mp_client",
+                    "jaxllm.entrypoints.openai.api_server", "jaxllm.entrypoints.cli.main")
+
+
+def test_frontend_imports_no_jax():
+    """A multiprocess frontend never starts JAX (the core's process does): importing it loads
+    no JAX module at all."""
+    code = (f"import sys, {', '.join(FRONTEND_MODULES)}\n"
+            "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
+            "assert not bad, bad[:5]\n"
+            "import jaxllm.engine.core\n"
+            "assert 'jax' in sys.modules\n")  # the check itself can see JAX
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
