@@ -59,6 +59,8 @@ class Collectives:
 
 def _result(text: str, start: int) -> tuple[tuple[int, ...], str]:
     t = _TYPE.search(text, start)
+    if t is None:
+        raise ValueError(f"no result tensor type after offset {start} of the lowered module")
     return tuple(int(d) for d in t.group(1).split("x")), t.group(2)
 
 

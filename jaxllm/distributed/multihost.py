@@ -29,6 +29,7 @@ import numpy as np
 from jaxllm.worker.input_batch import DeviceInputs
 
 if TYPE_CHECKING:
+    from jaxllm.engine.arg_utils import EngineArgs
     from jaxllm.worker.model_runner import ModelRunner
 
 HEARTBEAT_TIMEOUT_S = 5
@@ -96,7 +97,7 @@ def input_size(runner: ModelRunner, shape: tuple[int, int]) -> int:
 class Leader:
     """Process 0's side: tells the followers what the runner is about to launch."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.shapes = runner.bucket_shapes()
         self.stopped = False
@@ -120,7 +121,7 @@ class Leader:
             _broadcast(np.array([STOP, 0, 0], np.int32))
 
 
-def warm_up(runner, prompt_rows: int) -> None:
+def warm_up(runner: ModelRunner, prompt_rows: int) -> None:
     """Broadcast every size once (all processes, same order), so serving compiles nothing."""
     _broadcast(np.zeros(HEADER, np.int32))
     shapes = runner.bucket_shapes()
@@ -129,16 +130,20 @@ def warm_up(runner, prompt_rows: int) -> None:
         _broadcast(np.zeros(size, np.int32))
 
 
-def follow(runner, prompt_rows: int) -> int:
+def follow(runner: ModelRunner, prompt_rows: int) -> int:
     """A follower's loop: run what process 0 broadcasts until it says STOP; returns the number
     of steps run."""
     shapes = runner.bucket_shapes()
     steps = 0
-    hidden = None
-    recent = {}  # launch index -> that step's logits
-    compiles = []  # warm-up covers every call below: any compile here is reported
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda name, *_, **__: compiles.append(name) if "backend_compile" in name else None)
+    hidden: jax.Array | None = None
+    recent: dict[int, jax.Array] = {}  # launch index -> that step's logits
+    compiles: list[str] = []  # warm-up covers every call below: any compile here is reported
+
+    def on_event(event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if "backend_compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
     while True:
         if compiles:
             print(f"follower: {len(compiles)} compile(s) while serving", flush=True)
@@ -160,6 +165,8 @@ def follow(runner, prompt_rows: int) -> int:
             runner.gather_rows(recent[index], _broadcast(np.zeros(count, np.int32)))
         elif command == PROMPT:
             flat = _broadcast(np.zeros(2 * prompt_rows, np.int32))
+            if hidden is None:
+                raise RuntimeError("follower: process 0 asked for prompt logprobs before a step")
             runner.launch_prompt(hidden, flat[:prompt_rows], flat[prompt_rows:])
         else:
             raise RuntimeError(f"follower: unknown command {command} from process 0")
@@ -168,7 +175,7 @@ def follow(runner, prompt_rows: int) -> int:
 # --- EngineCore hooks ---------------------------------------------------------------------------
 
 
-def start(args) -> DistributedConfig | None:
+def start(args: EngineArgs) -> DistributedConfig | None:
     """Join the runtime when EngineArgs or the environment name a coordinator (first thing in
     EngineCore, before JAX starts a backend); None: one process."""
     cfg = distributed_config(args.coordinator_address, args.num_processes, args.process_id)
@@ -184,7 +191,7 @@ def agree(cfg: DistributedConfig | None, value: int) -> int:
     return int(_broadcast(np.array([value], np.int64))[0])
 
 
-def attach(cfg: DistributedConfig | None, runner, prompt_rows: int) -> None:
+def attach(cfg: DistributedConfig | None, runner: ModelRunner, prompt_rows: int) -> None:
     """After compile: warm the broadcasts; process 0's runner announces its launches."""
     if cfg is None:
         return

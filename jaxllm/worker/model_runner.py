@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -83,9 +83,12 @@ from jaxllm.worker.outputs import (  # re-exported: the engine core imports them
     _row_slice,
     _take_rows,
 )
-from jaxllm.worker.step import forward_step, prompt_stats
+from jaxllm.worker.step import StepOutputs, forward_step, prompt_stats
 from pallas_kernels.attention_common import decode_num_splits
 from scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from jaxllm.distributed.multihost import Leader
 
 # Prompt-logprob rows go through the LM head in chunks of this many rows, top-N up to the
 # logprobs limit.
@@ -193,15 +196,18 @@ class ModelRunner:
         # Steps run per (num_tokens, max_query_len) shape: benchmarks price a run's shapes.
         self.step_shape_counts: Counter[tuple[int, int]] = Counter()
         # Several hosts, process 0: broadcasts each launch to the followers (multihost.py).
-        self.leader: Any = None
+        self.leader: Leader | None = None
 
-    def _forward(self, params, rope, kv_cache, logits_buf, input_ids, positions, attn_metadata,
-                 max_query_len, num_splits):
+    def _forward(self, params: dict, rope: dict, kv_cache: jax.Array, logits_buf: jax.Array,
+                 input_ids: jax.Array, positions: jax.Array,
+                 attn_metadata: AttentionMetadata[jax.Array], max_query_len: int,
+                 num_splits: int) -> StepOutputs:
         del logits_buf  # only its buffer is wanted, for the logits output
         return forward_step(self.model, self.top_k, self.mesh, params, rope, kv_cache,
                             input_ids, positions, attn_metadata, max_query_len, num_splits)
 
-    def _prompt_stats(self, params, hidden, rows, targets):
+    def _prompt_stats(self, params: dict, hidden: jax.Array, rows: jax.Array, targets: jax.Array
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
         return prompt_stats(self.model, min(MAX_LOGPROBS, self.config.vocab_size), self.mesh,
                             params, hidden, rows, targets)
 
@@ -274,6 +280,9 @@ class ModelRunner:
         step compiled against a small probe KV array (one extra compile)."""
         num_tokens = self.buckets[-1]
         ma = self._compile_step(num_tokens, num_tokens, probe_blocks).memory_analysis()
+        if ma is None:
+            raise RuntimeError(f"XLA gives no memory analysis on {jax.default_backend()}; "
+                               "size the KV cache without measure_activation_bytes")
         return int(ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -388,8 +397,8 @@ class ModelRunner:
             if self.mesh is None:
                 buf = jax.device_put(zeros)
             else:  # per shard: device_put would compare the value across processes
-                buf = jax.make_array_from_callback(zeros.shape, self._sharding(LOGITS_SPEC),
-                                                   lambda index: zeros[index])
+                buf = jax.make_array_from_callback(
+                    zeros.shape, NamedSharding(self.mesh, LOGITS_SPEC), lambda index: zeros[index])
         *out, self.kv_cache = self._compiled[shape](
             self.params_for(*shape), self.rope, self.kv_cache, buf, inputs.input_ids,
             inputs.positions, attn_metadata)
@@ -404,6 +413,7 @@ class ModelRunner:
     def _fetch_rows(self, handle: StepHandle, rows: list[int]) -> np.ndarray:
         padded = np.zeros(handle.logits.shape[0], np.int32)
         padded[:len(rows)] = rows
+        assert self.leader is not None  # rows are fetched this way only with several hosts
         self.leader.fetch(handle.launch_index, padded)
         return self.gather_rows(handle.logits, padded)[:len(rows)]
 
@@ -420,10 +430,12 @@ class ModelRunner:
         released via `release`)."""
         n = len(handle.prepared.inputs.sample_req_ids)
         if self.top_k:
-            values = _host(handle.values)[:n]
+            values, token_ids, lse = handle.values, handle.token_ids, handle.lse
+            assert values is not None and token_ids is not None and lse is not None  # top-K on
+            host_values = _host(values)[:n]
             ready = time.perf_counter()
-            topk = TopKLogits(values, _host(handle.token_ids)[:n],
-                              _host(handle.lse)[:n], self.top_k == self.config.vocab_size)
+            topk = TopKLogits(host_values, _host(token_ids)[:n], _host(lse)[:n],
+                              self.top_k == self.config.vocab_size)
         else:
             handle.logits.block_until_ready()
             ready, topk = time.perf_counter(), None

@@ -5,7 +5,7 @@ SPMD program under `jax.shard_map` (jaxllm/distributed/tensor_parallel.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ from jaxllm.distributed.tensor_parallel import (
     sharded_target_stats,
     spmd,
 )
-from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, compute_logits
+from jaxllm.model_executor.models.qwen2 import AttentionMetadata, Qwen2ForCausalLM, compute_logits
 from jaxllm.sample.topk import top_k_logits
 
 
@@ -27,27 +27,35 @@ def _top_k(logits: jax.Array, k: int, mesh: Any):
     return top_k_logits(logits, k) if mesh is None else merged_top_k(logits, k, TP_AXIS)
 
 
-def forward_step(model: Qwen2ForCausalLM, top_k: int, mesh: Any, params, rope, kv_cache,
-                 input_ids, positions, attn_metadata, max_query_len: int | None, num_splits: int):
+# (top-K values, ids, log-sum-exp; logits; hidden states; KV array), see `forward_step`.
+StepOutputs = tuple[jax.Array | None, jax.Array | None, jax.Array | None, jax.Array, jax.Array,
+                    jax.Array]
+
+
+def forward_step(model: Qwen2ForCausalLM, top_k: int, mesh: Any, params: dict, rope: dict,
+                 kv_cache: jax.Array, input_ids: jax.Array, positions: jax.Array,
+                 attn_metadata: AttentionMetadata[jax.Array], max_query_len: int | None,
+                 num_splits: int) -> StepOutputs:
     """(top-K values, ids, log-sum-exp or three Nones when top_k is 0; logits [R, vocab]
     (vocabulary-sharded with a mesh); hidden states [T, hidden]; the updated KV array)."""
-    def body(params, rope, input_ids, positions, attn_metadata, kv_cache):
-        logits, hidden, kv_cache = model.apply(
+    def body(params, rope, input_ids, positions, attn_metadata, kv_cache) -> StepOutputs:
+        # flax annotates apply for mutable collections too ((output, variables)); none here.
+        logits, hidden, kv_cache = cast(tuple[jax.Array, jax.Array, jax.Array], model.apply(
             {"params": params, "rope": rope}, input_ids, positions, kv_cache, attn_metadata,
-            max_query_len=max_query_len, num_splits=num_splits)
+            max_query_len=max_query_len, num_splits=num_splits))
         if not top_k:
             return None, None, None, logits, hidden, kv_cache
         values, token_ids, lse = _top_k(logits, top_k, mesh)
         return values, token_ids, lse, logits, hidden, kv_cache
 
-    if mesh is not None:
-        body = spmd(body, mesh, params, (P(), P(), P(), LOGITS_SPEC, P(), KV_SPEC),
-                    extra_in_specs=(KV_SPEC,))
-    return body(params, rope, input_ids, positions, attn_metadata, kv_cache)
+    step = body if mesh is None else spmd(
+        body, mesh, params, (P(), P(), P(), LOGITS_SPEC, P(), KV_SPEC), extra_in_specs=(KV_SPEC,))
+    return step(params, rope, input_ids, positions, attn_metadata, kv_cache)
 
 
-def prompt_stats(model: Qwen2ForCausalLM, num_top: int, mesh: Any, params, hidden, rows,
-                 targets):
+def prompt_stats(model: Qwen2ForCausalLM, num_top: int, mesh: Any, params: dict,
+                 hidden: jax.Array, rows: jax.Array, targets: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Of the hidden-state rows `rows`: (the target token's logit, its rank, the top `num_top`
     values and ids, log-sum-exp)."""
     def body(params, hidden, rows, targets):
@@ -61,6 +69,5 @@ def prompt_stats(model: Qwen2ForCausalLM, num_top: int, mesh: Any, params, hidde
         values, ids, lse = _top_k(logits, num_top, mesh)
         return target, rank, values, ids, lse
 
-    if mesh is not None:
-        body = spmd(body, mesh, params, P())
-    return body(params, hidden, rows, targets)
+    stats = body if mesh is None else spmd(body, mesh, params, P())
+    return stats(params, hidden, rows, targets)

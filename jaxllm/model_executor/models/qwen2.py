@@ -12,7 +12,8 @@ vocabulary slice (jaxllm/distributed/tensor_parallel.py).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import flax.linen as nn
 import jax
@@ -27,15 +28,18 @@ from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.rms_norm import rms_norm
 from pallas_kernels.rope import rope, rope_cos_sin_cache
 
+# Arrays when a step runs; their shapes, dtypes and shardings when a step is traced ahead of time.
+ArrayOrSpec = TypeVar("ArrayOrSpec", jax.Array, jax.ShapeDtypeStruct)
 
-class AttentionMetadata(NamedTuple):
+
+class AttentionMetadata(NamedTuple, Generic[ArrayOrSpec]):
     """What every layer needs to find its tokens' KV slots (shapes: T tokens, S sequences)."""
 
-    slot_mapping: jax.Array  # [T] int32, -1 for padding tokens (not written)
-    block_tables: jax.Array  # [S, max_blocks_per_seq] int32
-    seq_lens: jax.Array  # [S] int32, context length including this step's tokens (0 = padding)
-    query_start_loc: jax.Array  # [S + 1] int32, cumulative query lengths
-    logits_indices: jax.Array  # [R] int32, token rows whose logits leave the device
+    slot_mapping: ArrayOrSpec  # [T] int32, -1 for padding tokens (not written)
+    block_tables: ArrayOrSpec  # [S, max_blocks_per_seq] int32
+    seq_lens: ArrayOrSpec  # [S] int32, context length including this step's tokens (0 = padding)
+    query_start_loc: ArrayOrSpec  # [S + 1] int32, cumulative query lengths
+    logits_indices: ArrayOrSpec  # [R] int32, token rows whose logits leave the device
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -115,8 +119,8 @@ class Qwen2Attention(nn.Module):
     tp_axis: str | None = None
 
     @nn.compact
-    def __call__(self, x, positions, kv_cache, attn_metadata: AttentionMetadata, cos_sin_cache,
-                 max_query_len: int | None, num_splits: int = 1):
+    def __call__(self, x, positions, kv_cache, attn_metadata: AttentionMetadata[jax.Array],
+                 cos_sin_cache, max_query_len: int | None, num_splits: int = 1):
         cfg = self.config
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # One fused GEMM for q, k and v (vLLM's QKVParallelLinear): fewer, larger matmuls.
@@ -204,7 +208,7 @@ class Qwen2ForCausalLM(nn.Module):
     activation_dtype: Any = None
 
     @nn.compact
-    def __call__(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata,
+    def __call__(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata[jax.Array],
                  max_query_len: int | None = None, num_splits: int = 1):
         """num_splits > 1: split-K decode attention (needs max_query_len 1, see
         paged_attention)."""
@@ -242,7 +246,7 @@ class Qwen2ForCausalLM(nn.Module):
         return logits, hidden_states, kv_cache
 
 
-def compute_logits(params: dict, config: ModelConfig, hidden_states: jax.Array,
+def compute_logits(params: Mapping[str, Any], config: ModelConfig, hidden_states: jax.Array,
                    backend: str = "reference") -> jax.Array:
     """LM head on already-normed hidden states: the model's last step, also used alone for
     prompt logprobs. The head is the embedding table when tied; [vocab, hidden] either way."""
