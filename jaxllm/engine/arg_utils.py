@@ -151,7 +151,8 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             default = f.default
-            help_text = overrides.get(f.name, f.metadata["help"])
+            field_help: str = f.metadata["help"]
+            help_text = overrides.get(f.name, field_help)
             if f.type == "bool | None":
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                    help=help_text)

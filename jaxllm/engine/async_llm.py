@@ -43,7 +43,8 @@ class _OutputState:
     client: EngineCoreClient
     parent_requests: ParentRequests
     queues: dict[str, asyncio.Queue] = field(default_factory=dict)
-    has_requests: asyncio.Event | None = None
+    # Replaced by one of the running loop's own whenever the output handler (re)starts.
+    has_requests: asyncio.Event = field(default_factory=asyncio.Event)
     dead: BaseException | None = None
     last_scheduler_stats: SchedulerStats = field(default_factory=SchedulerStats)
     # Called with every step's stats (vLLM's stat loggers; the server's /metrics is one).

@@ -132,7 +132,7 @@ class EngineCore:
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             max_tokens=req.max_tokens, min_tokens=params.min_tokens,
             ignore_eos=params.ignore_eos, eos_token_id=eos,
-            stop_token_ids=list(params.stop_token_ids) + extra_stop, sampling_params=params,
+            stop_token_ids=list(params.stop_token_ids or ()) + extra_stop, sampling_params=params,
             skip_prefix_cache=params.prompt_logprobs is not None)
         try:
             generator = np.random.default_rng(req.seed)
@@ -332,6 +332,7 @@ class EngineCore:
             return
         req = state.request
         num = req.sampling_params.prompt_logprobs
+        assert num is not None  # only requests that asked for prompt logprobs get rows
         rows = LogprobsLists([], [], [])
         targets = req.prompt_token_ids[prompt_stats.first_position + 1:]
         for i in range(len(prompt_stats.lse)):

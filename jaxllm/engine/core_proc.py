@@ -46,16 +46,15 @@ from jaxllm.engine.serial_utils import (
 
 logger = logging.getLogger("jaxllm.engine.core_proc")
 
-_SHUTDOWN = object()
-
-
 class EngineCoreProc:
     """Runs an EngineCore behind two sockets; `run_busy_loop` returns on a SHUTDOWN message."""
 
     def __init__(self, engine_args: EngineArgs, input_address: str,
                  output_address: str) -> None:
-        self.input_queue: queue.Queue[tuple[RequestType, Any]] = queue.Queue()
-        self.output_queue: queue.Queue[tuple[OutputType, Any] | object] = queue.Queue()
+        # (None, the exception): the input thread failed.
+        self.input_queue: queue.Queue[tuple[RequestType | None, Any]] = queue.Queue()
+        # None: no more outputs, the output thread closes its socket.
+        self.output_queue: queue.Queue[tuple[OutputType, Any] | None] = queue.Queue()
         self.ctx = zmq.Context()
         self._encoder = MsgpackEncoder()
         # The output thread starts first, so that a start-up failure can still be reported.
@@ -69,7 +68,7 @@ class EngineCoreProc:
             self.engine_core = EngineCore(engine_args)
         except BaseException:
             self.output_queue.put((OutputType.STARTUP_FAILED, traceback.format_exc()))
-            self.output_queue.put(_SHUTDOWN)
+            self.output_queue.put(None)
             self.output_thread.join(timeout=5)
             raise
         self.output_queue.put((OutputType.READY, ReadyMessage(
@@ -88,7 +87,7 @@ class EngineCoreProc:
             if self._shutdown:
                 break
             self._process_engine_step()
-        self.output_queue.put(_SHUTDOWN)
+        self.output_queue.put(None)
         self.output_thread.join(timeout=5)
 
     def _process_input_queue(self) -> None:
@@ -167,7 +166,7 @@ class EngineCoreProc:
         sock.connect(address)
         while True:
             item = self.output_queue.get()
-            if item is _SHUTDOWN:
+            if item is None:
                 break
             kind, obj = item
             sock.send_multipart((kind.value, self._encoder.encode(obj)), copy=False)

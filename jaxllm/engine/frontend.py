@@ -126,8 +126,9 @@ class EngineFrontend:
         info: EngineCoreInfo = self.engine_core_client.get_engine_info()
         self.core_info = info
         eos = set(info.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        tokenizer_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        if isinstance(tokenizer_eos, int):  # None: the tokenizer names no EOS token
+            eos.add(tokenizer_eos)
         self.eos_token_ids = frozenset(eos)
         self.processor = Processor(self.tokenizer, info, self.eos_token_ids, args.max_n)
         self.output_processor = OutputProcessor(self.tokenizer)

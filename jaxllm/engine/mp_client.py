@@ -118,20 +118,20 @@ class CoreProcess:
             cmd += ["--compilation-cache-dir", cache]
         try:
             # The child's stdout goes to our stderr: a CLI's stdout carries only its results.
-            self.proc = subprocess.Popen(cmd, pass_fds=(death_r,), env=_child_env(),
-                                         stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno()
-                                         if _has_fileno(sys.stderr) else None)
+            proc = self.proc = subprocess.Popen(
+                cmd, pass_fds=(death_r,), env=_child_env(), stdin=subprocess.DEVNULL,
+                stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
         finally:
             os.close(death_r)
-        self.ready = self._wait_ready()
+        self.ready = self._wait_ready(proc)
         self.output_thread = threading.Thread(target=self._process_output_socket, daemon=True,
                                               name="EngineCoreClientOutputThread")
         self.output_thread.start()
-        self.monitor_thread = threading.Thread(target=self._monitor, daemon=True,
+        self.monitor_thread = threading.Thread(target=self._monitor, args=(proc,), daemon=True,
                                                name="EngineCoreMonitor")
         self.monitor_thread.start()
 
-    def _wait_ready(self) -> ReadyMessage:
+    def _wait_ready(self, proc: subprocess.Popen) -> ReadyMessage:
         """The handshake: the core's first message, once it loaded, sized KV and compiled."""
         while True:
             if self.output_socket.poll(_POLL_MS):
@@ -143,7 +143,7 @@ class CoreProcess:
                 if kind is OutputType.STARTUP_FAILED:
                     raise RuntimeError(f"the engine core failed to start:\n{msg}")
                 raise RuntimeError(f"unexpected {kind.name} message before the handshake")
-            rc = self.proc.poll()
+            rc = proc.poll()
             if rc is not None:
                 raise RuntimeError(f"the engine core process exited with code {rc} during "
                                    f"start-up (its log is above, on stderr)")
@@ -186,11 +186,11 @@ class CoreProcess:
         except Exception as e:
             fut.set_exception(e)
 
-    def _monitor(self) -> None:
-        rc = self.proc.wait()
+    def _monitor(self, proc: subprocess.Popen) -> None:
+        rc = proc.wait()
         if not self.closing:
-            logger.error("engine core process %d died (exit code %s)", self.proc.pid, rc)
-            self._fail(EngineDeadError(f"the engine core process ({self.proc.pid}) died with "
+            logger.error("engine core process %d died (exit code %s)", proc.pid, rc)
+            self._fail(EngineDeadError(f"the engine core process ({proc.pid}) died with "
                                        f"exit code {rc}; see its log on stderr"))
 
     def _fail(self, err: EngineDeadError) -> None:
@@ -214,6 +214,7 @@ class CoreProcess:
     def dead_error(self) -> EngineDeadError:
         """A fresh exception each time: one instance raised again and again would gather every
         caller's traceback (and keep their frames, and the engine, alive)."""
+        assert self.dead is not None  # asked for once the core died
         return EngineDeadError(*self.dead.args)
 
     def send(self, kind: RequestType, payload: Any = None) -> None:
@@ -339,18 +340,19 @@ class AsyncMPClient(MPClient):
 
     def _bind_loop(self) -> asyncio.Event:
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            self._loop, event = loop, asyncio.Event()
-            self._event = event
+        if self._loop is loop and self._event is not None:
+            return self._event
+        self._loop, event = loop, asyncio.Event()
+        self._event = event
 
-            def wake() -> None:  # from the output / monitor thread; holds no client ref
-                try:
-                    loop.call_soon_threadsafe(event.set)
-                except RuntimeError:  # the loop was closed
-                    pass
+        def wake() -> None:  # from the output / monitor thread; holds no client ref
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the loop was closed
+                pass
 
-            self.resources.wakeups[:] = [wake]
-        return self._event
+        self.resources.wakeups[:] = [wake]
+        return event
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self.resources.send(RequestType.ADD, request)

@@ -139,6 +139,7 @@ class OutputProcessor:
         for index, (cid, sp) in enumerate(zip(child_ids, child_params, strict=True)):
             detok = None
             if self.tokenizer is not None:
+                assert isinstance(sp.stop, list)  # SamplingParams normalises stop to a list
                 detok = IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids, skip_special_tokens=sp.skip_special_tokens,
                     stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output)
@@ -209,7 +210,9 @@ class OutputProcessor:
                 continue
             if parent.finished:
                 parent.metrics.finished_time = now
-                finished.append(parent.stream_output() if stream else parent.output())
+                out = parent.stream_output() if stream else parent.output()
+                assert out is not None  # a finished request always has a final output
+                finished.append(out)
                 del self.parents[parent.request_id]
             elif stream and parent.request_id in progressed:
                 out = parent.stream_output()

@@ -9,10 +9,13 @@ from __future__ import annotations
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxllm.engine import EngineCoreInfo, EngineCoreRequest
 from jaxllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PromptType = str | dict[str, Any]
 
@@ -44,8 +47,8 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 
 class Processor:
-    def __init__(self, tokenizer, info: EngineCoreInfo, eos_token_ids: frozenset[int],
-                 max_n: int) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, info: EngineCoreInfo,
+                 eos_token_ids: frozenset[int], max_n: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = info.model_config.vocab_size
         self.max_model_len = info.max_model_len
@@ -139,7 +142,7 @@ class Processor:
         if params.n > self.max_n:
             raise ValueError(f"SamplingParams.n must be at most the engine's max_n "
                              f"({self.max_n}), got {params.n}")
-        bad = [t for t in list(params.stop_token_ids) + list((params.logit_bias or {}).keys())
+        bad = [t for t in list(params.stop_token_ids or ()) + list((params.logit_bias or {}).keys())
                if t >= self.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} in stop_token_ids/logit_bias are outside "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -103,10 +103,15 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM was made with "
                              "skip_tokenizer_init=True")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(conv, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-                   for conv in conversations]
+        # One conversation (its first item a message) or a list of them; the checker cannot
+        # narrow a list by its first item.
+        conversations = cast(list[list[dict[str, str]]], [messages] if messages and isinstance(
+            messages[0], dict) else messages)
+        # transformers annotates every return kind at once; tokenize=False gives the text.
+        prompts = [
+            cast(str, self.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt))
+            for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

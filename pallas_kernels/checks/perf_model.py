@@ -326,7 +326,7 @@ def format_case_models(rows: Sequence[tuple[str, str, str, str, CaseModel]]) -> 
     """rows: (kernel, model, dtype, phase, CaseModel); a plain-text table."""
     header = ("kernel", "model", "dtype", "phase", "programs", "MB", "MFLOP", "bound us",
               "SM share", "model us", "note")
-    out = [header]
+    out: list[tuple[str, ...]] = [header]
     for kernel, model, dtype, phase, m in rows:
         c = m.cost
         programs = c.programs or m.launched
@@ -427,7 +427,8 @@ def default_steps(floor_us: float = FLOOR_US) -> list[StepEstimate]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # python -OO strips docstrings.
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--floor-us", type=float, default=FLOOR_US,
                         help="minimum time of any kernel (default %(default)s us)")
     ns = parser.parse_args(argv)

@@ -60,6 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     outputs = llm.generate(args.prompts, _sampling_params(args))
     elapsed = time.perf_counter() - start
     for out in outputs:
+        assert out.prompt is not None  # a text prompt's output keeps its text
         print(out.prompt + out.outputs[0].text)
         print("-" * 40)
     _print_stats(outputs, elapsed)

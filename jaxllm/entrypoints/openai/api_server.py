@@ -218,13 +218,13 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def tokenize(request: Request) -> dict[str, Any]:
         req: TokenizeRequest = parse_request(TokenizeRequest, await body_of(request))
         state.completion.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
-        if req.messages is not None:
+        if req.messages is not None and req.prompt is None:
             text = state.chat.apply_chat_template(req.messages, req.add_generation_prompt)
-        else:
+        elif req.prompt is not None and req.messages is None:
             text = req.prompt
-        tok = state.engine.tokenizer
+        else:
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+        tok = state.completion.tokenizer
         ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.completion.max_model_len,
                 "tokens": ids}
@@ -238,7 +238,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                            "tokens")
-        return {"prompt": state.engine.tokenizer.decode(req.tokens)}
+        return {"prompt": state.completion.tokenizer.decode(req.tokens)}
 
     return AuthMiddleware(app, api_key) if api_key else app  # type: ignore[return-value]
 

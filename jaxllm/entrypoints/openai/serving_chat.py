@@ -5,7 +5,7 @@ in OpenAI's layout, logprobs in the chat format (token, logprob, bytes, top_logp
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, cast
 
 from jaxllm.entrypoints.openai.protocol import (
     UNSUPPORTED_CHAT,
@@ -47,7 +47,7 @@ class OpenAIServingChat(OpenAIServing):
     def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool,
                             continue_final_message: bool = False,
                             kwargs: dict[str, Any] | None = None) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
@@ -55,10 +55,11 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
                                 "be true", "continue_final_message")
         try:
-            return self.tokenizer.apply_chat_template(
+            # transformers annotates every return kind at once; tokenize=False gives the text.
+            return cast(str, self.tokenizer.apply_chat_template(
                 message_dicts(messages), tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(kwargs or {}))
+                continue_final_message=continue_final_message, **(kwargs or {})))
         except APIError:
             raise
         except Exception as e:  # the template's own checks (jinja raise_exception, ...)

@@ -81,6 +81,9 @@ class OpenAIServing:
                  metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name
+        if engine.tokenizer is None:
+            raise ValueError("the OpenAI server needs the engine's tokenizer (drop "
+                             "skip_tokenizer_init)")
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.core_info.max_model_len
         self.metrics = metrics
@@ -147,7 +150,7 @@ class OpenAIServing:
     async def generate(self, prompt: TokenizedPrompt, params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """engine.generate with the server's error mapping and per-request metrics."""
-        engine_prompt = {"prompt_token_ids": prompt.token_ids}
+        engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt.token_ids}
         if prompt.text is not None:
             engine_prompt["prompt"] = prompt.text
         num_generated = 0
