@@ -46,6 +46,7 @@ from jaxllm.engine.serial_utils import (
 
 logger = logging.getLogger("jaxllm.engine.core_proc")
 
+
 class EngineCoreProc:
     """Runs an EngineCore behind two sockets; `run_busy_loop` returns on a SHUTDOWN message."""
 

@@ -281,8 +281,9 @@ class ModelRunner:
         num_tokens = self.buckets[-1]
         ma = self._compile_step(num_tokens, num_tokens, probe_blocks).memory_analysis()
         if ma is None:
-            raise RuntimeError(f"XLA gives no memory analysis on {jax.default_backend()}; "
-                               "size the KV cache without measure_activation_bytes")
+            raise RuntimeError(f"XLA gives no memory analysis on {jax.default_backend()} to "
+                               "size the KV cache from; give num_kv_blocks or "
+                               "kv_cache_memory_bytes")
         return int(ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
