@@ -1,10 +1,10 @@
 """Prove the Pallas -> Triton lowering of every kernel at Qwen2 shapes, with no GPU.
 
-`jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))` runs the whole Pallas -> Triton
-IR lowering on the host from abstract `jax.ShapeDtypeStruct` arguments. It does not run
-Triton's own compiler (TTIR -> PTX happens when XLA compiles on a GPU), so this catches
-unsupported primitives, non-power-of-two tiles and shape errors, not register or shared-memory
-overflows.
+`jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))` (`common.lower_for_cuda`, which
+names the GPU to lower for) runs the whole Pallas -> Triton IR lowering on the host from abstract
+`jax.ShapeDtypeStruct` arguments. It does not run Triton's own compiler (TTIR -> PTX happens when
+XLA compiles on a GPU), so this catches unsupported primitives, non-power-of-two tiles and shape
+errors, not register or shared-memory overflows.
 
 Each module in KERNEL_MODULES defines
     lowering_cases(model, dtype, phase) -> list[(kernel_name, fn, args)]
@@ -20,8 +20,9 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
+
+from pallas_kernels.common import lower_for_cuda
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,6 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     line = text.splitlines()[0] if text else ""
     return f"{type(exc).__name__}: {line}"[:200]
-
-
-def lower_for_cuda(fn, args: Sequence) -> str:
-    """Lower `fn(*args)` for CUDA without a GPU; returns the StableHLO text."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @dataclass(frozen=True)
@@ -128,7 +124,7 @@ def run_checks(
         ok, err = False, case.error
         if case.fn is not None:
             try:
-                text = lower_for_cuda(case.fn, case.args)
+                text = lower_for_cuda(case.fn, case.args).as_text()
                 ok = _TRITON_CALL in text
                 err = "" if ok else "no Triton custom call in the lowered module"
             except Exception as exc:

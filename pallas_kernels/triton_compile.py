@@ -16,12 +16,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jax
 from jaxlib.mlir import ir
 from jaxlib.mlir._mlir_libs import _jax_mlir_ext
 from jaxlib.triton import dialect as tt_dialect
 
 from pallas_kernels.check_lowering import _TRITON_CALL, _first_line
+from pallas_kernels.common import lower_for_cuda
 
 # --------------------------------------------------------------------------- occupancy
 
@@ -144,7 +144,7 @@ def _int(attr: ir.Attribute) -> int:
 
 def triton_kernels(fn, args: Sequence) -> list[TritonKernel]:
     """Lower `fn(*args)` for CUDA (no GPU) and return its Triton kernels as Triton IR text."""
-    module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    module = lower_for_cuda(fn, args).compiler_ir("stablehlo")
     kernels = []
     for call in _custom_calls(module.operation):
         attrs = call.attributes
