@@ -4,7 +4,7 @@ check_lowering stops at Triton IR; this tool goes on to a cubin for each of its 
 
 1. lower the case for CUDA as check_lowering does. Each Pallas kernel is a StableHLO custom call
    `__gpu$xla.gpu.triton` whose backend_config holds its name, grid, num_warps, num_stages and
-   its Triton module as MLIR bytecode (the form jaxlib <= 0.10.2 emits without a GPU);
+   its Triton module as MLIR bytecode (as jaxlib 0.10.2 to 0.11.2 emit it without a GPU);
 2. parse that bytecode back to Triton IR text with jaxlib's Triton dialect;
 3. compile it with pip `triton` (compile only, no GPU needed): Triton's make_ttir passes (XLA's
    Triton pipeline starts with the same ones), then `triton.compile` to TTGIR, PTX and a cubin,
@@ -16,8 +16,8 @@ check_lowering stops at Triton IR; this tool goes on to a cubin for each of its 
 From those it estimates resource occupancy per SM (registers in their per-warp allocation units
 over the 4 sub-partitions, shared memory plus the driver's 1 KiB per-block reserve, at most 32
 blocks and 64 warps): resource occupancy, not achieved occupancy. All numbers are estimates: XLA
-compiles with its own pinned Triton, not pip's, and Pallas lowers for compute capability 9.0 when
-no GPU is present, whatever --arch says.
+compiles with its own pinned Triton, not pip's, and the lowering targets compute capability 9.0
+(`common.LOWERING_DEVICE`), whatever --arch says.
 
 A case fails if it does not compile, does not fit an SM (0 resident blocks) or spills registers.
 Failures listed in known_compile_failures.txt are tolerated; a listed case that no longer fails
