@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite (CPU). Extra arguments go to pytest.
+# The test suite (CPU). Extra arguments go to pytest (with --jax011, after JAX011_TESTS).
 #   bash scripts/run_tests.sh            Python 3.11 + JAX 0.10.2 (.venv/): the whole suite
 #   bash scripts/run_tests.sh --jax011   CPython 3.13 + JAX 0.11.2 (.venv-jax011/): JAX011_TESTS
 set -euo pipefail
