@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 
 # The second lane: every file that imports neither torch (the Hugging Face oracle, not installed
 # there) nor only the real model, run with -m "not real_model". Left out: test_backends_e2e,
-# test_gguf_kernel, test_gguf_quant, test_model_parity (torch at import) and test_real_model. Tests here that build an HF checkpoint (the tiny_models fixture) skip with
-# that reason.
+# test_gguf_kernel, test_gguf_quant, test_model_parity (torch at import) and test_real_model.
+# Tests here whose oracle is HF (the tiny_models fixture) skip with that reason; those needing
+# only a checkpoint get it from .venv/'s interpreter (save_tiny_checkpoint in tests/conftest.py).
 JAX011_TESTS=(
     # kernels: interpret-mode numerics, lowering for CUDA, compiling with pip triton
     tests/test_paged_attention.py tests/test_rms_norm.py tests/test_rope.py
