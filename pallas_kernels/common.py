@@ -1,11 +1,30 @@
-"""What the kernel modules share: backend names, power-of-two sizes, a whole-array BlockSpec."""
+"""What the kernel modules share: backend names, power-of-two sizes, a whole-array BlockSpec,
+and lowering for CUDA with no GPU present on every supported JAX."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import jax
 from jax.experimental import pallas as pl
+from jax.sharding import AbstractDevice, AbstractMesh, Mesh, use_abstract_mesh
+
+# From JAX 0.11, Pallas' Triton backend warns at every lowering (deprecation id
+# "jax-pallas-triton"), yet through 0.12 it is still what pallas_call uses on CUDA, and these
+# kernels are written for it (masked plgpu.load/store, power-of-two blocks). The migration is
+# Mosaic GPU (jax.experimental.pallas.mosaic_gpu: explicit shared-memory staging with TMA
+# copies and warpgroup matmuls), a rewrite of every kernel; until then the warning tells a
+# user nothing to act on. tests/conftest.py hands the same filter to pytest, which resets
+# warning filters for each test.
+_TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+TRITON_DEPRECATION_FILTER = f"ignore:{_TRITON_DEPRECATION}:DeprecationWarning"
+warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+
+# The GPU a lowering targets when none is present. JAX 0.10 falls back to compute capability
+# 9.0 by itself; from 0.11 the target is the abstract mesh's device, and lowering fails without
+# one. An H100 (sm_90) is the same target on both.
+LOWERING_DEVICE = AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
 
 BACKENDS: tuple[str, ...] = ("pallas", "interpret", "reference")
 
@@ -38,3 +57,14 @@ def whole_block_spec(shape: Sequence[int]) -> pl.BlockSpec:
     """
     zeros = (0,) * len(shape)
     return pl.BlockSpec(tuple(shape), lambda *grid_indices: zeros)
+
+
+def lower_for_cuda(fn: Callable, args: Sequence, mesh: Mesh | AbstractMesh | None = None,
+                   donate_argnums: int | Sequence[int] = ()) -> jax.stages.Lowered:
+    """Lower `jax.jit(fn, donate_argnums=...)(*args)` for CUDA on a host without a GPU (abstract
+    arguments such as `jax.ShapeDtypeStruct` are fine). `mesh`: the mesh the arguments are
+    sharded over; a `shard_map` inside `fn` needs `LOWERING_DEVICE` on its own mesh too."""
+    abstract = AbstractMesh((), ()) if mesh is None else mesh.abstract_mesh
+    with use_abstract_mesh(abstract.update(abstract_device=LOWERING_DEVICE)):
+        jitted = jax.jit(fn, donate_argnums=donate_argnums)
+        return jitted.trace(*args).lower(lowering_platforms=("cuda",))

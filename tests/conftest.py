@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pallas_kernels.common import TRITON_DEPRECATION_FILTER
 from tests.utils import make_tiny_checkpoint
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest resets warning filters per test: hand it the one the kernels install.
+    config.addinivalue_line("filterwarnings", TRITON_DEPRECATION_FILTER)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,13 @@ engine over them, and the checks every engine test ends with."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import pytest
 
 from scheduler import NULL_BLOCK_ID
 
@@ -20,7 +26,8 @@ TINY_KW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
 
 def make_tiny_checkpoint(path, tied: bool, vocab_size: int = 512, seed: int = 0, **overrides):
     """Save a random HF Qwen2 model with save_pretrained (safetensors); returns the HF model."""
-    import torch
+    torch = pytest.importorskip(
+        "torch", reason="torch (the Hugging Face oracle) is not installed in this test lane")
     import transformers
 
     torch.manual_seed(seed)
@@ -34,6 +41,28 @@ def make_tiny_checkpoint(path, tied: bool, vocab_size: int = 512, seed: int = 0,
                 proj.bias.normal_(0, 0.5)
     model.save_pretrained(path)
     return model
+
+
+# The first lane's interpreter (Python 3.11, with torch): a lane without torch writes its tiny
+# checkpoints with it.
+_TORCH_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
+
+
+def save_tiny_checkpoint(path, tied: bool, seed: int = 0, **overrides) -> None:
+    """`make_tiny_checkpoint` for tests that need only its files (their oracle is not HF): in a
+    child process of the first lane's interpreter when this one has no torch."""
+    if importlib.util.find_spec("torch") is not None:
+        make_tiny_checkpoint(path, tied, seed=seed, **overrides)
+        return
+    if not _TORCH_PYTHON.exists():
+        pytest.skip(f"no torch here and no {_TORCH_PYTHON} to write the HF checkpoint with")
+    code = ("import json, sys; from tests.utils import make_tiny_checkpoint; "
+            "make_tiny_checkpoint(sys.argv[1], **json.loads(sys.argv[2]))")
+    kwargs = json.dumps({"tied": tied, "seed": seed, **overrides})
+    proc = subprocess.run([str(_TORCH_PYTHON), "-c", code, str(path), kwargs],
+                          cwd=_TORCH_PYTHON.parents[2], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def make_llm(path, **kw) -> LLM:

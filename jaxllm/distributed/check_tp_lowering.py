@@ -2,9 +2,9 @@
 
 `lower_sharded_step` builds the runner's own step (jaxllm/worker/step.py) on an `AbstractMesh`
 with the Pallas kernels, params and KV array as sharded abstract values, and lowers it with
-`lowering_platforms=("cuda",)`. The all-reduces are explicit `psum`s under `shard_map`, so they
-are in the lowered module (XLA adds none at compile time): `collectives` counts them and the
-bytes each moves, which BENCHMARKS.md prices.
+`lowering_platforms=("cuda",)` (`pallas_kernels.common.lower_for_cuda`). The all-reduces are
+explicit `psum`s under `shard_map`, so they are in the lowered module (XLA adds none at compile
+time): `collectives` counts them and the bytes each moves, which BENCHMARKS.md prices.
 
     python -m jaxllm.distributed.check_tp_lowering    # the table for the models below
 """
@@ -37,6 +37,7 @@ from jaxllm.sample.topk import TOPK
 from jaxllm.worker.step import forward_step
 from pallas_kernels.attention_common import decode_num_splits
 from pallas_kernels.checks.shapes import QWEN2_SHAPES
+from pallas_kernels.common import LOWERING_DEVICE, lower_for_cuda
 
 # Real widths, 2 layers to keep the check short.
 MODELS = {name: ModelConfig.from_hf_config(shape.hf_config(num_hidden_layers=2, rope_theta=1e6))
@@ -83,7 +84,9 @@ def lower_sharded_step(config: ModelConfig, tp: int, num_tokens: int, decode: bo
     CUDA on an abstract mesh: a decode bucket (`decode`: one token per sequence, split-K
     attention as the runner sizes it) or a prefill bucket of `num_tokens`."""
     layout = tp_layout(config, tp)
-    mesh = AbstractMesh((tp,), (TP_AXIS,))
+    # The device goes on the mesh itself: shard_map's body lowers under this mesh, not the
+    # context's.
+    mesh = AbstractMesh((tp,), (TP_AXIS,), abstract_device=LOWERING_DEVICE)
     model = Qwen2ForCausalLM(layout.local, dtype=dtype, kernel_backend=backend, tp_axis=TP_AXIS)
     # The global tree: the model with the KV heads the sharded layout holds (with replicas).
     full = dataclasses.replace(config, num_key_value_heads=layout.num_kv_heads_total)
@@ -102,15 +105,15 @@ def lower_sharded_step(config: ModelConfig, tp: int, num_tokens: int, decode: bo
     def i32(*shape):
         return sharded(jax.ShapeDtypeStruct(shape, jnp.int32))
 
-    attn_metadata = AttentionMetadata(i32(num_tokens), i32(seqs, -(-max_model_len // block_size)),
-                           i32(seqs), i32(seqs + 1), i32(seqs))
+    attn_metadata = AttentionMetadata(
+        i32(num_tokens), i32(seqs, -(-max_model_len // block_size)), i32(seqs), i32(seqs + 1),
+        i32(seqs))
     splits = decode_num_splits(max_model_len, seqs, layout.local.num_key_value_heads,
                                num_sms=132) if decode else 1
     fn = functools.partial(forward_step, model, top_k, mesh,
                            max_query_len=1 if decode else num_tokens, num_splits=splits)
-    return jax.jit(fn).trace(params, rope, kv, i32(num_tokens), i32(num_tokens),
-                             attn_metadata).lower(
-        lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(fn, (params, rope, kv, i32(num_tokens), i32(num_tokens), attn_metadata),
+                          mesh).as_text()
 
 
 def main(argv: list[str] | None = None) -> int:

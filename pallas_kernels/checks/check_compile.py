@@ -4,7 +4,7 @@ check_lowering stops at Triton IR; this tool goes on to a cubin for each of its 
 
 1. lower the case for CUDA as check_lowering does. Each Pallas kernel is a StableHLO custom call
    `__gpu$xla.gpu.triton` whose backend_config holds its name, grid, num_warps, num_stages and
-   its Triton module as MLIR bytecode (the form jaxlib <= 0.10.2 emits without a GPU);
+   its Triton module as MLIR bytecode (as jaxlib 0.10.2 to 0.11.2 emit it without a GPU);
 2. parse that bytecode back to Triton IR text with jaxlib's Triton dialect;
 3. compile it with pip `triton` (compile only, no GPU needed): Triton's make_ttir passes (XLA's
    Triton pipeline starts with the same ones), then `triton.compile` to TTGIR, PTX and a cubin,
@@ -16,8 +16,8 @@ check_lowering stops at Triton IR; this tool goes on to a cubin for each of its 
 From those it estimates resource occupancy per SM (registers in their per-warp allocation units
 over the 4 sub-partitions, shared memory plus the driver's 1 KiB per-block reserve, at most 32
 blocks and 64 warps): resource occupancy, not achieved occupancy. All numbers are estimates: XLA
-compiles with its own pinned Triton, not pip's, and Pallas lowers for compute capability 9.0 when
-no GPU is present, whatever --arch says.
+compiles with its own pinned Triton, not pip's, and the lowering targets compute capability 9.0
+(`common.LOWERING_DEVICE`), whatever --arch says.
 
 A case fails if it does not compile, does not fit an SM (0 resident blocks) or spills registers.
 Failures listed in known_compile_failures.txt are tolerated; a listed case that no longer fails
@@ -43,6 +43,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from pallas_kernels.checks import perf_model
 from pallas_kernels.checks.check_lowering import (
@@ -118,7 +119,7 @@ class Result:
 
 def _result(case, arch: str, kernel: TritonKernel | None, stats: CompileStats | None,
             name: str, error: str = "") -> Result:
-    base = dict(module=case.module, kernel=name, model=case.model, dtype=case.dtype,
+    base: dict[str, Any] = dict(module=case.module, kernel=name, model=case.model, dtype=case.dtype,
                 phase=case.phase, arch=arch)
     if kernel is None or stats is None:
         return Result(**base, error=error)
@@ -357,7 +358,7 @@ def format_model_time(results: Sequence[Result]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--arch", choices=tuple(ARCHES), default="sm_90a",
                         help="target (default sm_90a, the one CI checks)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

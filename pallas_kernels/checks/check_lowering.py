@@ -1,10 +1,10 @@
 """Prove the Pallas -> Triton lowering of every kernel at Qwen2 shapes, with no GPU.
 
-`jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))` runs the whole Pallas -> Triton
-IR lowering on the host from abstract `jax.ShapeDtypeStruct` arguments. It does not run
-Triton's own compiler (TTIR -> PTX happens when XLA compiles on a GPU), so this catches
-unsupported primitives, non-power-of-two tiles and shape errors, not register or shared-memory
-overflows.
+`jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))` (`common.lower_for_cuda`, which
+names the GPU to lower for) runs the whole Pallas -> Triton IR lowering on the host from abstract
+`jax.ShapeDtypeStruct` arguments. It does not run Triton's own compiler (TTIR -> PTX happens when
+XLA compiles on a GPU), so this catches unsupported primitives, non-power-of-two tiles and shape
+errors, not register or shared-memory overflows.
 
 The cases of each kernel module in KERNEL_MODULES are built by lowering_cases.py at the
 shapes of MODEL_SHAPES (from shapes.py). Run: python -m pallas_kernels.checks.check_lowering
@@ -17,11 +17,11 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.checks.lowering_cases import LOWERING_CASES
 from pallas_kernels.checks.shapes import QWEN2_SHAPES, Qwen2Shape
+from pallas_kernels.common import lower_for_cuda
 
 MODEL_SHAPES: tuple[Qwen2Shape, ...] = tuple(
     QWEN2_SHAPES[name] for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"))
@@ -50,11 +50,6 @@ def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     line = text.splitlines()[0] if text else ""
     return f"{type(exc).__name__}: {line}"[:200]
-
-
-def lower_for_cuda(fn, args: Sequence) -> str:
-    """Lower `fn(*args)` for CUDA without a GPU; returns the StableHLO text."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @dataclass(frozen=True)
@@ -111,7 +106,7 @@ def run_checks(
         ok, err = False, case.error
         if case.fn is not None:
             try:
-                text = lower_for_cuda(case.fn, case.args)
+                text = lower_for_cuda(case.fn, case.args).as_text()
                 ok = TRITON_CALL in text
                 err = "" if ok else "no Triton custom call in the lowered module"
             except Exception as exc:
@@ -134,7 +129,7 @@ def format_table(results: Sequence[Result]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--modules", nargs="*", default=list(KERNEL_MODULES),
                         help="kernel modules to check (default: all)")
     ns = parser.parse_args(argv)

@@ -15,13 +15,14 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import jax
 from jaxlib.mlir import ir
 from jaxlib.mlir._mlir_libs import _jax_mlir_ext
 from jaxlib.triton import dialect as tt_dialect
 
 from pallas_kernels.checks.check_lowering import TRITON_CALL, first_line
+from pallas_kernels.common import lower_for_cuda
 
 # --------------------------------------------------------------------------- occupancy
 
@@ -144,7 +145,8 @@ def _int(attr: ir.Attribute) -> int:
 
 def triton_kernels(fn, args: Sequence) -> list[TritonKernel]:
     """Lower `fn(*args)` for CUDA (no GPU) and return its Triton kernels as Triton IR text."""
-    module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    module = lower_for_cuda(fn, args).compiler_ir("stablehlo")
+    assert module is not None, "a lowered computation has StableHLO"
     kernels = []
     for call in _custom_calls(module.operation):
         attrs = call.attributes
@@ -156,7 +158,7 @@ def triton_kernels(fn, args: Sequence) -> list[TritonKernel]:
         ctx = _triton_context()
         with ctx:
             triton_module = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes, context=ctx)
-            text = triton_module.operation.get_asm(enable_debug_info=False)
+            text = str(triton_module.operation.get_asm(enable_debug_info=False))
         kernels.append(TritonKernel(
             name=ir.StringAttr(config["name"]).value,
             grid=(_int(config["grid_x"]), _int(config["grid_y"]), _int(config["grid_z"])),
@@ -241,7 +243,8 @@ def _compile_kernel(ttir: str, capability: int, num_warps: int, num_stages: int,
         raw.write_text(ttir)
         # triton.compile starts after the stage its source is in, so run make_ttir (XLA's
         # pipeline runs it too) here and hand it the result.
-        backend = make_backend(target)
+        # The CUDA backend: make_ttir is not declared on triton's BaseBackend.
+        backend: Any = make_backend(target)
         context = triton_ir.context()
         triton_ir.load_dialects(context)
         backend.load_dialects(context)

@@ -19,7 +19,7 @@ import pytest
 from jaxllm.distributed.tensor_parallel import _per_shard_gate_up, _per_shard_qkv, tp_layout
 from jaxllm.model_executor.config import ModelConfig
 from tests.distributed.tp_child import REAL_ENGINE, REAL_MAX_NEW, REAL_PROMPTS
-from tests.utils import make_tiny_checkpoint
+from tests.utils import save_tiny_checkpoint
 
 SIZES = (1, 2, 4, 8)
 CHILD = Path(__file__).with_name("tp_child.py")
@@ -38,7 +38,7 @@ def run_child(args: list[str], timeout: float, devices: int = 8) -> subprocess.C
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
     path = tmp_path_factory.mktemp("tp_tiny")
-    make_tiny_checkpoint(path, tied=False, seed=3, num_attention_heads=8, num_key_value_heads=4)
+    save_tiny_checkpoint(path, tied=False, seed=3, num_attention_heads=8, num_key_value_heads=4)
     out = path / "results.npz"
     run_child([str(path), str(out), ",".join(map(str, SIZES)),
                '{"max_num_seqs": 2, "max_num_batched_tokens": 16}'], timeout=400)
@@ -50,7 +50,7 @@ def tp_pallas_results(tmp_path_factory):
     """The Pallas kernels themselves (interpret mode) per device under shard_map: 4 query heads,
     2 KV heads, head_dim 16, TP 1 and 2."""
     path = tmp_path_factory.mktemp("tp_tiny_pallas")
-    make_tiny_checkpoint(path, tied=True, seed=5)
+    save_tiny_checkpoint(path, tied=True, seed=5)
     out = path / "results.npz"
     run_child([str(path), str(out), "1,2", '{"max_num_seqs": 2, "max_num_batched_tokens": 16, '
                                           '"kernel_backend": "interpret"}'], timeout=400)

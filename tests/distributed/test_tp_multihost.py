@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.distributed.tp_multihost_child import ENGINE, PROMPTS, sampling_params
-from tests.utils import make_tiny_checkpoint
+from tests.utils import save_tiny_checkpoint
 
 CHILD = Path(__file__).with_name("tp_multihost_child.py")
 TIMEOUT_S = 90
@@ -56,7 +56,7 @@ def test_two_processes_tp4_match_tp1_and_a_dead_follower_fails_fast(tmp_path):
     from jaxllm import LLM
 
     path = tmp_path / "ckpt"
-    make_tiny_checkpoint(path, tied=False, seed=3, num_attention_heads=8, num_key_value_heads=4)
+    save_tiny_checkpoint(path, tied=False, seed=3, num_attention_heads=8, num_key_value_heads=4)
     out, go = tmp_path / "out.json", tmp_path / "go"
     ready = Path(str(out) + ".ready")
     port = _free_port()

@@ -7,7 +7,6 @@ import functools
 
 import numpy as np
 import pytest
-import torch
 
 from tests.utils import MAX_NEW, PROMPT_LENS
 
@@ -33,6 +32,8 @@ def hf_greedy(tiny):
 
     @functools.cache
     def run(prompt: tuple[int, ...]) -> list[int]:
+        import torch
+
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
                               min_new_tokens=MAX_NEW, pad_token_id=0)

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels.common import lower_for_cuda
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_attention import paged_attention
 from tests.kernel_backends import KERNEL_BACKENDS
@@ -182,8 +183,8 @@ def test_donated_step_runs_and_matches_undonated():
 def test_pallas_lowering_aliases_cache():
     """For CUDA (lowered without a GPU): the write_kv custom call aliases its cache operand to
     its result, and the donated cache argument is marked as aliasing the cache output."""
-    lowered = jax.jit(lambda *a: toy_step(*a, backend="pallas"), donate_argnums=0).trace(
-        *toy_args()).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(lambda *a: toy_step(*a, backend="pallas"), toy_args(),
+                             donate_argnums=0)
     text = lowered.as_text()
     calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
     writes = [c for c in calls if "write_kv" in c]
