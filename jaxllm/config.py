@@ -122,6 +122,14 @@ def resolve_dtype(dtype: str | None, platform: str) -> str:
     return "bfloat16" if platform == "gpu" else "float32"
 
 
+def resolve_kernel_backend(kernel_backend: str | None, platform: str) -> str:
+    """None -> the Pallas kernels on a GPU, XLA's reference ops elsewhere (interpret mode runs the
+    kernels on CPU for tests, far slower than XLA)."""
+    if kernel_backend is not None:
+        return kernel_backend
+    return "pallas" if platform == "gpu" else "reference"
+
+
 def resolve_quantization(quantization: str | None, path: Path, dtype: str, kernel_backend: str,
                          tensor_parallel_size: int, platform: str) -> str:
     """None (automatic) -> "gguf" for a .gguf model where its quantized path is the faster one:

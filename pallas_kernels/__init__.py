@@ -11,6 +11,6 @@ models their H100 time.
 
 from __future__ import annotations
 
-from pallas_kernels.common import BACKENDS, default_backend
+from pallas_kernels.common import BACKENDS
 
-__all__ = ["BACKENDS", "default_backend"]
+__all__ = ["BACKENDS"]

@@ -34,11 +34,6 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
-def default_backend() -> str:
-    """"pallas" on a GPU, else "reference" (interpret mode is for tests, far slower than XLA)."""
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
-
-
 def next_pow2(n: int) -> int:
     """Triton block shapes must be powers of two: the smallest one >= n, for n >= 1."""
     return 1 << max(0, (int(n) - 1).bit_length())
@@ -63,8 +58,14 @@ def lower_for_cuda(fn: Callable, args: Sequence, mesh: Mesh | AbstractMesh | Non
                    donate_argnums: int | Sequence[int] = ()) -> jax.stages.Lowered:
     """Lower `jax.jit(fn, donate_argnums=...)(*args)` for CUDA on a host without a GPU (abstract
     arguments such as `jax.ShapeDtypeStruct` are fine). `mesh`: the mesh the arguments are
-    sharded over; a `shard_map` inside `fn` needs `LOWERING_DEVICE` on its own mesh too."""
+    sharded over; a `shard_map` inside `fn` needs its own mesh from `abstract_cuda_mesh`."""
     abstract = AbstractMesh((), ()) if mesh is None else mesh.abstract_mesh
     with use_abstract_mesh(abstract.update(abstract_device=LOWERING_DEVICE)):
         jitted = jax.jit(fn, donate_argnums=donate_argnums)
         return jitted.trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def abstract_cuda_mesh(axis_sizes: tuple[int, ...], axis_names: tuple[str, ...]) -> AbstractMesh:
+    """A device-free mesh naming the GPU that `lower_for_cuda` lowers for: the mesh of a
+    `shard_map` traced without devices (JAX 0.11 lowers its body for the mesh's device)."""
+    return AbstractMesh(axis_sizes, axis_names, abstract_device=LOWERING_DEVICE)

@@ -40,8 +40,8 @@ from pallas_kernels.common import check_backend, next_pow2
 GEMM_MIN_ROWS = 16
 # GEMV: elements of the [BN, BK] weight tile one program dequantizes per K step. The int8
 # values, their gathered scales / offsets (a 64-bit pointer per lane each) and the float32 tile
-# each cost this / (32 x warps) registers per thread: 1024 over 4 warps compiles to 48-59
-# registers with no spills at every Qwen2.5 shape (2048 spilled 4 bytes at some; check_compile).
+# each cost this / (32 x warps) registers per thread: 1024 over 4 warps compiles with no spills
+# at every Qwen2.5 shape, 2048 spills at some (docs/perf/gpu-kernel-model.md).
 _GEMV_TILE_ELEMS = 1024
 # An H100 has 132 SMs: the GEMV narrows BN (down to _GEMV_MIN_BN; it has no dot, so no
 # 16-row minimum) before leaving them idle.
@@ -154,7 +154,7 @@ def launch_config(m: int, n: int, k: int, dtype) -> dict[str, int]:
     spills). GEMM: bfloat16 takes 64 x 64 x 64 tensor-core tiles
     over 4 warps (BM 16 or 32 for smaller buckets); float32 FMA dots keep each thread's operand
     rows in registers over BK (see attention_common.launch_config), so they take 32 x 32 x 32
-    tiles over 8 warps (4 spilled 4-8 bytes with offsets); both narrow BN down to 16 while
+    tiles over 8 warps (4 warps spilled with offsets); both narrow BN down to 16 while
     there are fewer than _MIN_PROGRAMS programs. No case of check_compile spills
     (docs/perf/gpu-kernel-model.md has the table). Interpret mode runs the same tiles."""
     if m < GEMM_MIN_ROWS:

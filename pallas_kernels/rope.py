@@ -23,8 +23,8 @@ from pallas_kernels.common import check_backend, next_pow2, prev_pow2
 _BLOCK_ELEMS = 2048
 # Warps per program: enough that each thread holds about this many elements of each of the four
 # [rows, heads x half] f32 tiles it keeps live (x1, x2, cos, sin). Register use, and so
-# occupancy, is set by elements per thread: 32 per thread per tile left room for only 2-3
-# blocks per H100 SM, 4 per thread keeps occupancy at 75-100% (docs/perf/gpu-kernel-model.md).
+# occupancy, is set by elements per thread: 32 per thread per tile left room for too few blocks
+# per H100 SM, 4 per thread keeps occupancy high (docs/perf/gpu-kernel-model.md).
 # More warps per program rather than only smaller tiles, because one token's row (every head)
 # is the smallest tile: for 7B (32 padded heads x 64) a row alone is 2048 elements.
 _ELEMS_PER_THREAD = 4

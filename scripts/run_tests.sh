@@ -23,5 +23,5 @@ if [ "${1:-}" = "--jax011" ]; then
 fi
 bash scripts/ensure_venv.sh
 .venv/bin/ruff check .
-.venv/bin/basedpyright
+.venv/bin/basedpyright -p .  # the repo's config only, never a pyrightconfig.json above it
 exec .venv/bin/python -m pytest -q "$@"

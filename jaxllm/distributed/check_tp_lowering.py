@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.distributed.tensor_parallel import KV_SPEC, TP_AXIS, param_specs, tp_layout
@@ -37,7 +37,7 @@ from jaxllm.sample.topk import TOPK
 from jaxllm.worker.step import forward_step
 from pallas_kernels.attention_common import decode_num_splits
 from pallas_kernels.checks.shapes import QWEN2_SHAPES
-from pallas_kernels.common import LOWERING_DEVICE, lower_for_cuda
+from pallas_kernels.common import abstract_cuda_mesh, lower_for_cuda
 
 # Real widths, 2 layers to keep the check short.
 MODELS = {name: ModelConfig.from_hf_config(shape.hf_config(num_hidden_layers=2, rope_theta=1e6))
@@ -86,7 +86,7 @@ def lower_sharded_step(config: ModelConfig, tp: int, num_tokens: int, decode: bo
     layout = tp_layout(config, tp)
     # The device goes on the mesh itself: shard_map's body lowers under this mesh, not the
     # context's.
-    mesh = AbstractMesh((tp,), (TP_AXIS,), abstract_device=LOWERING_DEVICE)
+    mesh = abstract_cuda_mesh((tp,), (TP_AXIS,))
     model = Qwen2ForCausalLM(layout.local, dtype=dtype, kernel_backend=backend, tp_axis=TP_AXIS)
     # The global tree: the model with the KV heads the sharded layout holds (with replicas).
     full = dataclasses.replace(config, num_key_value_heads=layout.num_kv_heads_total)

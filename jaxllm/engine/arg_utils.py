@@ -1,7 +1,7 @@
 """EngineArgs: every engine setting in one validated, serialisable dataclass (vLLM's
 `EngineArgs`), with its help text on the field. `create_engine_config()` resolves it into the
 EngineConfig the engine runs with. The CLI's engine options and docs/engine_args.md
-(`python -m jaxllm.engine.arg_utils --markdown`) are generated from the fields, so the Python API,
+(`scripts/generate_engine_args_doc.py`) are generated from the fields, so the Python API,
 the CLI and the docs cannot disagree. Importing this module starts no JAX backend."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from jaxllm.config import (
     resolve_activation_dtype,
     resolve_dtype,
     resolve_gemv_max_rows,
+    resolve_kernel_backend,
     resolve_kv_cache_dtype,
     resolve_model,
     resolve_multiprocess_mode,
@@ -205,7 +206,7 @@ class EngineArgs:
             platform = jax.default_backend()
         path = resolve_model(self.model)
         dtype = resolve_dtype(self.dtype, platform)
-        backend = self.kernel_backend or ("pallas" if platform == "gpu" else "reference")
+        backend = resolve_kernel_backend(self.kernel_backend, platform)
         quantization = resolve_quantization(self.quantization, path, dtype, backend,
                                             self.tensor_parallel_size, platform)
         kv_cache_dtype = resolve_kv_cache_dtype(dtype, platform)

@@ -79,9 +79,9 @@ from jaxllm.worker.outputs import (  # re-exported: the engine core imports them
     PromptLogprobRows,
     StepHandle,
     StepTimings,
-    _host,
-    _row_slice,
-    _take_rows,
+    row_slice,
+    take_rows,
+    to_host,
 )
 from jaxllm.worker.step import StepOutputs, forward_step, prompt_stats
 from pallas_kernels.attention_common import decode_num_splits
@@ -318,14 +318,14 @@ class ModelRunner:
         if self.mesh is not None and jax.process_count() > 1:
             for s in sorted({min(t, self.max_num_seqs) for t, _ in self.bucket_shapes()}):
                 rows_spec = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=self._replicated())
-                self._gathers[s] = jax.jit(_take_rows, out_shardings=self._replicated()).lower(
+                self._gathers[s] = jax.jit(take_rows, out_shardings=self._replicated()).lower(
                     self._logits_spec(s), rows_spec).compile()
         if jax.default_backend() != "cpu":
             row = jax.ShapeDtypeStruct((), jnp.int32)
             for num_tokens, _ in self.bucket_shapes():
                 spec = self._logits_spec(num_tokens)
                 if spec.shape[0] not in self._row_slices:
-                    self._row_slices[spec.shape[0]] = jax.jit(_row_slice).lower(spec,
+                    self._row_slices[spec.shape[0]] = jax.jit(row_slice).lower(spec,
                                                                                row).compile()
         return time.perf_counter() - start
 
@@ -409,7 +409,7 @@ class ModelRunner:
     def gather_rows(self, logits: jax.Array, rows: np.ndarray) -> np.ndarray:
         """Several hosts: rows of a step's vocabulary-sharded logits, gathered (a collective:
         process 0 calls `_fetch_rows`, the followers this)."""
-        return _host(self._gathers[logits.shape[0]](logits, rows))
+        return to_host(self._gathers[logits.shape[0]](logits, rows))
 
     def _fetch_rows(self, handle: StepHandle, rows: list[int]) -> np.ndarray:
         padded = np.zeros(handle.logits.shape[0], np.int32)
@@ -422,7 +422,7 @@ class ModelRunner:
         """Prompt-logprob statistics of PROMPT_LOGPROB_ROWS rows of a step's hidden states."""
         if self.leader is not None:
             self.leader.prompt(rows, targets)
-        return [_host(x) for x in self._compiled_prompt[hidden.shape[0]](self.params, hidden,
+        return [to_host(x) for x in self._compiled_prompt[hidden.shape[0]](self.params, hidden,
                                                                          rows, targets)]
 
     def wait(self, handle: StepHandle) -> ModelRunnerOutput:
@@ -433,9 +433,9 @@ class ModelRunner:
         if self.top_k:
             values, token_ids, lse = handle.values, handle.token_ids, handle.lse
             assert values is not None and token_ids is not None and lse is not None  # top-K on
-            host_values = _host(values)[:n]
+            host_values = to_host(values)[:n]
             ready = time.perf_counter()
-            topk = TopKLogits(host_values, _host(token_ids)[:n], _host(lse)[:n],
+            topk = TopKLogits(host_values, to_host(token_ids)[:n], to_host(lse)[:n],
                               self.top_k == self.config.vocab_size)
         else:
             handle.logits.block_until_ready()

@@ -98,14 +98,14 @@ class ModelRunnerOutput:
         return np.stack([np.asarray(self.row_slice(logits, np.int32(r))) for r in rows])
 
 
-def _host(x: jax.Array) -> np.ndarray:
+def to_host(x: jax.Array) -> np.ndarray:
     """A replicated output on the host (several hosts: from this process's own copy)."""
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def _row_slice(logits: jax.Array, row: jax.Array) -> jax.Array:
+def row_slice(logits: jax.Array, row: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(logits, row, keepdims=False)
 
 
-def _take_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
+def take_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
     return jax.numpy.take(logits, rows, axis=0)

@@ -407,8 +407,8 @@ def format_steps(estimates: Sequence[StepEstimate]) -> str:
     """A markdown table of decode-step estimates (microseconds)."""
     lines = [
         "| model | batch | context | weights MB | K/V MB | bound us | matmuls us | other us | "
-        "attention us before / after split-K (partitions) | step us before | step us after | "
-        "tok/s before | tok/s after |",
+        "attention us unsplit / split-K (partitions) | step us unsplit | step us split-K | "
+        "tok/s unsplit | tok/s split-K |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in estimates:

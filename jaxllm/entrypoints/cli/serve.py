@@ -65,8 +65,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     pid = getattr(engine.engine_core, "core_pid", None)
     if pid is not None:
         log.info("engine core process pid %d", pid)
-    config = engine.engine_config
-    state = make_state(engine, name, config.model if tag is None else config.model_path,
+    engine_config = engine.engine_config
+    state = make_state(engine, name,
+                       engine_config.model if tag is None else engine_config.model_path,
                        metrics, args.max_request_bytes)
     app = build_app(state, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port,
