@@ -7,7 +7,7 @@ import pytest
 import jaxllm
 from jaxllm import LLM, RequestOutput, SamplingParams
 from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
-from tests.utils import make_tiny_checkpoint
+from tests.utils import save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ def tiny_llm(tmp_path_factory, real_model_path):
     """A tiny random model with the real Qwen vocabulary and tokenizer (fast, text-capable)."""
     path = tmp_path_factory.mktemp("tiny_tok")
     tok = load_tokenizer(real_model_path)
-    make_tiny_checkpoint(path, tied=True, vocab_size=151936)
+    save_tiny_checkpoint(path, tied=True, vocab_size=151936)
     tok.save_pretrained(path)
     return LLM(model=str(path), max_model_len=128)
 

@@ -14,7 +14,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.sample import host_sampler
-from tests.utils import assert_pool_free, make_tiny_checkpoint
+from tests.utils import assert_pool_free, save_tiny_checkpoint
 
 VOCAB = 4096
 
@@ -22,7 +22,7 @@ VOCAB = 4096
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     p = tmp_path_factory.mktemp("tiny_vocab4096")
-    make_tiny_checkpoint(p, tied=False, vocab_size=VOCAB, seed=7)
+    save_tiny_checkpoint(p, tied=False, vocab_size=VOCAB, seed=7)
     return p
 
 

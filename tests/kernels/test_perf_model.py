@@ -168,4 +168,4 @@ def test_model_rows_and_main_model_time(monkeypatch, tmp_path, capsys) -> None:
     data = json.loads(capsys.readouterr().out)
     assert len(data["model"]) == 5 and data["model"][0]["model_us"] >= pm.FLOOR_US
     assert pm.main([]) == 0
-    assert "before / after split-K" in capsys.readouterr().out
+    assert "unsplit / split-K" in capsys.readouterr().out

@@ -10,13 +10,13 @@ import pytest
 from jaxllm.model_executor.model_loader import default_model
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.loader import load_model
-from tests.utils import make_tiny_checkpoint
+from tests.utils import save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_err")
-    make_tiny_checkpoint(path, tied=False)
+    save_tiny_checkpoint(path, tied=False)
     return path
 
 
