@@ -19,7 +19,7 @@ from jaxllm.benchmarks.profile import PROFILE_PHASES
 from jaxllm.benchmarks.roofline import ModelCost, roofline, workload_cost
 from jaxllm.entrypoints.cli.main import main
 from jaxllm.worker.matmul_timing import time_weight_matmuls, weight_matmuls
-from tests.utils import save_tiny_checkpoint
+from tests.utils import make_tiny_checkpoint
 
 # One engine shape for every test, so the compiled buckets come from the disk cache after the
 # first start-up.
@@ -41,7 +41,7 @@ ROOFLINE_KEYS = ("gemm_flops_per_s", "xla_flops_per_s", "numpy_flops_per_s",
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench_tiny")
-    save_tiny_checkpoint(path, tied=False, seed=3)
+    make_tiny_checkpoint(path, tied=False, seed=3)
     return path
 
 
