@@ -109,7 +109,8 @@ class EngineCoreInfo(msgspec.Struct):
 # What a client may call on the core besides add/abort/step (vLLM's call_utility). Here, not in
 # core.py: the multiprocess clients check names without importing the core (model, runner).
 # collective_rpc reaches the model runner's public methods (what benchmarks read).
-UTILITY_METHODS = frozenset({"get_engine_info", "get_kv_block_counts", "collective_rpc"})
+UTILITY_METHODS = frozenset({"get_engine_info", "get_kv_block_counts", "get_scheduler_state",
+                             "collective_rpc"})
 
 
 class EngineDeadError(RuntimeError):

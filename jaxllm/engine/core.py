@@ -360,6 +360,17 @@ class EngineCore:
         pool = self.scheduler.kv_cache_manager.block_pool
         return pool.num_free_blocks, pool.num_usable_blocks
 
+    def get_scheduler_state(self) -> dict[str, int]:
+        """The scheduler's counters as plain ints (what tests and checks assert on, in either
+        engine mode): KV blocks free and usable, requests held (waiting, running, all) and
+        preemptions since start."""
+        sched = self.scheduler
+        free, usable = self.get_kv_block_counts()
+        return {"num_free_blocks": free, "num_usable_blocks": usable,
+                "num_requests": len(sched.requests), "num_waiting_reqs": len(sched.waiting),
+                "num_running_reqs": len(sched.running),
+                "num_preemptions": sched.num_preemptions}
+
     def collective_rpc(self, method: str, args: list | tuple = ()) -> Any:
         """Call a public method of the model runner (vLLM's collective_rpc; one runner drives
         every device here, so one result): what benchmarks and profilers read from the worker

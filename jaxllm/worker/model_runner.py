@@ -71,6 +71,7 @@ from jaxllm.sample.candidates import TopKLogits
 from jaxllm.sample.topk import TOPK
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.worker.buckets import decode_buckets, token_buckets
+from jaxllm.worker.compile_counter import compile_count
 from jaxllm.worker.input_batch import DeviceInputs, InputBatch
 from jaxllm.worker.matmul_timing import time_runner_matmuls, weight_stats
 from jaxllm.worker.outputs import (  # re-exported: the engine core imports them from here
@@ -526,3 +527,40 @@ class ModelRunner:
         """Best-of-`reps` seconds of one step's weight matmuls at each token count: the
         benchmarks' matmul floor (it needs the weights, which only the runner holds)."""
         return time_runner_matmuls(self, num_tokens, reps)
+
+    # --- what tests and the GPU checks read, through collective_rpc (either engine mode) ------
+
+    def get_compile_count(self) -> int:
+        """XLA backend compilations in this runner's process so far (any executable, not only
+        steps): equal before and after serving means serving compiled nothing."""
+        return compile_count()
+
+    def _compiled_step(self, num_tokens: int, max_query_len: int) -> Any:
+        compiled = self._compiled.get((num_tokens, max_query_len))
+        if compiled is None:
+            raise ValueError(f"no compiled step of shape (num_tokens={num_tokens}, "
+                             f"max_query_len={max_query_len}); compiled: "
+                             f"{sorted(self._compiled)}")
+        return compiled
+
+    def get_compiled_hlo(self, num_tokens: int, max_query_len: int) -> str:
+        """The optimized HLO text of one compiled step shape."""
+        return self._compiled_step(num_tokens, max_query_len).as_text()
+
+    def get_memory_analysis(self, num_tokens: int, max_query_len: int) -> dict[str, int]:
+        """XLA's memory analysis of one compiled step shape, in bytes: arguments, outputs,
+        outputs aliasing a donated argument (the KV array, the logits buffer), temporaries and
+        generated code."""
+        ma = self._compiled_step(num_tokens, max_query_len).memory_analysis()
+        if ma is None:
+            raise RuntimeError(f"XLA gives no memory analysis on {jax.default_backend()}")
+        return {name: int(getattr(ma, f"{name}_size_in_bytes"))
+                for name in ("argument", "output", "alias", "temp", "generated_code")}
+
+    def get_kv_cache_info(self) -> dict[str, Any]:
+        """The KV array: global shape, dtype name (numpy's, e.g. "bfloat16"), global size in
+        bytes and blocks."""
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not allocated yet (initialize_kv_cache)")
+        return {"shape": list(self.kv_cache.shape), "dtype": jnp.dtype(self.kv_cache.dtype).name,
+                "nbytes": int(self.kv_cache.nbytes), "num_blocks": self.num_kv_blocks}
