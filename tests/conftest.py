@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.common import TRITON_DEPRECATION_FILTER
-from tests.utils import make_tiny_checkpoint
+from tests.utils import kv_budget_kwargs, make_tiny_checkpoint
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -24,6 +24,13 @@ def tiny_models(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def kv_budget() -> dict[str, int]:
+    """Engine kwargs of the test KV budget ($JAXLLM_TEST_KV_BLOCKS; {} when unset) for tests
+    that build LLM(...) themselves."""
+    return kv_budget_kwargs()
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
@@ -37,12 +44,13 @@ def real_model_path():
 
 
 @pytest.fixture(scope="session")
-def real_llm(real_model_path):
+def real_llm(real_model_path, kv_budget):
     from jaxllm import LLM
 
-    # Small buckets keep start-up (ahead-of-time compilation of every bucket) short.
+    # Small buckets keep start-up (ahead-of-time compilation of every bucket) short. In process
+    # on every platform: its tests read the runner's weights.
     return LLM(model=str(real_model_path), max_num_seqs=4, max_num_batched_tokens=64,
-               show_progress=False)
+               show_progress=False, multiprocess_mode=False, **kv_budget)
 
 
 @pytest.fixture(scope="session")

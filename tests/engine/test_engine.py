@@ -7,6 +7,8 @@ the prefix cache; nothing compiles after warm-up; every block is free again afte
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -19,22 +21,17 @@ except ImportError:
     torch = None
 
 from jaxllm import SamplingParams
-from tests.utils import MAX_NEW, assert_pool_free, make_llm, on_each_step
-
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class CompileCounter:
-    def __init__(self) -> None:
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE_EVENT:
-            self.count += 1
-
-
-COMPILES = CompileCounter()
+from jaxllm.config import resolve_kv_cache_dtype
+from tests.utils import (
+    MAX_NEW,
+    assert_pool_free,
+    check_logprobs_close,
+    compile_count,
+    make_llm,
+    on_each_step,
+    runner_of,
+    scheduler_state,
+)
 
 
 def greedy(prompts, llm):
@@ -43,36 +40,49 @@ def greedy(prompts, llm):
     return outs, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("regime, kwargs", [
-    ("ample", {}),
-    ("preemption", {"num_kv_blocks": 14}),
-    ("chunked_prefill", {"max_num_batched_tokens": 16}),
-    ("no_prefix_cache", {"enable_prefix_caching": False}),
+REGIMES = {
+    "ample": {},
+    "preemption": {"num_kv_blocks": 14},
+    "chunked_prefill": {"max_num_batched_tokens": 16},
+    "no_prefix_cache": {"enable_prefix_caching": False},
+}
+
+
+# The first two regimes run with the core in its own process too (the default on a GPU): what
+# they assert is read through utility calls. The chunked-prefill check reads each step's
+# schedule, which only an in-process core shows.
+@pytest.mark.parametrize("regime, multiprocess_mode", [
+    ("ample", False), ("ample", True), ("preemption", False), ("preemption", True),
+    ("chunked_prefill", False), ("no_prefix_cache", False),
 ])
-def test_greedy_matches_hf_in_every_regime(tiny, prompts, hf_greedy, regime, kwargs):
-    llm = make_llm(tiny[0], **kwargs)
-    core = llm.llm_engine.engine_core_client.engine_core
+def test_greedy_matches_hf_in_every_regime(tiny, prompts, hf_greedy, regime, multiprocess_mode):
+    llm = make_llm(tiny[0], dtype="float32", multiprocess_mode=multiprocess_mode,
+                   **REGIMES[regime])
     steps = []
-    on_each_step(llm, lambda so: steps.append(
-        [(r.request_id, r.num_tokens, r.do_sample) for r in so.scheduled]))
-    before = COMPILES.count
+    if regime == "chunked_prefill":
+        on_each_step(llm, lambda so: steps.append(
+            [(r.request_id, r.num_tokens, r.do_sample) for r in so.scheduled]))
+    before = compile_count(llm)
     outs, tokens = greedy(prompts, llm)
-    assert COMPILES.count == before, "the engine compiled after warm-up"
+    assert compile_count(llm) == before, "the engine compiled after warm-up"
     for prompt, got in zip(prompts, tokens, strict=True):
         assert got == hf_greedy(tuple(prompt)), f"prompt of {len(prompt)} tokens"
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     if regime == "preemption":
-        assert core.scheduler.num_preemptions > 0
+        assert scheduler_state(llm)["num_preemptions"] > 0
     if regime == "chunked_prefill":
         assert any(not do_sample for step in steps for _, _, do_sample in step)
         assert max(sum(n for _, n, _ in step) for step in steps) <= 16
     if regime == "ample":
-        assert max(len(step) for step in steps) > 1  # requests really were batched
+        # Requests really were batched: a decode step of two or more sequences ran.
+        shapes = llm.collective_rpc("get_step_shape_counts")
+        assert any(q == 1 and t > 1 for t, q, _ in shapes), shapes
     assert_pool_free(llm)
+    llm.shutdown()
 
 
 def test_prefix_cache_hits_are_reported_and_exact(tiny, prompts, hf_greedy):
-    llm = make_llm(tiny[0])
+    llm = make_llm(tiny[0], dtype="float32")
     greedy([prompts[1]], llm)  # the 70-token prompt fills 4 full blocks
     outs, tokens = greedy(prompts[-2:], llm)
     assert [o.num_cached_tokens for o in outs] == [48, 48]
@@ -86,7 +96,7 @@ def test_prefix_cache_hits_are_reported_and_exact(tiny, prompts, hf_greedy):
 
 
 def test_bad_request_does_not_disturb_others(tiny, prompts, hf_greedy):
-    llm = make_llm(tiny[0])
+    llm = make_llm(tiny[0], dtype="float32")
     engine = llm.llm_engine
     sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     engine.add_request("a", {"prompt_token_ids": prompts[0]}, sp)
@@ -139,7 +149,7 @@ def test_seeded_sampling_independent_of_batch_company(tiny, prompts):
 
 
 def test_n_samples_share_the_prompt(tiny, prompts, hf_greedy):
-    llm = make_llm(tiny[0])
+    llm = make_llm(tiny[0], dtype="float32")
     out = llm.generate({"prompt_token_ids": prompts[1]},
                        SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8,
                                       ignore_eos=True), use_tqdm=False)[0]
@@ -161,7 +171,7 @@ def test_n_samples_share_the_prompt(tiny, prompts, hf_greedy):
 
 def test_logprobs_match_hf(tiny, prompts):
     path, hf = tiny
-    llm = make_llm(path)
+    llm = make_llm(path, dtype="float32")
     prompt = prompts[3]
     out = llm.generate({"prompt_token_ids": prompt},
                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3,
@@ -199,7 +209,7 @@ def test_logprobs_match_hf(tiny, prompts):
 
 def test_prompt_logprobs_survive_chunking(tiny, prompts):
     path, hf = tiny
-    llm = make_llm(path, max_num_batched_tokens=16)
+    llm = make_llm(path, dtype="float32", max_num_batched_tokens=16)
     prompt = prompts[1]
     out = llm.generate({"prompt_token_ids": prompt},
                        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
@@ -215,8 +225,9 @@ def test_prompt_logprobs_survive_chunking(tiny, prompts):
 def test_decode_steps_use_small_buckets(tiny):
     # A pure-decode step pads only to the next power of two of its sequences (on CPU a GEMM's
     # time grows with its rows); mixed steps keep the token buckets from 16 up.
-    llm = make_llm(tiny[0], max_num_seqs=6)
-    runner = llm.llm_engine.engine_core_client.engine_core.runner
+    # In process: it watches which compiled step each launch picks.
+    llm = make_llm(tiny[0], max_num_seqs=6, multiprocess_mode=False)
+    runner = runner_of(llm)
     assert runner.bucket_shapes() == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 16), (32, 32),
                                       (64, 64)]
     assert [runner.bucket_for(n, decode_only=True) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 8, 8]
@@ -233,24 +244,44 @@ def test_decode_steps_use_small_buckets(tiny):
     assert shapes == [(16, 16)] + [(1, 1)] * (MAX_NEW - 1)
 
 
-def test_no_step_shape_copies_the_kv_cache(tiny):
+# XLA's HLO spelling of the KV array's element type.
+HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_no_step_shape_copies_the_kv_cache(tiny, dtype):
     # The donated cache must be updated in place by every compiled step, including the tiny
     # decode buckets (a one-token scatter once made XLA copy the whole cache twice per layer).
-    llm = make_llm(tiny[0], max_num_seqs=4)
-    runner = llm.llm_engine.engine_core_client.engine_core.runner
-    shape = "f32[" + ",".join(map(str, runner.kv_cache.shape)) + "]"
-    assert len(runner._compiled) == len(runner.bucket_shapes())
-    for key, compiled in runner._compiled.items():
-        copies = [line for line in compiled.as_text().splitlines()
-                  if f"= {shape}" in line and " copy(" in line]
-        assert not copies, (key, copies[:2])
+    llm = make_llm(tiny[0], max_num_seqs=4, dtype=dtype)
+    config = llm.llm_engine.engine_config
+    kv = llm.collective_rpc("get_kv_cache_info")
+    # A bfloat16 model keeps a float32 KV array on CPU (resolve_kv_cache_dtype), bfloat16 on
+    # a GPU: the search uses whichever the engine allocated.
+    assert config.dtype == dtype
+    assert kv["dtype"] == config.kv_cache_dtype == resolve_kv_cache_dtype(dtype, config.platform)
+    shape = f"{HLO_DTYPES[kv['dtype']]}[{','.join(map(str, kv['shape']))}]"
+    assert kv["nbytes"] == np.prod(kv["shape"]) * np.dtype(jax.numpy.dtype(kv["dtype"])).itemsize
+    buckets = llm.llm_engine.core_info.bucket_shapes
+    assert sorted(buckets) == [(1, 1), (2, 1), (4, 1), (16, 16), (32, 32), (64, 64)]
+    for num_tokens, max_query_len in buckets:
+        hlo = llm.collective_rpc("get_compiled_hlo", [num_tokens, max_query_len])
+        # The KV array is a parameter of the step: the search looks for the right spelling.
+        assert re.search(re.escape(shape) + r"(\{[^}]*\})? parameter\(", hlo), \
+            (num_tokens, max_query_len, shape)
+        copies = [line for line in hlo.splitlines() if f"= {shape}" in line and " copy(" in line]
+        assert not copies, (num_tokens, max_query_len, copies[:2])
+        # The step's outputs alias the donated KV array (and logits buffer) rather than take
+        # new memory for it.
+        ma = llm.collective_rpc("get_memory_analysis", [num_tokens, max_query_len])
+        assert ma["alias"] >= kv["nbytes"], (num_tokens, max_query_len, ma, kv["nbytes"])
+    llm.shutdown()
 
 
 def test_repetition_penalty_matches_hf(tiny, prompts, hf_greedy):
     # HF's repetition penalty is vLLM's (prompt and output tokens; positive logits divided,
     # negative multiplied); the engine keeps the seen tokens per request, updated each step.
     path, hf = tiny
-    llm = make_llm(path)
+    llm = make_llm(path, dtype="float32")
     changed = []
     for prompt in (prompts[0], prompts[3]):
         with torch.no_grad():
@@ -284,3 +315,37 @@ def test_split_k_decode_per_bucket_in_the_runner_table():
     assert [s for _, q, s in short.bucket_table() if q == 1] == [4, 4, 4, 4, 4, 4, 2]
     ref = ModelRunner(cfg, {}, kernel_backend="reference", **kw).bucket_table()
     assert all(s == 1 for _, _, s in ref)
+
+
+def _hf_greedy_with_logprobs(hf, prompt: list[int], max_new: int,
+                             k: int) -> tuple[list[int], list[dict[int, float]]]:
+    """HF's float32 greedy continuation and each step's top-k logprobs."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                          min_new_tokens=max_new, pad_token_id=0)
+        seq = out[0].tolist()
+        rows = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), -1).numpy()
+    tokens = seq[len(prompt):]
+    top = []
+    for i in range(len(tokens)):
+        row = rows[len(prompt) - 1 + i]
+        top.append({int(t): float(row[t]) for t in np.argsort(-row, kind="stable")[:k]})
+    return tokens, top
+
+
+@pytest.mark.parametrize("multiprocess_mode", [False, True])
+def test_bfloat16_engine_logprobs_close_to_float32_hf(tiny, prompts, multiprocess_mode):
+    # bfloat16 rounding may flip a near tie; where the tokens first differ each side's token
+    # must be among the other's top-5 (the GPU's default dtype, checked on CPU).
+    path, hf = tiny
+    llm = make_llm(path, dtype="bfloat16", multiprocess_mode=multiprocess_mode)
+    assert llm.llm_engine.engine_config.dtype == "bfloat16"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                       logprobs=5), use_tqdm=False)
+    engine = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert all(len(lps) == MAX_NEW and all(len(d) >= 5 for d in lps) for _, lps in engine)
+    reference = [_hf_greedy_with_logprobs(hf, p, MAX_NEW, 5) for p in prompts]
+    check_logprobs_close(engine, reference, name_a="engine bf16", name_b="HF f32")
+    assert_pool_free(llm)
+    llm.shutdown()
