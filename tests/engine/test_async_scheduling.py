@@ -14,7 +14,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.sample import host_sampler
-from tests.utils import assert_pool_free, save_tiny_checkpoint
+from tests.utils import assert_pool_free, kv_budget_kwargs, save_tiny_checkpoint, scheduler_state
 
 VOCAB = 4096
 
@@ -27,9 +27,11 @@ def path(tmp_path_factory):
 
 
 def make(path, async_scheduling: bool, topk_sampling: bool, **kw) -> LLM:
+    # In process: the tests count the host sampler's calls (a monkeypatch in this process).
     args = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=8,
-                max_num_batched_tokens=64, show_progress=False,
-                async_scheduling=async_scheduling, topk_sampling=topk_sampling)
+                max_num_batched_tokens=64, show_progress=False, multiprocess_mode=False,
+                async_scheduling=async_scheduling, topk_sampling=topk_sampling,
+                **kv_budget_kwargs())
     args.update(kw)
     return LLM(model=str(path), **args)
 
@@ -109,14 +111,13 @@ def _run_configs(llms: dict, params, prompts, monkeypatch, preempting: bool) -> 
     results = {}
     for (async_on, topk_on), llm in llms.items():
         fast_rows.clear()
-        core = llm.llm_engine.engine_core_client.engine_core
-        preemptions = core.scheduler.num_preemptions
+        preemptions = scheduler_state(llm)["num_preemptions"]
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[(async_on, topk_on)] = summary(outs)
         assert (sum(fast_rows) > 0) == topk_on
-        assert core.async_scheduling == async_on
+        assert llm.llm_engine.engine_config.async_scheduling == async_on
         assert_pool_free(llm)
-        assert (core.scheduler.num_preemptions > preemptions) == preempting
+        assert (scheduler_state(llm)["num_preemptions"] > preemptions) == preempting
     # Same tokens everywhere. Logprobs to float32 rounding: with top-K sampling on, their
     # normaliser is the device's float32 log-sum-exp (the host's is summed in float64), and
     # async scheduling batches requests differently (a finishing request rides one step more;

@@ -12,6 +12,7 @@ import torch
 
 from jaxllm import LLM, SamplingParams
 from tests.kernel_backends import KERNEL_BACKENDS
+from tests.utils import runner_of
 
 MAX_NEW = 12
 
@@ -22,23 +23,58 @@ def _greedy(llm: LLM, prompts: list[list[int]], max_new: int) -> list[list[int]]
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_tiny_model_same_tokens_on_every_backend(tiny_models, backend):
+# A small budget mixes chunked prefill with decodes inside single steps. (max_model_len 128 is
+# too short to split decode: split-K's kernels have their own interpret-mode tests.) float32:
+# the tokens are compared with HF's float32 model.
+TINY_ENGINE = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
+                   max_num_batched_tokens=32, show_progress=False, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_case(tiny_models, kv_budget):
+    """(path, prompts, reference-backend in-process tokens, HF greedy tokens)."""
     path, hf = tiny_models["tied"]
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 512, n).tolist() for n in (5, 37, 20)]
-    # A small budget mixes chunked prefill with decodes inside single steps. (max_model_len 128
-    # is too short to split decode: split-K's kernels have their own interpret-mode tests.)
-    kw = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=32, show_progress=False)
-    got = _greedy(LLM(model=str(path), kernel_backend=backend, **kw), prompts, MAX_NEW)
-    ref = _greedy(LLM(model=str(path), kernel_backend="reference", **kw), prompts, MAX_NEW)
-    assert got == ref
-    for prompt, tokens in zip(prompts, got, strict=True):
+    ref_llm = LLM(model=str(path), kernel_backend="reference", multiprocess_mode=False,
+                  **TINY_ENGINE, **kv_budget)
+    ref = _greedy(ref_llm, prompts, MAX_NEW)
+    ref_llm.shutdown()
+    want = []
+    for prompt in prompts:
         with torch.no_grad():
             hf_out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW,
                                  min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-        assert tokens == hf_out[0, len(prompt):].tolist()
+        want.append(hf_out[0, len(prompt):].tolist())
+    assert ref == want
+    return path, prompts, ref, want
+
+
+def _backend_cases() -> list:
+    """(backend, multiprocess_mode) cases. Both engine modes where the core in its own process
+    matters: the native kernels (a GPU, where it is the default) and the reference backend
+    against its in-process self on CPU. Interpret mode runs in process only: its compile takes
+    over a minute on CPU and its tokens do not depend on the mode."""
+    cases = [pytest.param("reference", True, id="reference-mp")]
+    for entry in KERNEL_BACKENDS:
+        backend, marks = getattr(entry, "values", (entry,))[0], getattr(entry, "marks", ())
+        modes = (False, True) if backend == "pallas" else (False,)
+        cases += [pytest.param(backend, mp, marks=marks,
+                               id=f"{backend}-{'mp' if mp else 'inproc'}") for mp in modes]
+    return cases
+
+
+@pytest.mark.parametrize("backend, multiprocess_mode", _backend_cases())
+def test_tiny_model_same_tokens_on_every_backend(tiny_case, kv_budget, backend,
+                                                 multiprocess_mode):
+    path, prompts, ref, want = tiny_case
+    llm = LLM(model=str(path), kernel_backend=backend, multiprocess_mode=multiprocess_mode,
+              **TINY_ENGINE, **kv_budget)
+    assert llm.llm_engine.engine_config.kernel_backend == backend
+    got = _greedy(llm, prompts, MAX_NEW)
+    llm.shutdown()
+    assert got == ref
+    assert got == want
 
 
 def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -> list[int]:
@@ -63,7 +99,7 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
     from pallas_kernels.rms_norm import rms_norm
 
     engine = llm.llm_engine
-    cfg, params = engine.model_config, engine.engine_core_client.engine_core.runner.params
+    cfg, params = engine.model_config, runner_of(llm).params
     layer = Qwen2DecoderLayer(cfg, 0, jnp.float32, backend)
     cos_sin = rope_variables(cfg)["cos_sin_cache"]
 
@@ -114,9 +150,9 @@ def test_real_model_same_tokens_with_interpret_kernels(real_llm):
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS[1:])
-def test_real_model_same_tokens_in_engine_on_gpu(real_model_path, real_llm, backend):
+def test_real_model_same_tokens_in_engine_on_gpu(real_model_path, real_llm, kv_budget, backend):
     tok = real_llm.tokenizer
     prompts = [tok.encode("def fibonacci(n):"), tok.encode("请用中文介绍一下你自己。")]
     llm = LLM(model=str(real_model_path), kernel_backend=backend, dtype="float32",
-              max_num_seqs=4, max_num_batched_tokens=64, show_progress=False)
+              max_num_seqs=4, max_num_batched_tokens=64, show_progress=False, **kv_budget)
     assert _greedy(llm, prompts, 16) == _greedy(real_llm, prompts, 16)

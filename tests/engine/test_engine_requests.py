@@ -10,28 +10,25 @@ import msgspec
 import numpy as np
 import pytest
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import SamplingParams
 from jaxllm.engine import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.worker.model_runner import kv_block_bytes
-from tests.utils import assert_pool_free, make_llm
+from tests.utils import assert_pool_free, core_of, make_llm, runner_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def llm(tiny):  # noqa: F811
-    return make_llm(tiny[0], num_kv_blocks=24)
+    # In process: some tests here call the engine core's own methods and read its state.
+    return make_llm(tiny[0], num_kv_blocks=24, dtype="float32", multiprocess_mode=False)
 
 
 @pytest.fixture(scope="module")
 def small_llm(tiny):  # noqa: F811
     """4 usable KV blocks of 16 tokens, at most 3 sequences per request."""
     return make_llm(tiny[0], num_kv_blocks=5, max_n=3)
-
-
-def core_of(llm: LLM):
-    return llm.llm_engine.engine_core_client.engine_core
 
 
 def ids(n: int, start: int = 1) -> dict:
@@ -275,8 +272,11 @@ def test_kv_array_sized_from_measured_activations(tiny, monkeypatch):  # noqa: F
     from jaxllm.worker import model_runner as runner_module
     from jaxllm.worker.model_runner import ModelRunner
 
-    plain = make_llm(tiny[0])  # CPU: the 1 GiB default, no measurement
-    runner = core_of(plain).runner
+    # In process (the budget's inputs are patched in this process), with the platform's own
+    # KV sizing rather than the test budget.
+    sizing = dict(multiprocess_mode=False, num_kv_blocks=None)
+    plain = make_llm(tiny[0], **sizing)  # CPU: the 1 GiB default, no measurement
+    runner = runner_of(plain)
     # The kept logits buffers (one per step-shape row count) count as activations too.
     weights = runner.weight_bytes()
     activations = runner.measure_activation_bytes() + runner.logits_buffer_bytes()
@@ -292,7 +292,7 @@ def test_kv_array_sized_from_measured_activations(tiny, monkeypatch):  # noqa: F
 
     monkeypatch.setattr(runner_module, "device_memory_bytes", lambda: device_bytes)
     monkeypatch.setattr(ModelRunner, "measure_activation_bytes", counting)
-    llm = make_llm(tiny[0], gpu_memory_utilization=0.9)
+    llm = make_llm(tiny[0], gpu_memory_utilization=0.9, **sizing)
     assert measured == [1]
     expected = (int(device_bytes * 0.9) - weights - activations) // per_block
     assert llm.llm_engine.num_kv_blocks == expected == 50
@@ -300,4 +300,4 @@ def test_kv_array_sized_from_measured_activations(tiny, monkeypatch):  # noqa: F
     assert len(out[0].outputs[0].token_ids) == 6
     monkeypatch.setattr(runner_module, "device_memory_bytes", lambda: weights + activations)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        make_llm(tiny[0])
+        make_llm(tiny[0], **sizing)
