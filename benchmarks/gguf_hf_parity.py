@@ -35,9 +35,9 @@ def main() -> None:
         ok = out.outputs[0].token_ids == want and alone.outputs[0].token_ids == want
         same += ok
         print(f"{'same' if ok else 'DIFFERENT'}: {prompt[:40]!r} -> {out.outputs[0].text[:60]!r}")
-    counts = llm.llm_engine.engine_core_client.engine_core.runner.step_shape_counts
+    counts = llm.collective_rpc("get_step_shape_counts")
     print(f"{same}/{len(PROMPTS)} prompts: greedy tokens identical to HF, batched and alone; "
-          f"step shapes run {sorted(counts.items())}")
+          f"step shapes run (num_tokens, max_query_len, steps) {counts}")
 
 
 if __name__ == "__main__":

@@ -76,9 +76,9 @@ def main() -> None:
             continue
         llms[name] = LLM(max_num_seqs=1, max_num_batched_tokens=args.input_len,
                          show_progress=False, **SETTINGS[name])
-        core = llms[name].llm_engine.engine_core_client.engine_core
+        weight_bytes = llms[name].collective_rpc("weight_bytes")
         print(f"{name}: start-up {time.perf_counter() - start:.1f} s, weights "
-              f"{core.runner.weight_bytes() / 1e9:.3f} GB, peak RSS so far "
+              f"{weight_bytes / 1e9:.3f} GB, peak RSS so far "
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB", flush=True)
     engines = [x for x in llms.values() if isinstance(x, LLM)]
     if not engines:

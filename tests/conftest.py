@@ -48,9 +48,10 @@ def real_llm(real_model_path, kv_budget):
     from jaxllm import LLM
 
     # Small buckets keep start-up (ahead-of-time compilation of every bucket) short. In process
-    # on every platform: its tests read the runner's weights.
+    # on every platform: its tests read the runner's weights. float32: they compare with HF's
+    # float32 model.
     return LLM(model=str(real_model_path), max_num_seqs=4, max_num_batched_tokens=64,
-               show_progress=False, multiprocess_mode=False, **kv_budget)
+               show_progress=False, multiprocess_mode=False, dtype="float32", **kv_budget)
 
 
 @pytest.fixture(scope="session")

@@ -33,30 +33,32 @@ def run_real(tp: int) -> dict[str, np.ndarray]:
     """Greedy REAL_PROMPTS on the embedded model: the first prompt alone (its prefix blocks
     then hit the cache), then all of them with 12 KV blocks (preemption)."""
     from jaxllm import LLM, SamplingParams
+    from tests.utils import scheduler_state
 
     llm = LLM(tensor_parallel_size=tp, num_kv_blocks=12, show_progress=False, **REAL_ENGINE)
     sp = SamplingParams(temperature=0, max_tokens=REAL_MAX_NEW, ignore_eos=True)
     first = llm.generate(REAL_PROMPTS[:1], sp, use_tqdm=False)
     outs = llm.generate(REAL_PROMPTS, sp, use_tqdm=False)
-    core = llm.llm_engine.engine_core_client.engine_core
     return {"tokens": np.array([o.outputs[0].token_ids for o in first + outs]),
             "num_cached_tokens": np.array([o.num_cached_tokens for o in outs]),
-            "num_preemptions": np.array(core.scheduler.num_preemptions)}
+            "num_preemptions": np.array(scheduler_state(llm)["num_preemptions"])}
 
 
 def run(path: str, tp: int, engine_kw: dict) -> dict[str, np.ndarray]:
     import jax
 
     from jaxllm import LLM, SamplingParams
+    from tests.utils import runner_of
 
+    # In process: every step's full logits and the arrays' shardings are read from the runner.
     kw = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=32, num_kv_blocks=64, show_progress=False,
-              topk_sampling=True)
+              topk_sampling=True, multiprocess_mode=False)
     kw.update(engine_kw)
     t0 = time.perf_counter()
     llm = LLM(model=path, tensor_parallel_size=tp, **kw)
     t1 = time.perf_counter()
-    runner = llm.llm_engine.engine_core_client.engine_core.runner
+    runner = runner_of(llm)
     steps = []
     original_wait = runner.wait
 

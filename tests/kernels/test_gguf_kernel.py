@@ -20,6 +20,7 @@ from jaxllm.worker.model_runner import float32_weights
 from tests.gguf_models import hf_model_from, write_tiny_gguf
 from tests.kernel_backends import KERNEL_BACKENDS
 from tests.model_inputs import prefill_inputs
+from tests.utils import runner_of
 
 MAX_NEW = 8
 
@@ -66,19 +67,20 @@ def test_greedy_tokens_match_reference_backend_and_hf(tiny_gguf, backend, rng):
     sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     kw = dict(model=str(path), quantization="gguf", skip_tokenizer_init=True,
               max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=32,
-              show_progress=False)
+              show_progress=False, dtype="float32")
 
     def greedy(llm):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
-    llm = LLM(kernel_backend=backend, **kw)
-    runner = llm.llm_engine.engine_core_client.engine_core.runner
+    llm = LLM(kernel_backend=backend, multiprocess_mode=False, **kw)  # reads the weight tree
+    runner = runner_of(llm)
     assert runner.gemv_params is None and len(_quantized(runner.params)) == 9
     got = greedy(llm)
     # Decode buckets (GEMV) and token buckets (GEMM) both ran.
-    assert any(q == 1 for _, q in runner.step_shape_counts)
-    assert any(q > 1 for _, q in runner.step_shape_counts)
+    shapes = llm.collective_rpc("get_step_shape_counts")
+    assert any(q == 1 for _, q, _ in shapes)
+    assert any(q > 1 for _, q, _ in shapes)
     assert got == greedy(LLM(kernel_backend="reference", **kw))
     for prompt, tokens in zip(prompts, got, strict=True):
         with torch.no_grad():

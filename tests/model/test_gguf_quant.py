@@ -34,6 +34,7 @@ from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, linear, rope_variables
 from tests.gguf_models import hf_model_from, quantized_bytes, random_blocks, write_tiny_gguf
 from tests.model_inputs import prefill_inputs
+from tests.utils import runner_of
 
 
 def _bits(a) -> np.ndarray:
@@ -160,9 +161,12 @@ def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng, cpu_kerne
     elif not cpu_dequant_matmul.available():
         pytest.skip("no C++ compiler to build the CPU kernel")
     path, hf = tiny_gguf
+    # In process: the kernel's availability is patched in this process, and the test reads
+    # the runner's weight trees and executables.
     llm = LLM(model=str(path), quantization="gguf", skip_tokenizer_init=True, max_model_len=128,
-              max_num_seqs=4, max_num_batched_tokens=32, show_progress=False)
-    runner = llm.llm_engine.engine_core_client.engine_core.runner
+              max_num_seqs=4, max_num_batched_tokens=32, show_progress=False,
+              multiprocess_mode=False)
+    runner = runner_of(llm)
     assert runner.params_for(1, 1) is runner.gemv_params
     assert runner.params_for(4, 1) is runner.gemv_params and GGUF_GEMV_MAX_ROWS >= 4
     assert runner.params_for(16, 16) is runner.params
@@ -248,10 +252,10 @@ def test_default_quantization_is_gguf_for_gguf_models_on_cpu(tiny_gguf, tiny_mod
     assert EngineArgs.from_cli_args(parser.parse_args(["--quantization", "none"])) \
         .quantization == "none"
     llm = LLM(model=str(path), skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2,
-              max_num_batched_tokens=32, show_progress=False)
+              max_num_batched_tokens=32, show_progress=False, multiprocess_mode=False)
     want = "gguf" if use_cpu_kernel() else "none"
     assert llm.llm_engine.describe()["quantization"] == want
-    runner = llm.llm_engine.engine_core_client.engine_core.runner
+    runner = runner_of(llm)  # in process: its weight trees
     assert (runner.gemv_params is not None) == (want == "gguf")
 
 

@@ -11,7 +11,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, rope_variables
 from tests.model_inputs import prefill_inputs
-from tests.utils import make_tiny_checkpoint
+from tests.utils import kv_budget_kwargs, make_tiny_checkpoint, runner_of
 
 PROMPT_LENS = [1, 5, 16, 23, 40]
 
@@ -85,9 +85,11 @@ def test_bfloat16_on_cpu_runs_gemvs_on_float32_copies(tiny_models, rng):
     import jax
 
     path, hf = tiny_models["untied"]
+    # In process: the test reads the runner's weight trees and model.
     llm = LLM(model=str(path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64,
-              max_num_seqs=2, max_num_batched_tokens=16, show_progress=False)
-    runner = llm.llm_engine.engine_core_client.engine_core.runner
+              max_num_seqs=2, max_num_batched_tokens=16, show_progress=False,
+              multiprocess_mode=False)
+    runner = runner_of(llm)
     small, big = runner.params_for(2, 1), runner.params_for(16, 16)
     assert runner.params_for(1, 1) is small and runner.params_for(8, 1) is small
     for key in ("embed_tokens", "lm_head"):
@@ -122,7 +124,8 @@ def test_bfloat16_on_cpu_runs_gemvs_on_float32_copies(tiny_models, rng):
 @pytest.mark.parametrize("variant", ["tied", "untied"])
 def test_greedy_generate_matches_hf(tiny_models, variant, rng):
     path, hf = tiny_models[variant]
-    llm = LLM(model=str(path), skip_tokenizer_init=True, max_model_len=256)
+    llm = LLM(model=str(path), skip_tokenizer_init=True, max_model_len=256, dtype="float32",
+              **kv_budget_kwargs())
     prompts = [rng.integers(0, 512, n).tolist() for n in (3, 17, 30)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),

@@ -14,6 +14,7 @@ import torch
 
 from jaxllm import SamplingParams
 from tests.model_inputs import prefill_inputs
+from tests.utils import runner_of, scheduler_state
 
 pytestmark = pytest.mark.real_model
 
@@ -48,7 +49,7 @@ def test_chat_template_is_embedded(real_llm):
 
 def test_last_position_logits_close_to_hf(real_llm, hf_real_model):
     tok = real_llm.tokenizer
-    runner = real_llm.llm_engine.engine_core_client.engine_core.runner
+    runner = runner_of(real_llm)  # in process (the fixture pins it): its model and weights
     prompts = [tok.encode(p) for p in PROMPTS]
     ids, pos, kv, md = prefill_inputs(runner.config, prompts)
     logits, _, _ = runner.model.apply({"params": runner.params, "rope": runner.rope},
@@ -101,11 +102,10 @@ def test_engine_under_pressure_matches_hf(real_model_path, real_llm, hf_real_mod
                                        tokenize=False, add_generation_prompt=True)
                for q in questions] + ["def fibonacci(n):"]
     llm = LLM(model=str(real_model_path), max_num_seqs=4, max_num_batched_tokens=32,
-              num_kv_blocks=9, show_progress=False)
-    core = llm.llm_engine.engine_core_client.engine_core
+              num_kv_blocks=9, show_progress=False, dtype="float32")
     sp = SamplingParams(temperature=0, max_tokens=24)
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    assert core.scheduler.num_preemptions > 0
+    assert scheduler_state(llm)["num_preemptions"] > 0
     assert sum(o.num_cached_tokens for o in outs) >= 16 * 3  # the shared system prompt
     for prompt, out in zip(prompts, outs, strict=True):
         ids = tok(prompt, return_tensors="pt").input_ids
@@ -113,5 +113,4 @@ def test_engine_under_pressure_matches_hf(real_model_path, real_llm, hf_real_mod
             ref = hf_real_model.generate(ids, max_new_tokens=24, do_sample=False,
                                          eos_token_id=sorted(real_llm.llm_engine.eos_token_ids))
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
-    pool = core.scheduler.kv_cache_manager.block_pool
-    assert pool.num_free_blocks == 8
+    assert scheduler_state(llm)["num_free_blocks"] == 8
