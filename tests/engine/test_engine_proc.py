@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import math
 import os
 import signal
 import subprocess
@@ -154,6 +155,38 @@ def test_sync_mp_parity(engines):
         mp.collective_rpc("time_weight_matmuls", ("not a list",))  # raises inside the core
     with pytest.raises(RuntimeError, match="no public method 'nope'"):
         mp.collective_rpc("nope")
+
+
+def test_test_utility_calls_agree_across_modes(engines):
+    """What tests read of the core and runner (scheduler state, compile count, a step's HLO and
+    memory analysis, the KV array) arrives over the wire as it is in process."""
+    inproc, mp = engines["inproc"], engines["mp"]
+    kw = ENGINE_KW
+    got = {}
+    for name, llm in (("inproc", inproc), ("mp", mp)):
+        state = llm.llm_engine.engine_core_client.call_utility("get_scheduler_state")
+        assert state == {"num_free_blocks": kw["num_kv_blocks"] - 1,
+                         "num_usable_blocks": kw["num_kv_blocks"] - 1, "num_requests": 0,
+                         "num_waiting_reqs": 0, "num_running_reqs": 0,
+                         "num_preemptions": state["num_preemptions"]}
+        kv = llm.collective_rpc("get_kv_cache_info")
+        assert kv["num_blocks"] == kw["num_kv_blocks"] and kv["shape"][3] == kv["num_blocks"]
+        assert kv["nbytes"] == math.prod(kv["shape"]) * 4 and kv["dtype"] == "float32"
+        count = llm.collective_rpc("get_compile_count")
+        assert isinstance(count, int) and count > 0  # warm-up compiled every bucket
+        hlo = llm.collective_rpc("get_compiled_hlo", [1, 1])
+        assert hlo.startswith("HloModule")
+        memory = llm.collective_rpc("get_memory_analysis", (1, 1))
+        assert set(memory) == {"argument", "output", "alias", "temp", "generated_code"}
+        assert all(isinstance(v, int) for v in memory.values())
+        assert memory["alias"] >= kv["nbytes"]  # the donated KV array is updated in place
+        got[name] = (kv, memory)
+    assert got["inproc"] == got["mp"]
+    # A step shape that was not compiled is named, in either mode.
+    with pytest.raises(ValueError, match=r"no compiled step of shape \(num_tokens=3"):
+        inproc.collective_rpc("get_compiled_hlo", [3, 3])
+    with pytest.raises(RuntimeError, match=r"ValueError: no compiled step of shape"):
+        mp.collective_rpc("get_memory_analysis", [3, 3])
 
 
 def test_sync_mp_stop_strings(engines):
