@@ -1,10 +1,11 @@
-"""check_logprobs_close (tests/utils.py) accepts what it should and fails on what it should not."""
+"""The helpers of tests/utils.py that decide what other tests check: check_logprobs_close
+accepts what it should and fails on what it should not; the test KV budget is read as set."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.utils import check_logprobs_close
+from tests.utils import KV_BLOCKS_ENV, check_logprobs_close, kv_budget_kwargs
 
 
 def _out(tokens: list[int], tops: list[list[int]]) -> tuple[list[int], list[dict[int, float]]]:
@@ -42,3 +43,16 @@ def test_length_and_count_mismatches_fail():
         check_logprobs_close([a, a], [a])
     with pytest.raises(AssertionError, match="one logprobs dict per token"):
         check_logprobs_close([([1, 2], [{1: 0.0}])], [a])
+
+
+def test_kv_budget_from_the_environment(monkeypatch):
+    monkeypatch.delenv(KV_BLOCKS_ENV, raising=False)
+    assert kv_budget_kwargs() == {}
+    monkeypatch.setenv(KV_BLOCKS_ENV, " ")
+    assert kv_budget_kwargs() == {}
+    monkeypatch.setenv(KV_BLOCKS_ENV, "256")
+    assert kv_budget_kwargs() == {"num_kv_blocks": 256}
+    for bad in ("1", "-4", "lots", "2.5"):
+        monkeypatch.setenv(KV_BLOCKS_ENV, bad)
+        with pytest.raises(ValueError, match=f"{KV_BLOCKS_ENV} must be an integer >= 2.*{bad!r}"):
+            kv_budget_kwargs()
