@@ -7,7 +7,7 @@ import pytest
 import jaxllm
 from jaxllm import LLM, RequestOutput, SamplingParams
 from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
-from tests.utils import save_tiny_checkpoint
+from tests.utils import kv_budget_kwargs, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def tiny_llm(tmp_path_factory, real_model_path):
     tok = load_tokenizer(real_model_path)
     save_tiny_checkpoint(path, tied=True, vocab_size=151936)
     tok.save_pretrained(path)
-    return LLM(model=str(path), max_model_len=128)
+    return LLM(model=str(path), max_model_len=128, **kv_budget_kwargs())
 
 
 def test_public_names():
@@ -116,6 +116,6 @@ def test_bad_engine_args(tiny_models):
 
 
 def test_text_prompt_without_tokenizer(tiny_models):
-    llm = LLM(model=str(tiny_models["tied"][0]), skip_tokenizer_init=True)
+    llm = LLM(model=str(tiny_models["tied"][0]), skip_tokenizer_init=True, **kv_budget_kwargs())
     with pytest.raises(ValueError, match="needs a tokenizer"):
         llm.generate("text", use_tqdm=False)

@@ -34,7 +34,7 @@ from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, linear, rope_variables
 from tests.gguf_models import hf_model_from, quantized_bytes, random_blocks, write_tiny_gguf
 from tests.model_inputs import prefill_inputs
-from tests.utils import runner_of
+from tests.utils import kv_budget_kwargs, runner_of
 
 
 def _bits(a) -> np.ndarray:
@@ -165,7 +165,7 @@ def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng, cpu_kerne
     # the runner's weight trees and executables.
     llm = LLM(model=str(path), quantization="gguf", skip_tokenizer_init=True, max_model_len=128,
               max_num_seqs=4, max_num_batched_tokens=32, show_progress=False,
-              multiprocess_mode=False)
+              multiprocess_mode=False, **kv_budget_kwargs())
     runner = runner_of(llm)
     assert runner.params_for(1, 1) is runner.gemv_params
     assert runner.params_for(4, 1) is runner.gemv_params and GGUF_GEMV_MAX_ROWS >= 4

@@ -88,7 +88,7 @@ def test_bfloat16_on_cpu_runs_gemvs_on_float32_copies(tiny_models, rng):
     # In process: the test reads the runner's weight trees and model.
     llm = LLM(model=str(path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64,
               max_num_seqs=2, max_num_batched_tokens=16, show_progress=False,
-              multiprocess_mode=False)
+              multiprocess_mode=False, **kv_budget_kwargs())
     runner = runner_of(llm)
     small, big = runner.params_for(2, 1), runner.params_for(16, 16)
     assert runner.params_for(1, 1) is small and runner.params_for(8, 1) is small
