@@ -76,7 +76,7 @@ def test_llm_runs_the_tiny_model_by_name():
     from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
 
     llm = LLM(model="tiny-qwen2", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
-              num_kv_blocks=16, show_progress=False)
+              num_kv_blocks=16, show_progress=False, dtype="float32")
     config = llm.llm_engine.engine_config
     assert (config.model, config.model_path) == ("tiny-qwen2", str(tiny_qwen2_path()))
     assert llm.llm_engine.model_config.num_hidden_layers == 2

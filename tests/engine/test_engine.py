@@ -150,7 +150,8 @@ def test_seeded_sampling_independent_of_batch_company(tiny, prompts):
 
 
 def test_n_samples_share_the_prompt(tiny, prompts, hf_greedy):
-    llm = make_llm(tiny[0], dtype="float32")
+    # In process: it reads each step's cached tokens from the schedule.
+    llm = make_llm(tiny[0], dtype="float32", multiprocess_mode=False)
     out = llm.generate({"prompt_token_ids": prompts[1]},
                        SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8,
                                       ignore_eos=True), use_tqdm=False)[0]

@@ -14,7 +14,7 @@ from jaxllm import SamplingParams
 from jaxllm.engine import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.worker.model_runner import kv_block_bytes
-from tests.utils import assert_pool_free, core_of, make_llm, runner_of
+from tests.utils import assert_pool_free, core_of, make_llm, runner_of, scheduler_state
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -69,7 +69,8 @@ def test_generate_is_all_or_nothing(small_llm, bad, params, match):
     with pytest.raises(ValueError, match=f"prompt 2: .*{match}"):
         llm.generate([*good, bad], [GREEDY, GREEDY, params], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
-    assert not core_of(llm).scheduler.has_unfinished_requests()
+    state = scheduler_state(llm)
+    assert state["num_requests"] == state["num_waiting_reqs"] == state["num_running_reqs"] == 0
     # The good prompts never ran: the next call returns its own outputs only, whole.
     outs = llm.generate([ids(6, 9)], GREEDY, use_tqdm=False)
     assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 6
