@@ -131,10 +131,19 @@ def device_memory_bytes() -> int | None:
     return (device_memory_stats() or {}).get("bytes_limit")
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def compile_threads(num_jobs: int) -> int:
-    """Threads that compile the step buckets: XLA's compile releases the GIL, one per core,
-    capped, since each compile holds its own copy of the program in memory."""
-    return max(1, min(num_jobs, os.cpu_count() or 1, MAX_COMPILE_THREADS))
+    """Threads that compile the step buckets (XLA's compile releases the GIL): half the usable
+    CPUs, since the lowering thread, XLA's own helper threads and the frontend want the rest (on
+    2 CPUs a second compile thread made start-up slower: docs/perf/startup.md), capped because
+    each compile holds its own copy of the program in memory."""
+    return max(1, min(num_jobs, usable_cpus() // 2, MAX_COMPILE_THREADS))
 
 
 class ModelRunner:
