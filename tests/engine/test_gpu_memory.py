@@ -59,7 +59,7 @@ def test_budget_subtracts_memory_in_use_once(monkeypatch, tiny_models):
     # With more of the device allowed, the second engine gets what the first left.
     config = gpu_config(path, gpu_memory_utilization=0.9)
     assert num_kv_blocks_for(config, runner) == 900 - 540 - 60 == 300
-    # Another process's arrays, a benchmark's buffers: in use is in use.
+    # Other arrays this process holds (a benchmark's buffers): in use is in use.
     stats["bytes_in_use"] = (540 + 298) * BLOCK
     assert num_kv_blocks_for(config, runner) == 900 - 838 - 60 == 2
     stats["bytes_in_use"] = (540 + 299) * BLOCK
