@@ -587,7 +587,5 @@ class ModelRunner:
 
     def time_weight_matmuls(self, num_tokens: list[int], reps: int = 3) -> dict[int, float]:
         """Best-of-`reps` seconds of one step's weight matmuls at each token count: the
-        benchmarks' matmul floor (it needs the weights, which only the runner holds), at the
-        steps' matmul precision."""
-        with jax.default_matmul_precision(self.matmul_precision):
-            return time_runner_matmuls(self, num_tokens, reps)
+        benchmarks' matmul floor (it needs the weights, which only the runner holds)."""
+        return time_runner_matmuls(self, num_tokens, reps)
