@@ -3,7 +3,8 @@
 EngineArgs holds what the user asked for, where None often means "per platform"; EngineConfig
 holds what the engine runs with, so every such decision is made here, in one place: the model
 path, dtypes, kernel backend, quantization, top-K sampling, async scheduling, multiprocess mode,
-the rows that run on GEMV weights and the KV budget. The engine core builds it (it needs the JAX
+the rows that run on GEMV weights, the matmul precision, the XLA flags of CUDA graphs and the KV
+budget. The engine core builds it (it needs the JAX
 platform); the frontend gets it back in EngineCoreInfo.
 
 Importing this module starts no JAX backend (the frontend of a multiprocess engine never does):
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +36,13 @@ DEFAULT_CPU_MULTIPROCESS = False
 # through XLA's fused GEMVs (read once per row); larger buckets run float32 GEMMs.
 GGUF_GEMV_MAX_ROWS = 16
 GGUF_XLA_GEMV_MAX_ROWS = 8
+# jax.default_matmul_precision's names: "default" lets XLA on a GPU run float32 dots in TF32.
+MATMUL_PRECISIONS = ("default", "high", "highest")
+# Put custom calls (the Pallas kernels' Triton calls among them) into XLA's command buffers
+# (CUDA graphs), beside the fusions already there, so a decode step is not a string of launches.
+# "+" adds to XLA's default command types. The older spelling from the JAX issue tracker,
+# --legacy_command_buffer_custom_call_targets, is an unknown flag (a fatal error) in this XLA.
+CUDA_GRAPH_TRITON_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL",)
 
 
 @dataclass(frozen=True)
@@ -54,10 +63,13 @@ class EngineConfig:
     topk_sampling: bool
     async_scheduling: bool
     multiprocess_mode: bool
+    matmul_precision: str  # jax.default_matmul_precision while the steps are lowered
+    cuda_graph_triton: bool  # CUDA_GRAPH_TRITON_XLA_FLAGS in the core process's XLA_FLAGS
     block_size: int
     # KV budget (num_kv_blocks_for): num_kv_blocks when given, else kv_cache_memory_bytes when
-    # given, else gpu_memory_utilization of the device less weights and activations, else (a
-    # device that reports no memory: CPU) DEFAULT_CPU_KV_BYTES over the devices.
+    # given, else gpu_memory_utilization of the device less the memory in use (weights included)
+    # and activations, else (a device that reports no memory: CPU) DEFAULT_CPU_KV_BYTES over the
+    # devices.
     num_kv_blocks: int | None
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
@@ -185,13 +197,68 @@ def resolve_activation_dtype(dtype: str, kv_cache_dtype: str, kernel_backend: st
     return kv_cache_dtype if kernel_backend == "reference" else dtype
 
 
+def resolve_matmul_precision(matmul_precision: str | None, dtype: str, platform: str) -> str:
+    """None -> "highest" for float32 weights on a GPU (XLA would run their dots in TF32, about
+    10 mantissa bits, and drift from a float32 reference), else "default" (16-bit operands gain
+    nothing from more; on CPU XLA's float32 dots are exact float32 already)."""
+    if matmul_precision is not None:
+        return matmul_precision
+    return "highest" if platform == "gpu" and dtype == "float32" else "default"
+
+
+def resolve_cuda_graph_triton(cuda_graph_triton: bool | None) -> bool:
+    """None -> off: whether XLA captures the Triton calls correctly is checked on a GPU first."""
+    return bool(cuda_graph_triton)
+
+
+def xla_flags_with(flags: str, extra: tuple[str, ...]) -> str:
+    """XLA_FLAGS `flags` with each of `extra` added unless a flag of that name is there (the
+    user's value wins)."""
+    given = {f.split("=", 1)[0] for f in flags.split()}
+    added = [f for f in extra if f.split("=", 1)[0] not in given]
+    return " ".join([flags.strip(), *added]).strip()
+
+
+def set_cuda_graph_xla_flags() -> None:
+    """Put CUDA_GRAPH_TRITON_XLA_FLAGS in this process's XLA_FLAGS, which XLA reads once, when
+    JAX starts its backend: after that it is too late, and a clear error says what to do."""
+    current = os.environ.get("XLA_FLAGS", "")
+    wanted = xla_flags_with(current, CUDA_GRAPH_TRITON_XLA_FLAGS)
+    if wanted == current.strip():
+        return
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            raise RuntimeError(
+                "cuda_graph_triton=True needs XLA_FLAGS set before JAX starts its backend, which "
+                "this process already did; run the engine core in its own process "
+                "(multiprocess_mode=True) or start Python with XLA_FLAGS="
+                f"'{' '.join(CUDA_GRAPH_TRITON_XLA_FLAGS)}'")
+    os.environ["XLA_FLAGS"] = wanted
+
+
+def kv_budget_bytes(total: int, in_use: int, utilization: float, weights: int,
+                    activations: int) -> tuple[int, str]:
+    """Bytes of one device left for the KV array, and how they were reckoned: `utilization` of
+    the device's `total` less what is in use now and the activations the steps will need.
+    `in_use` counts everything this process holds on the device: this engine's weights (on the
+    device already, so not subtracted twice), another engine's weights and KV, a benchmark's
+    arrays; less than `weights` means the reading missed them, and the weights count instead."""
+    used = max(in_use, weights)
+    budget = int(total * utilization) - used - activations
+    how = (f"{utilization} x {total} device bytes - {used} bytes in use ({weights} of them this "
+           f"engine's weights) - {activations} of activations (largest step, measured) and kept "
+           f"logits buffers")
+    return budget, how
+
+
 def num_kv_blocks_for(config: EngineConfig, runner: ModelRunner) -> int:
     """KV blocks from the budget: num_kv_blocks when given; else kv_cache_memory_bytes; else (a
-    GPU) gpu_memory_utilization of the device minus the weights and the measured activation
-    bytes of the largest step; else (CPU) DEFAULT_CPU_KV_BYTES."""
+    GPU) `kv_budget_bytes` of the device's memory stats; else (CPU) DEFAULT_CPU_KV_BYTES."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    from jaxllm.worker.model_runner import device_memory_bytes, kv_block_bytes
+    from jaxllm.worker.model_runner import device_memory_bytes, device_memory_stats, kv_block_bytes
 
     # Per device: with tensor parallelism each holds its kv heads' slice of every block.
     per_block = kv_block_bytes(runner.local_config, config.block_size, runner.kv_cache_dtype)
@@ -203,15 +270,14 @@ def num_kv_blocks_for(config: EngineConfig, runner: ModelRunner) -> int:
         budget = DEFAULT_CPU_KV_BYTES // config.tensor_parallel_size
         how = "the CPU default of 1 GiB (over all devices)"
     else:
-        weights = runner.weight_bytes()
+        # Compiling the probe step allocates nothing on the device: read the stats after it.
         activations = runner.measure_activation_bytes() + runner.logits_buffer_bytes()
-        budget = int(total * config.gpu_memory_utilization) - weights - activations
-        how = (f"{config.gpu_memory_utilization} x {total} device bytes - {weights} of weights "
-               f"- {activations} of activations (largest step, measured) and kept logits "
-               f"buffers")
+        in_use = (device_memory_stats() or {}).get("bytes_in_use", 0)
+        budget, how = kv_budget_bytes(total, in_use, config.gpu_memory_utilization,
+                                      runner.weight_bytes(), activations)
     blocks = max(budget, 0) // per_block
     if blocks < 2:
         raise ValueError(f"the KV budget ({how}) holds {blocks} blocks of {per_block} bytes; "
-                         f"raise kv_cache_memory_bytes or gpu_memory_utilization, or lower "
-                         f"max_num_batched_tokens")
+                         f"raise kv_cache_memory_bytes or gpu_memory_utilization, free the "
+                         f"device memory in use, or lower max_num_batched_tokens")
     return int(blocks)

@@ -13,7 +13,6 @@ import numpy as np
 
 from jaxllm.benchmarks.datasets import TokenSampler, Workload
 from jaxllm.benchmarks.hf_runner import HFRunner
-from jaxllm.benchmarks.roofline import measure_machine
 from jaxllm.config import resolve_model
 from jaxllm.engine.arg_utils import EngineArgs
 
@@ -53,10 +52,12 @@ def check_fits(llm: LLM, workload: Workload) -> None:
 
 
 def machine_for(args: argparse.Namespace, llm: LLM) -> dict[str, float] | None:
+    """The roofline's machine rates, measured by the engine core (its device, dtype and matmul
+    precision): this process starts no backend of its own beside it."""
     if args.no_roofline:
         return None
-    return measure_machine(args.roofline_gemm_size, args.roofline_copy_mib,
-                           dtype=llm.llm_engine.describe()["dtype"])
+    return llm.collective_rpc("measure_machine",
+                              (args.roofline_gemm_size, args.roofline_copy_mib))
 
 
 def make_hf_runner(args: argparse.Namespace, llm: LLM) -> HFRunner:

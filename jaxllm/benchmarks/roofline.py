@@ -76,8 +76,20 @@ def measure_bandwidth(mib: int = 256, reps: int = 5) -> dict[str, float]:
             "bandwidth_bytes_per_s": max(xla, numpy_rate, read_rate)}
 
 
-def measure_machine(gemm_size: int = 2048, copy_mib: int = 256,
+def default_gemm_size(platform: str) -> int:
+    """n of the timed GEMM: a GPU reaches its peak only on large tiles (a 2048^3 GEMM is a few
+    hundred microseconds there, launch-bound); on CPU 2048 already does and 8192 takes minutes."""
+    return 8192 if platform == "gpu" else 2048
+
+
+def measure_machine(gemm_size: int | None = None, copy_mib: int = 256,
                     dtype: str = "float32") -> dict[str, float]:
+    """GEMM rate and bandwidth of the default device and the host. Call it where the engine
+    core runs (`ModelRunner.measure_machine`): on a GPU the core process holds the memory."""
+    import jax
+
+    if gemm_size is None:
+        gemm_size = default_gemm_size(jax.default_backend())
     return {**measure_gemm(gemm_size, dtype=dtype), **measure_bandwidth(copy_mib)}
 
 

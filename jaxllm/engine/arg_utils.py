@@ -15,16 +15,20 @@ from typing import Any
 from jaxllm.config import (
     DTYPES,
     KERNEL_BACKENDS,
+    MATMUL_PRECISIONS,
     QUANTIZATIONS,
     EngineConfig,
     resolve_activation_dtype,
+    resolve_cuda_graph_triton,
     resolve_dtype,
     resolve_gemv_max_rows,
     resolve_kernel_backend,
     resolve_kv_cache_dtype,
+    resolve_matmul_precision,
     resolve_model,
     resolve_multiprocess_mode,
     resolve_quantization,
+    set_cuda_graph_xla_flags,
 )
 
 GGUF_TP_REFUSAL = ("quantization='gguf' does not run with tensor_parallel_size > 1 yet; leave "
@@ -80,6 +84,15 @@ class EngineArgs:
         None, "run the engine core in its own process; not given: on for GPU and for "
               "AsyncLLM / the server, off for LLM on CPU; the environment variable "
               "JAXLLM_ENABLE_V1_MULTIPROCESSING=0/1 wins")
+    matmul_precision: str | None = _arg(
+        None, "precision of the steps' matmuls (jax.default_matmul_precision: default, high, "
+              "highest); not given: highest for float32 on GPU (XLA would use TF32), else "
+              "default")
+    cuda_graph_triton: bool | None = _arg(
+        None, "GPU: let XLA put custom calls, the Pallas kernels' Triton calls among them, into "
+              "its CUDA graphs (XLA_FLAGS --xla_gpu_enable_command_buffer=+CUSTOM_CALL, set "
+              "before the core process starts JAX; in-process only if JAX has not started "
+              "yet); not given: off")
     tensor_parallel_size: int = _arg(
         1, "devices the model is split over (Megatron-style tensor parallelism on a JAX mesh; "
            "must divide the query heads, intermediate size and vocabulary)")
@@ -130,7 +143,11 @@ class EngineArgs:
                     or value < low:
                 raise ValueError(f"{name} must be {why}, got {value!r}")
             setattr(self, name, int(value))  # numpy integers stay out of the messages
-        for name in ("async_scheduling", "topk_sampling", "multiprocess_mode"):
+        if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision {self.matmul_precision!r} is not one of "
+                             f"{MATMUL_PRECISIONS} or None (per platform)")
+        for name in ("async_scheduling", "topk_sampling", "multiprocess_mode",
+                     "cuda_graph_triton"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
@@ -168,10 +185,10 @@ class EngineArgs:
                 continue
             kind: Any = {"gpu_memory_utilization": float}.get(f.name, int)
             if f.name in ("model", "dtype", "kernel_backend", "quantization",
-                          "coordinator_address"):
+                          "coordinator_address", "matmul_precision"):
                 kind = str
             choices = {"dtype": DTYPES, "kernel_backend": KERNEL_BACKENDS,
-                       "quantization": QUANTIZATIONS,
+                       "quantization": QUANTIZATIONS, "matmul_precision": MATMUL_PRECISIONS,
                        "block_size": (16, 32)}.get(f.name)
             shown = "" if default is None or f.name in overrides else f" (default: {default})"
             group.add_argument(flag, type=kind, default=default, choices=choices,
@@ -201,6 +218,8 @@ class EngineArgs:
         """Resolve every "None: per platform" setting for `platform` (JAX's backend name; None:
         the one JAX starts, so in a multi-host job call it after joining jax.distributed)."""
         if platform is None:
+            if resolve_cuda_graph_triton(self.cuda_graph_triton):
+                set_cuda_graph_xla_flags()  # XLA reads them when the backend starts, just below
             import jax
 
             platform = jax.default_backend()
@@ -225,6 +244,8 @@ class EngineArgs:
             else self.topk_sampling,
             async_scheduling=True if self.async_scheduling is None else self.async_scheduling,
             multiprocess_mode=resolve_multiprocess_mode(self.multiprocess_mode),
+            matmul_precision=resolve_matmul_precision(self.matmul_precision, dtype, platform),
+            cuda_graph_triton=resolve_cuda_graph_triton(self.cuda_graph_triton),
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,

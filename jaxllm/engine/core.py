@@ -93,7 +93,8 @@ class EngineCore:
             topk_sampling=config.topk_sampling, gemv_params=loaded.gemv_params,
             gemv_max_rows=config.gemv_max_rows, kv_cache_dtype=jnp.dtype(config.kv_cache_dtype),
             activation_dtype=jnp.dtype(config.activation_dtype),
-            tensor_parallel_size=config.tensor_parallel_size)
+            tensor_parallel_size=config.tensor_parallel_size,
+            matmul_precision=config.matmul_precision)
         num_blocks = multihost.agree(self.distributed, num_kv_blocks_for(config, self.runner))
         self.runner.initialize_kv_cache(num_blocks)
         compile_time_s = self.runner.compile(progress=config.show_progress)

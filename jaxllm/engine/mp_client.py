@@ -40,6 +40,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from jaxllm.config import CUDA_GRAPH_TRITON_XLA_FLAGS, resolve_cuda_graph_triton, xla_flags_with
 from jaxllm.engine import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, EngineDeadError
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient, check_utility
@@ -61,11 +62,14 @@ SHUTDOWN_TIMEOUT_S = 5.0
 _POLL_MS = 100
 
 
-def _child_env() -> dict[str, str]:
-    """The child must import the same jaxllm as this process, installed or not."""
+def _child_env(engine_args: EngineArgs | None = None) -> dict[str, str]:
+    """The child must import the same jaxllm as this process, installed or not, and find in
+    its environment the XLA flags its backend must start with."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    if engine_args is not None and resolve_cuda_graph_triton(engine_args.cuda_graph_triton):
+        env["XLA_FLAGS"] = xla_flags_with(env.get("XLA_FLAGS", ""), CUDA_GRAPH_TRITON_XLA_FLAGS)
     return env
 
 
@@ -119,7 +123,8 @@ class CoreProcess:
         try:
             # The child's stdout goes to our stderr: a CLI's stdout carries only its results.
             proc = self.proc = subprocess.Popen(
-                cmd, pass_fds=(death_r,), env=_child_env(), stdin=subprocess.DEVNULL,
+                cmd, pass_fds=(death_r,), env=_child_env(engine_args),
+                stdin=subprocess.DEVNULL,
                 stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
         finally:
             os.close(death_r)

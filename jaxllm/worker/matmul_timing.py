@@ -92,11 +92,13 @@ def weight_stats(runner: Any) -> dict[str, int]:
 
 def time_runner_matmuls(runner: Any, num_tokens: list[int], reps: int = 3) -> dict[int, float]:
     """`time_weight_matmuls` at each token count with that bucket's weights (fewer rows than
-    MIN_TOKEN_BUCKET: a decode bucket's) and the runner's kernel backend."""
+    MIN_TOKEN_BUCKET: a decode bucket's), the runner's kernel backend and its steps' matmul
+    precision."""
     out: dict[int, float] = {}
     for n in num_tokens:
         tree = runner.params_for(n, 1 if n < MIN_TOKEN_BUCKET else n)
-        out.update(time_weight_matmuls(tree, runner.config, runner.activation_dtype,
-                                       runner.max_num_seqs,
-                                       [n], reps, runner.model.kernel_backend))
+        with jax.default_matmul_precision(runner.matmul_precision):
+            out.update(time_weight_matmuls(tree, runner.config, runner.activation_dtype,
+                                           runner.max_num_seqs,
+                                           [n], reps, runner.model.kernel_backend))
     return out

@@ -39,8 +39,10 @@ With tensor_parallel_size N > 1 the weights, the KV array (its kv-head axis) and
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -94,6 +96,7 @@ if TYPE_CHECKING:
 # Prompt-logprob rows go through the LM head in chunks of this many rows, top-N up to the
 # logprobs limit.
 PROMPT_LOGPROB_ROWS = 32
+MAX_COMPILE_THREADS = 8
 
 
 def float32_weights(params: dict) -> dict:
@@ -115,13 +118,33 @@ def gpu_sm_count(default: int = 132) -> int:
     return int(getattr(dev, "core_count", 0) or default) if dev.platform == "gpu" else default
 
 
-def device_memory_bytes() -> int | None:
-    """Total memory of the first accelerator, or None on CPU / when unknown."""
+def device_memory_stats() -> dict[str, int] | None:
+    """The first accelerator's allocator statistics (`bytes_limit`: what this process may
+    allocate on it, `bytes_in_use`: what it holds now), or None on CPU / when unknown."""
     dev = jax.devices()[0]
     if dev.platform == "cpu":
         return None
-    stats = dev.memory_stats() or {}
-    return stats.get("bytes_limit")
+    return dev.memory_stats() or None
+
+
+def device_memory_bytes() -> int | None:
+    """Total memory of the first accelerator, or None on CPU / when unknown."""
+    return (device_memory_stats() or {}).get("bytes_limit")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def compile_threads(num_jobs: int) -> int:
+    """Threads that compile the step buckets (XLA's compile releases the GIL): half the usable
+    CPUs, since the lowering thread, XLA's own helper threads and the frontend want the rest (on
+    2 CPUs a second compile thread made start-up slower: docs/perf/startup.md), capped because
+    each compile holds its own copy of the program in memory."""
+    return max(1, min(num_jobs, usable_cpus() // 2, MAX_COMPILE_THREADS))
 
 
 class ModelRunner:
@@ -130,10 +153,10 @@ class ModelRunner:
                  max_num_batched_tokens: int, topk_sampling: bool = False,
                  gemv_params: dict | None = None, gemv_max_rows: int = 0,
                  kv_cache_dtype: Any = None, activation_dtype: Any = None,
-                 tensor_parallel_size: int = 1) -> None:
-        """`gemv_max_rows`, `kv_cache_dtype` and `activation_dtype` as EngineConfig resolved
-        them (None: `dtype`); with `gemv_max_rows` and no `gemv_params`, the GEMV buckets run
-        on float32 copies of `params`."""
+                 tensor_parallel_size: int = 1, matmul_precision: str = "default") -> None:
+        """`gemv_max_rows`, `kv_cache_dtype`, `activation_dtype` and `matmul_precision` as
+        EngineConfig resolved them (None: `dtype`); with `gemv_max_rows` and no `gemv_params`,
+        the GEMV buckets run on float32 copies of `params`."""
         self.config = config
         self.local_config = config  # one device's slice of the model
         self.mesh = None
@@ -153,6 +176,9 @@ class ModelRunner:
         if gemv_max_rows and gemv_params is None:  # bfloat16 weights on CPU
             self.gemv_params = float32_weights(params)
         self.dtype = dtype
+        # Traced into every executable at lowering (the dots' precision attribute): only this
+        # runner's steps, not the rest of the process, run at it.
+        self.matmul_precision = matmul_precision
         self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         self.activation_dtype = dtype if activation_dtype is None else activation_dtype
         self.block_size = block_size
@@ -253,14 +279,20 @@ class ModelRunner:
                                           spec(s), spec(s + 1), spec(s))
         return spec(num_tokens), spec(num_tokens), attn_metadata
 
-    def _compile_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int):
+    def lower_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int) -> Any:
+        """The step of one bucket lowered (at the runner's matmul precision), not compiled."""
         kv_spec = jax.ShapeDtypeStruct(self.kv_shape(num_kv_blocks), self.kv_cache_dtype,
                                        sharding=self._sharding(KV_SPEC))
         ids, pos, attn_metadata = self._abstract_inputs(num_tokens)
         splits = self.decode_splits[num_tokens] if max_query_len == 1 else 1
-        return self._step.lower(self.params_for(num_tokens, max_query_len), self.rope, kv_spec,
-                                self._logits_spec(num_tokens), ids, pos, attn_metadata,
-                                max_query_len=max_query_len, num_splits=splits).compile()
+        with jax.default_matmul_precision(self.matmul_precision):
+            return self._step.lower(self.params_for(num_tokens, max_query_len), self.rope,
+                                    kv_spec, self._logits_spec(num_tokens), ids, pos,
+                                    attn_metadata, max_query_len=max_query_len,
+                                    num_splits=splits)
+
+    def _compile_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int):
+        return self.lower_step(num_tokens, max_query_len, num_kv_blocks).compile()
 
     def _logits_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((min(num_tokens, self.max_num_seqs), self.config.vocab_size),
@@ -299,20 +331,41 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("initialize_kv_cache() must come before compile()")
         start = time.perf_counter()
-        for num_tokens, max_query_len in tqdm(self.bucket_shapes(), desc="compiling step buckets",
-                                              unit="shape", disable=not progress):
-            self._compiled[(num_tokens, max_query_len)] = self._compile_step(
-                num_tokens, max_query_len, self.num_kv_blocks)
+        shapes = self.bucket_shapes()
         rows = jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS,), jnp.int32,
                                     sharding=self._replicated())
-        self._compiled_prompt.clear()
-        for num_tokens, _ in self.bucket_shapes():
-            if num_tokens not in self._compiled_prompt:
+        prompt_tokens = sorted({num_tokens for num_tokens, _ in shapes})
+        # Tracing and lowering are Python (they hold the GIL): one after another here; XLA's
+        # compiles release it and run in a pool. Each result lands under its own key, so the
+        # executables do not depend on the order the compiles finish in.
+        lowered: dict[Any, Any] = {}
+        with tqdm(total=len(shapes) + len(prompt_tokens), desc="compiling step buckets",
+                  unit="shape", disable=not progress) as bar:
+            for num_tokens, max_query_len in shapes:
+                lowered[("step", num_tokens, max_query_len)] = self.lower_step(
+                    num_tokens, max_query_len, self.num_kv_blocks)
+            for num_tokens in prompt_tokens:
                 hidden = jax.ShapeDtypeStruct((num_tokens, self.config.hidden_size),
                                               self.activation_dtype,
                                               sharding=self._replicated())
-                self._compiled_prompt[num_tokens] = self._prompt_fn.lower(
-                    self.params, hidden, rows, rows).compile()
+                with jax.default_matmul_precision(self.matmul_precision):
+                    lowered[("prompt", num_tokens)] = self._prompt_fn.lower(
+                        self.params, hidden, rows, rows)
+
+            def compile_one(item: tuple[Any, Any]) -> tuple[Any, Any]:
+                key, low = item
+                compiled = low.compile()
+                bar.update()
+                return key, compiled
+
+            with ThreadPoolExecutor(compile_threads(len(lowered))) as pool:
+                done = dict(pool.map(compile_one, lowered.items()))
+        self._compiled_prompt.clear()
+        for key, compiled in done.items():
+            if key[0] == "step":
+                self._compiled[key[1:]] = compiled
+            else:
+                self._compiled_prompt[key[1]] = compiled
         self._logits_bufs.clear()
         self._row_slices.clear()
         self._gathers.clear()
@@ -522,6 +575,16 @@ class ModelRunner:
     def get_weight_stats(self) -> dict[str, int]:
         """The weights' sizes (`matmul_timing.weight_stats`)."""
         return weight_stats(self)
+
+    def measure_machine(self, gemm_size: int | None = None, copy_mib: int = 256
+                        ) -> dict[str, float]:
+        """The roofline's machine rates (`roofline.measure_machine`), measured here, in the
+        process that holds the device (a frontend that allocated beside a core holding most of
+        a GPU's memory would run out of it), in the steps' dtype and matmul precision."""
+        from jaxllm.benchmarks.roofline import measure_machine
+
+        with jax.default_matmul_precision(self.matmul_precision):
+            return measure_machine(gemm_size, copy_mib, dtype=jnp.dtype(self.dtype).name)
 
     def time_weight_matmuls(self, num_tokens: list[int], reps: int = 3) -> dict[int, float]:
         """Best-of-`reps` seconds of one step's weight matmuls at each token count: the

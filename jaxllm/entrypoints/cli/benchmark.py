@@ -88,8 +88,9 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
                    help="run the same workload through HF transformers' generate")
     r.add_argument("--no-roofline", action="store_true",
                    help="skip the machine measurement and the roofline")
-    r.add_argument("--roofline-gemm-size", type=int, default=2048,
-                   help="n of the n x n x n GEMM timed for the peak FLOP rate")
+    r.add_argument("--roofline-gemm-size", type=int, default=None,
+                   help="n of the n x n x n GEMM timed for the peak FLOP rate (default: 8192 "
+                        "on GPU, 2048 on CPU)")
     r.add_argument("--roofline-copy-mib", type=int, default=256,
                    help="array size (MiB) copied for the bandwidth")
     p.add_argument("--output-json", default=None, help="write all results here")
