@@ -13,11 +13,14 @@ shapes of MODEL_SHAPES (from shapes.py). Run: python -m pallas_kernels.checks.ch
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
+from jaxlib.mlir import ir
 
 from pallas_kernels.checks.lowering_cases import LOWERING_CASES
 from pallas_kernels.checks.shapes import QWEN2_SHAPES, Qwen2Shape
@@ -33,6 +36,51 @@ KERNEL_MODULES: tuple[str, ...] = tuple(LOWERING_CASES)
 
 # A Pallas Triton kernel appears in the lowered StableHLO as this custom call.
 TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def custom_calls(op: ir.Operation) -> Iterable[ir.Operation]:
+    """Every `stablehlo.custom_call` nested in `op` (a lowered module's operation)."""
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                child = child.operation
+                if child.name == "stablehlo.custom_call":
+                    yield child
+                yield from custom_calls(child)
+
+
+@dataclass(frozen=True)
+class TritonModules:
+    """The Triton kernels of one lowered program, by kernel name: `calls` counts the
+    `__gpu$xla.gpu.triton` custom calls, `modules` the distinct ones among them. XLA compiles a
+    Triton call once per distinct backend_config (its Triton module, name, grid, warps and
+    stages), so `modules` is what a GPU start-up compiles for this program."""
+
+    calls: dict[str, int]
+    modules: dict[str, int]
+
+    @property
+    def num_modules(self) -> int:
+        return sum(self.modules.values())
+
+
+def triton_modules(lowered: jax.stages.Lowered) -> TritonModules:
+    """Count the Triton calls and distinct Triton modules of `lowered` (lowered for CUDA)."""
+    module = lowered.compiler_ir("stablehlo")
+    assert module is not None, "a lowered computation has StableHLO"
+    calls: collections.Counter[str] = collections.Counter()
+    configs: dict[str, set[str]] = collections.defaultdict(set)
+    for call in custom_calls(module.operation):
+        attrs = call.attributes
+        if ir.StringAttr(attrs["call_target_name"]).value != TRITON_CALL:
+            continue
+        if "mhlo.backend_config" not in attrs:
+            raise ValueError(f"{TRITON_CALL} without a backend_config")
+        config = attrs["mhlo.backend_config"]
+        name = ir.StringAttr(ir.DictAttr(config)["name"]).value
+        calls[name] += 1
+        configs[name].add(str(config))
+    return TritonModules(dict(calls), {name: len(c) for name, c in configs.items()})
 
 
 @dataclass(frozen=True)
