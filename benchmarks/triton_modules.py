@@ -4,9 +4,9 @@
 
 Lowers the runner's step (jaxllm/worker/step.py) of a Qwen2-shaped model (weights as shapes
 only) for CUDA, with no GPU, for a decode bucket and a prefill bucket; counts its
-`__gpu$xla.gpu.triton` calls and distinct Triton modules (XLA compiles each distinct
-backend_config once), then compiles every distinct module with pip triton for sm_90a
-(pallas_kernels/checks/triton_compile.py), one after another. Prints per bucket: calls,
+distinct Triton modules (XLA compiles each distinct `__gpu$xla.gpu.triton` backend_config
+once), then compiles every distinct module with pip triton for sm_90a
+(pallas_kernels/checks/triton_compile.py), one after another. Prints per bucket the
 distinct modules by kernel, lowering seconds and compile seconds. The compile is pip triton's,
 not XLA's, so the seconds estimate the Triton part of a cold GPU start-up; XLA's own compile of
 the step is not in them.
@@ -85,8 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = ModelConfig.from_hf_config(shape.hf_config(**overrides))
     capability = ARCHES["sm_90a"].capability
     print(f"{ns.model}, {config.num_hidden_layers} layers, bfloat16, sm_90a")
-    print("| bucket | Triton calls | distinct modules | by kernel | lower s | compile s |")
-    print("|---|---|---|---|---|---|")
+    print("| bucket | distinct modules | by kernel | lower s | compile s |")
+    print("|---|---|---|---|---|")
     for bucket, num_tokens, decode in (("decode 8", 8, True), ("prefill 512", 512, False)):
         start = time.perf_counter()
         lowered = lower_step(config, num_tokens, decode)
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"{kernel.name}: {stats.error}", file=sys.stderr)
             compile_s = time.perf_counter() - start
         by_kernel = ", ".join(f"{name} {n}" for name, n in sorted(counts.modules.items()))
-        print(f"| {bucket} | {sum(counts.calls.values())} | {counts.num_modules} | {by_kernel} "
+        print(f"| {bucket} | {counts.total} | {by_kernel} "
               f"| {lower_s:.1f} | {compile_s:.1f} |", flush=True)
     return 0
 

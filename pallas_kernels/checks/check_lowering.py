@@ -51,24 +51,21 @@ def custom_calls(op: ir.Operation) -> Iterable[ir.Operation]:
 
 @dataclass(frozen=True)
 class TritonModules:
-    """The Triton kernels of one lowered program, by kernel name: `calls` counts the
-    `__gpu$xla.gpu.triton` custom calls, `modules` the distinct ones among them. XLA compiles a
-    Triton call once per distinct backend_config (its Triton module, name, grid, warps and
-    stages), so `modules` is what a GPU start-up compiles for this program."""
+    """The distinct Triton modules of one lowered program, by kernel name. XLA compiles a
+    `__gpu$xla.gpu.triton` call once per distinct backend_config (its Triton module, name,
+    grid, warps and stages), so this is what a GPU start-up compiles for the program."""
 
-    calls: dict[str, int]
     modules: dict[str, int]
 
     @property
-    def num_modules(self) -> int:
+    def total(self) -> int:
         return sum(self.modules.values())
 
 
 def triton_modules(lowered: jax.stages.Lowered) -> TritonModules:
-    """Count the Triton calls and distinct Triton modules of `lowered` (lowered for CUDA)."""
+    """Count the distinct Triton modules of `lowered` (lowered for CUDA) by kernel name."""
     module = lowered.compiler_ir("stablehlo")
     assert module is not None, "a lowered computation has StableHLO"
-    calls: collections.Counter[str] = collections.Counter()
     configs: dict[str, set[str]] = collections.defaultdict(set)
     for call in custom_calls(module.operation):
         attrs = call.attributes
@@ -77,10 +74,8 @@ def triton_modules(lowered: jax.stages.Lowered) -> TritonModules:
         if "mhlo.backend_config" not in attrs:
             raise ValueError(f"{TRITON_CALL} without a backend_config")
         config = attrs["mhlo.backend_config"]
-        name = ir.StringAttr(ir.DictAttr(config)["name"]).value
-        calls[name] += 1
-        configs[name].add(str(config))
-    return TritonModules(dict(calls), {name: len(c) for name, c in configs.items()})
+        configs[ir.StringAttr(ir.DictAttr(config)["name"]).value].add(str(config))
+    return TritonModules({name: len(c) for name, c in configs.items()})
 
 
 @dataclass(frozen=True)
