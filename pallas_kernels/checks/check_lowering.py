@@ -53,9 +53,12 @@ def custom_calls(op: ir.Operation) -> Iterable[ir.Operation]:
 class TritonModules:
     """The distinct Triton modules of one lowered program, by kernel name. XLA compiles a
     `__gpu$xla.gpu.triton` call once per distinct backend_config (its Triton module, name,
-    grid, warps and stages), so this is what a GPU start-up compiles for the program."""
+    grid, warps and stages), so this is what a GPU start-up compiles for the program. `ops`:
+    the custom call ops by kernel name (a kernel inside a jitted function is one op in the
+    module however often that function is called)."""
 
     modules: dict[str, int]
+    ops: dict[str, int]
 
     @property
     def total(self) -> int:
@@ -63,10 +66,12 @@ class TritonModules:
 
 
 def triton_modules(lowered: jax.stages.Lowered) -> TritonModules:
-    """Count the distinct Triton modules of `lowered` (lowered for CUDA) by kernel name."""
+    """Count the distinct Triton modules and the Triton call ops of `lowered` (lowered for
+    CUDA) by kernel name."""
     module = lowered.compiler_ir("stablehlo")
     assert module is not None, "a lowered computation has StableHLO"
     configs: dict[str, set[str]] = collections.defaultdict(set)
+    ops: collections.Counter[str] = collections.Counter()
     for call in custom_calls(module.operation):
         attrs = call.attributes
         if ir.StringAttr(attrs["call_target_name"]).value != TRITON_CALL:
@@ -74,8 +79,10 @@ def triton_modules(lowered: jax.stages.Lowered) -> TritonModules:
         if "mhlo.backend_config" not in attrs:
             raise ValueError(f"{TRITON_CALL} without a backend_config")
         config = attrs["mhlo.backend_config"]
-        configs[ir.StringAttr(ir.DictAttr(config)["name"]).value].add(str(config))
-    return TritonModules({name: len(c) for name, c in configs.items()})
+        name = ir.StringAttr(ir.DictAttr(config)["name"]).value
+        configs[name].add(str(config))
+        ops[name] += 1
+    return TritonModules({name: len(c) for name, c in configs.items()}, dict(ops))
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,19 @@
-"""Every kernel lowers through Pallas -> Triton for CUDA at Qwen2 shapes (no GPU needed)."""
+"""Every kernel lowers through Pallas -> Triton for CUDA at Qwen2 shapes (no GPU needed), and a
+model step holds one Triton module per kernel kind whatever its number of layers."""
 
 from __future__ import annotations
 
 import pytest
 
-from pallas_kernels.checks.check_lowering import KERNEL_MODULES, format_table, run_checks
+from benchmarks.triton_modules import lower_step
+from jaxllm.model_executor.config import ModelConfig
+from pallas_kernels.checks.check_lowering import (
+    KERNEL_MODULES,
+    format_table,
+    run_checks,
+    triton_modules,
+)
+from pallas_kernels.checks.shapes import QWEN2_SHAPES
 
 
 @pytest.mark.parametrize("module", KERNEL_MODULES)
@@ -18,3 +27,28 @@ def test_kernel_lowers_for_cuda(module: str) -> None:
 def test_missing_module_is_reported_not_raised() -> None:
     (result,) = run_checks(["no_such_kernel"])
     assert not result.ok and result.error.startswith("missing")
+
+
+# The kernel kinds of a bf16 step of the model: the norms (the first layer's input norm alone,
+# then fused with the residual add), RoPE, the KV write and attention (split-K decode: split
+# and combine kernels; a prefill bucket: the one-pass kernel).
+NORMS_ROPE_WRITE = {"rms_norm", "rms_norm_residual", "rope", "write_kv"}
+STEP_KERNELS = {
+    "decode": NORMS_ROPE_WRITE | {"paged_attention_split", "paged_attention_combine"},
+    "prefill": NORMS_ROPE_WRITE | {"paged_attention"},
+}
+
+
+@pytest.mark.parametrize("phase, num_tokens", [("decode", 8), ("prefill", 64)])
+def test_model_step_has_one_triton_module_per_kernel_kind(phase, num_tokens) -> None:
+    # 3 layers at Qwen2.5-0.5B widths: each layer calls write_kv and attention, yet XLA gets
+    # one distinct Triton module per kernel kind to compile (with the layer a constant of the
+    # kernels, write_kv and attention would be 3 modules each).
+    num_layers = 3
+    shape = QWEN2_SHAPES["qwen2.5-0.5b"]
+    config = ModelConfig.from_hf_config(shape.hf_config(num_hidden_layers=num_layers,
+                                                        vocab_size=1024, rope_theta=1e6))
+    counts = triton_modules(lower_step(config, num_tokens, phase == "decode"))
+    assert counts.modules == dict.fromkeys(STEP_KERNELS[phase], 1)
+    attention = "paged_attention_split" if phase == "decode" else "paged_attention"
+    assert counts.ops["write_kv"] == counts.ops[attention] == num_layers
