@@ -29,9 +29,10 @@ from pallas_kernels.common import lower_for_cuda
 MODEL_SHAPES: tuple[Qwen2Shape, ...] = tuple(
     QWEN2_SHAPES[name] for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"))
 DTYPES: tuple = (jnp.bfloat16, jnp.float32)
-# decode: 64 sequences of one token each (context up to 4096);
-# prefill: 2048 tokens over 4 sequences. lowering_cases.py builds each kernel's args from these.
-PHASES: tuple[str, ...] = ("decode", "prefill")
+# decode: 64 sequences of one token each (context up to 4096); decode1: one sequence of one
+# token; prefill: 2048 tokens over 4 sequences. lowering_cases.py builds each kernel's args
+# from these.
+PHASES: tuple[str, ...] = ("decode", "decode1", "prefill")
 KERNEL_MODULES: tuple[str, ...] = tuple(LOWERING_CASES)
 
 # A Pallas Triton kernel appears in the lowered StableHLO as this custom call.

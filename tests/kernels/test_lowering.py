@@ -3,16 +3,23 @@ model step holds one Triton module per kernel kind whatever its number of layers
 
 from __future__ import annotations
 
+import math
+
+import jax.numpy as jnp
 import pytest
 
 from benchmarks.triton_modules import lower_step
 from jaxllm.model_executor.config import ModelConfig
 from pallas_kernels.checks.check_lowering import (
+    DTYPES,
     KERNEL_MODULES,
+    MODEL_SHAPES,
     format_table,
+    iter_cases,
     run_checks,
     triton_modules,
 )
+from pallas_kernels.checks.lowering_cases import LARGE_KV_BYTES, LARGE_KV_SUFFIX, kv_arrays
 from pallas_kernels.checks.shapes import QWEN2_SHAPES
 
 
@@ -22,6 +29,30 @@ def test_kernel_lowers_for_cuda(module: str) -> None:
     assert results, f"{module} produced no lowering cases"
     failed = [r for r in results if not r.ok]
     assert not failed, "\n" + format_table(failed)
+
+
+def test_kv_arrays_over_4_gib_for_every_model_and_dtype() -> None:
+    # Every model's write_kv and attention cases include a KV array over 4 GiB (64-bit
+    # offsets): the usual one where it is that large, else an extra H100-sized one.
+    four_gib = 2**32
+    for model in QWEN2_SHAPES.values():
+        for dtype in DTYPES:
+            arrays = kv_arrays(model, dtype, 16)
+            sizes = [math.prod(shape) * jnp.dtype(dtype).itemsize for _, shape in arrays]
+            assert arrays[0][0] == "" and max(sizes) > four_gib
+            if sizes[0] <= four_gib:
+                assert [s for s, _ in arrays] == ["", LARGE_KV_SUFFIX]
+                assert LARGE_KV_BYTES - sizes[0] / arrays[0][1][3] < sizes[1] <= LARGE_KV_BYTES
+            else:
+                assert len(arrays) == 1
+    # Qwen2.5-0.5B in bfloat16 is the one whose usual array (3.2 GB) is under 4 GiB.
+    small = kv_arrays(QWEN2_SHAPES["qwen2.5-0.5b"], jnp.bfloat16, 16)
+    assert len(small) == 2
+    names = {c.kernel for c in iter_cases(["kv_write", "paged_attention"], MODEL_SHAPES[:1],
+                                          [jnp.bfloat16], ["decode1"])}
+    assert names == {"write_kv", "write_kv_kv60g", "paged_attention_bs16",
+                     "paged_attention_bs16_kv60g", "paged_attention_splitk_bs16",
+                     "paged_attention_splitk_bs16_kv60g"}
 
 
 def test_missing_module_is_reported_not_raised() -> None:
