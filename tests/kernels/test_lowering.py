@@ -19,8 +19,15 @@ from pallas_kernels.checks.check_lowering import (
     run_checks,
     triton_modules,
 )
-from pallas_kernels.checks.lowering_cases import LARGE_KV_BYTES, LARGE_KV_SUFFIX, kv_arrays
+from pallas_kernels.checks.lowering_cases import (
+    LARGE_KV_BYTES,
+    LARGE_KV_SUFFIX,
+    kv_arrays,
+    kv_write_cases,
+    paged_attention_cases,
+)
 from pallas_kernels.checks.shapes import QWEN2_SHAPES
+from pallas_kernels.checks.triton_compile import triton_kernels
 
 
 @pytest.mark.parametrize("module", KERNEL_MODULES)
@@ -53,6 +60,23 @@ def test_kv_arrays_over_4_gib_for_every_model_and_dtype() -> None:
     assert names == {"write_kv", "write_kv_kv60g", "paged_attention_bs16",
                      "paged_attention_bs16_kv60g", "paged_attention_splitk_bs16",
                      "paged_attention_splitk_bs16_kv60g"}
+
+
+def test_large_kv_cases_take_64_bit_offsets() -> None:
+    # The _kv60g cases exist for their addressing: their KV loads and stores go through 64-bit
+    # pointer offsets, the usual (3.2 GB) array's through 32-bit ones. The combine kernel never
+    # touches the KV array.
+    model = QWEN2_SHAPES["qwen2.5-0.5b"]
+    cases = kv_write_cases(model, jnp.bfloat16, "decode1") + paged_attention_cases(
+        model, jnp.bfloat16, "decode1")
+    seen = set()
+    for name, fn, args in cases:
+        for kernel in triton_kernels(fn, args):
+            wide = any("tt.addptr" in line and "i64" in line for line in kernel.ttir.splitlines())
+            touches_kv = kernel.name != "paged_attention_combine"
+            assert wide == (name.endswith(LARGE_KV_SUFFIX) and touches_kv), (name, kernel.name)
+            seen.add((name, kernel.name))
+    assert len(seen) == 8
 
 
 def test_missing_module_is_reported_not_raised() -> None:
