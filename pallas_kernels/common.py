@@ -48,8 +48,8 @@ def prev_pow2(n: int) -> int:
 
 def check_layer(layer: int | jax.Array, num_layers: int) -> int | jax.Array:
     """The layer index of a kernel call: a Python int (checked against ``num_layers``) or a
-    scalar integer array (traced values cannot be checked; out of range, the kernels read and
-    write nothing meaningful)."""
+    scalar integer array. A traced value cannot be checked: out of range, the results are
+    undefined (the GPU kernels would address memory past the KV array)."""
     if isinstance(layer, (int, np.integer)):
         if not 0 <= layer < num_layers:
             raise ValueError(f"layer {layer} out of range for a KV array of {num_layers} layers")

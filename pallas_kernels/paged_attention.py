@@ -43,7 +43,7 @@ its own tile size from the static ``max_query_len`` (1 for a pure decode step).
   (Precision.HIGHEST, not TF32) so that they match the reference to ~1e-5.
 * Addressing: offsets are 32-bit unless the cache array exceeds 4 GiB, in which case the
   Pallas Triton lowering switches to 64-bit offsets on its own (checked in the lowering cases,
-  whose all-layer caches for the larger models are > 4 GiB).
+  whose all-layer caches are > 4 GiB for the larger models and in the 60 GiB ``_kv60g`` cases).
 * The layer is an operand ([1] int32) that the kernel reads and indexes the KV array with, not
   a constant of its BlockSpec: every layer runs the same Triton module, compiled once per
   bucket.
