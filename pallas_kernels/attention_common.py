@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2
@@ -15,14 +16,15 @@ from pallas_kernels.common import next_pow2
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def key_step(bt_ref, k_ref, v_ref, s, q, q_pos, kv_end, kb, carry, *, scale: float,
+def key_step(bt_ref, k_ref, v_ref, layer, s, q, q_pos, kv_end, kb, carry, *, scale: float,
              block_k: int):
     """One online-softmax step of the Triton kernels over key tile ``kb`` (keys kb * KB ..
-    kb * KB + KB - 1) of sequence ``s``: gathers K/V through the block table (keys at or past
-    ``kv_end`` load as zeros), masks keys past each row's position ``q_pos``. carry: (acc [M, D],
-    running max [M], running sum [M]), float32."""
+    kb * KB + KB - 1) of sequence ``s``: gathers K/V of ``layer`` through the block table (keys
+    at or past ``kv_end`` load as zeros), masks keys past each row's position ``q_pos``.
+    k_ref, v_ref: [num_layers, num_blocks, block_size, head_dim] of one KV head. carry:
+    (acc [M, D], running max [M], running sum [M]), float32."""
     acc, m_prev, l_prev = carry
-    block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    block_size, head_dim = k_ref.shape[2], k_ref.shape[3]
     max_blocks = bt_ref.shape[1]
     d = jnp.arange(head_dim)
     key = kb * block_k + jnp.arange(block_k)
@@ -30,7 +32,7 @@ def key_step(bt_ref, k_ref, v_ref, s, q, q_pos, kv_end, kb, carry, *, scale: flo
     col = jnp.minimum(key // block_size, max_blocks - 1)
     blk = plgpu.load(bt_ref.at[s, col], mask=key_ok, other=0)
     off = key % block_size
-    kv_idx = (blk[:, None], off[:, None], d[None, :])
+    kv_idx = (layer, blk[:, None], off[:, None], d[None, :])
     k = plgpu.load(k_ref.at[kv_idx], mask=key_ok[:, None], other=0.0)
     v = plgpu.load(v_ref.at[kv_idx], mask=key_ok[:, None], other=0.0)
 
@@ -43,6 +45,16 @@ def key_step(bt_ref, k_ref, v_ref, s, q, q_pos, kv_end, kb, carry, *, scale: flo
     l_next = l_prev * correction + p.sum(axis=1)
     pv = plgpu.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
     return acc * correction[:, None] + pv, m_next, l_next
+
+
+def kv_head_spec(cache_shape: tuple[int, ...], which: int) -> pl.BlockSpec:
+    """The block of the KV array a program of the attention kernels sees: K (``which`` 0) or
+    V (1) of its KV head (grid axis 2) in every layer, [num_layers, num_blocks, block_size,
+    head_dim]. The layer is not part of the block: the kernels index it with the value of their
+    layer operand, so the Triton module is the same for every layer."""
+    num_layers, _, _, num_blocks, block_size, head_dim = cache_shape
+    return pl.BlockSpec((num_layers, None, None, num_blocks, block_size, head_dim),
+                        lambda i, j, h: (0, which, h, 0, 0, 0))
 
 
 def kernel_init_state(rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -7,6 +7,8 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, Mesh, use_abstract_mesh
 
@@ -42,6 +44,28 @@ def next_pow2(n: int) -> int:
 def prev_pow2(n: int) -> int:
     """Largest power of two <= n, for n >= 1; 1 for n = 0."""
     return 1 << max(0, int(n).bit_length() - 1)
+
+
+def check_layer(layer: int | jax.Array, num_layers: int) -> int | jax.Array:
+    """The layer index of a kernel call: a Python int (checked against ``num_layers``) or a
+    scalar integer array. A traced value cannot be checked: out of range, the results are
+    undefined (the GPU kernels would address memory past the KV array)."""
+    if isinstance(layer, (int, np.integer)):
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer {layer} out of range for a KV array of {num_layers} layers")
+        return int(layer)
+    layer = jnp.asarray(layer)
+    if layer.size != 1 or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer must be an int or a one-element integer array, got "
+                         f"{layer.dtype}{list(layer.shape)}")
+    return layer.reshape(())
+
+
+def layer_operand(layer: int | jax.Array, num_layers: int) -> jax.Array:
+    """The layer as the [1] int32 operand the kernels read it from. As an operand, not a
+    constant of the kernel, it leaves the Triton module the same for every layer: XLA compiles
+    one module per kernel and bucket, not one per layer."""
+    return jnp.asarray(check_layer(layer, num_layers), jnp.int32).reshape(1)
 
 
 def whole_block_spec(shape: Sequence[int]) -> pl.BlockSpec:

@@ -43,7 +43,10 @@ its own tile size from the static ``max_query_len`` (1 for a pure decode step).
   (Precision.HIGHEST, not TF32) so that they match the reference to ~1e-5.
 * Addressing: offsets are 32-bit unless the cache array exceeds 4 GiB, in which case the
   Pallas Triton lowering switches to 64-bit offsets on its own (checked in the lowering cases,
-  whose all-layer caches for the larger models are > 4 GiB).
+  whose all-layer caches are > 4 GiB for the larger models and in the 60 GiB ``_kv60g`` cases).
+* The layer is an operand ([1] int32) that the kernel reads and indexes the KV array with, not
+  a constant of its BlockSpec: every layer runs the same Triton module, compiled once per
+  bucket.
 * Rows of padding tokens (>= query_start_loc[-1]) belong to no program; the wrapper zeroes them
   after the call (one cheap select) rather than launching programs just to write zeros.
 
@@ -62,14 +65,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention_common import kernel_init_state, key_step, launch_config
-from pallas_kernels.common import check_backend, next_pow2, whole_block_spec
+from pallas_kernels.attention_common import (
+    kernel_init_state,
+    key_step,
+    kv_head_spec,
+    launch_config,
+)
+from pallas_kernels.common import check_backend, layer_operand, next_pow2, whole_block_spec
 from pallas_kernels.reference_attention import paged_attention_reference
 from pallas_kernels.split_k_decode import paged_attention_split_k
 
 
-def _paged_attention_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, o_ref, *,
-                            scale: float, group: int, group_pad: int, block_q: int,
+def _paged_attention_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, o_ref,
+                            *, scale: float, group: int, group_pad: int, block_q: int,
                             block_k: int):
     s = pl.program_id(0)
     tile = pl.program_id(1)
@@ -103,8 +111,8 @@ def _paged_attention_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, 
         # Causal: the tile's last real query needs keys up to its own position only.
         kv_end = jnp.minimum(seq_len, ctx_len + jnp.minimum(q_len, tile_start + block_q))
 
-        body = functools.partial(key_step, bt_ref, k_ref, v_ref, s, q, q_pos, kv_end,
-                                 scale=scale, block_k=block_k)
+        body = functools.partial(key_step, bt_ref, k_ref, v_ref, layer_ref[0], s, q, q_pos,
+                                 kv_end, scale=scale, block_k=block_k)
         acc, m_i, l_i = lax.fori_loop(0, pl.cdiv(kv_end, block_k), body,
                                       kernel_init_state(rows_per_tile, head_dim))
         # Every real row sees key 0, so l > 0 there; the guard only keeps masked rows finite.
@@ -116,7 +124,7 @@ def _paged_attention_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, 
 def _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_start_loc, *,
                             scale, max_query_len, interpret):
     num_tokens, num_heads, head_dim = q.shape
-    _, _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+    num_layers, _, num_kv_heads = kv_cache.shape[:3]
     num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
@@ -128,36 +136,36 @@ def _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_st
                                group_pad=group_pad, block_q=block_q, block_k=block_k)
     grid = (num_seqs, pl.cdiv(qmax, block_q), num_kv_heads)
 
-    def cache_spec(which):
-        # The kernel sees one layer's K (or V) of one KV head: [num_blocks, block_size, head_dim].
-        return pl.BlockSpec((None, None, None, num_blocks, block_size, head_dim),
-                            lambda s, j, h: (layer, which, h, 0, 0, 0))
-
     qsl = query_start_loc.astype(jnp.int32)
     out = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[whole_block_spec(block_tables.shape), whole_block_spec(seq_lens.shape),
-                  whole_block_spec(qsl.shape), whole_block_spec(q.shape), cache_spec(0),
-                  cache_spec(1)],
+        in_specs=[whole_block_spec((1,)), whole_block_spec(block_tables.shape),
+                  whole_block_spec(seq_lens.shape),
+                  whole_block_spec(qsl.shape), whole_block_spec(q.shape),
+                  kv_head_spec(kv_cache.shape, 0), kv_head_spec(kv_cache.shape, 1)],
         out_specs=whole_block_spec(q.shape),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention",
-    )(block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), qsl, q, kv_cache, kv_cache)
+    )(layer_operand(layer, num_layers), block_tables.astype(jnp.int32),
+      seq_lens.astype(jnp.int32), qsl, q, kv_cache, kv_cache)
     valid = jnp.arange(num_tokens) < qsl[-1]
     return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
 
 
-def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables: jax.Array,
+def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
+                    block_tables: jax.Array,
                     seq_lens: jax.Array, query_start_loc: jax.Array, *, scale: float,
                     max_query_len: int | None = None, backend: str = "reference",
                     num_splits: int = 1) -> jax.Array:
     """Causal attention of a ragged batch of queries against the paged KV cache.
 
     q: [T, num_heads, head_dim]; rows at index >= query_start_loc[-1] are padding.
-    kv_cache: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]; ``layer`` static.
+    kv_cache: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim].
+    layer: a Python int, or a scalar (or one-element) integer array, traced or not; the
+    kernels read it from an operand, so one compiled kernel serves every layer.
     block_tables: [S, max_blocks_per_seq] int32 physical block ids (unused entries ignored).
     seq_lens: [S] int32 context length including this step's tokens (already written).
     query_start_loc: [S+1] int32 cumulative query lengths.

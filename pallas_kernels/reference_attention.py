@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.attention_common import MASK_VALUE
+from pallas_kernels.common import check_layer
 
 # Reference (XLA) path tuning, read at trace time (tests shrink them to force many iterations).
 # Keys per inner loop step, rounded up to whole blocks: the causal/ragged granularity.
@@ -179,7 +180,7 @@ def _tile_pass(out, q, cache_rows, first_row, block_tables, seq_lens, qsl, tiled
     return lax.while_loop(lambda c: c[0] < tiles_end[-1], tile_body, (jnp.int32(0), out))[1]
 
 
-def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int,
+def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
                               block_tables: jax.Array, seq_lens: jax.Array,
                               query_start_loc: jax.Array, *, scale: float,
                               max_query_len: int | None = None) -> jax.Array:
@@ -201,6 +202,7 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int,
     """
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+    layer = check_layer(layer, num_layers)
     group = num_heads // num_kv_heads
     num_seqs, max_blocks = block_tables.shape
     qmax = num_tokens if max_query_len is None else min(int(max_query_len), num_tokens)

@@ -38,9 +38,10 @@ from pallas_kernels.attention_common import (
     MASK_VALUE,
     kernel_init_state,
     key_step,
+    kv_head_spec,
     launch_config,
 )
-from pallas_kernels.common import next_pow2, whole_block_spec
+from pallas_kernels.common import layer_operand, next_pow2, whole_block_spec
 
 
 def _decode_partition(seq_len, p, num_splits: int, block_k: int):
@@ -54,8 +55,8 @@ def _decode_partition(seq_len, p, num_splits: int, block_k: int):
     return start, jnp.minimum(start + per_split, num_tiles)
 
 
-def _decode_split_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, acc_ref, m_ref,
-                         l_ref, *, scale: float, group: int, rows: int, block_k: int,
+def _decode_split_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, acc_ref,
+                         m_ref, l_ref, *, scale: float, group: int, rows: int, block_k: int,
                          num_splits: int):
     """Split-K decode, pass 1: program (s, p, h) runs the online softmax of the G query heads
     of KV head h of sequence s over the key tiles of split p and writes the unnormalised
@@ -79,8 +80,8 @@ def _decode_split_kernel(bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, acc
         q = plgpu.load(q_ref.at[tok, head_idx[:, None], d[None, :]], mask=row_ok[:, None],
                        other=0.0)
         q_pos = jnp.full((rows,), seq_len - 1)  # the decode token sees the whole context
-        body = functools.partial(key_step, bt_ref, k_ref, v_ref, s, q, q_pos, seq_len,
-                                 scale=scale, block_k=block_k)
+        body = functools.partial(key_step, bt_ref, k_ref, v_ref, layer_ref[0], s, q, q_pos,
+                                 seq_len, scale=scale, block_k=block_k)
         acc, m_i, l_i = lax.fori_loop(kb_start, kb_end, body,
                                       kernel_init_state(rows, head_dim))
         plgpu.store(acc_ref.at[s, p, head_idx[:, None], d[None, :]], acc, mask=row_ok[:, None])
@@ -128,7 +129,7 @@ def _decode_combine_kernel(seq_lens_ref, qsl_ref, acc_ref, m_ref, l_ref, o_ref, 
                     mask=head_ok[:, None])
 
 
-def paged_attention_split_k(q: jax.Array, kv_cache: jax.Array, layer: int,
+def paged_attention_split_k(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
                             block_tables: jax.Array, seq_lens: jax.Array,
                             query_start_loc: jax.Array, *, scale: float, num_splits: int,
                             interpret: bool) -> jax.Array:
@@ -136,16 +137,12 @@ def paged_attention_split_k(q: jax.Array, kv_cache: jax.Array, layer: int,
     grid (S, num_splits, KVH) writing float32 scratch (acc [S, splits, H, D], max and sum
     [S, splits, H]), then a combine kernel over grid (S,)."""
     num_tokens, num_heads, head_dim = q.shape
-    _, _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+    num_layers, _, num_kv_heads = kv_cache.shape[:3]
     num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
     block_q, block_k, num_warps, num_stages = launch_config(group_pad, 1, head_dim, q.dtype)
     rows = block_q * group_pad  # >= 16, Triton's smallest dot tile
-
-    def cache_spec(which):
-        return pl.BlockSpec((None, None, None, num_blocks, block_size, head_dim),
-                            lambda s, p, h: (layer, which, h, 0, 0, 0))
 
     qsl = query_start_loc.astype(jnp.int32)
     seq_lens = seq_lens.astype(jnp.int32)
@@ -155,9 +152,10 @@ def paged_attention_split_k(q: jax.Array, kv_cache: jax.Array, layer: int,
         functools.partial(_decode_split_kernel, scale=float(scale), group=group, rows=rows,
                           block_k=block_k, num_splits=num_splits),
         grid=(num_seqs, num_splits, num_kv_heads),
-        in_specs=[whole_block_spec(block_tables.shape), whole_block_spec(seq_lens.shape),
-                  whole_block_spec(qsl.shape), whole_block_spec(q.shape), cache_spec(0),
-                  cache_spec(1)],
+        in_specs=[whole_block_spec((1,)), whole_block_spec(block_tables.shape),
+                  whole_block_spec(seq_lens.shape), whole_block_spec(qsl.shape),
+                  whole_block_spec(q.shape), kv_head_spec(kv_cache.shape, 0),
+                  kv_head_spec(kv_cache.shape, 1)],
         out_specs=[whole_block_spec(acc_shape), whole_block_spec(stats_shape),
                    whole_block_spec(stats_shape)],
         out_shape=[jax.ShapeDtypeStruct(acc_shape, jnp.float32),
@@ -166,7 +164,8 @@ def paged_attention_split_k(q: jax.Array, kv_cache: jax.Array, layer: int,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_split",
-    )(block_tables.astype(jnp.int32), seq_lens, qsl, q, kv_cache, kv_cache)
+    )(layer_operand(layer, num_layers), block_tables.astype(jnp.int32), seq_lens, qsl, q,
+      kv_cache, kv_cache)
     out = pl.pallas_call(
         functools.partial(_decode_combine_kernel, heads_pad=next_pow2(num_heads),
                           block_k=block_k, num_splits=num_splits),

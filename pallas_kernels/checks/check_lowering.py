@@ -13,11 +13,14 @@ shapes of MODEL_SHAPES (from shapes.py). Run: python -m pallas_kernels.checks.ch
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
+from jaxlib.mlir import ir
 
 from pallas_kernels.checks.lowering_cases import LOWERING_CASES
 from pallas_kernels.checks.shapes import QWEN2_SHAPES, Qwen2Shape
@@ -26,13 +29,61 @@ from pallas_kernels.common import lower_for_cuda
 MODEL_SHAPES: tuple[Qwen2Shape, ...] = tuple(
     QWEN2_SHAPES[name] for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"))
 DTYPES: tuple = (jnp.bfloat16, jnp.float32)
-# decode: 64 sequences of one token each (context up to 4096);
-# prefill: 2048 tokens over 4 sequences. lowering_cases.py builds each kernel's args from these.
-PHASES: tuple[str, ...] = ("decode", "prefill")
+# decode: 64 sequences of one token each (context up to 4096); decode1: one sequence of one
+# token; prefill: 2048 tokens over 4 sequences. lowering_cases.py builds each kernel's args
+# from these.
+PHASES: tuple[str, ...] = ("decode", "decode1", "prefill")
 KERNEL_MODULES: tuple[str, ...] = tuple(LOWERING_CASES)
 
 # A Pallas Triton kernel appears in the lowered StableHLO as this custom call.
 TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def custom_calls(op: ir.Operation) -> Iterable[ir.Operation]:
+    """Every `stablehlo.custom_call` nested in `op` (a lowered module's operation)."""
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                child = child.operation
+                if child.name == "stablehlo.custom_call":
+                    yield child
+                yield from custom_calls(child)
+
+
+@dataclass(frozen=True)
+class TritonModules:
+    """The distinct Triton modules of one lowered program, by kernel name. XLA compiles a
+    `__gpu$xla.gpu.triton` call once per distinct backend_config (its Triton module, name,
+    grid, warps and stages), so this is what a GPU start-up compiles for the program. `ops`:
+    the custom call ops by kernel name (a kernel inside a jitted function is one op in the
+    module however often that function is called)."""
+
+    modules: dict[str, int]
+    ops: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.modules.values())
+
+
+def triton_modules(lowered: jax.stages.Lowered) -> TritonModules:
+    """Count the distinct Triton modules and the Triton call ops of `lowered` (lowered for
+    CUDA) by kernel name."""
+    module = lowered.compiler_ir("stablehlo")
+    assert module is not None, "a lowered computation has StableHLO"
+    configs: dict[str, set[str]] = collections.defaultdict(set)
+    ops: collections.Counter[str] = collections.Counter()
+    for call in custom_calls(module.operation):
+        attrs = call.attributes
+        if ir.StringAttr(attrs["call_target_name"]).value != TRITON_CALL:
+            continue
+        if "mhlo.backend_config" not in attrs:
+            raise ValueError(f"{TRITON_CALL} without a backend_config")
+        config = attrs["mhlo.backend_config"]
+        name = ir.StringAttr(ir.DictAttr(config)["name"]).value
+        configs[name].add(str(config))
+        ops[name] += 1
+    return TritonModules({name: len(c) for name, c in configs.items()}, dict(ops))
 
 
 @dataclass(frozen=True)

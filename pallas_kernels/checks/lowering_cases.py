@@ -1,11 +1,17 @@
 """The cases check_lowering and check_compile lower for CUDA: per kernel module, a builder
 ``(model, dtype, phase) -> [(kernel_name, fn, ShapeDtypeStruct args)]`` at a model's shapes
 (a ``shapes.Qwen2Shape``) for the phase: "decode" (64 sequences of one token, contexts up to
-4096) or "prefill" (2048 tokens over 4 sequences). Every ``fn`` calls the kernel's public
-function with backend "pallas"."""
+4096), "decode1" (batch-1 decode: one sequence, one token) or "prefill" (2048 tokens over 4
+sequences). Every ``fn`` calls the kernel's public function with backend "pallas".
+
+The KV array of the write_kv and paged attention cases holds 64 sequences x 4096 tokens on
+every layer; where that is at most 4 GiB (Qwen2.5-0.5B in bfloat16: 3.2 GB), the kernels address
+it with 32-bit offsets, so those cases come again (suffix ``_kv60g``) with an array the size of
+an H100's KV budget, 60 GiB, which takes the 64-bit path a GPU engine runs."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -21,11 +27,34 @@ from pallas_kernels.rope import rope
 
 Case = tuple[str, Callable, tuple]
 
+# Tokens of each phase's step.
+PHASE_TOKENS = {"decode": 64, "decode1": 1, "prefill": 2048}
+# The cases' KV array: 64 sequences x 4096 tokens, in blocks of the case's size.
+CASE_KV_TOKENS = 64 * 4096
+# An H100's KV budget (80 GB less weights and activations), for the models whose usual case
+# array is small enough for 32-bit offsets.
+LARGE_KV_BYTES = 60 * 2**30
+LARGE_KV_SUFFIX = "_kv60g"
+
 
 def _tokens(phase: str) -> int:
-    if phase not in ("decode", "prefill"):
-        raise ValueError(f"unknown phase {phase!r}")
-    return 64 if phase == "decode" else 2048
+    if phase not in PHASE_TOKENS:
+        raise ValueError(f"unknown phase {phase!r}; expected one of {tuple(PHASE_TOKENS)}")
+    return PHASE_TOKENS[phase]
+
+
+def kv_arrays(model: Qwen2Shape, dtype, block_size: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(case name suffix, KV array shape) of the arrays a case runs at: the usual one and,
+    where that is at most 4 GiB, one of LARGE_KV_BYTES (64-bit offsets)."""
+    def shape(num_blocks):
+        return (model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
+
+    usual = shape(CASE_KV_TOKENS // block_size)
+    arrays = [("", usual)]
+    block_bytes = math.prod(shape(1)) * jnp.dtype(dtype).itemsize
+    if block_bytes * usual[3] <= 2**32:
+        arrays.append((LARGE_KV_SUFFIX, shape(LARGE_KV_BYTES // block_bytes)))
+    return arrays
 
 
 def rms_norm_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
@@ -58,35 +87,40 @@ def rope_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
 
 
 def kv_write_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
-    """``write_kv`` of 64 (decode) or 2048 (prefill) tokens. The cache holds 64 sequences x 4096
-    tokens in blocks of 16 on every layer, which for the larger models exceeds 4 GiB and so
-    also exercises the 64-bit addressing path of the Triton lowering."""
+    """``write_kv`` of the phase's tokens into the last layer of the KV array (``kv_arrays``:
+    blocks of 16; > 4 GiB, so on the 64-bit addressing path, for the larger models and for
+    the ``_kv60g`` case)."""
     num_tokens = _tokens(phase)
-    cache = (model.num_layers, 2, model.num_kv_heads, 64 * 4096 // 16, 16, model.head_dim)
     layer = model.num_layers - 1
     kv = (num_tokens, model.num_kv_heads, model.head_dim)
 
     def fn(kv_cache, k, v, slot_mapping):
         return write_kv(kv_cache, layer, k, v, slot_mapping, backend="pallas")
 
-    args = (jax.ShapeDtypeStruct(cache, dtype), jax.ShapeDtypeStruct(kv, dtype),
-            jax.ShapeDtypeStruct(kv, dtype), jax.ShapeDtypeStruct((num_tokens,), jnp.int32))
-    return [("write_kv", fn, args)]
+    return [(f"write_kv{suffix}", fn,
+             (jax.ShapeDtypeStruct(cache, dtype), jax.ShapeDtypeStruct(kv, dtype),
+              jax.ShapeDtypeStruct(kv, dtype), jax.ShapeDtypeStruct((num_tokens,), jnp.int32)))
+            for suffix, cache in kv_arrays(model, dtype, 16)]
 
 
 def paged_attention_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
     """decode: 64 sequences x 1 token, contexts up to 4096 (256 blocks of 16), max_query_len 1;
     and split-K decode of 8 sequences (a small batch) with ``decode_num_splits`` for a
     max_model_len of 4096 (16 splits for 2 KV heads, 8 for 4): two kernels, split and combine.
-    prefill: 2048 tokens over 4 sequences, blocks of 16 and of 32, max_query_len 2048.
-    The cache spans all layers (64 x 4096 tokens), > 4 GiB for the larger models, so the
-    64-bit addressing path of the Triton lowering is exercised too.
+    decode1: one sequence of one token, unsplit (a max_model_len too short to split) and
+    split-K (16 splits). prefill: 2048 tokens over 4 sequences, blocks of 16 and of 32,
+    max_query_len 2048. The KV array spans all layers (``kv_arrays``), > 4 GiB for the larger
+    models and in the ``_kv60g`` cases (blocks of 16), so the 64-bit addressing path of the
+    Triton lowering is exercised too.
     """
     max_model_len = 4096
     if phase == "decode":
         # tokens, sequences, max_query_len, block_size, num_splits
         shapes = [(64, 64, 1, 16, 1),
                   (8, 8, 1, 16, decode_num_splits(max_model_len, 8, model.num_kv_heads))]
+    elif phase == "decode1":
+        shapes = [(1, 1, 1, 16, 1),
+                  (1, 1, 1, 16, decode_num_splits(max_model_len, 1, model.num_kv_heads))]
     elif phase == "prefill":
         shapes = [(2048, 4, 2048, 16, 1), (2048, 4, 2048, 32, 1)]
     else:
@@ -95,7 +129,6 @@ def paged_attention_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
     cases = []
     for num_tokens, num_seqs, max_query_len, block_size, num_splits in shapes:
         max_blocks = max_model_len // block_size
-        cache = (num_layers, 2, model.num_kv_heads, 64 * max_blocks, block_size, model.head_dim)
 
         def fn(q, kv_cache, block_tables, seq_lens, query_start_loc, _mq=max_query_len,
                _ns=num_splits):
@@ -103,13 +136,16 @@ def paged_attention_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
                                    query_start_loc, scale=model.head_dim ** -0.5,
                                    max_query_len=_mq, backend="pallas", num_splits=_ns)
 
-        args = (jax.ShapeDtypeStruct((num_tokens, model.num_heads, model.head_dim), dtype),
-                jax.ShapeDtypeStruct(cache, dtype),
-                jax.ShapeDtypeStruct((num_seqs, max_blocks), jnp.int32),
-                jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
-                jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
         name = "paged_attention_splitk" if num_splits > 1 else "paged_attention"
-        cases.append((f"{name}_bs{block_size}", fn, args))
+        for suffix, cache in kv_arrays(model, dtype, block_size):
+            if suffix and block_size != 16:
+                continue  # the large array's addressing does not depend on the block size
+            args = (jax.ShapeDtypeStruct((num_tokens, model.num_heads, model.head_dim), dtype),
+                    jax.ShapeDtypeStruct(cache, dtype),
+                    jax.ShapeDtypeStruct((num_seqs, max_blocks), jnp.int32),
+                    jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+                    jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
+            cases.append((f"{name}_bs{block_size}{suffix}", fn, args))
     return cases
 
 
@@ -117,8 +153,9 @@ def paged_attention_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
 # in Q6_K (16-value blocks, no mins) and most others in Q4_K / Q5_K (32 values, with mins).
 DEQUANT_LAYERS: tuple[tuple[str, int, bool], ...] = (
     ("qkv", 32, True), ("o", 32, True), ("gate_up", 32, True), ("down", 16, False))
-# Rows per phase: the largest GEMV decode bucket, a 64-sequence decode step, a prefill chunk.
-DEQUANT_ROWS = {"decode": (8, 64), "prefill": (2048,)}
+# Rows per phase: the largest GEMV decode bucket, a 64-sequence decode step, batch-1 decode,
+# a prefill chunk.
+DEQUANT_ROWS = {"decode": (8, 64), "decode1": (1,), "prefill": (2048,)}
 
 
 def matmul_shape(model: Qwen2Shape, layer: str) -> tuple[int, int]:

@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pallas_kernels.attention_common import decode_num_splits
-from pallas_kernels.checks.lowering_cases import DEQUANT_LAYERS, matmul_shape
+from pallas_kernels.checks.lowering_cases import DEQUANT_LAYERS, LARGE_KV_SUFFIX, matmul_shape
 from pallas_kernels.checks.shapes import QWEN2_SHAPES, Qwen2Shape
 
 HBM_BYTES_PER_S = 3.35e12
@@ -234,14 +234,14 @@ def decode_attention_time(seqs: int, context: int, num_heads: int, num_kv_heads:
 # --------------------------------------------------------------------------- check_compile's cases
 
 # The shapes of check_lowering's cases (see lowering_cases.py): decode is 64 sequences
-# of one token, whose context is taken at the cases' maximum (4096 keys, 256 blocks of 16);
-# prefill is 2048 tokens, 4 sequences of 512 with no cached context.
-CASE_TOKENS = {"decode": 64, "prefill": 2048}
-CASE_SEQS = {"decode": 64, "prefill": 4}
+# of one token, decode1 one, whose context is taken at the cases' maximum (4096 keys, 256
+# blocks of 16); prefill is 2048 tokens, 4 sequences of 512 with no cached context.
+CASE_TOKENS = {"decode": 64, "decode1": 1, "prefill": 2048}
+CASE_SEQS = {"decode": 64, "decode1": 1, "prefill": 4}
 CASE_DECODE_CONTEXT = 4096
 # paged_attention's split-K decode cases: a few sequences (the shape split-K is for), as many
 # splits as attention_common.decode_num_splits gives them at that context.
-SPLIT_K_CASE_SEQS = 8
+SPLIT_K_CASE_SEQS = {"decode": 8, "decode1": 1}
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,8 @@ def case_cost(kernel: str, model, dtype: str, phase: str, grid: Sequence[int]) -
     programs past a sequence's 512 tokens exit at once and are not counted as working."""
     tokens = CASE_TOKENS[phase]
     launched = math.prod(grid)
-    base = kernel.split("/")[0]
+    # The large-KV cases cost what the usual ones do: only their addressing differs.
+    base = kernel.split("/")[0].removesuffix(LARGE_KV_SUFFIX)
     if base in ("rms_norm", "rms_norm+residual"):
         cost = rms_norm_cost(tokens, model.hidden_size, dtype, residual=base.endswith("residual"))
     elif base == "rope":
@@ -273,7 +274,7 @@ def case_cost(kernel: str, model, dtype: str, phase: str, grid: Sequence[int]) -
         group, offsets = {name: (g, o) for name, g, o in DEQUANT_LAYERS}[layer]
         cost = dequant_matmul_cost(int(rows), *matmul_shape(model, layer), group, offsets, dtype)
     elif base.startswith("paged_attention_splitk_bs"):
-        seqs = SPLIT_K_CASE_SEQS
+        seqs = SPLIT_K_CASE_SEQS[phase]
         splits = decode_num_splits(CASE_DECODE_CONTEXT, seqs, model.num_kv_heads)
         if kernel.endswith("/paged_attention_combine"):
             return combine_cost(seqs, model.num_heads, model.head_dim, dtype, splits)
@@ -284,7 +285,7 @@ def case_cost(kernel: str, model, dtype: str, phase: str, grid: Sequence[int]) -
     elif base.startswith("paged_attention_bs"):
         block_size = int(base.removeprefix("paged_attention_bs"))
         seqs = CASE_SEQS[phase]
-        if phase == "decode":
+        if phase in ("decode", "decode1"):
             return decode_attention_cost(seqs, CASE_DECODE_CONTEXT, model.num_heads,
                                          model.num_kv_heads, model.head_dim, dtype, block_size)
         q_len = tokens // seqs

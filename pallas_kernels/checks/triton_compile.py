@@ -12,16 +12,17 @@ import re
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jax
 from jaxlib.mlir import ir
 from jaxlib.mlir._mlir_libs import _jax_mlir_ext
 from jaxlib.triton import dialect as tt_dialect
 
-from pallas_kernels.checks.check_lowering import TRITON_CALL, first_line
+from pallas_kernels.checks.check_lowering import TRITON_CALL, custom_calls, first_line
 from pallas_kernels.common import lower_for_cuda
 
 # --------------------------------------------------------------------------- occupancy
@@ -129,26 +130,21 @@ def _triton_context() -> ir.Context:
     return _TRITON_CONTEXT
 
 
-def _custom_calls(op: ir.Operation) -> Iterable[ir.Operation]:
-    for region in op.regions:
-        for block in region.blocks:
-            for child in block.operations:
-                child = child.operation
-                if child.name == "stablehlo.custom_call":
-                    yield child
-                yield from _custom_calls(child)
-
-
 def _int(attr: ir.Attribute) -> int:
     return ir.IntegerAttr(attr).value
 
 
 def triton_kernels(fn, args: Sequence) -> list[TritonKernel]:
     """Lower `fn(*args)` for CUDA (no GPU) and return its Triton kernels as Triton IR text."""
-    module = lower_for_cuda(fn, args).compiler_ir("stablehlo")
+    return lowered_triton_kernels(lower_for_cuda(fn, args))
+
+
+def lowered_triton_kernels(lowered: jax.stages.Lowered) -> list[TritonKernel]:
+    """The Triton kernels of a program lowered for CUDA, as Triton IR text, one per call."""
+    module = lowered.compiler_ir("stablehlo")
     assert module is not None, "a lowered computation has StableHLO"
     kernels = []
-    for call in _custom_calls(module.operation):
+    for call in custom_calls(module.operation):
         attrs = call.attributes
         if ir.StringAttr(attrs["call_target_name"]).value != TRITON_CALL:
             continue

@@ -56,8 +56,8 @@ def test_a_known_failure_that_no_longer_fails_is_reported(sm90_results) -> None:
     verdict = cc.judge(sm90_results, [*known, fixed, gone])
     assert not verdict.ok and not verdict.new
     assert set(verdict.stale) == {(fixed, "ok"), (gone, "no such case")}
-    # Listed with another status: the entry is stale and the case a new failure. No sm_90a case
-    # spills today, so a passing one is made to.
+    # Listed with another status: the entry is stale and the case a new failure: a passing case
+    # is made to spill.
     failing = dataclasses.replace(passing, spill_stores=8, spill_loads=8)
     assert failing.status == "spills"
     results = [failing if r is passing else r for r in sm90_results]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -93,6 +94,33 @@ def test_kernel_matches_reference(backend, num_tokens, num_kv_heads, head_dim, b
     out = np.asarray(_jitted(*args, backend=backend))
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(ref, expected_write(kv, layer, k, v, slots))
+
+
+@pytest.mark.parametrize("backend", ["reference", *KERNEL_BACKENDS])
+def test_traced_layer_one_compilation_for_every_layer(backend):
+    # The layer as a traced scalar (and as a one-element array): one compiled function writes
+    # each layer, exactly where the static-layer oracle says, and leaves the others alone.
+    kv, k, v, slots = make_inputs(21, num_padding=4)
+    fn = jax.jit(functools.partial(write_kv, backend=backend))
+    for layer in (2, 0, 1):
+        out = np.asarray(fn(jnp.asarray(kv), jnp.int32(layer), k, v, jnp.asarray(slots)))
+        np.testing.assert_array_equal(out, expected_write(kv, layer, k, v, slots))
+    assert fn._cache_size() == 1
+    out = np.asarray(fn(jnp.asarray(kv), jnp.array([1], jnp.int32), k, v, jnp.asarray(slots)))
+    np.testing.assert_array_equal(out, expected_write(kv, 1, k, v, slots))
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_bad_layer_is_refused(backend):
+    kv, k, v, slots = make_inputs(4)
+    with pytest.raises(ValueError, match="layer 3 out of range for a KV array of 3 layers"):
+        write_kv(jnp.asarray(kv), 3, k, v, jnp.asarray(slots), backend=backend)
+    with pytest.raises(ValueError, match="layer -1 out of range"):
+        write_kv(jnp.asarray(kv), -1, k, v, jnp.asarray(slots), backend=backend)
+    with pytest.raises(ValueError, match="one-element integer array, got float32"):
+        write_kv(jnp.asarray(kv), jnp.float32(1), k, v, jnp.asarray(slots), backend=backend)
+    with pytest.raises(ValueError, match=r"one-element integer array, got int32\[2\]"):
+        write_kv(jnp.asarray(kv), jnp.array([0, 1]), k, v, jnp.asarray(slots), backend=backend)
 
 
 def test_unknown_backend():

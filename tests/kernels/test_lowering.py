@@ -1,10 +1,33 @@
-"""Every kernel lowers through Pallas -> Triton for CUDA at Qwen2 shapes (no GPU needed)."""
+"""Every kernel lowers through Pallas -> Triton for CUDA at Qwen2 shapes (no GPU needed), and a
+model step holds one Triton module per kernel kind whatever its number of layers."""
 
 from __future__ import annotations
 
+import math
+
+import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.checks.check_lowering import KERNEL_MODULES, format_table, run_checks
+from benchmarks.triton_modules import lower_step
+from jaxllm.model_executor.config import ModelConfig
+from pallas_kernels.checks.check_lowering import (
+    DTYPES,
+    KERNEL_MODULES,
+    MODEL_SHAPES,
+    format_table,
+    iter_cases,
+    run_checks,
+    triton_modules,
+)
+from pallas_kernels.checks.lowering_cases import (
+    LARGE_KV_BYTES,
+    LARGE_KV_SUFFIX,
+    kv_arrays,
+    kv_write_cases,
+    paged_attention_cases,
+)
+from pallas_kernels.checks.shapes import QWEN2_SHAPES
+from pallas_kernels.checks.triton_compile import triton_kernels
 
 
 @pytest.mark.parametrize("module", KERNEL_MODULES)
@@ -15,6 +38,72 @@ def test_kernel_lowers_for_cuda(module: str) -> None:
     assert not failed, "\n" + format_table(failed)
 
 
+def test_kv_arrays_over_4_gib_for_every_model_and_dtype() -> None:
+    # Every model's write_kv and attention cases include a KV array over 4 GiB (64-bit
+    # offsets): the usual one where it is that large, else an extra H100-sized one.
+    four_gib = 2**32
+    for model in QWEN2_SHAPES.values():
+        for dtype in DTYPES:
+            arrays = kv_arrays(model, dtype, 16)
+            sizes = [math.prod(shape) * jnp.dtype(dtype).itemsize for _, shape in arrays]
+            assert arrays[0][0] == "" and max(sizes) > four_gib
+            if sizes[0] <= four_gib:
+                assert [s for s, _ in arrays] == ["", LARGE_KV_SUFFIX]
+                assert LARGE_KV_BYTES - sizes[0] / arrays[0][1][3] < sizes[1] <= LARGE_KV_BYTES
+            else:
+                assert len(arrays) == 1
+    # Qwen2.5-0.5B in bfloat16 is the one whose usual array (3.2 GB) is under 4 GiB.
+    small = kv_arrays(QWEN2_SHAPES["qwen2.5-0.5b"], jnp.bfloat16, 16)
+    assert len(small) == 2
+    names = {c.kernel for c in iter_cases(["kv_write", "paged_attention"], MODEL_SHAPES[:1],
+                                          [jnp.bfloat16], ["decode1"])}
+    assert names == {"write_kv", "write_kv_kv60g", "paged_attention_bs16",
+                     "paged_attention_bs16_kv60g", "paged_attention_splitk_bs16",
+                     "paged_attention_splitk_bs16_kv60g"}
+
+
+def test_large_kv_cases_take_64_bit_offsets() -> None:
+    # The _kv60g cases exist for their addressing: their KV loads and stores go through 64-bit
+    # pointer offsets, the usual (3.2 GB) array's through 32-bit ones. The combine kernel never
+    # touches the KV array.
+    model = QWEN2_SHAPES["qwen2.5-0.5b"]
+    cases = kv_write_cases(model, jnp.bfloat16, "decode1") + paged_attention_cases(
+        model, jnp.bfloat16, "decode1")
+    seen = set()
+    for name, fn, args in cases:
+        for kernel in triton_kernels(fn, args):
+            wide = any("tt.addptr" in line and "i64" in line for line in kernel.ttir.splitlines())
+            touches_kv = kernel.name != "paged_attention_combine"
+            assert wide == (name.endswith(LARGE_KV_SUFFIX) and touches_kv), (name, kernel.name)
+            seen.add((name, kernel.name))
+    assert len(seen) == 8
+
+
 def test_missing_module_is_reported_not_raised() -> None:
     (result,) = run_checks(["no_such_kernel"])
     assert not result.ok and result.error.startswith("missing")
+
+
+# The kernel kinds of a bf16 step of the model: the norms (the first layer's input norm alone,
+# then fused with the residual add), RoPE, the KV write and attention (split-K decode: split
+# and combine kernels; a prefill bucket: the one-pass kernel).
+NORMS_ROPE_WRITE = {"rms_norm", "rms_norm_residual", "rope", "write_kv"}
+STEP_KERNELS = {
+    "decode": NORMS_ROPE_WRITE | {"paged_attention_split", "paged_attention_combine"},
+    "prefill": NORMS_ROPE_WRITE | {"paged_attention"},
+}
+
+
+@pytest.mark.parametrize("phase, num_tokens", [("decode", 8), ("prefill", 64)])
+def test_model_step_has_one_triton_module_per_kernel_kind(phase, num_tokens) -> None:
+    # 3 layers at Qwen2.5-0.5B widths: each layer calls write_kv and attention, yet XLA gets
+    # one distinct Triton module per kernel kind to compile (with the layer a constant of the
+    # kernels, write_kv and attention would be 3 modules each).
+    num_layers = 3
+    shape = QWEN2_SHAPES["qwen2.5-0.5b"]
+    config = ModelConfig.from_hf_config(shape.hf_config(num_hidden_layers=num_layers,
+                                                        vocab_size=1024, rope_theta=1e6))
+    counts = triton_modules(lower_step(config, num_tokens, phase == "decode"))
+    assert counts.modules == dict.fromkeys(STEP_KERNELS[phase], 1)
+    attention = "paged_attention_split" if phase == "decode" else "paged_attention"
+    assert counts.ops["write_kv"] == counts.ops[attention] == num_layers

@@ -453,6 +453,42 @@ def test_jit_with_static_layer():
     np.testing.assert_allclose(out[:10], case.expected()[:10], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_traced_layer_one_compilation_for_every_layer(backend, num_splits):
+    # The layer as a traced scalar: one compiled function reads each layer of a 3-layer cache
+    # (unsplit, and split-K decode), matching the naive model of that layer.
+    seqs = [(10, 1), (70, 1), (33, 1)] if num_splits > 1 else [(10, 1), (0, 9), (20, 4)]
+    case = make_case(seqs, num_layers=3, pad_tokens=2, pad_seqs=1, seed=41)
+    mq = 1 if num_splits > 1 else case.max_query_len
+    fn = jax.jit(lambda q, kv, layer, *a: paged_attention(
+        q, kv, layer, *a, scale=case.scale, max_query_len=mq, backend=backend,
+        num_splits=num_splits))
+    q, kv, _, bt, sl, qsl = case.args()
+    total = int(case.qsl[-1])
+    outs = []
+    for layer in (2, 0, 1):
+        out = np.asarray(fn(q, kv, jnp.int32(layer), bt, sl, qsl))
+        want = naive_attention(case.q, case.kv, layer, case.block_tables, case.seq_lens,
+                               case.qsl, case.scale)
+        np.testing.assert_allclose(out[:total], want[:total], rtol=1e-5, atol=1e-5)
+        assert (out[total:] == 0).all()
+        outs.append(out)
+    assert fn._cache_size() == 1
+    assert not np.allclose(outs[0], outs[1])  # the layers' K/V differ, so must the outputs
+
+
+def test_bad_layer_is_refused():
+    case = make_case([(4, 1)])
+    q, kv, _, bt, sl, qsl = case.args()
+    for backend in ("reference", "interpret"):
+        with pytest.raises(ValueError, match="layer 2 out of range for a KV array of 2 layers"):
+            paged_attention(q, kv, 2, bt, sl, qsl, scale=case.scale, backend=backend)
+        with pytest.raises(ValueError, match="one-element integer array, got float32"):
+            paged_attention(q, kv, jnp.float32(0), bt, sl, qsl, scale=case.scale,
+                            backend=backend)
+
+
 def test_unknown_backend():
     case = make_case([(0, 1)])
     with pytest.raises(ValueError, match="triton"):

@@ -124,13 +124,13 @@ def test_case_shapes_match_the_lowering_cases() -> None:
             assert cost.flops == 2 * x.shape[0] * qweight.shape[0] * qweight.shape[1]
         elif case.kernel.startswith("paged_attention_splitk"):
             q, cache, tables = case.args[:3]
-            assert q.shape[0] == tables.shape[0] == pm.SPLIT_K_CASE_SEQS
+            assert q.shape[0] == tables.shape[0] == pm.SPLIT_K_CASE_SEQS[case.phase]
             assert tables.shape[1] * cache.shape[-2] == pm.CASE_DECODE_CONTEXT
         else:
             q, cache, tables = case.args[:3]
             assert q.shape[0] == pm.CASE_TOKENS[case.phase]
             assert tables.shape[0] == pm.CASE_SEQS[case.phase]
-            if case.phase == "decode":
+            if case.phase in ("decode", "decode1"):
                 assert tables.shape[1] * cache.shape[-2] == pm.CASE_DECODE_CONTEXT
 
 
