@@ -56,7 +56,10 @@ class Sizes:
 
     dry_run: bool
     kernel_backend: str  # the Pallas backend under test: pallas (GPU) or interpret (CPU)
-    engine_backend: str  # ... for the engines of the tiny stage
+    engine_backend: str  # ... for the engines of the tiny and parity stages
+    # The backend whose step buckets must update the KV array in place: interpret mode's loops
+    # copy it on CPU, so a dry run checks the reference backend's buckets.
+    kv_check_backend: str
     time_box_s: float
     copy_bytes: int
     gemm_n: int
@@ -78,7 +81,10 @@ class Sizes:
 
 def sizes_for(dry_run: bool, time_box_s: float | None) -> Sizes:
     if dry_run:
-        return Sizes(True, "interpret", "interpret", time_box_s or DRY_RUN_TIME_BOX_S,
+        # Engines in interpret mode take minutes on a small CPU: the dry run's engines use the
+        # reference backend, its kernel checks interpret mode.
+        return Sizes(True, "interpret", "reference", "reference",
+                     time_box_s or DRY_RUN_TIME_BOX_S,
                      copy_bytes=8 << 20, gemm_n=256,
                      kernel_tests=("tests/kernels/test_rms_norm.py",),
                      kernel_bench_args=("--runs", "1", "--warmup", "1", "--kernels", "rms_norm"),
@@ -87,7 +93,7 @@ def sizes_for(dry_run: bool, time_box_s: float | None) -> Sizes:
                      parity_model="tiny-qwen2", parity_prompts=2,
                      bench_models=("dry-run-tiny",), bench_batch_sizes=(1, 2), bench_len=4,
                      bench_prompts=3)
-    return Sizes(False, "pallas", "pallas", time_box_s or DEFAULT_TIME_BOX_S,
+    return Sizes(False, "pallas", "pallas", "pallas", time_box_s or DEFAULT_TIME_BOX_S,
                  copy_bytes=2 << 30, gemm_n=8192, kernel_tests=("tests/kernels",),
                  kernel_bench_args=(), tiny_vocab=512, tiny_max_model_len=128,
                  split_k_max_model_len=4096,
@@ -495,15 +501,20 @@ def stage_tiny(run: StageRun) -> None:
         with highest_matmul_precision():
             want = hf_greedy(state["hf"], prompts, MAX_NEW)
             ref = engine(dtype="float32", kernel_backend="reference")
-            got_ref = [o.outputs[0].token_ids for o in greedy_ids(ref, prompts, MAX_NEW)]
-            ref.shutdown()
+            state["ref_f32"] = greedy_ids(ref, prompts, MAX_NEW, logprobs=5)
+            got_ref = [o.outputs[0].token_ids for o in state["ref_f32"]]
             pal = engine(dtype="float32", kernel_backend=sizes.engine_backend)
             got_pal = [o.outputs[0].token_ids for o in greedy_ids(pal, prompts, MAX_NEW)]
             # Warm: the same requests again must compile nothing.
             before = len(compiles.seconds)
             again = [o.outputs[0].token_ids for o in greedy_ids(pal, prompts, MAX_NEW)]
             state["recompiles"] = len(compiles.seconds) - before
-            state["pal_engine"] = pal
+            for llm in (ref, pal):
+                if llm.llm_engine.engine_config.kernel_backend == sizes.kv_check_backend \
+                        and "kv_engine" not in state:
+                    state["kv_engine"] = llm
+                else:
+                    llm.shutdown()
         state["hf_tokens"] = want
         mism = [i for i, (a, b, c) in enumerate(zip(got_pal, got_ref, want, strict=True))
                 if not a == b == c]
@@ -515,10 +526,11 @@ def stage_tiny(run: StageRun) -> None:
     run.check("zero_compiles_after_warmup",
               lambda: {"ok": state.get("recompiles") == 0,
                        "compiles_after_warmup": state.get("recompiles")})
-    run.check("kv_in_place_every_bucket", lambda: bucket_kv_analysis(state["pal_engine"]))
+    run.check("kv_in_place_every_bucket", lambda: {
+        **bucket_kv_analysis(state["kv_engine"]), "backend": sizes.kv_check_backend})
 
     def pal_pool() -> dict[str, Any]:
-        llm = state.pop("pal_engine")
+        llm = state.pop("kv_engine")
         try:
             return kv_pool_check(llm)
         finally:
@@ -527,15 +539,11 @@ def stage_tiny(run: StageRun) -> None:
     run.check("kv_pool_free", pal_pool)
 
     def bf16_close() -> dict[str, Any]:
-        with highest_matmul_precision():
-            ref = engine(dtype="float32", kernel_backend="reference")
-            a = greedy_ids(ref, prompts, MAX_NEW, logprobs=5)
-            ref.shutdown()
         pal = engine(dtype="bfloat16", kernel_backend=sizes.engine_backend)
         b = greedy_ids(pal, prompts, MAX_NEW, logprobs=5)
         pool = kv_pool_check(pal)
         pal.shutdown()
-        res = top_k_close(a, b)
+        res = top_k_close(state["ref_f32"], b)
         return {**res, "ok": res["ok"] and pool["ok"], "pool": pool}
 
     run.check("bf16_logprob_close", bf16_close)
@@ -548,7 +556,8 @@ def stage_tiny(run: StageRun) -> None:
         kw = dict(max_model_len=sizes.split_k_max_model_len, max_num_seqs=2,
                   num_kv_blocks=2 * sizes.split_k_max_model_len // 16 + 2, dtype="float32")
         with highest_matmul_precision():
-            pal = engine(kernel_backend=sizes.engine_backend, **kw)
+            # Split-K exists only in the Pallas kernels (interpret mode in a dry run).
+            pal = engine(kernel_backend=sizes.kernel_backend, **kw)
             table = pal.collective_rpc("bucket_table")
             got = [o.outputs[0].token_ids for o in greedy_ids(pal, long, 16)]
             pool = kv_pool_check(pal)
@@ -620,7 +629,7 @@ def random_runner(shape, sizes: Sizes, dtype: str):
     jax = _jax()
     config = ModelConfig.from_hf_config(shape.hf_config(max_position_embeddings=4096,
                                                         rope_theta=1e6, rms_norm_eps=1e-6))
-    model = Qwen2ForCausalLM(config, dtype=jnp.dtype(dtype), kernel_backend=sizes.kernel_backend,
+    model = Qwen2ForCausalLM(config, dtype=jnp.dtype(dtype), kernel_backend=sizes.engine_backend,
                              activation_dtype=jnp.dtype(dtype), tp_axis=None)
     leaves, tree = jax.tree.flatten(abstract_params(model))
     keys = jax.random.split(jax.random.key(0), len(leaves))
@@ -628,7 +637,7 @@ def random_runner(shape, sizes: Sizes, dtype: str):
         (0.02 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype)
         for k, a in zip(keys, leaves, strict=True)])
     return config, ModelRunner(config, params, dtype=jnp.dtype(dtype),
-                               kernel_backend=sizes.kernel_backend, block_size=16,
+                               kernel_backend=sizes.engine_backend, block_size=16,
                                max_model_len=4096 if not sizes.dry_run else 512,
                                max_num_seqs=sizes.realshape_seqs,
                                max_num_batched_tokens=sizes.realshape_tokens)
@@ -652,7 +661,7 @@ def stage_realshape(run: StageRun) -> None:
             # and the largest step's activations (the CPU default where no memory is reported).
             config = EngineConfig(
                 model=name, model_path="", dtype=dtype, kv_cache_dtype=dtype,
-                activation_dtype=dtype, kernel_backend=sizes.kernel_backend, quantization="none",
+                activation_dtype=dtype, kernel_backend=sizes.engine_backend, quantization="none",
                 gemv_max_rows=0, topk_sampling=False, async_scheduling=True,
                 multiprocess_mode=False, block_size=16, num_kv_blocks=None,
                 kv_cache_memory_bytes=None, gpu_memory_utilization=0.9, max_model_len=None,
@@ -859,7 +868,7 @@ def stage_bench(run: StageRun) -> None:
     work = Path(tempfile.mkdtemp(prefix="gpu_checks_bench_"))
     n = sizes.bench_len
     dtype = "bfloat16" if not sizes.dry_run else "float32"
-    engine = ["--dtype", dtype, "--kernel-backend", sizes.kernel_backend,
+    engine = ["--dtype", dtype, "--kernel-backend", sizes.engine_backend,
               "--skip-tokenizer-init", "--max-model-len", str(4 * n + 16), "--no-progress"]
 
     def cli(name: str, model: Path, *args: str) -> tuple[int, dict[str, Any], str]:
