@@ -77,6 +77,8 @@ class Sizes:
     bench_batch_sizes: tuple[int, ...]
     bench_len: int
     bench_prompts: int
+    bench_tokens: int  # max_num_batched_tokens of the bench engines
+    parity_new_tokens: int
 
 
 def sizes_for(dry_run: bool, time_box_s: float | None) -> Sizes:
@@ -92,7 +94,7 @@ def sizes_for(dry_run: bool, time_box_s: float | None) -> Sizes:
                      realshapes=("dry-run-tiny",), realshape_tokens=16, realshape_seqs=2,
                      parity_model="tiny-qwen2", parity_prompts=2,
                      bench_models=("dry-run-tiny",), bench_batch_sizes=(1, 2), bench_len=4,
-                     bench_prompts=3)
+                     bench_prompts=3, bench_tokens=16, parity_new_tokens=8)
     return Sizes(False, "pallas", "pallas", "pallas", time_box_s or DEFAULT_TIME_BOX_S,
                  copy_bytes=2 << 30, gemm_n=8192, kernel_tests=("tests/kernels",),
                  kernel_bench_args=(), tiny_vocab=512, tiny_max_model_len=128,
@@ -100,7 +102,8 @@ def sizes_for(dry_run: bool, time_box_s: float | None) -> Sizes:
                  realshapes=("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"),
                  realshape_tokens=512, realshape_seqs=64, parity_model=None, parity_prompts=6,
                  bench_models=("qwen2.5-0.5b", "qwen2.5-1.5b"),
-                 bench_batch_sizes=(1, 2, 4, 8, 16, 32, 64), bench_len=128, bench_prompts=64)
+                 bench_batch_sizes=(1, 2, 4, 8, 16, 32, 64), bench_len=128, bench_prompts=64,
+                 bench_tokens=512, parity_new_tokens=32)
 
 
 # --------------------------------------------------------------------------- recording
@@ -373,7 +376,7 @@ def stage_kernels(run: StageRun) -> None:
         if parallel:
             # One GPU shared by the workers: each must not take most of its memory up front.
             cmd += ["-n", "4"]
-        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        env = dict(os.environ)
         timeout = max(30.0, run.seconds_left() - 120)
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=timeout)
@@ -735,8 +738,10 @@ def stage_parity(run: StageRun) -> None:
 
     path = resolve_model(sizes.parity_model)
     state: dict[str, Any] = {}
+    new = sizes.parity_new_tokens
     base = dict(model=None if sizes.parity_model is None else str(path), max_model_len=512,
-                max_num_seqs=8, max_num_batched_tokens=128, show_progress=False,
+                max_num_seqs=sizes.parity_prompts, max_num_batched_tokens=sizes.bench_tokens,
+                show_progress=False,
                 multiprocess_mode=False, kernel_backend=sizes.engine_backend,
                 quantization="none", num_kv_blocks=128)
 
@@ -771,10 +776,10 @@ def stage_parity(run: StageRun) -> None:
             llm = LLM(dtype="float32", skip_tokenizer_init=True, **base)
             sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-            greedy = greedy_ids(llm, prompts, 32, logprobs=5)
+            greedy = greedy_ids(llm, prompts, new, logprobs=5)
             pool = kv_pool_check(llm)
             llm.shutdown()
-            want = hf_greedy(state["hf"], prompts, 32)
+            want = hf_greedy(state["hf"], prompts, new)
         worst = 0.0
         for p, o in zip(prompts, outs, strict=True):
             ref = hf_logprobs(p)
@@ -791,7 +796,7 @@ def stage_parity(run: StageRun) -> None:
 
     def bf16() -> dict[str, Any]:
         llm = LLM(dtype="bfloat16", skip_tokenizer_init=True, **base)
-        got = greedy_ids(llm, state["prompts"], 32, logprobs=5)
+        got = greedy_ids(llm, state["prompts"], new, logprobs=5)
         pool = kv_pool_check(llm)
         llm.shutdown()
         res = top_k_close(state["f32"], got)
@@ -804,7 +809,7 @@ def stage_parity(run: StageRun) -> None:
         with highest_matmul_precision():
             llm = LLM(dtype="float32", skip_tokenizer_init=True,
                       **{**base, "num_kv_blocks": 8, "max_num_batched_tokens": 16})
-            got = [o.outputs[0].token_ids for o in greedy_ids(llm, prompts, 32)]
+            got = [o.outputs[0].token_ids for o in greedy_ids(llm, prompts, new)]
             pool = kv_pool_check(llm)
             llm.shutdown()
         want = [o.outputs[0].token_ids for o in state["f32"]] * 2
@@ -844,6 +849,10 @@ def write_random_checkpoint(shape, path: Path, seed: int = 0) -> None:
                **({} if shape.tied_embeddings else
                   {"lm_head.weight": rand(shape.vocab_size, h)})},
               str(path / "model-embed.safetensors"))
+    weight_map = {"model.embed_tokens.weight": "model-embed.safetensors",
+                  "model.norm.weight": "model-embed.safetensors"}
+    if not shape.tied_embeddings:
+        weight_map["lm_head.weight"] = "model-embed.safetensors"
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
         save_file({p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.q_proj.bias": rand(q),
@@ -858,6 +867,15 @@ def write_random_checkpoint(shape, path: Path, seed: int = 0) -> None:
                    p + "input_layernorm.weight": ones(h),
                    p + "post_attention_layernorm.weight": ones(h)},
                   str(path / f"model-layer{i:03d}.safetensors"))
+        for key in ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+                    "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+                    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                    "mlp.down_proj.weight", "input_layernorm.weight",
+                    "post_attention_layernorm.weight"):
+            weight_map[p + key] = f"model-layer{i:03d}.safetensors"
+    # The index names each tensor's file: Hugging Face reads several files through it.
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": weight_map}, indent=1))
 
 
 def stage_bench(run: StageRun) -> None:
@@ -869,7 +887,8 @@ def stage_bench(run: StageRun) -> None:
     n = sizes.bench_len
     dtype = "bfloat16" if not sizes.dry_run else "float32"
     engine = ["--dtype", dtype, "--kernel-backend", sizes.engine_backend,
-              "--skip-tokenizer-init", "--max-model-len", str(4 * n + 16), "--no-progress"]
+              "--skip-tokenizer-init", "--max-model-len", str(4 * n + 16), "--no-progress",
+              "--max-num-batched-tokens", str(sizes.bench_tokens)]
 
     def cli(name: str, model: Path, *args: str) -> tuple[int, dict[str, Any], str]:
         out = run.out_dir / f"bench_{name}.json"
@@ -898,9 +917,7 @@ def stage_bench(run: StageRun) -> None:
         def sweep(name=name, model=model, blocks=blocks) -> dict[str, Any]:
             rc, doc, tail = cli(f"{name}_sweep", model, "sweep", "--batch-sizes",
                                 *map(str, sizes.bench_batch_sizes), "--input-len", str(n),
-                                "--output-len", str(n), "--compare-hf", "--profile",
-                                "--profile-batch-sizes", "1", "--profile-input-len", str(n),
-                                "--num-kv-blocks", blocks)
+                                "--output-len", str(n), "--compare-hf", "--num-kv-blocks", blocks)
             return {"ok": rc == 0 and bool(doc), "result": doc, "tail": tail}
 
         run.check(f"{name}_sweep", sweep)
@@ -908,7 +925,8 @@ def stage_bench(run: StageRun) -> None:
         def latency(name=name, model=model, blocks=blocks, shape=shape) -> dict[str, Any]:
             rc, doc, tail = cli(f"{name}_latency", model, "latency", "--batch-size", "1",
                                 "--input-len", str(n), "--output-len", str(n),
-                                "--num-iters", "3", "--num-iters-warmup", "1", "--compare-hf",
+                                "--num-iters", "1" if sizes.dry_run else "5",
+                                "--num-iters-warmup", "1", "--compare-hf",
                                 "--profile", "--profile-batch-sizes", "1",
                                 "--profile-input-len", str(n), "--num-kv-blocks", blocks)
             measured = [p["step_ms"] for p in doc.get("profile", []) if "step_ms" in p]
@@ -952,6 +970,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.time_box is not None and ns.time_box <= 0:
         parser.error(f"--time-box must be > 0, got {ns.time_box}")
+    # Engine cores in their own process and the bench and kernel-test children share the GPU
+    # with this process: none may take most of its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     out = Path(ns.out or os.environ.get("OUT") or "gpu_checks_out")
     sizes = sizes_for(ns.dry_run, ns.time_box)
     run = StageRun(ns.stage, out, sizes)
