@@ -306,7 +306,8 @@ def top_k_close(a_out, b_out) -> dict[str, Any]:
 
 def stage_probe(run: StageRun) -> None:
     sizes = run.sizes
-    run.check("platform", lambda: platform_check(sizes))
+    if run.check("platform", lambda: platform_check(sizes)) is None:
+        return
     run.check("versions", lambda: {"ok": True, **package_versions()})
 
     def devices() -> dict[str, Any]:
@@ -364,7 +365,8 @@ def junit_counts(path: Path) -> dict[str, int]:
 
 def stage_kernels(run: StageRun) -> None:
     sizes = run.sizes
-    run.check("platform", lambda: platform_check(sizes))
+    if run.check("platform", lambda: platform_check(sizes)) is None:
+        return
 
     def pallas_tests() -> dict[str, Any]:
         import importlib.util
@@ -477,10 +479,10 @@ def bucket_kv_analysis(llm) -> dict[str, Any]:
 
 def stage_tiny(run: StageRun) -> None:
     sizes = run.sizes
-    run.check("platform", lambda: platform_check(sizes))
-    from tests.utils import MAX_NEW, make_tiny_checkpoint
-
+    if run.check("platform", lambda: platform_check(sizes)) is None:
+        return
     from jaxllm import LLM
+    from tests.utils import MAX_NEW, make_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="gpu_checks_tiny_"))
     compiles = CompileCounter()
@@ -648,7 +650,8 @@ def random_runner(shape, sizes: Sizes, dtype: str):
 
 def stage_realshape(run: StageRun) -> None:
     sizes = run.sizes
-    run.check("platform", lambda: platform_check(sizes))
+    if run.check("platform", lambda: platform_check(sizes)) is None:
+        return
     from jaxllm.config import EngineConfig, num_kv_blocks_for
 
     for name in sizes.realshapes:
@@ -730,7 +733,8 @@ PARITY_TEXTS = ("def fibonacci(n):", "The capital of France is", "import numpy a
 
 def stage_parity(run: StageRun) -> None:
     sizes = run.sizes
-    run.check("platform", lambda: platform_check(sizes))
+    if run.check("platform", lambda: platform_check(sizes)) is None:
+        return
     import numpy as np
 
     from jaxllm import LLM, SamplingParams
@@ -880,7 +884,8 @@ def write_random_checkpoint(shape, path: Path, seed: int = 0) -> None:
 
 def stage_bench(run: StageRun) -> None:
     sizes = run.sizes
-    run.check("platform", lambda: platform_check(sizes))
+    if run.check("platform", lambda: platform_check(sizes)) is None:
+        return
     from pallas_kernels.checks.perf_model import decode_step
 
     work = Path(tempfile.mkdtemp(prefix="gpu_checks_bench_"))
