@@ -165,11 +165,19 @@ class StageRun:
                "elapsed_s": round(time.monotonic() - self.started, 3), "info": self.info,
                "checks": self.checks, "failed": self.failed()}
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        tmp.write_text(json.dumps(doc, indent=1, default=_json_value) + "\n")
         os.replace(tmp, self.path)
 
 
 # --------------------------------------------------------------------------- shared helpers
+
+
+def _json_value(value: Any) -> Any:
+    """numpy scalars and arrays as JSON numbers and lists; anything else as its str()."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
 
 
 def _jax():
@@ -789,7 +797,8 @@ def stage_parity(run: StageRun) -> None:
             ref = hf_logprobs(p)
             # prompt_logprobs[i] scores token i given tokens < i (None for the first).
             for i in range(1, len(p)):
-                worst = max(worst, abs(o.prompt_logprobs[i][p[i]].logprob - ref[i - 1, p[i]]))
+                worst = max(worst, float(abs(o.prompt_logprobs[i][p[i]].logprob
+                                             - ref[i - 1, p[i]])))
         state["f32"] = greedy
         same = [g.outputs[0].token_ids == w for g, w in zip(greedy, want, strict=True)]
         return {"ok": worst < 2e-3 and all(same) and pool["ok"],
