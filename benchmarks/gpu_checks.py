@@ -504,7 +504,9 @@ def stage_tiny(run: StageRun) -> None:
         return LLM(model=str(work / "ckpt"), **{**base, **kw})
 
     def make_model() -> dict[str, Any]:
-        hf = make_tiny_checkpoint(work / "ckpt", tied=False, vocab_size=sizes.tiny_vocab)
+        # Positions up to the split-K check's max_model_len.
+        hf = make_tiny_checkpoint(work / "ckpt", tied=False, vocab_size=sizes.tiny_vocab,
+                                  max_position_embeddings=max(512, sizes.split_k_max_model_len))
         state["hf"] = hf
         return {"ok": True, "vocab_size": sizes.tiny_vocab, "path": str(work / "ckpt")}
 
