@@ -2,7 +2,7 @@
 # Build what a GPU machine with no package registry needs to run the GPU checks
 # (docs/gpu.md), on a machine that has one:
 #
-#   bash scripts/gpu_prepare.sh [DEST] [--no-wheels] [--wheel-cache DIR] [--serve]
+#   [PYTHON=python-with-jaxllm-deps] bash scripts/gpu_prepare.sh [DEST] [--no-wheels] [--wheel-cache DIR] [--serve]
 #                               [--model FILE] [--no-tokenizer] [--no-model]
 #                               [--carry-limit-bytes N] [--chunk-bytes N] [--first-chunk-bytes N]
 #
@@ -14,8 +14,8 @@
 #   project.tar.gz the project at HEAD (git archive)
 #   model/chunk-NN the model file (default: the embedded GGUF; --model FILE or
 #                  $JAXLLM_GPU_MODEL another) in pieces that each travel beside the working tree
-#                  under the carry limit (64 MiB); the first is smaller, as it travels with the
-#                  wheels and the tokenizer
+#                  under the carry limit (64 MiB) with the wheels; the first is smaller, as the
+#                  tokenizer travels with it
 #   manifest.txt   "sha256 size name" of every chunk, then of the whole file (its name last)
 set -euo pipefail
 
@@ -98,7 +98,8 @@ if [[ $WITH_MODEL == 0 ]]; then
 fi
 if [[ -z "$MODEL" ]]; then
     MODEL="$(cd "$ROOT" && PYTHONPATH="$ROOT" "$PYTHON" -c \
-        'from jaxllm.model_executor.model_loader.default_model import default_model_path as p; print(p())')"
+        'from jaxllm.model_executor.model_loader.default_model import default_model_path as p; print(p())')" \
+        || die "could not find the embedded model with $PYTHON (set PYTHON to an interpreter with jaxllm's dependencies, or pass --model FILE)"
 fi
 [[ -f "$MODEL" ]] || die "model file $MODEL does not exist"
 
@@ -118,13 +119,17 @@ size_of() { du -sb "$@" 2>/dev/null | awk '{s += $1} END {print s + 0}'; }
 TREE=$(cd "$ROOT" && git ls-files -co --exclude-standard -z \
        | xargs -0 -r stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
 SLACK=$((1 << 20))  # the manifest, directory entries
-EXTRA=0
-[[ -d "$DEST/wheels" ]] && EXTRA=$((EXTRA + $(size_of "$DEST/wheels")))
-[[ -d "$DEST/tokenizer" ]] && EXTRA=$((EXTRA + $(size_of "$DEST/tokenizer")))
-CHUNK="${CHUNK:-$((CARRY_LIMIT - TREE - SLACK))}"
-FIRST_CHUNK="${FIRST_CHUNK:-$((CHUNK - EXTRA))}"
+# Every call carries the wheels (a machine that restarted has lost them); the tokenizer comes
+# once, with the first chunk.
+WHEEL_BYTES=0
+TOKENIZER_BYTES=0
+[[ -d "$DEST/wheels" ]] && WHEEL_BYTES=$(size_of "$DEST/wheels")
+[[ -d "$DEST/tokenizer" ]] && TOKENIZER_BYTES=$(size_of "$DEST/tokenizer")
+CHUNK="${CHUNK:-$((CARRY_LIMIT - TREE - WHEEL_BYTES - SLACK))}"
+FIRST_CHUNK="${FIRST_CHUNK:-$((CHUNK - TOKENIZER_BYTES))}"
 [[ $FIRST_CHUNK -gt 0 && $CHUNK -gt 0 ]] \
-    || die "no room for a chunk: carry limit $CARRY_LIMIT, tree $TREE, wheels+tokenizer $EXTRA bytes"
+    || die "no room for a chunk: carry limit $CARRY_LIMIT, tree $TREE, wheels $WHEEL_BYTES," \
+           "tokenizer $TOKENIZER_BYTES bytes"
 
 rm -rf "$DEST/model" "$DEST/manifest.txt"
 mkdir -p "$DEST/model"
@@ -148,5 +153,6 @@ with open(os.path.join(dest, "manifest.txt"), "w") as out:
     out.write("\n".join(lines) + "\n")
 EOF
 echo "model: $MODEL in $(($(wc -l < "$DEST/manifest.txt") - 1)) chunks" \
-     "(first $FIRST_CHUNK bytes, then $CHUNK; tree $TREE bytes, wheels+tokenizer $EXTRA)"
+     "(first $FIRST_CHUNK bytes, then $CHUNK; tree $TREE, wheels $WHEEL_BYTES," \
+     "tokenizer $TOKENIZER_BYTES bytes)"
 echo "manifest: $DEST/manifest.txt"

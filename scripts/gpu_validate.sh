@@ -8,7 +8,8 @@
 # GPU_DIR (default .gpu/ in the repository) holds what this call brought: wheels/,
 # tokenizer/, project.tar.gz, manifest.txt and any of the model's chunks. GPU_CACHE (default
 # /tmp/jaxllm-gpu) keeps across calls on the same machine: the installed wheels, the chunks
-# seen so far and the assembled model (a machine that restarts starts with none of them).
+# seen so far, the tokenizer and the assembled model (a machine that restarts starts with none
+# of them).
 # Once every chunk in the manifest is there, the model is assembled and its sha256 checked.
 # The stage runs with JAX_PLATFORMS=cuda (no CPU fallback: no GPU is a failure), unbuffered,
 # writing its JSON into $OUT (default ./gpu_checks_out). Extra arguments go to
@@ -100,7 +101,12 @@ if [[ ! -f "$PROJECT/benchmarks/gpu_checks.py" ]]; then
     tar -xzf "$GPU_DIR/project.tar.gz" -C "$PROJECT"
 fi
 export PYTHONPATH="$PROJECT:${PYTHONPATH:-}"
-[[ -d "$GPU_DIR/tokenizer" ]] && export JAXLLM_GPU_TOKENIZER="$GPU_DIR/tokenizer"
+# The tokenizer comes with the first call; later calls find the machine's copy.
+if [[ -d "$GPU_DIR/tokenizer" ]]; then
+    rm -rf "$GPU_CACHE/tokenizer"
+    cp -r "$GPU_DIR/tokenizer" "$GPU_CACHE/tokenizer"
+fi
+[[ -d "$GPU_CACHE/tokenizer" ]] && export JAXLLM_GPU_TOKENIZER="$GPU_CACHE/tokenizer"
 
 # --------------------------------------------------------------------------- the stage
 export JAXLLM_CACHE_DIR="$GPU_CACHE/jaxllm"
