@@ -662,7 +662,8 @@ def stage_realshape(run: StageRun) -> None:
     sizes = run.sizes
     if run.check("platform", lambda: platform_check(sizes)) is None:
         return
-    from jaxllm.config import EngineConfig, num_kv_blocks_for
+    from jaxllm.config import num_kv_blocks_for
+    from jaxllm.engine.arg_utils import EngineArgs
 
     for name in sizes.realshapes:
         def one(name: str = name) -> dict[str, Any]:
@@ -675,16 +676,14 @@ def stage_realshape(run: StageRun) -> None:
             init_s = time.perf_counter() - start
             # The engine's own budget rule: gpu_memory_utilization of the device less weights
             # and the largest step's activations (the CPU default where no memory is reported).
-            config = EngineConfig(
-                model=name, model_path="", dtype=dtype, kv_cache_dtype=dtype,
-                activation_dtype=dtype, kernel_backend=sizes.engine_backend, quantization="none",
-                gemv_max_rows=0, topk_sampling=False, async_scheduling=True,
-                multiprocess_mode=False, block_size=16, num_kv_blocks=None,
-                kv_cache_memory_bytes=None, gpu_memory_utilization=0.9, max_model_len=None,
-                max_num_seqs=sizes.realshape_seqs,
-                max_num_batched_tokens=sizes.realshape_tokens, max_n=1,
-                enable_prefix_caching=True, seed=0, skip_tokenizer_init=True,
-                show_progress=False, tensor_parallel_size=1, platform=jax.default_backend())
+            # The checkpoint directory holds only config.json: the runner above has the weights.
+            ckpt = Path(tempfile.mkdtemp(prefix="gpu_checks_shape_"))
+            (ckpt / "config.json").write_text(json.dumps(shape.hf_config()))
+            config = EngineArgs(
+                model=str(ckpt), dtype=dtype, kernel_backend=sizes.engine_backend,
+                quantization="none", max_num_seqs=sizes.realshape_seqs,
+                max_num_batched_tokens=sizes.realshape_tokens, skip_tokenizer_init=True,
+                multiprocess_mode=False).create_engine_config(jax.default_backend())
             blocks = num_kv_blocks_for(config, runner)
             if sizes.dry_run:
                 blocks = min(blocks, 64)  # the CPU default would take a GiB of host memory
