@@ -179,15 +179,10 @@ def _json_value(value: Any) -> Any:
     return str(value)
 
 
-
 def _jax():
     import jax
 
     return jax
-
-
-def on_gpu() -> bool:
-    return _jax().default_backend() == "gpu"
 
 
 def platform_check(sizes: Sizes) -> dict[str, Any]:
