@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_checks.py"
 
 
-def run_stage(stage: str, out: Path, *extra: str, timeout: int = 300):
+def run_stage(stage: str, out: Path, *extra: str, timeout: int = 600):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, str(SCRIPT), stage, "--out", str(out), *extra],
