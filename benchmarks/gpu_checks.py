@@ -528,7 +528,8 @@ def stage_tiny(run: StageRun) -> None:
         state["hf_tokens"] = want
         mism = [i for i, (a, b, c) in enumerate(zip(got_pal, got_ref, want, strict=True))
                 if not a == b == c]
-        return {"ok": not mism and again == got_pal, "prompts": len(prompts),
+        return {"ok": not mism and again == got_pal, "backend": sizes.engine_backend,
+                "prompts": len(prompts),
                 "tokens_per_prompt": MAX_NEW, "mismatched_prompts": mism,
                 "hf_device": str(next(state["hf"].parameters()).device)}
 
@@ -797,7 +798,7 @@ def stage_parity(run: StageRun) -> None:
                                              - ref[i - 1, p[i]])))
         state["f32"] = greedy
         same = [g.outputs[0].token_ids == w for g, w in zip(greedy, want, strict=True)]
-        return {"ok": worst < 2e-3 and all(same) and pool["ok"],
+        return {"ok": worst < 2e-3 and all(same) and pool["ok"], "backend": sizes.engine_backend,
                 "max_abs_logprob_diff": worst, "tolerance": 2e-3, "greedy_same_as_hf": same,
                 "pool": pool}
 
