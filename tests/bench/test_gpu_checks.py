@@ -1,0 +1,216 @@
+"""The GPU check suite on CPU: every stage of benchmarks/gpu_checks.py end to end with --dry-run
+(the same code as on a GPU, tiny shapes, interpret-mode kernels), each stage's JSON holding
+passing checks with real numbers (the engine stages, a minute or more each on 2 cores, are
+marked slow); and scripts/gpu_prepare.sh / gpu_validate.sh cutting a model
+file into sha256-listed chunks under a carry limit and putting it back together."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_checks.py"
+
+
+def run_stage(stage: str, out: Path, *extra: str, timeout: int = 600):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), stage, "--out", str(out), *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    doc = json.loads((out / f"{stage}.json").read_text())
+    return proc, doc
+
+
+def dry_run(stage: str, tmp_path: Path) -> dict[str, dict]:
+    proc, doc = run_stage(stage, tmp_path, "--dry-run")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert doc["stage"] == stage and doc["dry_run"] and doc["failed"] == []
+    checks = {c["name"]: c for c in doc["checks"]}
+    not_ok = {n: c for n, c in checks.items() if c["ok"] is not True}
+    assert not not_ok, not_ok  # none failed, none skipped by the time box
+    assert all(c["seconds"] >= 0 for c in checks.values())
+    return checks
+
+
+def test_probe_and_kernels(tmp_path):
+    import jax
+
+    checks = dry_run("probe", tmp_path)
+    assert checks["versions"]["jax"] == jax.__version__
+    assert checks["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    go = checks["pallas_go_no_go"]
+    assert go["backend"] == "interpret" and 0 <= go["max_abs_err"] < 1e-4
+    assert checks["hbm_copy"]["gbps"] > 0 and checks["bf16_gemm"]["tflops"] > 0
+
+    checks = dry_run("kernels", tmp_path)
+    tests = checks["pallas_kernel_tests"]
+    # On CPU every [pallas] case is collected and skips; none fails.
+    assert tests["tests"] >= 1 and tests["skipped"] == tests["tests"] and tests["failures"] == 0
+    bench = checks["kernel_bench"]
+    hbm = bench["measured_hbm_gbps"]
+    assert hbm > 0 and {r["backend"] for r in bench["rows"]} == {"interpret", "reference"}
+    for row in bench["rows"]:
+        assert row["ms"] > 0 and not row["error"]
+        assert row["percent_of_measured_hbm"] == pytest.approx(100 * row["gbps"] / hbm,
+                                                               rel=1e-3)
+
+
+@pytest.mark.slow
+def test_tiny(tmp_path):
+    pytest.importorskip("torch", reason="the Hugging Face oracle needs torch")
+    from tests.utils import MAX_NEW
+
+    checks = dry_run("tiny", tmp_path)
+    f32 = checks["f32_pallas_eq_reference_eq_hf"]
+    assert f32["mismatched_prompts"] == [] and f32["prompts"] == 8
+    assert f32["tokens_per_prompt"] == MAX_NEW
+    assert checks["zero_compiles_after_warmup"]["compiles_after_warmup"] == 0
+    kv = checks["kv_in_place_every_bucket"]
+    assert kv["kv_bytes"] > 0 and len(kv["buckets"]) >= 4
+    for b in kv["buckets"]:
+        assert b["kv_copies"] == 0 and b["alias_bytes"] >= kv["kv_bytes"]
+    assert checks["bf16_logprob_close"]["positions_compared"] >= 8
+    split = checks["split_k_end_to_end"]
+    assert max(split["decode_splits"]) > 1 and split["same_as_hf"]
+    pressure = checks["preemption_chunked_prefill_prefix_hits"]
+    assert pressure["blocks_to_hold_all"] > pressure["kv_blocks"]
+    assert pressure["longest_prompt"] > pressure["token_budget"]
+    # At least one full block of the shared 48-token prefix is reused (the small pool may have
+    # evicted the rest).
+    assert min(pressure["cached_tokens_of_prefix_prompts"]) >= 16
+    assert checks["multiprocess_engine"]["same_as_hf"]
+    for name in ("kv_pool_free", "multiprocess_engine", "preemption_chunked_prefill_prefix_hits"):
+        pool = checks[name] if name == "kv_pool_free" else checks[name]["pool"]
+        assert pool["free_blocks"] == pool["usable_blocks"] > 0
+
+
+def test_realshape(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_checks import DRY_RUN_SHAPE
+
+    from pallas_kernels.checks.shapes import Qwen2Shape
+
+    shape = Qwen2Shape(**DRY_RUN_SHAPE)
+    checks = dry_run("realshape", tmp_path)
+    r = checks[f"realshape_{shape.name}"]
+    assert r["params"] == shape.params()
+    assert r["weight_bytes"] >= 2 * shape.params()  # bfloat16 weights, plus RoPE tables
+    assert r["kv_blocks"] >= 2 and r["kv_bytes"] > 0 and r["compile_total_s"] > 0
+    assert r["buckets"] and all(b["compile_s"] > 0 for b in r["buckets"])
+    assert len(r["memory_analysis"]) == len(r["buckets"])
+    assert all(m["alias_bytes"] >= r["kv_bytes"] for m in r["memory_analysis"])
+
+
+@pytest.mark.slow
+def test_parity(tmp_path):
+    pytest.importorskip("torch", reason="the Hugging Face oracle needs torch")
+    checks = dry_run("parity", tmp_path)
+    f32 = checks["f32_logits_and_greedy_vs_hf"]
+    assert 0 <= f32["max_abs_logprob_diff"] < 2e-3 and all(f32["greedy_same_as_hf"])
+    assert checks["bf16_logprob_close"]["positions_compared"] >= 2
+    assert checks["engine_under_pressure"]["same_as_ample_kv"]
+
+
+@pytest.mark.slow
+def test_bench(tmp_path):
+    pytest.importorskip("torch", reason="the Hugging Face oracle needs torch")
+    checks = dry_run("bench", tmp_path)
+    sweep = checks["dry-run-tiny_sweep"]["result"]
+    assert sweep and (tmp_path / "bench_dry-run-tiny_sweep.json").exists()
+    lat = checks["dry-run-tiny_latency_batch1"]
+    assert lat["measured_decode_step_ms"] > 0 and lat["h100_model_step_ms"] > 0
+    assert lat["result"]["hf"] and lat["result"]["latency_mean"] > 0
+    tput = checks["dry-run-tiny_throughput_ragged"]["result"]
+    assert tput["hf"] and tput["output_tokens_per_second"] > 0
+
+
+def test_time_box_skips_and_cpu_refused(tmp_path):
+    # A spent time box records every sub-check as skipped (and that is no failure).
+    proc, doc = run_stage("probe", tmp_path / "box", "--dry-run", "--time-box", "1e-9")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert doc["checks"] and all(c["skipped"] == "time box" for c in doc["checks"])
+    # A real run on CPU fails at its first check and runs nothing else.
+    proc, doc = run_stage("probe", tmp_path / "real")
+    assert proc.returncode == 1
+    assert [(c["name"], c["ok"], c["backend"]) for c in doc["checks"]] == [
+        ("platform", False, "cpu")]
+
+
+# --------------------------------------------------------------------------- scripts
+
+
+def sh(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": sys.executable, **(env or {})},
+                          timeout=120)
+
+
+def tree_bytes() -> int:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.split(b"\0")
+    return sum((ROOT / f.decode()).stat().st_size for f in files
+               if f and (ROOT / f.decode()).is_file())
+
+
+def test_prepare_chunks_and_validate_assembles(tmp_path):
+    model = tmp_path / "stand-in.gguf"
+    data = os.urandom(2_500_000)
+    model.write_bytes(data)
+    dest = tmp_path / "gpu"
+    limit = tree_bytes() + (1 << 20) + 1_000_000
+    proc = sh("scripts/gpu_prepare.sh", str(dest), "--no-wheels", "--no-tokenizer", "--model",
+              str(model), "--carry-limit-bytes", str(limit), "--first-chunk-bytes", "300000")
+    assert proc.returncode == 0, proc.stderr
+    assert not (dest / "wheels").exists() and (dest / "project.tar.gz").stat().st_size > 0
+    lines = [line.split() for line in (dest / "manifest.txt").read_text().splitlines()]
+    *chunks, whole = lines
+    assert whole == [hashlib.sha256(data).hexdigest(), str(len(data)), model.name]
+    sizes = [int(size) for _, size, _ in chunks]
+    # Each chunk travels beside the working tree under the carry limit; the first is smaller.
+    assert sizes[0] == 300_000 and sizes[1:-1] == [limit - tree_bytes() - (1 << 20)] * 2
+    assert sum(sizes) == len(data) and all(tree_bytes() + s <= limit for s in sizes)
+    offset = 0
+    for sha, size, name in chunks:
+        body = (dest / "model" / name).read_bytes()
+        assert hashlib.sha256(body).hexdigest() == sha and body == data[offset:offset + int(size)]
+        offset += int(size)
+
+    # Two calls, each bringing some chunks, on one machine (a shared cache directory).
+    cache = tmp_path / "cache"
+    for i, names in enumerate((["chunk-00", "chunk-01"], ["chunk-02", "chunk-03"])):
+        call = tmp_path / f"call{i}"
+        (call / "model").mkdir(parents=True)
+        (call / "manifest.txt").write_bytes((dest / "manifest.txt").read_bytes())
+        for name in names:
+            (call / "model" / name).write_bytes((dest / "model" / name).read_bytes())
+        proc = sh("scripts/gpu_validate.sh", "--assemble-only",
+                  env={"GPU_DIR": str(call), "GPU_CACHE": str(cache)})
+        assert proc.returncode == 0, proc.stderr
+        assert ("waiting for 2 chunks" in proc.stdout) == (i == 0), proc.stdout
+    assert (cache / "jaxllm" / "models" / model.name).read_bytes() == data
+
+    # A damaged chunk is refused, naming it.
+    bad = tmp_path / "bad"
+    (bad / "model").mkdir(parents=True)
+    (bad / "manifest.txt").write_bytes((dest / "manifest.txt").read_bytes())
+    (bad / "model" / "chunk-01").write_bytes(b"x" * sizes[1])
+    proc = sh("scripts/gpu_validate.sh", "--assemble-only",
+              env={"GPU_DIR": str(bad), "GPU_CACHE": str(tmp_path / "cache2")})
+    assert proc.returncode != 0 and "chunk-01: sha256" in proc.stderr
+
+
+def test_validate_refuses_cpu_and_bad_stage(tmp_path):
+    env = {"GPU_DIR": str(tmp_path / "none"), "GPU_CACHE": str(tmp_path / "cache"),
+           "OUT": str(tmp_path / "out")}
+    proc = sh("scripts/gpu_validate.sh", "nosuchstage", env=env)
+    assert proc.returncode == 2 and "unknown stage 'nosuchstage'" in proc.stderr
+    # JAX_PLATFORMS=cuda on a machine without a GPU: an error, never a CPU run.
+    proc = sh("scripts/gpu_validate.sh", "probe", env=env)
+    assert proc.returncode != 0 and not (tmp_path / "out" / "probe.json").exists()
