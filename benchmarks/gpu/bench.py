@@ -127,12 +127,11 @@ def stage_bench(run: StageRun) -> None:
         def latency_args(blocks: str = blocks) -> list[str]:
             return ["latency", "--batch-size", "1", "--input-len", str(n), "--output-len",
                     str(n), "--num-iters", "1" if sizes.dry_run else "5",
-                    "--num-iters-warmup", "1", "--compare-hf", "--profile",
-                    "--profile-batch-sizes", "1", "--profile-input-len", str(n),
-                    "--num-kv-blocks", blocks]
+                    "--num-iters-warmup", "1", "--profile", "--profile-batch-sizes", "1",
+                    "--profile-input-len", str(n), "--num-kv-blocks", blocks]
 
         def latency(name=name, model=model, shape=shape) -> dict[str, Any]:
-            rc, doc, tail = cli(f"{name}_latency", model, *latency_args(),
+            rc, doc, tail = cli(f"{name}_latency", model, *latency_args(), "--compare-hf",
                                 "--no-cuda-graph-triton")
             measured = step_ms(doc)
             est = decode_step(shape, 1, n, dtype)
@@ -144,9 +143,10 @@ def stage_bench(run: StageRun) -> None:
         lat = run.check(f"{name}_latency_batch1", latency)
 
         def cuda_graphs(name=name, model=model, lat=lat) -> dict[str, Any]:
-            # The same command with XLA's CUDA graphs over custom calls: the bench CLI is its
-            # own process, so the flag is in XLA_FLAGS before JAX starts there (on CPU XLA
-            # accepts the flag and nothing changes).
+            # The same command with XLA's CUDA graphs over custom calls, less the Hugging Face
+            # run (the step profile runs apart from it): the bench CLI is its own process, so
+            # the flag is in XLA_FLAGS before JAX starts there (on CPU XLA accepts the flag and
+            # nothing changes).
             rc, doc, tail = cli(f"{name}_latency_cuda_graph", model, *latency_args(),
                                 "--cuda-graph-triton")
             on = step_ms(doc)

@@ -1,8 +1,8 @@
 """The GPU check suite on CPU: every stage of benchmarks/gpu_checks.py end to end with --dry-run
-(the same code as on a GPU, tiny shapes, interpret-mode kernels), each stage's JSON holding
-passing checks with real numbers (the engine stages, a minute or more each on 2 cores, are
-marked slow); and scripts/gpu_prepare.sh / gpu_validate.sh cutting a model
-file into sha256-listed chunks under a carry limit and putting it back together."""
+in one invocation (the same code as on a GPU, tiny shapes, interpret-mode kernels), each
+stage's JSON holding passing checks with real numbers; and scripts/gpu_prepare.sh /
+gpu_validate.sh cutting a model file into sha256-listed chunks under a carry limit and putting
+it back together."""
 
 from __future__ import annotations
 
@@ -24,13 +24,27 @@ def run_stage(stage: str, out: Path, *extra: str, timeout: int = 600):
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, str(SCRIPT), stage, "--out", str(out), *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    doc = json.loads((out / f"{stage}.json").read_text())
-    return proc, doc
+    path = out / f"{stage}.json"
+    return proc, json.loads(path.read_text()) if path.exists() else None
 
 
-def dry_run(stage: str, tmp_path: Path) -> dict[str, dict]:
-    proc, doc = run_stage(stage, tmp_path, "--dry-run")
+@pytest.fixture(scope="module")
+def all_stages(tmp_path_factory) -> Path:
+    """Every stage, dry run, one process (JAX and the engines' imports start once); without
+    torch (the Hugging Face oracle) only the stages that need none."""
+    import importlib.util
+
+    out = tmp_path_factory.mktemp("gpu_checks")
+    if importlib.util.find_spec("torch") is None:
+        proc, _ = run_stage("probe", out, "kernels", "realshape", "--dry-run")
+    else:
+        proc, _ = run_stage("all", out, "--dry-run")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return out
+
+
+def dry_run(stage: str, out: Path) -> dict[str, dict]:
+    doc = json.loads((out / f"{stage}.json").read_text())
     assert doc["stage"] == stage and doc["dry_run"] and doc["failed"] == []
     checks = {c["name"]: c for c in doc["checks"]}
     not_ok = {n: c for n, c in checks.items() if c["ok"] is not True}
@@ -39,17 +53,17 @@ def dry_run(stage: str, tmp_path: Path) -> dict[str, dict]:
     return checks
 
 
-def test_probe_and_kernels(tmp_path):
+def test_probe_and_kernels(all_stages):
     import jax
 
-    checks = dry_run("probe", tmp_path)
+    checks = dry_run("probe", all_stages)
     assert checks["versions"]["jax"] == jax.__version__
     assert checks["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     go = checks["pallas_go_no_go"]
     assert go["backend"] == "interpret" and 0 <= go["max_abs_err"] < 1e-4
     assert checks["hbm_copy"]["gbps"] > 0 and checks["bf16_gemm"]["tflops"] > 0
 
-    checks = dry_run("kernels", tmp_path)
+    checks = dry_run("kernels", all_stages)
     tests = checks["pallas_kernel_tests"]
     # On CPU every [pallas] case is collected and skips; none fails.
     assert tests["tests"] >= 1 and tests["skipped"] == tests["tests"] and tests["failures"] == 0
@@ -62,71 +76,79 @@ def test_probe_and_kernels(tmp_path):
                                                                rel=1e-3)
 
 
-@pytest.mark.slow
-def test_tiny(tmp_path):
+def test_tiny(all_stages):
     pytest.importorskip("torch", reason="the Hugging Face oracle needs torch")
-    from tests.utils import MAX_NEW
+    from benchmarks.gpu.harness import sizes_for
 
-    checks = dry_run("tiny", tmp_path)
+    checks = dry_run("tiny", all_stages)
     f32 = checks["f32_pallas_eq_reference_eq_hf"]
     assert f32["mismatched_prompts"] == [] and f32["prompts"] == 8
-    assert f32["tokens_per_prompt"] == MAX_NEW
-    assert checks["zero_compiles_after_warmup"]["compiles_after_warmup"] == 0
-    kv = checks["kv_in_place_every_bucket"]
-    assert kv["kv_bytes"] > 0 and len(kv["buckets"]) >= 4
-    for b in kv["buckets"]:
-        assert b["kv_copies"] == 0 and b["alias_bytes"] >= kv["kv_bytes"]
-    assert checks["bf16_logprob_close"]["positions_compared"] >= 8
+    assert f32["tokens_per_prompt"] == sizes_for(True, None).tiny_new_tokens
+    bf16 = checks["bf16_logprob_close"]
+    assert bf16["positions_compared"] >= 8 and bf16["pool"]["free_blocks"] > 0
     split = checks["split_k_end_to_end"]
     assert max(split["decode_splits"]) > 1 and split["same_as_hf"]
     pressure = checks["preemption_chunked_prefill_prefix_hits"]
+    assert pressure["multiprocess"] and pressure["same_as_hf"] and pressure["preemptions"] > 0
     assert pressure["blocks_to_hold_all"] > pressure["kv_blocks"]
     assert pressure["longest_prompt"] > pressure["token_budget"]
     # At least one full block of the shared 48-token prefix is reused (the small pool may have
     # evicted the rest).
     assert min(pressure["cached_tokens_of_prefix_prompts"]) >= 16
-    assert checks["multiprocess_engine"]["same_as_hf"]
-    for name in ("kv_pool_free", "multiprocess_engine", "preemption_chunked_prefill_prefix_hits"):
-        pool = checks[name] if name == "kv_pool_free" else checks[name]["pool"]
+    # The same invariants hold with the engine core in this process and in its own.
+    for mode in ("", "multiprocess_"):
+        warm = checks[mode + "zero_compiles_after_warmup"]
+        assert warm["compiles_after_warmup"] == 0 and warm["same_tokens_again"]
+        kv = checks[mode + "kv_in_place_every_bucket"]
+        assert kv["kv_bytes"] > 0 and len(kv["buckets"]) >= 4
+        for b in kv["buckets"]:
+            assert b["kv_copies"] == 0 and b["alias_bytes"] >= kv["kv_bytes"]
+        pool = checks[mode + "kv_pool_free"]
         assert pool["free_blocks"] == pool["usable_blocks"] > 0
+    # 14 blocks less the null block in the multiprocess engine.
+    assert checks["multiprocess_kv_pool_free"]["usable_blocks"] == 13
 
 
-def test_realshape(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_checks import DRY_RUN_SHAPE
-
+def test_realshape(all_stages):
+    from benchmarks.gpu.realshape import DRY_RUN_SHAPE
     from pallas_kernels.checks.shapes import Qwen2Shape
 
     shape = Qwen2Shape(**DRY_RUN_SHAPE)
-    checks = dry_run("realshape", tmp_path)
+    checks = dry_run("realshape", all_stages)
     r = checks[f"realshape_{shape.name}"]
     assert r["params"] == shape.params()
     assert r["weight_bytes"] >= 2 * shape.params()  # bfloat16 weights, plus RoPE tables
     assert r["kv_blocks"] >= 2 and r["kv_bytes"] > 0 and r["compile_total_s"] > 0
-    assert r["buckets"] and all(b["compile_s"] > 0 for b in r["buckets"])
-    assert len(r["memory_analysis"]) == len(r["buckets"])
-    assert all(m["alias_bytes"] >= r["kv_bytes"] for m in r["memory_analysis"])
+    assert r["buckets"] and r["backend_compiles"] >= len(r["buckets"])
+    assert len(r["backend_compile_s"]) >= len(r["buckets"])
+    assert all(s > 0 for s in r["backend_compile_s"])
+    assert [m["bucket"] for m in r["memory_analysis"]] == [b["bucket"] for b in r["buckets"]]
+    assert all(m["alias"] >= r["kv_bytes"] for m in r["memory_analysis"])
 
 
-@pytest.mark.slow
-def test_parity(tmp_path):
+def test_parity(all_stages):
     pytest.importorskip("torch", reason="the Hugging Face oracle needs torch")
-    checks = dry_run("parity", tmp_path)
+    checks = dry_run("parity", all_stages)
     f32 = checks["f32_logits_and_greedy_vs_hf"]
     assert 0 <= f32["max_abs_logprob_diff"] < 2e-3 and all(f32["greedy_same_as_hf"])
     assert checks["bf16_logprob_close"]["positions_compared"] >= 2
     assert checks["engine_under_pressure"]["same_as_ample_kv"]
 
 
-@pytest.mark.slow
-def test_bench(tmp_path):
+def test_bench(all_stages):
     pytest.importorskip("torch", reason="the Hugging Face oracle needs torch")
-    checks = dry_run("bench", tmp_path)
+    checks = dry_run("bench", all_stages)
     sweep = checks["dry-run-tiny_sweep"]["result"]
-    assert sweep and (tmp_path / "bench_dry-run-tiny_sweep.json").exists()
+    assert sweep and (all_stages / "bench_dry-run-tiny_sweep.json").exists()
     lat = checks["dry-run-tiny_latency_batch1"]
     assert lat["measured_decode_step_ms"] > 0 and lat["h100_model_step_ms"] > 0
     assert lat["result"]["hf"] and lat["result"]["latency_mean"] > 0
+    # Both sides of the CUDA-graph A/B measured (on CPU the flag changes nothing).
+    ab = checks["dry-run-tiny_cuda_graph_ab"]
+    assert ab["decode_step_ms_cuda_graph_off"] == lat["measured_decode_step_ms"]
+    assert ab["decode_step_ms_cuda_graph_on"] > 0
+    assert ab["speedup"] == pytest.approx(ab["decode_step_ms_cuda_graph_off"]
+                                          / ab["decode_step_ms_cuda_graph_on"])
     tput = checks["dry-run-tiny_throughput_ragged"]["result"]
     assert tput["hf"] and tput["output_tokens_per_second"] > 0
 
@@ -134,11 +156,11 @@ def test_bench(tmp_path):
 def test_time_box_skips_and_cpu_refused(tmp_path):
     # A spent time box records every sub-check as skipped (and that is no failure).
     proc, doc = run_stage("probe", tmp_path / "box", "--dry-run", "--time-box", "1e-9")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0 and doc is not None, proc.stderr[-2000:]
     assert doc["checks"] and all(c["skipped"] == "time box" for c in doc["checks"])
     # A real run on CPU fails at its first check and runs nothing else.
     proc, doc = run_stage("probe", tmp_path / "real")
-    assert proc.returncode == 1
+    assert proc.returncode == 1 and doc is not None
     assert [(c["name"], c["ok"], c["backend"]) for c in doc["checks"]] == [
         ("platform", False, "cpu")]
 
