@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run one GPU check stage on a GPU machine with no package registry, from what
+# Run GPU check stages on a GPU machine with no package registry, from what
 # scripts/gpu_prepare.sh built (docs/gpu.md):
 #
-#   bash scripts/gpu_validate.sh STAGE      # probe | kernels | tiny | realshape | parity | bench
+#   bash scripts/gpu_validate.sh STAGE [STAGE ...] [gpu_checks.py options]
+#       # STAGE: probe | kernels | tiny | realshape | parity | bench | all; several run in turn
 #   bash scripts/gpu_validate.sh --assemble-only
 #
 # GPU_DIR (default .gpu/ in the repository) holds what this call brought: wheels/,
@@ -20,15 +21,20 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 GPU_DIR="${GPU_DIR:-$ROOT/.gpu}"
 GPU_CACHE="${GPU_CACHE:-/tmp/jaxllm-gpu}"
 PYTHON="${PYTHON:-python3}"
-STAGES=" probe kernels tiny realshape parity bench "
+STAGES=" probe kernels tiny realshape parity bench all "
 
 die() { echo "gpu_validate.sh: $*" >&2; exit 2; }
 
-[[ $# -ge 1 ]] || die "usage: gpu_validate.sh STAGE [gpu_checks.py options] | --assemble-only"
+[[ $# -ge 1 ]] || die "usage: gpu_validate.sh STAGE [STAGE ...] [gpu_checks.py options] | --assemble-only"
 STAGE="$1"; shift
 if [[ "$STAGE" != "--assemble-only" && "$STAGES" != *" $STAGE "* ]]; then
     die "unknown stage '$STAGE' (one of:$STAGES or --assemble-only)"
 fi
+RUN_STAGES=("$STAGE")
+while [[ $# -gt 0 && "$1" != -* ]]; do
+    [[ "$STAGES" == *" $1 "* ]] || die "unknown stage '$1' (one of:$STAGES)"
+    RUN_STAGES+=("$1"); shift
+done
 mkdir -p "$GPU_CACHE/chunks" "$GPU_CACHE/jaxllm/models"
 
 # --------------------------------------------------------------------------- the model
@@ -114,11 +120,11 @@ export JAX_PLATFORMS=cuda
 export PYTHONUNBUFFERED=1
 "$PYTHON" -c "import jax, sys; b = jax.default_backend(); sys.exit(0 if b == 'gpu' else \
 f'gpu_validate.sh: JAX runs on {b}, not a GPU ({jax.devices()})')"
-if [[ "$STAGE" == "parity" ]]; then
+if [[ " ${RUN_STAGES[*]} " == *" parity "* || " ${RUN_STAGES[*]} " == *" all "* ]]; then
     [[ -f "$GPU_CACHE/manifest.txt" ]] || die "parity needs the model: bring manifest.txt"
     read -r _ size name < <(tail -n 1 "$GPU_CACHE/manifest.txt")
     [[ -f "$JAXLLM_CACHE_DIR/models/$name" ]] || die "parity needs the model: chunks missing"
 fi
 OUT_DIR="${OUT:-$PWD/gpu_checks_out}"
 cd "$PROJECT"
-exec "$PYTHON" benchmarks/gpu_checks.py "$STAGE" --out "$OUT_DIR" "$@"
+exec "$PYTHON" benchmarks/gpu_checks.py "${RUN_STAGES[@]}" --out "$OUT_DIR" "$@"

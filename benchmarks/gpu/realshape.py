@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.gpu.harness import Sizes, StageRun, jax_module, platform_check
+from pallas_kernels.checks.shapes import QWEN2_SHAPES, Qwen2Shape
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -29,17 +30,14 @@ class CompileCounter:
             self.seconds.append(duration)
 
 
-
 # --dry-run's stand-in for the real shapes: two layers, widths with the real head layout.
-DRY_RUN_SHAPE = dict(name="dry-run-tiny", num_layers=2, hidden_size=128, num_heads=4,
-                     num_kv_heads=2, head_dim=32, intermediate_size=256, vocab_size=512,
-                     tied_embeddings=False)
+DRY_RUN_SHAPE = Qwen2Shape(name="dry-run-tiny", num_layers=2, hidden_size=128, num_heads=4,
+                           num_kv_heads=2, head_dim=32, intermediate_size=256, vocab_size=512,
+                           tied_embeddings=False)
 
 
-def shape_named(name: str):
-    from pallas_kernels.checks.shapes import QWEN2_SHAPES, Qwen2Shape
-
-    return Qwen2Shape(**DRY_RUN_SHAPE) if name == DRY_RUN_SHAPE["name"] else QWEN2_SHAPES[name]
+def shape_named(name: str) -> Qwen2Shape:
+    return DRY_RUN_SHAPE if name == DRY_RUN_SHAPE.name else QWEN2_SHAPES[name]
 
 
 def random_runner(shape, sizes: Sizes, dtype: str):

@@ -110,10 +110,8 @@ def test_tiny(all_stages):
 
 
 def test_realshape(all_stages):
-    from benchmarks.gpu.realshape import DRY_RUN_SHAPE
-    from pallas_kernels.checks.shapes import Qwen2Shape
+    from benchmarks.gpu.realshape import DRY_RUN_SHAPE as shape
 
-    shape = Qwen2Shape(**DRY_RUN_SHAPE)
     checks = dry_run("realshape", all_stages)
     r = checks[f"realshape_{shape.name}"]
     assert r["params"] == shape.params()
@@ -232,6 +230,8 @@ def test_validate_refuses_cpu_and_bad_stage(tmp_path):
     env = {"GPU_DIR": str(tmp_path / "none"), "GPU_CACHE": str(tmp_path / "cache"),
            "OUT": str(tmp_path / "out")}
     proc = sh("scripts/gpu_validate.sh", "nosuchstage", env=env)
+    assert proc.returncode == 2 and "unknown stage 'nosuchstage'" in proc.stderr
+    proc = sh("scripts/gpu_validate.sh", "probe", "nosuchstage", env=env)
     assert proc.returncode == 2 and "unknown stage 'nosuchstage'" in proc.stderr
     # JAX_PLATFORMS=cuda on a machine without a GPU: an error, never a CPU run.
     proc = sh("scripts/gpu_validate.sh", "probe", env=env)
