@@ -31,8 +31,8 @@ class Sizes:
 
     dry_run: bool
     kernel_backend: str  # the Pallas backend under test: pallas (GPU) or interpret (CPU)
-    # ... for the engines of the tiny and parity stages (their step buckets must update the KV
-    # array in place, which interpret mode's loops do not do on CPU)
+    # The engines' backend in the tiny and parity stages: pallas, or reference on CPU (whose
+    # step buckets must update the KV array in place, which interpret mode's loops do not)
     engine_backend: str
     time_box_s: float
     copy_bytes: int
