@@ -80,13 +80,16 @@ def test_budget_arithmetic_is_one_function():
 
 
 def test_second_engine_in_one_process_gets_what_the_first_left(monkeypatch, tiny_models):
-    # The fake device reports what this process really holds: the bytes of its live arrays.
+    # The fake device reports what this process really holds: the bytes of the arrays that
+    # came alive since the test began (other tests' fixtures keep theirs alive beside them).
     path = tiny_models["untied"][0]
     total = 64 << 20
     readings = []
+    alive = jax.live_arrays()  # held, so that no new array can reuse one of their ids
+    before = {id(x) for x in alive}
 
     def stats():
-        readings.append(sum(x.nbytes for x in jax.live_arrays()))
+        readings.append(sum(x.nbytes for x in jax.live_arrays() if id(x) not in before))
         return {"bytes_limit": total, "bytes_in_use": readings[-1]}
 
     monkeypatch.setattr(runner_module, "device_memory_stats", stats)
