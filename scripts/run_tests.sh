@@ -18,10 +18,10 @@ JAX011_IGNORE=(
 if [ "${1:-}" = "--jax011" ]; then
     shift
     bash scripts/ensure_venv.sh jax011
-    exec .venv-jax011/bin/python -m pytest -q -m "not real_model" \
+    exec .venv-jax011/bin/python -m pytest -q --durations=20 -m "not real_model" \
         "${JAX011_IGNORE[@]/#/--ignore=}" "$@"
 fi
 bash scripts/ensure_venv.sh
 .venv/bin/ruff check .
 .venv/bin/basedpyright -p .  # the repo's config only, never a pyrightconfig.json above it
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=30 "$@"  # the slowest tests, for the suite budget
