@@ -4,11 +4,11 @@ XLA's memory analysis, the device's peak memory."""
 
 from __future__ import annotations
 
+import gc
 import json
 import tempfile
 import time
 from pathlib import Path
-import gc
 from typing import Any
 
 from benchmarks.gpu.harness import Sizes, StageRun, jax_module, platform_check
