@@ -236,12 +236,20 @@ def top_k_close(a_out, b_out) -> dict[str, Any]:
 
     a = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in a_out]
     b = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in b_out]
-    diverged = sum(ta != tb for (ta, _), (tb, _) in zip(a, b, strict=True))
+    diverged = compared = 0
+    for (ta, _), (tb, _) in zip(a, b, strict=True):
+        first = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False))
+                      if x != y), None)
+        diverged += first is not None
+        # Positions up to and including the first divergence: past it the contexts differ.
+        compared += min(len(ta), len(tb)) if first is None else first + 1
+    counts = {"sequences": len(a), "sequences_diverged": diverged,
+              "positions_compared": compared}
     try:
         check_logprobs_close(a, b, name_a="float32", name_b="bfloat16")
     except AssertionError as exc:
-        return {"ok": False, "sequences_diverged": diverged, "not_in_top_k": str(exc)[:2000]}
-    return {"ok": True, "sequences": len(a), "sequences_diverged": diverged}
+        return {"ok": False, **counts, "not_in_top_k": str(exc)[:2000]}
+    return {"ok": True, **counts}
 
 
 def hf_greedy(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
