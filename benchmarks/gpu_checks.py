@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -52,7 +53,14 @@ def run_stage(stage: str, out: Path, dry_run: bool, time_box_s: float | None) ->
     run.info = {"argv": sys.argv, "sizes": asdict(sizes), "started_utc": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     run.write()
-    STAGE_FNS[stage](run)
+    try:
+        STAGE_FNS[stage](run)
+    except Exception as exc:
+        # Outside any sub-check: record it, and let the stages after this one run.
+        run.checks.append({"name": "stage_error", "ok": False,
+                           "error": f"{type(exc).__name__}: {exc}"[:2000],
+                           "traceback": traceback.format_exc()[-4000:]})
+        print(run.checks[-1]["traceback"], flush=True)
     run.write()
     failed = run.failed()
     skipped = [c["name"] for c in run.checks if c["ok"] is None]

@@ -2,7 +2,7 @@
 
     python benchmarks/triton_modules.py [--model qwen2.5-0.5b] [--layers N] [--jobs N]
 
-Lowers the runner's step (jaxllm/worker/step.py) of a Qwen2-shaped model (weights as shapes
+Lowers the runner's step (jaxllm/worker/lowering.py) of a Qwen2-shaped model (weights as shapes
 only) for CUDA, with no GPU, for a decode bucket and a prefill bucket; counts its
 distinct Triton modules (XLA compiles each distinct `__gpu$xla.gpu.triton` backend_config
 once), then compiles every distinct module with pip triton for sm_90a
@@ -15,29 +15,17 @@ the step is not in them.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-import jax
-import jax.numpy as jnp
 
 # Run as a script, Python puts benchmarks/ on the path: add the repo root so that this
 # checkout's packages are the ones imported.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxllm.model_executor.config import ModelConfig  # noqa: E402
-from jaxllm.model_executor.models.qwen2 import (  # noqa: E402
-    AttentionMetadata,
-    Qwen2ForCausalLM,
-    abstract_params,
-    kv_cache_shape,
-    rope_variables,
-)
-from jaxllm.worker.step import forward_step  # noqa: E402
-from pallas_kernels.attention_common import decode_num_splits  # noqa: E402
+from jaxllm.worker.lowering import lower_step_for_cuda  # noqa: E402
 from pallas_kernels.checks.check_lowering import triton_modules  # noqa: E402
 from pallas_kernels.checks.shapes import QWEN2_SHAPES  # noqa: E402
 from pallas_kernels.checks.triton_compile import (  # noqa: E402
@@ -45,31 +33,6 @@ from pallas_kernels.checks.triton_compile import (  # noqa: E402
     compile_kernel,
     lowered_triton_kernels,
 )
-from pallas_kernels.common import lower_for_cuda  # noqa: E402
-
-
-def lower_step(config: ModelConfig, num_tokens: int, decode: bool, *, dtype=jnp.bfloat16,
-               block_size: int = 16, num_blocks: int = 4096, max_model_len: int = 4096,
-               max_num_seqs: int = 64) -> jax.stages.Lowered:
-    """The runner's step with the Pallas kernels, lowered for CUDA from abstract inputs: a
-    decode bucket of `num_tokens` sequences (split-K attention as the runner sizes it) or a
-    prefill bucket of `num_tokens` tokens."""
-    model = Qwen2ForCausalLM(config, dtype=dtype, kernel_backend="pallas")
-    seqs = min(num_tokens, max_num_seqs)
-
-    def i32(*shape):
-        return jax.ShapeDtypeStruct(shape, jnp.int32)
-
-    attn_metadata = AttentionMetadata(i32(num_tokens), i32(seqs, -(-max_model_len // block_size)),
-                                      i32(seqs), i32(seqs + 1), i32(seqs))
-    splits = (decode_num_splits(max_model_len, seqs, config.num_key_value_heads)
-              if decode else 1)
-    fn = functools.partial(forward_step, model, 0, None, max_query_len=1 if decode else num_tokens,
-                           num_splits=splits)
-    kv = jax.ShapeDtypeStruct(kv_cache_shape(config, num_blocks, block_size), dtype)
-    rope = jax.eval_shape(lambda: rope_variables(config))
-    return lower_for_cuda(fn, (abstract_params(model), rope, kv, i32(num_tokens),
-                               i32(num_tokens), attn_metadata), donate_argnums=2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for bucket, num_tokens, decode in (("decode 8", 8, True), ("prefill 512", 512, False)):
         start = time.perf_counter()
-        lowered = lower_step(config, num_tokens, decode)
+        lowered = lower_step_for_cuda(config, num_tokens, decode)
         counts = triton_modules(lowered)
         lower_s = time.perf_counter() - start
         compile_s = 0.0

@@ -40,8 +40,8 @@ GGUF_XLA_GEMV_MAX_ROWS = 8
 MATMUL_PRECISIONS = ("default", "high", "highest")
 # Put custom calls (the Pallas kernels' Triton calls among them) into XLA's command buffers
 # (CUDA graphs), beside the fusions already there, so a decode step is not a string of launches.
-# "+" adds to XLA's default command types. The older spelling from the JAX issue tracker,
-# --legacy_command_buffer_custom_call_targets, is an unknown flag (a fatal error) in this XLA.
+# "+" adds to XLA's default command types. XLA 0.10.2 and later reject
+# --legacy_command_buffer_custom_call_targets as an unknown flag (a fatal error).
 CUDA_GRAPH_TRITON_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL",)
 
 

@@ -8,7 +8,8 @@
 #
 # DEST (default .gpu/ in the repository, ignored by git) gets:
 #   wheels/        Python 3.12 manylinux x86_64 wheels of the runtime packages the GPU image
-#                  lacks (with --serve also the server's); --wheel-cache DIR takes them from DIR
+#                  lacks (with --serve also the server's and the OpenAI client's, not yet
+#                  tried on the GPU image); --wheel-cache DIR takes them from DIR
 #                  (offline), --no-wheels makes none
 #   tokenizer/     the model's tokenizer converted from its GGUF (--no-tokenizer: none)
 #   project.tar.gz the project at HEAD (git archive)
@@ -48,7 +49,7 @@ while [[ $# -gt 0 ]]; do
         --carry-limit-bytes) need_int "$1" "${2:-}"; CARRY_LIMIT="$2"; shift ;;
         --chunk-bytes) need_int "$1" "${2:-}"; CHUNK="$2"; shift ;;
         --first-chunk-bytes) need_int "$1" "${2:-}"; FIRST_CHUNK="$2"; shift ;;
-        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
         -*) die "unknown option $1 (see --help)" ;;
         *) [[ -z "$DEST" ]] || die "one DEST only, got '$DEST' and '$1'"; DEST="$1" ;;
     esac
@@ -64,11 +65,14 @@ DEST="$(cd "$DEST" && pwd)"
 # plugin, torch, transformers, flax, jinja2, tokenizers, safetensors, numpy, tqdm, pyyaml,
 # requests, prometheus-client) lacks. Versions: the ones this project is tested with.
 RUNTIME_WHEELS=(msgspec==0.22.0 pyzmq==27.3.0 gguf==0.19.0)
-# `jaxllm serve` and `jaxllm bench serve`: with --serve only.
-# (anyio, h11, httpx, httpcore and prometheus-client are in the image.)
+# `jaxllm serve` and `jaxllm bench serve`: with --serve only. Their wheels' Requires-Dist,
+# closed over, less what the image's package list names (anyio, annotated-doc, click, h11,
+# idna, typing-extensions): the image's versions of those are not checked against the lower
+# bounds here, and this set has not run on the GPU image yet.
 SERVE_WHEELS=(fastapi==0.165.0 uvicorn==0.54.0 pydantic==2.14.3 pydantic-core==2.50.4
               starlette==1.10.0 annotated-types==0.8.0 typing-inspection==0.4.5
-              openai==3.54.0 jiter==0.19.0 sniffio==1.3.1)
+              opentelemetry-api==1.45.2 openai==3.54.0 jiter==0.19.0 sniffio==1.3.1
+              httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5)
 
 rm -rf "$DEST/wheels"
 if [[ $WHEELS == 1 ]]; then
@@ -115,9 +119,11 @@ load_tokenizer(sys.argv[1]).save_pretrained(sys.argv[2])' "$MODEL" "$DEST/tokeni
 fi
 
 size_of() { du -sb "$@" 2>/dev/null | awk '{s += $1} END {print s + 0}'; }
-# What travels with every chunk: the working tree (tracked and untracked, not ignored files).
+# What travels with every chunk: the working tree (tracked and untracked, not ignored files;
+# a tracked file deleted from the tree travels not, and stat would fail on it).
 TREE=$(cd "$ROOT" && git ls-files -co --exclude-standard -z \
-       | xargs -0 -r stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+       | while IFS= read -r -d '' f; do if [[ -e "$f" || -L "$f" ]]; then printf '%s\0' "$f"; fi; done \
+       | xargs -0 -r stat -c %s | awk '{s += $1} END {print s + 0}')
 SLACK=$((1 << 20))  # the manifest, directory entries
 # Every call carries the wheels (a machine that restarted has lost them); the tokenizer comes
 # once, with the first chunk.

@@ -103,10 +103,12 @@ PROJECT="$ROOT"
 if [[ ! -f "$PROJECT/benchmarks/gpu_checks.py" ]]; then
     [[ -f "$GPU_DIR/project.tar.gz" ]] || die "no project here and no $GPU_DIR/project.tar.gz"
     PROJECT="$GPU_CACHE/project"
+    # A fresh copy: files deleted from the project since an earlier call must not linger.
+    rm -rf "$PROJECT"
     mkdir -p "$PROJECT"
     tar -xzf "$GPU_DIR/project.tar.gz" -C "$PROJECT"
 fi
-export PYTHONPATH="$PROJECT:${PYTHONPATH:-}"
+export PYTHONPATH="$PROJECT${PYTHONPATH:+:$PYTHONPATH}"
 # The tokenizer comes with the first call; later calls find the machine's copy.
 if [[ -d "$GPU_DIR/tokenizer" ]]; then
     rm -rf "$GPU_CACHE/tokenizer"

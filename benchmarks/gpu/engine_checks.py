@@ -90,7 +90,7 @@ def stage_tiny(run: StageRun) -> None:
     if run.check("platform", lambda: platform_check(sizes)) is None:
         return
     from jaxllm import LLM
-    from tests.utils import make_tiny_checkpoint
+    from tests.utils import make_tiny_checkpoint, scheduler_state
 
     work = Path(tempfile.mkdtemp(prefix="gpu_checks_tiny_"))
     prompts = tiny_prompts(sizes.tiny_vocab)
@@ -118,16 +118,20 @@ def stage_tiny(run: StageRun) -> None:
     def f32_greedy() -> dict[str, Any]:
         want = state["hf_tokens"]
         ref = engine(kernel_backend="reference", **F32)
-        state["ref_f32"] = greedy_ids(ref, prompts, new, logprobs=5)
-        got_ref = token_ids(state["ref_f32"])
-        if sizes.engine_backend == "reference":
-            pal = ref  # the dry run's engines are the reference backend's: one engine serves
-        else:
+        pal = ref  # the dry run's engines are the reference backend's: one engine serves
+        try:
+            state["ref_f32"] = greedy_ids(ref, prompts, new, logprobs=5)
+            got_ref = token_ids(state["ref_f32"])
+            if sizes.engine_backend != "reference":
+                ref.shutdown()
+                pal = engine(kernel_backend=sizes.engine_backend, **F32)
+            got_pal = token_ids(greedy_ids(pal, prompts, new))
+        except BaseException:
+            pal.shutdown()  # idempotent: ref may be pal, or shut down already
             ref.shutdown()
-            pal = engine(kernel_backend=sizes.engine_backend, **F32)
-        state["engine"] = pal
-        got_pal = token_ids(greedy_ids(pal, prompts, new))
-        state["pal_tokens"] = got_pal
+            raise
+        # Kept for the invariants below only once it has produced its tokens.
+        state["engine"], state["pal_tokens"] = pal, got_pal
         mism = [i for i, (a, b, c) in enumerate(zip(got_pal, got_ref, want, strict=True))
                 if not a == b == c]
         return {"ok": not mism, "backend": sizes.engine_backend, "prompts": len(prompts),
@@ -135,14 +139,19 @@ def stage_tiny(run: StageRun) -> None:
 
     run.check("f32_pallas_eq_reference_eq_hf", f32_greedy)
     if "engine" in state:
-        engine_invariants(run, "", state["engine"], prompts, new, state["pal_tokens"])
-        state.pop("engine").shutdown()
+        pal = state.pop("engine")
+        try:
+            engine_invariants(run, "", pal, prompts, new, state["pal_tokens"])
+        finally:
+            pal.shutdown()
 
     def bf16_close() -> dict[str, Any]:
         pal = engine(dtype="bfloat16", kernel_backend=sizes.engine_backend)
-        b = greedy_ids(pal, prompts, new, logprobs=5)
-        pool = kv_pool_check(pal)
-        pal.shutdown()
+        try:
+            b = greedy_ids(pal, prompts, new, logprobs=5)
+            pool = kv_pool_check(pal)
+        finally:
+            pal.shutdown()
         res = top_k_close(state["ref_f32"], b)
         return {**res, "ok": res["ok"] and pool["ok"], "pool": pool}
 
@@ -157,10 +166,12 @@ def stage_tiny(run: StageRun) -> None:
                   num_kv_blocks=2 * sizes.split_k_max_model_len // 16 + 2, **F32)
         # Split-K exists only in the Pallas kernels (interpret mode in a dry run).
         pal = engine(kernel_backend=sizes.kernel_backend, **kw)
-        table = pal.collective_rpc("bucket_table")
-        got = token_ids(greedy_ids(pal, long, new))
-        pool = kv_pool_check(pal)
-        pal.shutdown()
+        try:
+            table = pal.collective_rpc("bucket_table")
+            got = token_ids(greedy_ids(pal, long, new))
+            pool = kv_pool_check(pal)
+        finally:
+            pal.shutdown()
         want = hf_greedy(state["hf"], long, new)
         splits = sorted({s for _, q, s in table if q == 1})
         return {"ok": got == want and max(splits) > 1 and pool["ok"],
@@ -176,11 +187,15 @@ def stage_tiny(run: StageRun) -> None:
         want = state["hf_tokens"]
         llm = engine(kernel_backend=sizes.engine_backend, num_kv_blocks=14,
                      max_num_batched_tokens=16, multiprocess_mode=True, **F32)
+        try:
+            first = greedy_ids(llm, prompts[:6], new)
+            second = greedy_ids(llm, prompts[6:], new)
+            pool = kv_pool_check(llm)
+            sched = scheduler_state(llm)
+        except BaseException:
+            llm.shutdown()
+            raise
         state["mp_engine"] = llm
-        first = greedy_ids(llm, prompts[:6], new)
-        second = greedy_ids(llm, prompts[6:], new)
-        pool = kv_pool_check(llm)
-        sched = llm.llm_engine.engine_core_client.call_utility("get_scheduler_state")
         got = token_ids(first + second)
         need = sum(-(-(len(p) + new) // 16) for p in prompts[:6])
         cached = [o.num_cached_tokens for o in second]
@@ -268,10 +283,12 @@ def stage_parity(run: StageRun) -> None:
         prompts = state["prompts"]
         llm = LLM(skip_tokenizer_init=True, **base, **F32)
         sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        greedy = greedy_ids(llm, prompts, new, logprobs=5)
-        pool = kv_pool_check(llm)
-        llm.shutdown()
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            greedy = greedy_ids(llm, prompts, new, logprobs=5)
+            pool = kv_pool_check(llm)
+        finally:
+            llm.shutdown()
         want = hf_greedy(state["hf"], prompts, new)
         worst = 0.0
         for p, o in zip(prompts, outs, strict=True):
@@ -290,9 +307,11 @@ def stage_parity(run: StageRun) -> None:
 
     def bf16() -> dict[str, Any]:
         llm = LLM(dtype="bfloat16", skip_tokenizer_init=True, **base)
-        got = greedy_ids(llm, state["prompts"], new, logprobs=5)
-        pool = kv_pool_check(llm)
-        llm.shutdown()
+        try:
+            got = greedy_ids(llm, state["prompts"], new, logprobs=5)
+            pool = kv_pool_check(llm)
+        finally:
+            llm.shutdown()
         res = top_k_close(state["f32"], got)
         return {**res, "ok": res["ok"] and pool["ok"], "pool": pool}
 
@@ -302,9 +321,11 @@ def stage_parity(run: StageRun) -> None:
         prompts = state["prompts"] * 2
         llm = LLM(skip_tokenizer_init=True, **F32,
                   **{**base, "num_kv_blocks": 8, "max_num_batched_tokens": 16})
-        got = token_ids(greedy_ids(llm, prompts, new))
-        pool = kv_pool_check(llm)
-        llm.shutdown()
+        try:
+            got = token_ids(greedy_ids(llm, prompts, new))
+            pool = kv_pool_check(llm)
+        finally:
+            llm.shutdown()
         want = [o.outputs[0].token_ids for o in state["f32"]] * 2
         return {"ok": got == want and pool["ok"], "kv_blocks": 8, "token_budget": 16,
                 "requests": len(prompts), "same_as_ample_kv": got == want, "pool": pool}

@@ -220,28 +220,36 @@ def greedy_ids(llm, prompts: list[list[int]], max_tokens: int, logprobs: int | N
 
 
 def kv_pool_check(llm) -> dict[str, Any]:
-    free, usable = llm.llm_engine.engine_core_client.call_utility("get_kv_block_counts")
-    return {"ok": free == usable, "free_blocks": free, "usable_blocks": usable}
+    """The engine's KV pool all free and no request left (tests.utils.scheduler_state)."""
+    from tests.utils import scheduler_state
+
+    state = scheduler_state(llm)
+    free, usable = state["num_free_blocks"], state["num_usable_blocks"]
+    return {"ok": free == usable and state["num_requests"] == 0, "free_blocks": free,
+            "usable_blocks": usable, "requests": state["num_requests"]}
 
 
 def top_k_close(a_out, b_out) -> dict[str, Any]:
-    """Each side's greedy token at every position up to the first divergence lies within the
-    other side's top-k there (the contexts differ after a divergence)."""
-    compared = diverged = 0
-    bad = []
-    for i, (a, b) in enumerate(zip(a_out, b_out, strict=True)):
-        ca, cb = a.outputs[0], b.outputs[0]
-        for pos, (ta, tb) in enumerate(zip(ca.token_ids, cb.token_ids, strict=True)):
-            compared += 1
-            if ta == tb:
-                continue
-            if ta not in cb.logprobs[pos] or tb not in ca.logprobs[pos]:
-                bad.append({"prompt": i, "position": pos, "tokens": [ta, tb]})
-            diverged += 1
-            break
-    return {"ok": not bad, "positions_compared": compared, "sequences_diverged": diverged,
-            "not_in_top_k": bad[:10]}
+    """tests.utils.check_logprobs_close over two engines' outputs (each side's greedy token,
+    where the sequences first differ, within the other side's top-k)."""
+    from tests.utils import check_logprobs_close
 
+    a = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in a_out]
+    b = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in b_out]
+    diverged = compared = 0
+    for (ta, _), (tb, _) in zip(a, b, strict=True):
+        first = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False))
+                      if x != y), None)
+        diverged += first is not None
+        # Positions up to and including the first divergence: past it the contexts differ.
+        compared += min(len(ta), len(tb)) if first is None else first + 1
+    counts = {"sequences": len(a), "sequences_diverged": diverged,
+              "positions_compared": compared}
+    try:
+        check_logprobs_close(a, b, name_a="float32", name_b="bfloat16")
+    except AssertionError as exc:
+        return {"ok": False, **counts, "not_in_top_k": str(exc)[:2000]}
+    return {"ok": True, **counts}
 
 
 def hf_greedy(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:

@@ -67,7 +67,6 @@ def stage_probe(run: StageRun) -> None:
                                     "tflops": measure_gemm_tflops(sizes.gemm_n)})
 
 
-
 def junit_counts(path: Path) -> dict[str, int]:
     import xml.etree.ElementTree as ET
 

@@ -4,6 +4,7 @@ XLA's memory analysis, the device's peak memory."""
 
 from __future__ import annotations
 
+import gc
 import json
 import tempfile
 import time
@@ -12,23 +13,6 @@ from typing import Any
 
 from benchmarks.gpu.harness import Sizes, StageRun, jax_module, platform_check
 from pallas_kernels.checks.shapes import QWEN2_SHAPES, Qwen2Shape
-
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class CompileCounter:
-    """Backend compiles (each with its seconds) seen since creation, through JAX's public
-    monitoring events; the listener stays registered, `active` turns it off."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self.active = True
-        jax_module().monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
-        if self.active and event == BACKEND_COMPILE_EVENT:
-            self.seconds.append(duration)
-
 
 # --dry-run's stand-in for the real shapes: two layers, widths with the real head layout.
 DRY_RUN_SHAPE = Qwen2Shape(name="dry-run-tiny", num_layers=2, hidden_size=128, num_heads=4,
@@ -71,6 +55,7 @@ def stage_realshape(run: StageRun) -> None:
         return
     from jaxllm.config import num_kv_blocks_for
     from jaxllm.engine.arg_utils import EngineArgs
+    from jaxllm.worker.compile_counter import compile_seconds
 
     for name in sizes.realshapes:
         def one(name: str = name) -> dict[str, Any]:
@@ -81,8 +66,9 @@ def stage_realshape(run: StageRun) -> None:
             _, runner = random_runner(shape, sizes, dtype)
             jax.block_until_ready(runner.params)
             init_s = time.perf_counter() - start
-            # The engine's own budget rule: gpu_memory_utilization of the device less weights
-            # and the largest step's activations (the CPU default where no memory is reported).
+            # The engine's own budget rule (kv_budget_bytes): gpu_memory_utilization x the
+            # device's bytes limit - max(bytes in use, weights) - the largest step's
+            # activations (the CPU default where no memory is reported).
             # The checkpoint directory holds only config.json: the runner above has the weights.
             ckpt = Path(tempfile.mkdtemp(prefix="gpu_checks_shape_"))
             (ckpt / "config.json").write_text(json.dumps(shape.hf_config()))
@@ -95,11 +81,10 @@ def stage_realshape(run: StageRun) -> None:
             if sizes.dry_run:
                 blocks = min(blocks, 64)  # the CPU default would take a GiB of host memory
             runner.initialize_kv_cache(blocks)
-            compiles = CompileCounter()
-            count = runner.get_compile_count()
+            before = len(compile_seconds())
             total = runner.compile(progress=False)
-            count = runner.get_compile_count() - count
-            compiles.active = False
+            seconds = compile_seconds()[before:]
+            count = len(seconds)
             shapes = runner.bucket_table()
             # Buckets compile concurrently: the compile events' seconds, longest first, are not
             # matched to buckets.
@@ -113,7 +98,7 @@ def stage_realshape(run: StageRun) -> None:
                       "weight_bytes": runner.weight_bytes(), "kv_blocks": blocks,
                       "kv_bytes": kv["nbytes"], "compile_total_s": total,
                       "backend_compiles": count,
-                      "backend_compile_s": sorted(compiles.seconds, reverse=True),
+                      "backend_compile_s": sorted(seconds, reverse=True),
                       "buckets": per_bucket, "memory_analysis": analysis,
                       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
                       "bytes_limit": stats.get("bytes_limit")}
@@ -121,3 +106,6 @@ def stage_realshape(run: StageRun) -> None:
             return result
 
         run.check(f"realshape_{name}", one)
+        # The runner's jitted step refers back to it (a cycle): collect it, on success and on a
+        # failure alike, before the next shape reads the device's bytes in use.
+        gc.collect()

@@ -11,19 +11,24 @@ import jax
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 _lock = threading.Lock()
-_count = 0
+_seconds: list[float] = []
 
 
 def _on_event(event: str, duration_secs: float, **kwargs: str | int) -> None:
-    global _count
     if event == BACKEND_COMPILE_EVENT:
         with _lock:
-            _count += 1
+            _seconds.append(duration_secs)
 
 
 def compile_count() -> int:
     """Backend compilations in this process since this module was imported."""
-    return _count
+    return len(_seconds)
+
+
+def compile_seconds() -> list[float]:
+    """Each backend compilation's seconds, in order, since this module was imported."""
+    with _lock:
+        return list(_seconds)
 
 
 # Once per process (module import), never per runner: listeners cannot be removed.

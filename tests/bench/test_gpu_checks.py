@@ -166,6 +166,29 @@ def test_time_box_skips_and_cpu_refused(tmp_path):
         ("platform", False, "cpu")]
 
 
+def test_stage_error_is_a_failed_check_and_the_next_stage_runs(tmp_path, monkeypatch):
+    from benchmarks import gpu_checks
+
+    def broken(run) -> None:
+        raise RuntimeError("raised outside any sub-check")
+
+    def fine(run) -> None:
+        run.check("one", lambda: {"ok": True, "value": 7})
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # main sets it when unset
+    monkeypatch.setitem(gpu_checks.STAGE_FNS, "probe", broken)
+    monkeypatch.setitem(gpu_checks.STAGE_FNS, "kernels", fine)
+    assert gpu_checks.main(["probe", "kernels", "--dry-run", "--out", str(tmp_path)]) == 1
+    probe = json.loads((tmp_path / "probe.json").read_text())
+    (error,) = probe["checks"]
+    assert (error["name"], error["ok"], probe["failed"]) == ("stage_error", False, ["stage_error"])
+    assert error["error"] == "RuntimeError: raised outside any sub-check"
+    assert "in broken" in error["traceback"]
+    kernels = json.loads((tmp_path / "kernels.json").read_text())
+    assert [(c["name"], c["ok"], c["value"]) for c in kernels["checks"]] == [("one", True, 7)]
+    assert kernels["failed"] == []
+
+
 # --------------------------------------------------------------------------- scripts
 
 

@@ -291,7 +291,10 @@ def test_kv_array_sized_from_measured_activations(tiny, monkeypatch):  # noqa: F
         measured.append(1)
         return original(self, *args)
 
-    monkeypatch.setattr(runner_module, "device_memory_bytes", lambda: device_bytes)
+    # The fake device: its limit, and in use only the new engine's weights (on a GPU the real
+    # reading would also count the first engine's arrays).
+    monkeypatch.setattr(runner_module, "device_memory_stats",
+                        lambda: {"bytes_limit": device_bytes, "bytes_in_use": weights})
     monkeypatch.setattr(ModelRunner, "measure_activation_bytes", counting)
     llm = make_llm(tiny[0], gpu_memory_utilization=0.9, **sizing)
     assert measured == [1]
@@ -299,6 +302,7 @@ def test_kv_array_sized_from_measured_activations(tiny, monkeypatch):  # noqa: F
     assert llm.llm_engine.num_kv_blocks == expected == 50
     out = llm.generate(ids(30), GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
-    monkeypatch.setattr(runner_module, "device_memory_bytes", lambda: weights + activations)
+    monkeypatch.setattr(runner_module, "device_memory_stats",
+                        lambda: {"bytes_limit": weights + activations, "bytes_in_use": weights})
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         make_llm(tiny[0], **sizing)

@@ -93,7 +93,9 @@ def test_second_engine_in_one_process_gets_what_the_first_left(monkeypatch, tiny
         return {"bytes_limit": total, "bytes_in_use": readings[-1]}
 
     monkeypatch.setattr(runner_module, "device_memory_stats", stats)
-    first = make_llm(path, multiprocess_mode=False, gpu_memory_utilization=0.3)
+    # The budget path in float32 on any platform: no test KV budget, no bfloat16 GPU default.
+    sizing = dict(multiprocess_mode=False, num_kv_blocks=None, dtype="float32")
+    first = make_llm(path, gpu_memory_utilization=0.3, **sizing)
     block = kv_block_bytes(first.llm_engine.model_config, 16, np.float32)
     weights = first.collective_rpc("weight_bytes")
     activations = (first.collective_rpc("measure_activation_bytes")
@@ -105,8 +107,8 @@ def test_second_engine_in_one_process_gets_what_the_first_left(monkeypatch, tiny
 
     # Same share of the device: the first engine took it all.
     with pytest.raises(ValueError, match="bytes in use"):
-        make_llm(path, multiprocess_mode=False, gpu_memory_utilization=0.3)
-    second = make_llm(path, multiprocess_mode=False, gpu_memory_utilization=0.6)
+        make_llm(path, gpu_memory_utilization=0.3, **sizing)
+    second = make_llm(path, gpu_memory_utilization=0.6, **sizing)
     in_use2 = readings[-1]
     # The first engine's weights and KV array and the second's weights are all in use.
     assert in_use2 >= 2 * weights + blocks * block

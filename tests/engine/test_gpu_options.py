@@ -83,7 +83,7 @@ def test_step_buckets_compile_in_a_pool_to_the_same_executables(tiny_models, mon
     assert sorted(runner._compiled_prompt) == sorted({t for t, _ in runner.bucket_shapes()})
     for shape in runner.bucket_shapes():
         one_by_one = runner.lower_step(*shape, 8).compile().as_text()
-        assert runner._compiled[shape].as_text() == one_by_one, shape
+        assert runner.get_compiled_hlo(*shape) == one_by_one, shape
 
 
 def test_cuda_graph_flags_go_to_the_core_process(monkeypatch):

@@ -21,7 +21,9 @@ MAX_MODEL_LEN = 1024
 MAX_NEW = 12
 PROMPT_LENS = (60, 97)
 # Few buckets (prefill 16, decode 1 and 2): interpret-mode compiles dominate the test.
-ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=2, max_num_batched_tokens=16)
+# float32: compared token for token with float32 HF, and the key tile below is float32's.
+ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=2, max_num_batched_tokens=16,
+              dtype="float32")
 
 
 @pytest.fixture(scope="module")

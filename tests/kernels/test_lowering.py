@@ -8,8 +8,8 @@ import math
 import jax.numpy as jnp
 import pytest
 
-from benchmarks.triton_modules import lower_step
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.worker.lowering import lower_step_for_cuda
 from pallas_kernels.checks.check_lowering import (
     DTYPES,
     KERNEL_MODULES,
@@ -103,7 +103,7 @@ def test_model_step_has_one_triton_module_per_kernel_kind(phase, num_tokens) -> 
     shape = QWEN2_SHAPES["qwen2.5-0.5b"]
     config = ModelConfig.from_hf_config(shape.hf_config(num_hidden_layers=num_layers,
                                                         vocab_size=1024, rope_theta=1e6))
-    counts = triton_modules(lower_step(config, num_tokens, phase == "decode"))
+    counts = triton_modules(lower_step_for_cuda(config, num_tokens, phase == "decode"))
     assert counts.modules == dict.fromkeys(STEP_KERNELS[phase], 1)
     attention = "paged_attention_split" if phase == "decode" else "paged_attention"
     assert counts.ops["write_kv"] == counts.ops[attention] == num_layers

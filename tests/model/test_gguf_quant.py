@@ -190,7 +190,7 @@ def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng, cpu_kerne
                  if isinstance(w, GGUFWeight)]
     assert len(quantized) == 4 + 3 + 2  # 4 per layer (layer 1 o_proj: F16), embedding, head
     for shape in ((1, 1), (4, 1)):
-        text = runner._compiled[shape].as_text()
+        text = runner.get_compiled_hlo(*shape)
         assert not _materialized(text, quantized)
         assert ("jaxllm_dequant_matmul" in text) == cpu_kernel
 

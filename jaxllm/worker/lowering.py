@@ -1,0 +1,48 @@
+"""The runner's step (jaxllm/worker/step.py) on one device with the Pallas kernels, lowered for
+CUDA from abstract inputs (weights as shapes only), with no GPU: what the Triton module counts
+and lowering checks read. The tensor-parallel step's counterpart is
+jaxllm/distributed/check_tp_lowering.py."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.models.qwen2 import (
+    AttentionMetadata,
+    Qwen2ForCausalLM,
+    abstract_params,
+    kv_cache_shape,
+    rope_variables,
+)
+from jaxllm.worker.step import forward_step
+from pallas_kernels.attention_common import decode_num_splits
+from pallas_kernels.common import lower_for_cuda
+
+
+def lower_step_for_cuda(config: ModelConfig, num_tokens: int, decode: bool, *,
+                        dtype: Any = jnp.bfloat16, block_size: int = 16, num_blocks: int = 4096,
+                        max_model_len: int = 4096, max_num_seqs: int = 64) -> jax.stages.Lowered:
+    """The runner's step with the Pallas kernels, lowered for CUDA from abstract inputs: a
+    decode bucket of `num_tokens` sequences (split-K attention as the runner sizes it) or a
+    prefill bucket of `num_tokens` tokens."""
+    model = Qwen2ForCausalLM(config, dtype=dtype, kernel_backend="pallas")
+    seqs = min(num_tokens, max_num_seqs)
+
+    def i32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+    attn_metadata = AttentionMetadata(i32(num_tokens), i32(seqs, -(-max_model_len // block_size)),
+                                      i32(seqs), i32(seqs + 1), i32(seqs))
+    splits = (decode_num_splits(max_model_len, seqs, config.num_key_value_heads)
+              if decode else 1)
+    fn = functools.partial(forward_step, model, 0, None, max_query_len=1 if decode else num_tokens,
+                           num_splits=splits)
+    kv = jax.ShapeDtypeStruct(kv_cache_shape(config, num_blocks, block_size), dtype)
+    rope = jax.eval_shape(lambda: rope_variables(config))
+    return lower_for_cuda(fn, (abstract_params(model), rope, kv, i32(num_tokens),
+                               i32(num_tokens), attn_metadata), donate_argnums=2)
