@@ -86,7 +86,7 @@ def test_step_buckets_compile_in_a_pool_to_the_same_executables(tiny_models, mon
         assert runner.get_compiled_hlo(*shape) == one_by_one, shape
 
 
-def test_cuda_graph_flags_go_to_the_core_process(monkeypatch):
+def test_cuda_graph_flags_go_to_the_core_process(monkeypatch, tmp_path):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/dump")
     env = _child_env(EngineArgs(cuda_graph_triton=True))
     assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/dump", *CUDA_GRAPH_TRITON_XLA_FLAGS]
@@ -99,8 +99,10 @@ def test_cuda_graph_flags_go_to_the_core_process(monkeypatch):
     assert xla_flags_with(given, CUDA_GRAPH_TRITON_XLA_FLAGS) == given
     with pytest.raises(ValueError, match="cuda_graph_triton must be True, False or None"):
         EngineArgs(cuda_graph_triton="yes")
-    assert not EngineArgs().create_engine_config("cpu").cuda_graph_triton
-    assert EngineArgs(cuda_graph_triton=True).create_engine_config("cpu").cuda_graph_triton
+    # A checkpoint directory (not the embedded model, which would be joined first).
+    assert not EngineArgs(model=str(tmp_path)).create_engine_config("cpu").cuda_graph_triton
+    assert EngineArgs(model=str(tmp_path),
+                      cuda_graph_triton=True).create_engine_config("cpu").cuda_graph_triton
 
 
 def test_cuda_graph_flags_in_process_only_before_jax_starts(monkeypatch):
