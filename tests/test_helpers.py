@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.utils import KV_BLOCKS_ENV, check_logprobs_close, kv_budget_kwargs
+from tests.utils import (
+    GPU_TEST_KV_BLOCKS,
+    KV_BLOCKS_ENV,
+    check_logprobs_close,
+    kv_budget_kwargs,
+)
 
 
 def _out(tokens: list[int], tops: list[list[int]]) -> tuple[list[int], list[dict[int, float]]]:
@@ -46,10 +51,15 @@ def test_length_and_count_mismatches_fail():
 
 
 def test_kv_budget_from_the_environment(monkeypatch):
+    # Unset: the platform's budget on CPU, a small fixed one on a GPU (judged as the engine
+    # judges it, from JAX_PLATFORMS or an installed CUDA plugin).
     monkeypatch.delenv(KV_BLOCKS_ENV, raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert kv_budget_kwargs() == {}
     monkeypatch.setenv(KV_BLOCKS_ENV, " ")
     assert kv_budget_kwargs() == {}
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert kv_budget_kwargs() == {"num_kv_blocks": GPU_TEST_KV_BLOCKS}
     monkeypatch.setenv(KV_BLOCKS_ENV, "256")
     assert kv_budget_kwargs() == {"num_kv_blocks": 256}
     for bad in ("1", "-4", "lots", "2.5"):

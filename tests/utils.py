@@ -66,17 +66,22 @@ def save_tiny_checkpoint(path, tied: bool, seed: int = 0, **overrides) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-# Test engines' KV blocks when set: on an 80 GB GPU the memory budget would give the tiny test
-# models millions of blocks (slow to allocate and zero, and no test needs them). Unset (CPU):
-# each engine sizes its KV as the platform does.
+# Test engines' KV blocks: on an 80 GB GPU the memory budget would give the tiny test models
+# millions of blocks (slow to allocate and zero, and no test needs them), so a GPU gets
+# GPU_TEST_KV_BLOCKS unless the variable says otherwise; on CPU, unset, each engine sizes its KV
+# as the platform does.
 KV_BLOCKS_ENV = "JAXLLM_TEST_KV_BLOCKS"
+GPU_TEST_KV_BLOCKS = 2048
 
 
 def kv_budget_kwargs() -> dict[str, int]:
-    """{"num_kv_blocks": N} from $JAXLLM_TEST_KV_BLOCKS, or {} when it is unset or empty."""
+    """{"num_kv_blocks": N} from $JAXLLM_TEST_KV_BLOCKS; when it is unset or empty,
+    GPU_TEST_KV_BLOCKS on a GPU platform and {} on CPU."""
+    from jaxllm.config import gpu_platform_installed
+
     value = os.environ.get(KV_BLOCKS_ENV, "").strip()
     if not value:
-        return {}
+        return {"num_kv_blocks": GPU_TEST_KV_BLOCKS} if gpu_platform_installed() else {}
     try:
         blocks = int(value)
     except ValueError:
