@@ -3,8 +3,8 @@
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.llm import LLM
 from jaxllm.outputs import CompletionOutput, RequestOutput
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "RequestOutputKind",
-           "SamplingParams"]
+           "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"

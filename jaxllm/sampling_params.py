@@ -6,7 +6,8 @@ import copy
 import enum
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 # Most top logprobs a request may ask for per position (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
@@ -20,6 +21,92 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # everything so far, each time
     DELTA = 1  # only what is new since the last output
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text, as vLLM's: exactly one of
+
+    - `json`: a JSON schema (dict, or its JSON text): the output is a JSON value it accepts;
+    - `json_object`: True: the output is any JSON object;
+    - `regex`: the output matches the regular expression (Rust `regex` syntax, anchored);
+    - `choice`: the output is one of these strings;
+    - `grammar`: the output is a sentence of this Lark grammar (llguidance's dialect: rules
+      `name: ...`, start rule `start`) or GBNF grammar (llama.cpp's: rules `name ::= ...`,
+      start rule `root`).
+
+    `disable_any_whitespace` allows no whitespace between JSON tokens (a small or untrained
+    model may otherwise wander in whitespace); `whitespace_pattern` (a regex) replaces the
+    default whitespace between them; `disable_additional_properties` closes every object of the
+    schema that does not say otherwise. An invalid schema, regex or grammar raises ValueError
+    here, naming it, before any request is queued.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json_object is False:
+            self.json_object = None
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"SamplingParams.structured_outputs must set exactly one of "
+                             f"{', '.join(_STRUCTURED_KINDS)}, got "
+                             f"{', '.join(given) if given else 'none'}")
+        if self.json_object is not None and self.json_object is not True:
+            raise self._bad("json_object", "must be True or None")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise self._bad("json", "must be a JSON schema (a dict or its JSON text)")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise self._bad(name, "must be a string")
+        if self.grammar is not None and not self.grammar.strip():
+            raise self._bad("grammar", "must not be empty")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if (not isinstance(self.choice, list) or not self.choice
+                    or any(not isinstance(c, str) or not c for c in self.choice)):
+                raise self._bad("choice", "must be a non-empty list of non-empty strings")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise self._bad(name, "must be a bool")
+        from jaxllm.structured_output.grammar import validate_grammar
+
+        validate_grammar(self)
+
+    def _bad(self, name: str, why: str) -> ValueError:
+        return ValueError(f"SamplingParams.structured_outputs.{name} {why}, "
+                          f"got {getattr(self, name)!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, json_object, regex, choice or grammar."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) is not None)
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> StructuredOutputsParams:
+        """From a JSON object (the server's `structured_outputs` field); unknown keys are an
+        error naming them."""
+        if not isinstance(spec, dict):
+            raise ValueError(f"SamplingParams.structured_outputs must be an object, got "
+                             f"{type(spec).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"SamplingParams.structured_outputs has unknown fields {unknown}; "
+                             f"known: {sorted(known)}")
+        return cls(**spec)
 
 
 @dataclass
@@ -38,7 +125,10 @@ class SamplingParams:
     per prompt token; both are of the model's raw distribution and at most MAX_LOGPROBS.
     `logit_bias` maps token id -> value added to that token's logit before anything else.
     `output_kind` (RequestOutputKind) is what AsyncLLM.generate yields per step; LLM.generate
-    always returns final outputs.
+    always returns final outputs. `structured_outputs` (StructuredOutputsParams, or a dict of
+    its fields) constrains the output to a JSON schema, regex, choice or grammar: tokens it
+    forbids are masked before any other logits processing, EOS is allowed only where the
+    constraint is complete, and logprobs stay those of the raw distribution.
     """
 
     n: int = 1
@@ -61,8 +151,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise self._bad("structured_outputs", "must be StructuredOutputsParams, a dict of "
+                            "its fields, or None")
         if self.stop is None:
             stop = []
         elif isinstance(self.stop, str):
