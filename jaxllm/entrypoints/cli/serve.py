@@ -33,6 +33,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM, seconds running requests get to finish before they are "
                         "aborted (default: 10)")
+    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help='defaults for constrained requests that do not set them, e.g. '
+                        '\'{"disable_any_whitespace": true}\' (no whitespace between JSON '
+                        'tokens: small or untrained models need it to close objects); keys: '
+                        'disable_any_whitespace, disable_additional_properties')
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     EngineArgs.add_cli_args(p)
@@ -45,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxllm.engine.async_llm import AsyncLLM
     from jaxllm.entrypoints.openai.api_server import build_app, make_state
     from jaxllm.entrypoints.openai.metrics import ServerMetrics
+    from jaxllm.entrypoints.openai.serving_engine import StructuredOutputsConfig
     from jaxllm.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -57,6 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("the server needs the tokenizer (drop --skip-tokenizer-init)")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+    so_config = StructuredOutputsConfig() if args.structured_outputs_config is None \
+        else StructuredOutputsConfig.from_json(args.structured_outputs_config)
     engine_args = EngineArgs.from_cli_args(args, model=tag)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     name = args.served_model_name or tag or DEFAULT_MODEL_NAME
@@ -68,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = engine.engine_config
     state = make_state(engine, name,
                        engine_config.model if tag is None else engine_config.model_path,
-                       metrics, args.max_request_bytes)
+                       metrics, args.max_request_bytes, so_config)
     app = build_app(state, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level,

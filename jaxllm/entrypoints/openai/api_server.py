@@ -37,6 +37,7 @@ from jaxllm.entrypoints.openai.protocol import (
 )
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxllm.entrypoints.openai.serving_engine import StructuredOutputsConfig
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -244,9 +245,13 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
 
 def make_state(engine: AsyncLLM, model_name: str, model_root: str,
-               metrics: ServerMetrics, max_request_bytes: int) -> ServerState:
+               metrics: ServerMetrics, max_request_bytes: int,
+               structured_outputs_config: StructuredOutputsConfig | None = None
+               ) -> ServerState:
     return ServerState(engine, model_name, model_root,
-                       OpenAIServingCompletion(engine, model_name, metrics),
-                       OpenAIServingChat(engine, model_name, metrics), metrics,
+                       OpenAIServingCompletion(engine, model_name, metrics,
+                                               structured_outputs_config),
+                       OpenAIServingChat(engine, model_name, metrics,
+                                         structured_outputs_config), metrics,
                        max_request_bytes, int(time.time()))
 

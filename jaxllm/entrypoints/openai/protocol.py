@@ -15,12 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 # OpenAI parameters that exist but that we do not implement: refused by name.
-UNSUPPORTED_COMPLETION = ("best_of", "echo", "suffix", "prompt_logprobs", "guided_json",
-                          "response_format")
-UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                    "response_format", "audio", "modalities", "prediction", "reasoning_effort",
-                    "web_search_options", "store", "metadata", "service_tier", "echo",
-                    "best_of", "guided_json")
+UNSUPPORTED_COMPLETION = ("best_of", "suffix")
+UNSUPPORTED_CHAT = ("functions", "function_call", "audio", "modalities", "prediction",
+                    "reasoning_effort", "web_search_options", "store", "metadata",
+                    "service_tier", "echo", "best_of")
 
 
 class APIError(Exception):
@@ -55,6 +53,19 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaResponseFormat(_Strict):
+    name: str
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute; the wire name stays OpenAI's.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
 class _SamplingFields(_Strict):
     """What completions and chat share: the sampling parameters, OpenAI's and vLLM's extras."""
 
@@ -78,18 +89,63 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own logs; nothing to do here
+    # Constrained decoding: OpenAI's response_format, vLLM's structured_outputs (the fields of
+    # StructuredOutputsParams) and vLLM's older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None)
+    echo: bool = False
+    prompt_logprobs: int | None = None
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -101,6 +157,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Strict):
@@ -132,10 +191,11 @@ def parse_request(model: type[BaseModel], body: Any,
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        # pydantic names the union member that failed ("str", "list[int]") in the location:
-        # not a part of the request the caller wrote.
+        # pydantic names the union member that failed ("str", "list[int]", a model's class
+        # name) in the location: not a part of the request the caller wrote.
         loc = [str(p) for p in err.get("loc", ())
-               if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+               if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS
+                                               or p[:1].isupper()))]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
         if err.get("type") == "extra_forbidden":

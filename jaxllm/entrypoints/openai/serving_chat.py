@@ -1,10 +1,17 @@
 """`POST /v1/chat/completions`: the messages go through the model's own chat template (from its
 tokenizer), then generate as a completion would; responses and `chat.completion.chunk` events
-in OpenAI's layout, logprobs in the chat format (token, logprob, bytes, top_logprobs)."""
+in OpenAI's layout, logprobs in the chat format (token, logprob, bytes, top_logprobs).
+
+Tools: the template renders `tools` (and earlier calls and tool results in the messages); the
+answer is parsed by the hermes tool parser into `message.tool_calls` (streamed as
+`delta.tool_calls`). `tool_choice` "required" or a named function is enforced by a grammar over
+the same format, so the model can only answer with calls of valid arguments."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any, cast
 
 from jaxllm.entrypoints.openai.protocol import (
@@ -12,10 +19,28 @@ from jaxllm.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatMessage,
+    NamedToolChoice,
     check_logprobs,
     parse_request,
 )
-from jaxllm.entrypoints.openai.serving_engine import OpenAIServing, now, random_id, sse
+from jaxllm.entrypoints.openai.serving_engine import (
+    Constraint,
+    OpenAIServing,
+    now,
+    random_id,
+    request_constraint,
+    sse,
+)
+from jaxllm.entrypoints.openai.tool_parsers import (
+    DeltaMessage,
+    HermesToolParser,
+    extract_tool_calls,
+    tool_call_grammar,
+)
+from jaxllm.entrypoints.openai.tool_parsers.hermes_tool_parser import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+)
 from jaxllm.outputs import Logprob
 
 _MIN_LOGPROB = -9999.0
@@ -39,14 +64,76 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise APIError(400, f"messages[{i}]: only assistant messages have tool_calls",
+                               "messages")
+            msg["tool_calls"] = [_template_tool_call(i, j, c.id, c.function.name,
+                                                     c.function.arguments)
+                                 for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 
 
+def _template_tool_call(i: int, j: int, call_id: str, name: str, arguments: str
+                        ) -> dict[str, Any]:
+    # Templates write the arguments with `tojson`: they want the object, not its JSON text
+    # (as vLLM hands them over).
+    try:
+        args = json.loads(arguments)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not valid "
+                            f"JSON: {e}", "messages") from None
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+@dataclass
+class ToolUse:
+    """How a request uses its tools: `parse` the answer for calls; `constraint`, the grammar
+    that enforces them ("required" or a named function)."""
+
+    tools: list[dict[str, Any]] | None
+    parse: bool
+    constraint: Constraint | None
+
+
 class OpenAIServingChat(OpenAIServing):
+    def tool_use(self, req: ChatCompletionRequest) -> ToolUse:
+        choice = req.tool_choice
+        if choice is not None and choice != "none" and not req.tools:
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        if not req.tools:
+            return ToolUse(None, False, None)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        functions = [t["function"] for t in tools]
+        if choice is None:
+            choice = "auto"
+        if choice == "none":
+            # As vLLM by default: the tools are still rendered (the conversation may refer to
+            # them), but the answer is plain content, never parsed for calls.
+            return ToolUse(tools, False, None)
+        if choice == "auto":
+            return ToolUse(tools, True, None)
+        if isinstance(choice, NamedToolChoice):
+            names = [f["name"] for f in functions]
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice names the function {choice.function.name!r}, "
+                                    f"which is not among the tools {names}", "tool_choice")
+            functions = [f for f in functions if f["name"] == choice.function.name]
+        tags = all(self.tokenizer.convert_tokens_to_ids(t) != self.tokenizer.unk_token_id
+                   and self.tokenizer.convert_tokens_to_ids(t) is not None
+                   for t in (TOOL_CALL_START, TOOL_CALL_END))
+        grammar = tool_call_grammar(
+            functions, req.parallel_tool_calls,
+            not self.structured_outputs_config.disable_any_whitespace, tags)
+        return ToolUse(tools, True, Constraint({"grammar": grammar}, "tool_choice"))
+
     def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool,
                             continue_final_message: bool = False,
-                            kwargs: dict[str, Any] | None = None) -> str:
+                            kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
         if not messages:
@@ -57,7 +144,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # transformers annotates every return kind at once; tokenize=False gives the text.
             return cast(str, self.tokenizer.apply_chat_template(
-                message_dicts(messages), tokenize=False,
+                message_dicts(messages), tools=tools, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **(kwargs or {})))
         except APIError:
@@ -77,19 +164,26 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed when stream is true",
                            "stream_options")
+        tool_use = self.tool_use(req)
+        constraint = request_constraint(req)
+        if constraint is not None and tool_use.constraint is not None:
+            raise APIError(400, f"tool_choice {req.tool_choice!r} constrains the answer to tool "
+                                f"calls; it cannot be combined with {constraint.source}",
+                           "tool_choice")
         text = self.apply_chat_template(req.messages, req.add_generation_prompt,
-                                        req.continue_final_message, req.chat_template_kwargs)
+                                        req.continue_final_message, req.chat_template_kwargs,
+                                        tool_use.tools)
         prompt = self.tokenize(text)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, len(prompt.token_ids), num_top,
-                                      req.stream)
+                                      req.stream, constraint or tool_use.constraint)
         request_id = random_id("chatcmpl")
         gen = self.generate(prompt, params, request_id)
         if req.stream:
-            return self._stream(req, request_id, len(prompt.token_ids), gen)
-        return await self._full(req, request_id, len(prompt.token_ids), gen)
+            return self._stream(req, request_id, len(prompt.token_ids), gen, tool_use.parse)
+        return await self._full(req, request_id, len(prompt.token_ids), gen, tool_use.parse)
 
     def _logprobs(self, token_ids: list[int], rows: list[dict[int, Logprob]] | None,
                   num_top: int) -> list[dict[str, Any]]:
@@ -108,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
         return content
 
     async def _full(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
-                    gen: AsyncGenerator) -> dict[str, Any]:
+                    gen: AsyncGenerator, parse_tools: bool) -> dict[str, Any]:
         choices: list[dict[str, Any] | None] = [None] * req.n
         num_completion = 0
         async for out in gen:
@@ -118,21 +212,29 @@ class OpenAIServingChat(OpenAIServing):
                 if req.logprobs:
                     logprobs = {"content": self._logprobs(c.token_ids, c.logprobs,
                                                           req.top_logprobs or 0)}
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                finish_reason = c.finish_reason
+                if parse_tools:
+                    found = extract_tool_calls(c.text)
+                    if found.tools_called:
+                        message["content"] = found.content
+                        message["tool_calls"] = [t.to_dict() for t in found.tool_calls]
+                        finish_reason = _tool_finish_reason(finish_reason)
                 choices[c.index] = {
-                    "index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
+                    "index": c.index, "message": message, "logprobs": logprobs,
+                    "finish_reason": finish_reason, "stop_reason": c.stop_reason}
         return {"id": request_id, "object": "chat.completion", "created": now(),
                 "model": self.model_name, "choices": choices,
                 "usage": self.usage(num_prompt, num_completion)}
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
-                      gen: AsyncGenerator) -> AsyncGenerator[str, None]:
+                      gen: AsyncGenerator, parse_tools: bool) -> AsyncGenerator[str, None]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         base = {"id": request_id, "object": "chat.completion.chunk", "created": now(),
                 "model": self.model_name}
         extra = {"usage": None} if include_usage else {}
         num_completion = 0
+        parsers = [HermesToolParser() for _ in range(req.n)] if parse_tools else None
         try:
             # The first chunk of every choice carries the role, as OpenAI's do.
             for i in range(req.n):
@@ -148,10 +250,29 @@ class OpenAIServingChat(OpenAIServing):
                     if req.logprobs:
                         logprobs = {"content": self._logprobs(c.token_ids, c.logprobs,
                                                               req.top_logprobs or 0)}
-                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                    finish_reason = c.finish_reason
+                    if parsers is None:
+                        delta: dict[str, Any] = {"content": c.text} \
+                            if c.text or finish_reason is None else {}
+                    else:
+                        parser = parsers[c.index]
+                        found = parser.feed(c.text)
+                        if finish_reason is not None:
+                            end = parser.finish()
+                            found = DeltaMessage(found.content + end.content,
+                                                 found.tool_calls + end.tool_calls)
+                            if parser.tool_calls:
+                                finish_reason = _tool_finish_reason(finish_reason)
+                        delta = {}
+                        if found.content:
+                            delta["content"] = found.content
+                        if found.tool_calls:
+                            delta["tool_calls"] = [t.to_dict() for t in found.tool_calls]
+                        if not delta and finish_reason is None and logprobs is None:
+                            continue  # held back: a tag or a call's closing brace may follow
                     yield sse({**base, "choices": [{
                         "index": c.index, "delta": delta, "logprobs": logprobs,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                        "finish_reason": finish_reason, "stop_reason": c.stop_reason}],
                         **extra})
             if include_usage:
                 yield sse({**base, "choices": [],
@@ -159,3 +280,8 @@ class OpenAIServingChat(OpenAIServing):
         except APIError as e:
             yield sse(e.body())
         yield sse("[DONE]")
+
+
+def _tool_finish_reason(finish_reason: str | None) -> str | None:
+    # OpenAI's reason for an answer that ends in calls; one cut by max_tokens stays "length".
+    return "tool_calls" if finish_reason == "stop" else finish_reason

@@ -1,6 +1,10 @@
 """`POST /v1/completions`: one prompt (text or token ids) or a list of them, `n` choices each,
 streamed as OpenAI's `text_completion` chunks or returned whole. Choice i*n + j is prompt i's
-j-th sequence, as OpenAI numbers them."""
+j-th sequence, as OpenAI numbers them.
+
+With `echo`, each choice's text starts with its prompt, and its logprobs with the prompt's
+tokens (the first one's logprob None: nothing precedes it), from the engine's prompt logprobs:
+what lm-evaluation-harness's loglikelihood requests read."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from jaxllm.entrypoints.openai.serving_engine import (
     merge,
     now,
     random_id,
+    request_constraint,
     sse,
 )
 from jaxllm.outputs import Logprob
@@ -36,17 +41,23 @@ class CompletionLogprobs:
         self.num_top = num_top
         self.ids: list[int] = []
 
-    def add(self, token_ids: list[int], rows: list[dict[int, Logprob]] | None
-            ) -> dict[str, Any]:
+    def add(self, token_ids: list[int], rows: list[dict[int, Logprob] | None] | None,
+            out: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The entries of `token_ids` (appended to `out` when given). A None row (the prompt's
+        first token) has no logprob and no top logprobs."""
         tok = self.serving.tokenizer
-        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                               "text_offset": []}
+        if out is None:
+            out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, row in zip(token_ids, rows or [], strict=False):
             # The offset is where the text decoded so far ends (a partial character counts as
             # the one U+FFFD the decode shows for it).
             out["text_offset"].append(len(tok.decode(self.ids)) if self.ids else 0)
             self.ids.append(tid)
             out["tokens"].append(self.serving.token_info(tid)[0])
+            if row is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
             lp = row.get(tid)
             out["token_logprobs"].append(None if lp is None else max(lp.logprob, _MIN_LOGPROB))
             top = {}
@@ -62,13 +73,23 @@ class OpenAIServingCompletion(OpenAIServing):
         req: CompletionRequest = parse_request(CompletionRequest, body, UNSUPPORTED_COMPLETION)
         self.check_model(req.model)
         check_logprobs(req.logprobs, "logprobs")
+        check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed when stream is true",
                            "stream_options")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs is not available when stream is true (echo "
+                                "with logprobs streams the prompt's logprobs)", "prompt_logprobs")
+        constraint = request_constraint(req)
+        # As vLLM: echo with logprobs asks the engine for the prompt's logprobs too.
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and req.echo:
+            prompt_logprobs = req.logprobs
         prompts = self._prompts(req.prompt)
         tokenized = [self.tokenize(p) for p in prompts]
         params = [self.sampling_params(req, req.max_tokens, len(t.token_ids), req.logprobs,
-                                       req.stream) for t in tokenized]
+                                       req.stream, constraint, prompt_logprobs)
+                  for t in tokenized]
         request_id = random_id("cmpl")
         created = now()
         gens = [self.generate(t, p, f"{request_id}-{i}")
@@ -76,6 +97,23 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             return self._stream(req, request_id, created, tokenized, gens)
         return await self._full(req, request_id, created, tokenized, gens)
+
+    def prompt_text(self, prompt: TokenizedPrompt) -> str:
+        """The prompt as text (a token-id prompt decoded), for echo."""
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.token_ids)
+
+    def prompt_logprobs_json(self, rows: list[dict[int, Logprob] | None] | None
+                             ) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs` of a choice: per prompt token, None for the first, else
+        {token id: {logprob, rank, decoded_token}} of the prompt token and the top ones."""
+        if rows is None:
+            return None
+        return [None if row is None else {
+            str(t): {"logprob": max(p.logprob, _MIN_LOGPROB), "rank": p.rank,
+                     "decoded_token": self.token_info(t)[0]} for t, p in row.items()}
+            for row in rows]
 
     @staticmethod
     def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -94,14 +132,21 @@ class OpenAIServingCompletion(OpenAIServing):
         num_completion = 0
         async for i, out in merge(gens):
             for c in out.outputs:
-                logprobs = None
+                text, logprobs = c.text, None
+                if req.echo:
+                    text = self.prompt_text(tokenized[i]) + text
                 if req.logprobs is not None:
-                    logprobs = CompletionLogprobs(self, req.logprobs).add(c.token_ids,
-                                                                          c.logprobs)
+                    lp = CompletionLogprobs(self, req.logprobs)
+                    echoed = lp.add(tokenized[i].token_ids, out.prompt_logprobs) \
+                        if req.echo else None
+                    logprobs = lp.add(c.token_ids, c.logprobs, echoed)
                 num_completion += len(c.token_ids)
-                choices[i * n + c.index] = {
-                    "index": i * n + c.index, "text": c.text, "logprobs": logprobs,
+                choice = {
+                    "index": i * n + c.index, "text": text, "logprobs": logprobs,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.prompt_logprobs_json(out.prompt_logprobs)
+                choices[i * n + c.index] = choice
         num_prompt = sum(len(t.token_ids) for t in tokenized)
         return {"id": request_id, "object": "text_completion", "created": created,
                 "model": self.model_name, "choices": choices,
@@ -117,17 +162,29 @@ class OpenAIServingCompletion(OpenAIServing):
         num_completion = 0
         base = {"id": request_id, "object": "text_completion", "created": created,
                 "model": self.model_name}
+        # Echo: a choice's first chunk carries its prompt, and with logprobs the prompt's
+        # logprobs, which arrive with (or before) the first generated token.
+        echo_pending = set(range(len(gens) * n)) if req.echo else set()
+        prompt_rows: list[list] = [[] for _ in gens]
         try:
             async for i, out in merge(gens):
+                if out.prompt_logprobs:
+                    prompt_rows[i].extend(out.prompt_logprobs)
                 for c in out.outputs:
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue
                     index = i * n + c.index
                     num_completion += len(c.token_ids)
+                    text, echoed = c.text, None
+                    if index in echo_pending:
+                        echo_pending.discard(index)
+                        text = self.prompt_text(tokenized[i]) + text
+                        if logprobs is not None:
+                            echoed = logprobs[index].add(tokenized[i].token_ids, prompt_rows[i])
                     lp = None if logprobs is None else logprobs[index].add(c.token_ids,
-                                                                           c.logprobs)
+                                                                           c.logprobs, echoed)
                     chunk = {**base, "choices": [{
-                        "index": index, "text": c.text, "logprobs": lp,
+                        "index": index, "text": text, "logprobs": lp,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
                     if include_usage:
                         chunk["usage"] = None

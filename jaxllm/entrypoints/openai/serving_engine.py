@@ -1,6 +1,6 @@
 """What the completions and chat endpoints share: the model-name check, prompt tokenizing with
-the max_model_len check, request -> SamplingParams, generation with metrics and clean errors,
-logprob token strings, SSE framing."""
+the max_model_len check, request -> SamplingParams (the structured-output constraint included),
+generation with metrics and clean errors, logprob token strings, SSE framing."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from jaxllm.engine import EngineDeadError
@@ -18,7 +18,82 @@ from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.protocol import APIError
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """Server-wide defaults for constrained requests (vLLM's `--structured-outputs-config`):
+    a request whose constraint does not set one of these fields gets the server's value. A
+    random or small model needs `disable_any_whitespace` to ever close a JSON object."""
+
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    @classmethod
+    def from_json(cls, text: str) -> StructuredOutputsConfig:
+        """From the command line's JSON object; unknown keys and non-bool values are errors
+        naming them."""
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--structured-outputs-config is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"--structured-outputs-config must be a JSON object, got {text!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"--structured-outputs-config has unknown keys {unknown}; known: "
+                             f"{sorted(known)}")
+        for key, value in spec.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"--structured-outputs-config: {key} must be true or false, "
+                                 f"got {value!r}")
+        return cls(**spec)
+
+
+@dataclass
+class Constraint:
+    """A request's structured-output spec (StructuredOutputsParams' fields) and the request
+    field it came from, which a 400 about it names."""
+
+    spec: dict[str, Any]
+    source: str
+
+
+# vLLM's older request fields, each one kind of constraint.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def request_constraint(req: Any) -> Constraint | None:
+    """The constraint a completions or chat request asks for: `structured_outputs`,
+    `response_format` (json_object, json_schema) or one `guided_*` field; more than one is a
+    400 (which should win is not ours to guess)."""
+    found: list[Constraint] = []
+    if req.structured_outputs is not None:
+        found.append(Constraint(dict(req.structured_outputs), "structured_outputs"))
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(Constraint({"json_object": True}, "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs "
+                                "json_schema.schema", "response_format")
+        found.append(Constraint({"json": rf.json_schema.json_schema}, "response_format"))
+    for name, kind in _GUIDED_FIELDS.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append(Constraint({kind: value}, name))
+    if len(found) > 1:
+        raise APIError(400, f"give at most one output constraint, got "
+                            f"{', '.join(c.source for c in found)}", found[1].source)
+    if req.guided_whitespace_pattern is not None:
+        if not found:
+            raise APIError(400, "guided_whitespace_pattern needs a JSON constraint "
+                                "(guided_json or response_format)", "guided_whitespace_pattern")
+        found[0].spec.setdefault("whitespace_pattern", req.guided_whitespace_pattern)
+    return found[0] if found else None
 
 
 @dataclass
@@ -78,8 +153,10 @@ def token_text_and_bytes(tokenizer: Any, token_id: int, added: set[int]) -> tupl
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_name: str,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None,
+                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
         self.engine = engine
+        self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.model_name = served_model_name
         if engine.tokenizer is None:
             raise ValueError("the OpenAI server needs the engine's tokenizer (drop "
@@ -107,8 +184,27 @@ class OpenAIServing:
             raise APIError(400, str(e), "prompt") from None
         return TokenizedPrompt(p.prompt, p.prompt_token_ids)
 
+    def structured_outputs(self, constraint: Constraint | None
+                           ) -> StructuredOutputsParams | None:
+        """The constraint with the server's defaults for the fields it leaves out; an invalid
+        schema, regex or grammar is a 400 naming the request field it came from."""
+        if constraint is None:
+            return None
+        spec = dict(constraint.spec)
+        config = self.structured_outputs_config
+        # An explicit whitespace pattern says what whitespace to allow: no default overrides it.
+        if "whitespace_pattern" not in spec:
+            spec.setdefault("disable_any_whitespace", config.disable_any_whitespace)
+        spec.setdefault("disable_additional_properties", config.disable_additional_properties)
+        try:
+            return StructuredOutputsParams.from_dict(spec)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"{constraint.source}: {e}", constraint.source) from None
+
     def sampling_params(self, req: Any, max_tokens: int | None, num_prompt_tokens: int,
-                        logprobs: int | None, stream: bool) -> SamplingParams:
+                        logprobs: int | None, stream: bool,
+                        constraint: Constraint | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's SamplingParams; as vLLM's server (not the offline LLM, which clamps),
         a prompt plus max_tokens over max_model_len is a 400 naming the numbers."""
         room = self.max_model_len - num_prompt_tokens
@@ -125,7 +221,8 @@ class OpenAIServing:
         kw: dict[str, Any] = dict(
             n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed,
             max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-            logprobs=logprobs, logit_bias=req.logit_bias,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=req.logit_bias,
+            structured_outputs=self.structured_outputs(constraint),
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
@@ -140,6 +237,8 @@ class OpenAIServing:
         except ValueError as e:
             m = _SAMPLING_PARAM.search(str(e))
             param = m.group(1) if m else None
+            if param == "structured_outputs" and constraint is not None:
+                param = constraint.source
             if param is None and "logit_bias" in str(e):
                 param = "logit_bias"
             raise APIError(400, str(e), param) from None
