@@ -17,6 +17,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # The request cannot go on (e.g. its output constraint reached a dead end); `stop_reason`
+    # says why.
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -32,6 +35,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -72,7 +76,8 @@ class Request:
     # many of those steps sample a token for this request (its next tokens, unknown so far).
     num_inflight_tokens: int = field(default=0, init=False)
     num_output_placeholders: int = field(default=0, init=False)
-    # The stop token id that finished the request, or a stop string set by the output side.
+    # The stop token id that finished the request, a stop string set by the output side, or
+    # why it ended with an error.
     stop_reason: int | str | None = field(default=None, init=False)
     # Hash of each full block of `all_token_ids`, chained; filled lazily by KVCacheManager.
     block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)

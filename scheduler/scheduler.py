@@ -89,6 +89,15 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError for one that could never be scheduled."""
+        self.check_request(request)
+        request.arrival_index = self._next_arrival_index
+        self._next_arrival_index += 1
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """What add_request checks, without queueing: ValueError for a request that could
+        never be scheduled (for callers that hold a request back before queueing it)."""
         cfg = self.config
         rid = request.request_id
         if rid in self.requests:
@@ -107,10 +116,6 @@ class Scheduler:
                 f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens needs {need} "
                 f"KV blocks of {cfg.block_size} tokens, the cache has only {have}"
             )
-        request.arrival_index = self._next_arrival_index
-        self._next_arrival_index += 1
-        self.requests[rid] = request
-        self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string found); unknown ids are ignored,

@@ -43,9 +43,13 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_sampled_logprobs: list[float] | None = None
     # Prompt-logprob rows computed this step, in prompt order.
     new_prompt_logprobs: LogprobsLists | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # The stop token id that ended it; for "error", why.
+    stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Finished "stop" on a token that belongs to the text (its grammar is complete), not on a
+    # stop token, whose text is left out.
+    stopped_on_text: bool = False
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,13 @@ schedule -> execute model -> sample (`HostSampler`, jaxllm/sample/host_sampler.p
 update_from_output -> EngineCoreOutputs (+ stats).
 Everything else the frontend needs from it goes through `UTILITY_METHODS` (vLLM's utility calls;
 `collective_rpc` reaches the model runner), so the core can live in another process.
+
+A request with structured outputs waits in the core, outside the scheduler, until its grammar
+is compiled (`StructuredOutputManager`, on threads); only then does the scheduler see it. Its
+matcher follows the tokens the scheduler accepts for it (`_update`); preemption recomputes and
+keeps the output tokens, so the matcher never goes back. When its grammar is complete the
+request finishes "stop"; when the grammar fails to compile or reaches a dead end it finishes
+"error", with stop_reason saying why.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
+from jaxllm.structured_output.manager import StructuredOutputManager
+from jaxllm.structured_output.request import StructuredOutputRequest
 from jaxllm.worker.model_runner import (
     PROMPT_LOGPROB_ROWS,
     ModelRunner,
@@ -41,7 +50,18 @@ from jaxllm.worker.model_runner import (
     PromptLogprobRows,
     StepHandle,
 )
-from scheduler import Request, RequestResult, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler import (
+    Request,
+    RequestResult,
+    RequestStatus,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+# While only requests waiting for their grammar are held, how long the core blocks on the
+# compilations before it returns an (empty) step: short, so aborts and new requests still get in.
+GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass
@@ -57,6 +77,8 @@ class CoreRequestState:
     # Next prompt position whose logprob entry is still owed when prompt logprobs are asked
     # (survives preemption, so a recomputed prompt does not emit its entries twice).
     prompt_logprobs_next: int | None = None
+    # Structured outputs: the request's grammar and matcher.
+    structured_output: StructuredOutputRequest | None = None
 
 
 @dataclass
@@ -115,6 +137,13 @@ class EngineCore:
         # skip their per-request work.
         self._num_penalized = 0
         self._num_prompt_logprobs = 0
+        self._num_constrained = 0
+        # Built at the first constrained request (loads the tokenizer then).
+        self.structured_output_manager: StructuredOutputManager | None = None
+        # Constrained requests whose grammar is still compiling, in arrival order.
+        self._waiting_for_grammar: dict[str, Request] = {}
+        # Outputs of requests the core finished outside a step (grammar that did not compile).
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.sampler = HostSampler(self.scheduler, self._states)
         # Async scheduling: the dispatched step whose results are not applied yet.
         self._inflight: tuple[SchedulerOutput, StepHandle, SchedulerStats] | None = None
@@ -139,8 +168,17 @@ class EngineCore:
             generator = np.random.default_rng(req.seed)
         except (ValueError, TypeError) as e:
             raise ValueError(f"request {req.request_id!r}: bad seed {req.seed!r}: {e}") from e
-        self.scheduler.add_request(request)  # validates before it changes anything
+        if req.request_id in self._waiting_for_grammar:
+            raise ValueError(f"request id {req.request_id!r} is already in the engine core")
         state = CoreRequestState(req, generator, frozenset(req.eos_token_ids))
+        if params.structured_outputs is not None:
+            self.scheduler.check_request(request)
+            state.structured_output = self._structured_output().add_request(
+                params.structured_outputs,
+                sorted(set(req.eos_token_ids) | set(self.info.eos_token_ids)))
+            self._waiting_for_grammar[req.request_id] = request
+        else:
+            self.scheduler.add_request(request)  # validates before it changes anything
         if params.repetition_penalty != 1.0 or params.frequency_penalty \
                 or params.presence_penalty:
             state.penalties = PenaltyState(req.prompt_token_ids)
@@ -148,15 +186,26 @@ class EngineCore:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs_next = 0
             self._num_prompt_logprobs += 1
+        if state.structured_output is not None:
+            self._num_constrained += 1
         self._states[req.request_id] = state
+
+    def _structured_output(self) -> StructuredOutputManager:
+        if self.structured_output_manager is None:
+            self.structured_output_manager = StructuredOutputManager(
+                self.config.model_path, self.info.model_config.vocab_size,
+                self.config.max_num_seqs)
+            self.sampler.structured_output = self.structured_output_manager
+        return self.structured_output_manager
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
+            self._waiting_for_grammar.pop(rid, None)
             self._forget(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar)
 
     def _forget(self, rid: str) -> None:
         state = self._states.pop(rid, None)
@@ -166,12 +215,43 @@ class EngineCore:
             self._num_penalized -= 1
         if state.prompt_logprobs_next is not None:
             self._num_prompt_logprobs -= 1
+        if state.structured_output is not None:
+            self._num_constrained -= 1
 
     # --- one step -----------------------------------------------------------------------------
+
+    def _admit_compiled(self) -> None:
+        """Hand the requests whose grammar is compiled to the scheduler (in arrival order);
+        finish those whose grammar failed. With nothing else to run, first wait a little for a
+        compilation instead of returning empty steps at once."""
+        waiting = self._waiting_for_grammar
+        if not waiting:
+            return
+        states = self._states
+        pending = [states[rid].structured_output for rid in waiting]
+        if not any(so.is_ready for so in pending) and self._inflight is None \
+                and not self.scheduler.has_unfinished_requests():
+            StructuredOutputManager.wait_any(pending, GRAMMAR_WAIT_S)
+        manager = self.structured_output_manager
+        assert manager is not None  # requests wait for a grammar only once it exists
+        for rid, request in list(waiting.items()):
+            so = states[rid].structured_output
+            assert so is not None
+            if not so.is_ready:
+                continue
+            del waiting[rid]
+            if manager.init_matcher(so):
+                self.scheduler.add_request(request)  # checked when it arrived
+            else:
+                self._pending_outputs.append(EngineCoreOutput(
+                    request_id=rid, new_token_ids=[], finish_reason="error",
+                    stop_reason=so.error))
+                self._forget(rid)
 
     def step(self) -> EngineCoreOutputs:
         """One step: with async scheduling, the outputs of the step dispatched by the previous
         call (see step_with_batch_queue); else schedule, run, sample and return this one."""
+        self._admit_compiled()
         if self.async_scheduling:
             return self.step_with_batch_queue()
         stats = SchedulerStats()
@@ -285,11 +365,21 @@ class EngineCore:
                     stats.num_decode_tokens += 1
                 else:
                     stats.num_prefill_tokens += r.num_tokens
+        for rid in sampled.errors:  # before the update, which then skips them
+            self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
         results = self.scheduler.update_from_output(
             scheduler_output, {rid: (t,) for rid, t in zip(sampled.req_ids,
-                                                           sampled.tokens.tolist(), strict=True)})
+                                                           sampled.tokens.tolist(), strict=True)
+                               if rid not in sampled.errors})
         outputs = self._make_outputs(results, stats)
         by_id = {o.request_id: o for o in outputs.outputs}
+        for rid, why in sampled.errors.items():
+            o = EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error",
+                                 stop_reason=why)
+            outputs.outputs.append(o)
+            by_id[rid] = o
+        if self._num_constrained:
+            self._advance_matchers(outputs.outputs)
         if self._num_penalized:
             for o in outputs.outputs:
                 state = self._states.get(o.request_id)
@@ -309,6 +399,23 @@ class EngineCore:
         stats.update_s = time.perf_counter() - t0
         return outputs
 
+    def _advance_matchers(self, outputs: list[EngineCoreOutput]) -> None:
+        """Feed each constrained request's matcher the tokens just accepted for it; finish it
+        "stop" when its grammar is complete, "error" when the matcher refuses a token."""
+        for o in outputs:
+            state = self._states.get(o.request_id)
+            so = None if state is None else state.structured_output
+            if so is None or not o.new_token_ids or o.finished:
+                continue
+            if not so.accept_tokens(o.new_token_ids):
+                self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_ERROR)
+                o.finish_reason, o.stop_reason = "error", so.error
+            elif so.is_terminated:
+                self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_STOPPED)
+                o.finish_reason = "stop"
+                # The last token is text unless it is an EOS the grammar ended on.
+                o.stopped_on_text = o.new_token_ids[-1] not in state.eos_token_ids
+
     def _forget_finished(self, outputs: EngineCoreOutputs) -> None:
         for o in outputs.outputs:
             if o.finished:
@@ -319,9 +426,12 @@ class EngineCore:
         outputs = [EngineCoreOutput(
             request_id=r.request_id, new_token_ids=r.new_token_ids, finish_reason=r.finish_reason,
             stop_reason=r.stop_reason, num_cached_tokens=r.num_cached_tokens) for r in results]
+        if self._pending_outputs:
+            outputs += self._pending_outputs
+            self._pending_outputs = []
         sched = self.scheduler
         stats.num_running_reqs = len(sched.running)
-        stats.num_waiting_reqs = len(sched.waiting)
+        stats.num_waiting_reqs = len(sched.waiting) + len(self._waiting_for_grammar)
         stats.kv_cache_usage = sched.usage
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
 
@@ -363,14 +473,20 @@ class EngineCore:
 
     def get_scheduler_state(self) -> dict[str, int]:
         """The scheduler's counters as plain ints (what tests and checks assert on, in either
-        engine mode): KV blocks free and usable, requests held (waiting, running, all) and
-        preemptions since start."""
+        engine mode): KV blocks free and usable, requests held (waiting, running, all; waiting
+        includes those still waiting for their grammar) and preemptions since start; grammars
+        compiled since start (the cache's misses)."""
         sched = self.scheduler
         free, usable = self.get_kv_block_counts()
+        num_for_grammar = len(self._waiting_for_grammar)
+        manager = self.structured_output_manager
         return {"num_free_blocks": free, "num_usable_blocks": usable,
-                "num_requests": len(sched.requests), "num_waiting_reqs": len(sched.waiting),
+                "num_requests": len(sched.requests) + num_for_grammar,
+                "num_waiting_reqs": len(sched.waiting) + num_for_grammar,
+                "num_waiting_for_grammar": num_for_grammar,
                 "num_running_reqs": len(sched.running),
-                "num_preemptions": sched.num_preemptions}
+                "num_preemptions": sched.num_preemptions,
+                "num_grammars_compiled": 0 if manager is None else manager.num_compiled}
 
     def collective_rpc(self, method: str, args: list | tuple = ()) -> Any:
         """Call a public method of the model runner (vLLM's collective_rpc; one runner drives

@@ -193,7 +193,7 @@ class OutputProcessor:
             stop_string = None
             if state.detokenizer is not None and (out.new_token_ids or out.finished):
                 stop_terminated = out.finish_reason == "stop" and \
-                    not isinstance(out.stop_reason, str)
+                    not isinstance(out.stop_reason, str) and not out.stopped_on_text
                 stop_string = state.detokenizer.update(out.new_token_ids, stop_terminated)
             if stop_string is not None and out.finish_reason is None:
                 state.finish_reason, state.stop_reason = "stop", stop_string

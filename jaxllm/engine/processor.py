@@ -149,3 +149,6 @@ class Processor:
                              f"the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (stop strings match text)")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("SamplingParams.structured_outputs needs a tokenizer (its grammar "
+                             "constrains text); drop skip_tokenizer_init")

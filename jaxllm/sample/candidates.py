@@ -17,6 +17,14 @@ K-th value, and:
   - min_p whose threshold lies strictly above the K-th value: every token it keeps is a
     candidate. top_p on top of either only narrows the set.
 A sampled token's rank counts the tokens with a larger logit, all of them candidates too.
+
+A constrained row (structured outputs) samples from its candidates with the disallowed ones at
+-inf (`mask_candidates`), while the bound stays the ORIGINAL K-th value: every token outside the
+candidates, allowed or not, lies at or below it. The rules above then apply to the masked values
+(greedy: the best allowed candidate strictly above the bound; top_k: the top_k-th allowed one;
+min_p: its threshold from the best allowed one), so the masked candidates sample exactly what
+the masked full row would, and never a disallowed token. Logprobs stay raw (the unmasked
+candidates). When no rule holds (e.g. every candidate is masked) the row takes the full path.
 """
 
 from __future__ import annotations
@@ -50,18 +58,37 @@ def min_p_threshold(zmax: float, temperature: float, min_p: float) -> np.float32
     return np.float32(zmax + temperature * math.log(min_p))
 
 
+def mask_candidates(topk: TopKLogits, rows: np.ndarray, bitmask: np.ndarray) -> TopKLogits:
+    """The candidates with those of `rows` that `bitmask` (one int32 bit row per entry of
+    `rows`: bit t set = token t allowed) disallows at -inf, each row sorted again by value
+    (ties keep their token order): what the sampler draws from for constrained rows. The other
+    rows are unchanged; `lse` stays the raw one."""
+    vals, ids = topk.values.copy(), topk.token_ids.copy()
+    sub_ids = ids[rows].astype(np.int64)
+    words = bitmask[np.arange(len(rows))[:, None], np.minimum(sub_ids >> 5, bitmask.shape[1] - 1)]
+    allowed = ((words >> (sub_ids & 31)) & 1).astype(bool) & (sub_ids < 32 * bitmask.shape[1])
+    masked = np.where(allowed, vals[rows], np.float32(-np.inf)).astype(np.float32)
+    order = np.argsort(-masked, axis=1, kind="stable")
+    vals[rows] = np.take_along_axis(masked, order, 1)
+    ids[rows] = np.take_along_axis(ids[rows], order, 1)
+    return TopKLogits(vals, ids, topk.lse, topk.complete)
+
+
 def exact_rows(metadata: SamplingMetadata, processed: np.ndarray,
-               topk: TopKLogits) -> np.ndarray:
+               topk: TopKLogits, masked: TopKLogits | None = None) -> np.ndarray:
     """Which rows the candidates sample exactly (see the module docstring). `processed`: the
-    rows that need logits processing this step."""
-    vals = topk.values
-    num, k_max = vals.shape
+    rows that need logits processing this step (besides a grammar's mask). `masked`: the
+    candidates the rows draw from when some are constrained (`mask_candidates`); `topk` keeps
+    the raw ones, which give the bound and the logprobs."""
+    raw = topk.values
+    num, k_max = raw.shape
     rows = np.arange(num)
     # Values a cut must lie strictly above; -inf when the candidates are the whole vocabulary.
-    last = np.full(num, -np.inf, np.float32) if topk.complete else vals[:, k_max - 1]
+    last = np.full(num, -np.inf, np.float32) if topk.complete else raw[:, k_max - 1]
     num_logprobs = metadata.num_logprobs
     logprobs_ok = (num_logprobs <= 0) | (
-        (num_logprobs <= k_max) & (vals[rows, np.clip(num_logprobs - 1, 0, k_max - 1)] > last))
+        (num_logprobs <= k_max) & (raw[rows, np.clip(num_logprobs - 1, 0, k_max - 1)] > last))
+    vals = raw if masked is None else masked.values
     top_k = metadata.top_k
     top_k_ok = ((top_k > 0) & (top_k < k_max)
                 & (last < vals[rows, np.clip(top_k - 1, 0, k_max - 1)]))
@@ -115,12 +142,17 @@ def inverse_cdf(w: np.ndarray, u: np.ndarray) -> np.ndarray:
     return col
 
 
-def sample_from_topk(topk: TopKLogits, metadata: SamplingMetadata, u: np.ndarray
+def sample_from_topk(topk: TopKLogits, metadata: SamplingMetadata, u: np.ndarray,
+                     masked: TopKLogits | None = None
                      ) -> tuple[np.ndarray, np.ndarray, list[LogprobsLists | None]]:
     """Sample every row from its candidates (all rows exact, see `exact_rows`); `u` holds each
-    random row's uniform draw (ignored for greedy rows).
+    random row's uniform draw (ignored for greedy rows). `masked`: the candidates to draw from
+    when rows are constrained (`mask_candidates`); logprobs come from `topk`, raw.
 
     Returns (token ids [R], sampled logprobs [R] (raw, device normaliser), logprob rows)."""
+    raw_vals, raw_ids = topk.values, topk.token_ids
+    if masked is not None:
+        topk = masked
     vals, ids, lse = topk.values, topk.token_ids, topk.lse
     num, k_max = vals.shape
     col = np.zeros(num, dtype=np.intp)
@@ -156,10 +188,10 @@ def sample_from_topk(topk: TopKLogits, metadata: SamplingMetadata, u: np.ndarray
     logprobs: list[LogprobsLists | None] = [None] * num
     for i in np.flatnonzero(metadata.num_logprobs >= 0).tolist():
         top = int(metadata.num_logprobs[i])
-        row_ids = [int(tokens[i])] + ids[i, :top].tolist()
-        row_vals = [float(chosen[i])] + vals[i, :top].tolist()
+        row_ids = [int(tokens[i])] + raw_ids[i, :top].tolist()
+        row_vals = [float(chosen[i])] + raw_vals[i, :top].tolist()
         lse_i = float(lse[i])
-        rank = int(np.count_nonzero(vals[i] > vals[i, col[i]])) + 1
+        rank = int(np.count_nonzero(raw_vals[i] > raw_vals.dtype.type(chosen[i]))) + 1
         logprobs[i] = LogprobsLists([row_ids], [[v - lse_i for v in row_vals]],
                                     [[rank] + list(range(1, top + 1))])
     return tokens, sampled_logprobs, logprobs

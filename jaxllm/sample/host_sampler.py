@@ -4,20 +4,26 @@ Rows the device's top-K candidates sample exactly (`candidates.exact_rows`) go t
 vectorized candidate sampler, the rest through the full-row sampler (`sampler.sample`) on their
 fetched logits. Split in two for async scheduling: `prepare` gathers everything but the
 candidates while the step still runs (which rows still have their request, their parameters,
-which need logits processing, each random row's draw), so that `sample`, inside the host's
-critical section between one step's candidates and the next step's dispatch, is array work.
+which need logits processing, each random row's draw, and the structured-output masks of the
+constrained rows, whose matchers have seen every token applied so far), so that `sample`, inside
+the host's critical section between one step's candidates and the next step's dispatch, is
+array work.
+
+A constrained row's mask applies before any other processing; its logprobs stay those of the
+raw distribution (vLLM's default). It samples from its masked candidates when that is exact
+(`candidates.mask_candidates`), else from its full masked row.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxllm.sample.candidates import exact_rows, sample_from_topk
+from jaxllm.sample.candidates import exact_rows, mask_candidates, sample_from_topk
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
@@ -25,6 +31,7 @@ from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
 if TYPE_CHECKING:
     from jaxllm.engine import SchedulerStats
     from jaxllm.engine.core import CoreRequestState
+    from jaxllm.structured_output.manager import StructuredOutputManager
     from jaxllm.worker.outputs import ModelRunnerOutput, PreparedStep
     from scheduler import Request, Scheduler
 
@@ -41,6 +48,11 @@ class SampleInputs:
     metadata: SamplingMetadata
     processed: np.ndarray  # [n] bool
     u: np.ndarray  # [n] float64 (0 for greedy rows)
+    # Structured outputs: the constrained rows (positions among the live ones), their masks
+    # (one int32 bit row each) and the requests that cannot go on, with why.
+    grammar_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
+    grammar_bitmask: np.ndarray | None = None
+    errors: dict[str, str] = field(default_factory=dict)
 
     def positions_of(self, req_ids: list[str]) -> np.ndarray:
         """Each request's position among the live rows, -1 for one no longer here."""
@@ -57,6 +69,8 @@ class SampledTokens:
     tokens: np.ndarray  # [n] int64
     logprobs_raw: np.ndarray  # [n] float32
     logprobs: list[LogprobsLists | None]
+    # Requests whose constraint allows no next token (their token here is meaningless), and why.
+    errors: dict[str, str] = field(default_factory=dict)
 
     def tokens_for(self, positions: np.ndarray) -> np.ndarray:
         """Tokens at `positions`, 0 where a position is -1 (a request no longer here)."""
@@ -68,11 +82,14 @@ NOTHING_SAMPLED = SampledTokens([], np.zeros(0, np.int64), np.zeros(0, np.float3
 
 class HostSampler:
     """Samples the rows of the scheduler's requests; `states` holds each request's generator,
-    EOS ids and penalty statistics (the engine core's per-request state)."""
+    EOS ids, penalty statistics and constraint (the engine core's per-request state);
+    `structured_output` fills the constrained rows' masks."""
 
-    def __init__(self, scheduler: Scheduler, states: Mapping[str, CoreRequestState]) -> None:
+    def __init__(self, scheduler: Scheduler, states: Mapping[str, CoreRequestState],
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.scheduler = scheduler
         self.states = states
+        self.structured_output = structured_output
 
     def prepare(self, prepared: PreparedStep) -> SampleInputs:
         """The step's sampled rows whose request is still here (with async scheduling a row may
@@ -97,7 +114,18 @@ class HostSampler:
         states = self.states
         for j in np.flatnonzero(~metadata.greedy).tolist():  # exactly one draw per sampled token
             u[j] = states[reqs[j].request_id].generator.random()
-        return SampleInputs(idx, reqs, [r.request_id for r in reqs], metadata, processed, u)
+        req_ids = [r.request_id for r in reqs]
+        inputs = SampleInputs(idx, reqs, req_ids, metadata, processed, u)
+        if self.structured_output is not None:
+            constrained = [(j, so) for j, rid in enumerate(req_ids)
+                           if (so := states[rid].structured_output) is not None]
+            if constrained:
+                inputs.grammar_rows = np.array([j for j, _ in constrained], np.intp)
+                inputs.grammar_bitmask, errors = self.structured_output.grammar_bitmask(
+                    [so for _, so in constrained])
+                inputs.errors = {req_ids[j]: why for (j, _), why in zip(constrained, errors,
+                                                                        strict=True) if why}
+        return inputs
 
     def sample(self, out: ModelRunnerOutput, inputs: SampleInputs,
                stats: SchedulerStats) -> SampledTokens:
@@ -109,10 +137,14 @@ class HostSampler:
         sampled_logprobs = np.full(n, np.nan, np.float32)
         logprobs: list[LogprobsLists | None] = [None] * n
         metadata, topk = inputs.metadata, out.topk
+        grammar_rows, bitmask = inputs.grammar_rows, inputs.grammar_bitmask
+        masked = None
         if topk is not None:
             if n < len(out.sample_req_ids):
                 topk = topk.rows(inputs.live)
-            exact = exact_rows(metadata, inputs.processed, topk)
+            if bitmask is not None:
+                masked = mask_candidates(topk, grammar_rows, bitmask)
+            exact = exact_rows(metadata, inputs.processed, topk, masked)
         else:
             exact = np.zeros(n, bool)
         fast = np.flatnonzero(exact)
@@ -121,13 +153,16 @@ class HostSampler:
             every = fast.size == n
             fast_tokens, fast_logprobs, fast_logprob_rows = sample_from_topk(
                 topk if every else topk.rows(fast),
-                metadata if every else metadata.rows(fast), inputs.u[fast])
+                metadata if every else metadata.rows(fast), inputs.u[fast],
+                None if masked is None else masked if every else masked.rows(fast))
             tokens[fast], sampled_logprobs[fast] = fast_tokens, fast_logprobs
             for j in np.flatnonzero(metadata.num_logprobs[fast] >= 0).tolist():
                 logprobs[int(fast[j])] = fast_logprob_rows[j]
         full = np.flatnonzero(~exact)
         if full.size:
-            full_rows = [self._row(inputs.requests[i]) for i in full.tolist()]
+            mask_of = {} if bitmask is None else {
+                int(j): bitmask[k] for k, j in enumerate(grammar_rows.tolist())}
+            full_rows = [self._row(inputs.requests[i], mask_of.get(i)) for i in full.tolist()]
             logits = out.logits_rows(inputs.live[full].tolist())
             if topk is not None:
                 result = sample(logits, full_rows, lse=topk.lse[full], u=inputs.u[full])
@@ -139,11 +174,14 @@ class HostSampler:
                 logprobs[i] = result.logprobs[j]
         stats.num_full_row_samples = int(full.size)
         stats.sample_s = time.perf_counter() - t0
-        return SampledTokens(inputs.req_ids, tokens, sampled_logprobs, logprobs)
+        return SampledTokens(inputs.req_ids, tokens, sampled_logprobs, logprobs, inputs.errors)
 
-    def _row(self, req: Request) -> SamplingRow:
+    def _row(self, req: Request, bitmask: np.ndarray | None = None) -> SamplingRow:
         state = self.states[req.request_id]
+        allowed = None if bitmask is None else \
+            np.unpackbits(bitmask.view(np.uint8), bitorder="little").view(bool)
         return SamplingRow(params=req.sampling_params, generator=state.generator,
                            prompt_token_ids=req.prompt_token_ids,
                            output_token_ids=req.output_token_ids,
-                           eos_token_ids=state.eos_token_ids, penalties=state.penalties)
+                           eos_token_ids=state.eos_token_ids, penalties=state.penalties,
+                           allowed=allowed)

@@ -3,8 +3,11 @@
 Per row, in order (vLLM's `Sampler.forward`):
 
 1. raw log-softmax statistics of the unprocessed logits (vLLM's default `raw_logprobs`): the
-   sampled token's logprob and the requested top-N logprobs come from these;
-2. logit_bias added;
+   sampled token's logprob and the requested top-N logprobs come from these, so a constrained
+   row reports the model's own distribution, not the one its grammar left;
+2. the structured-output mask (`SamplingRow.allowed`): disallowed tokens -inf, before anything
+   else, so bias, penalties and the draw see only what the grammar allows;
+   then logit_bias added;
 3. min_tokens: while fewer than `min_tokens` tokens were generated, the row's eos ids and its
    `stop_token_ids` are set to -inf (vLLM masks every stop id, eos included, even with ignore_eos);
 4. penalties: repetition (tokens seen in prompt or output: positive logits divided, negative
@@ -66,6 +69,9 @@ class SamplingRow:
     eos_token_ids: frozenset[int] = frozenset()  # masked with stop_token_ids during min_tokens
     # The request's penalty statistics, kept by the engine; None: built from the token ids above.
     penalties: PenaltyState | None = None
+    # Structured outputs: the tokens the grammar allows next ([>= vocab] bool; ids past its
+    # length are not allowed); None: no constraint.
+    allowed: np.ndarray | None = None
 
 
 @dataclass
@@ -85,7 +91,7 @@ class SamplerOutput:
 
 def needs_processing(row: SamplingRow) -> bool:
     params = row.params
-    return bool(params.logit_bias
+    return bool(row.allowed is not None or params.logit_bias
                 or (params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens)
                 or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                 or params.presence_penalty != 0.0)
@@ -103,6 +109,10 @@ def _process_row(raw: np.ndarray, row: SamplingRow) -> np.ndarray | None:
     params = row.params
     vocab = raw.shape[0]
     z = np.array(raw, dtype=np.float32, copy=True)
+    if row.allowed is not None:
+        allowed = row.allowed[:vocab]
+        z[:allowed.shape[0]][~allowed] = -np.inf
+        z[allowed.shape[0]:] = -np.inf
     bias = params.logit_bias
     if bias:
         ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))

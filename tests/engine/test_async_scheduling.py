@@ -103,9 +103,9 @@ def _run_configs(llms: dict, params, prompts, monkeypatch, preempting: bool) -> 
     fast_rows = []
     original = host_sampler.sample_from_topk
 
-    def counting(topk, ps, u):
+    def counting(topk, ps, u, *rest):
         fast_rows.append(len(ps))
-        return original(topk, ps, u)
+        return original(topk, ps, u, *rest)
 
     monkeypatch.setattr(host_sampler, "sample_from_topk", counting)
     results = {}
