@@ -96,21 +96,31 @@ class LLM:
         self._request_counter += len(processed)
         return self._run_engine(added, use_tqdm)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Run one conversation or a list of them through the model's chat template."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Run one conversation or a list of them through the model's chat template.
+
+        `tools`: OpenAI tool definitions ({"type": "function", "function": {"name",
+        "description", "parameters"}}), rendered by the template (Qwen2.5's asks for calls as
+        `<tool_call>{"name": ..., "arguments": ...}</tool_call>`; parse them with
+        `jaxllm.entrypoints.openai.tool_parsers.extract_tool_calls`). `chat_template_kwargs`:
+        extra variables for the template.
+        """
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this LLM was made with "
                              "skip_tokenizer_init=True")
         # One conversation (its first item a message) or a list of them; the checker cannot
         # narrow a list by its first item.
-        conversations = cast(list[list[dict[str, str]]], [messages] if messages and isinstance(
+        conversations = cast(list[list[dict[str, Any]]], [messages] if messages and isinstance(
             messages[0], dict) else messages)
         # transformers annotates every return kind at once; tokenize=False gives the text.
         prompts = [
             cast(str, self.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt))
+                conv, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {})))
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -130,6 +130,8 @@ def bad_requests(max_model_len: int) -> list[tuple[str, str, bytes | dict, int, 
     c, ch = "/v1/completions", "/v1/chat/completions"
     ok = {"model": "tiny-qwen2", "prompt": "hi", "max_tokens": 2}
     long_prompt = list(range(1000, 1000 + max_model_len + 4))
+    msgs = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     return [
         ("malformed JSON", c, b'{"prompt": "hi",', 400, None),
         ("not an object", c, b'[1, 2]', 400, None),
@@ -152,7 +154,7 @@ def bad_requests(max_model_len: int) -> list[tuple[str, str, bytes | dict, int, 
         ("negative logit_bias key", c, {**ok, "logit_bias": {"-5": 1.0}}, 400, "logit_bias"),
         ("logit_bias key outside the vocabulary", c, {**ok, "logit_bias": {"99999999": 1.0}},
          400, "logit_bias"),
-        ("unsupported echo", c, {**ok, "echo": True}, 400, "echo"),
+        ("unsupported suffix", c, {**ok, "suffix": "!"}, 400, "suffix"),
         ("unsupported best_of", c, {**ok, "best_of": 2}, 400, "best_of"),
         ("unknown parameter", c, {**ok, "frobnicate": 1}, 400, "frobnicate"),
         ("logprobs too many", c, {**ok, "logprobs": 50}, 400, "logprobs"),
@@ -165,11 +167,46 @@ def bad_requests(max_model_len: int) -> list[tuple[str, str, bytes | dict, int, 
         ("stream_options without stream", c, {**ok, "stream_options": {"include_usage": True}},
          400, "stream_options"),
         ("missing prompt", c, {"model": "tiny-qwen2"}, 400, "prompt"),
-        ("unsupported tools", ch, {"messages": [{"role": "user", "content": "hi"}],
-                                   "tools": []}, 400, "tools"),
-        ("unsupported response_format", ch, {"messages": [{"role": "user", "content": "hi"}],
-                                             "response_format": {"type": "json_object"}},
+        ("unsupported functions", ch, {"messages": msgs, "functions": []}, 400, "functions"),
+        ("invalid JSON schema", ch, {"messages": msgs, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
          400, "response_format"),
+        ("json_schema without a schema", ch, {"messages": msgs, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
+        ("unknown response_format type", ch, {"messages": msgs, "response_format": {
+            "type": "yaml"}}, 400, "response_format"),
+        ("invalid regex", c, {**ok, "guided_regex": "[a-"}, 400, "guided_regex"),
+        ("invalid grammar", c, {**ok, "guided_grammar": "start: undefined_rule"}, 400,
+         "guided_grammar"),
+        ("empty choice", c, {**ok, "guided_choice": []}, 400, "guided_choice"),
+        ("unknown structured_outputs key", c, {**ok, "structured_outputs": {"regex": "a",
+                                                                            "foo": 1}},
+         400, "structured_outputs"),
+        ("two constraints", c, {**ok, "guided_regex": "a+", "guided_choice": ["a"]}, 400,
+         "guided_choice"),
+        ("whitespace pattern alone", c, {**ok, "guided_whitespace_pattern": " "}, 400,
+         "guided_whitespace_pattern"),
+        ("prompt_logprobs with stream", c, {**ok, "prompt_logprobs": 1, "stream": True}, 400,
+         "prompt_logprobs"),
+        ("prompt_logprobs too many", c, {**ok, "prompt_logprobs": 50}, 400, "prompt_logprobs"),
+        ("tool_choice without tools", ch, {"messages": msgs, "tool_choice": "required"}, 400,
+         "tool_choice"),
+        ("tool_choice naming an unknown function", ch, {
+            "messages": msgs, "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+         "tool_choice"),
+        ("bad tool_choice", ch, {"messages": msgs, "tools": [tool], "tool_choice": "always"},
+         400, "tool_choice"),
+        ("tool without a name", ch, {"messages": msgs, "tools": [{"type": "function",
+                                                                  "function": {}}]},
+         400, "tools"),
+        ("required tool_choice and a response_format", ch, {
+            "messages": msgs, "tools": [tool], "tool_choice": "required",
+            "response_format": {"type": "json_object"}}, 400, "tool_choice"),
+        ("tool call arguments that are not JSON", ch, {"messages": [
+            *msgs, {"role": "assistant", "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "f", "arguments": "{oops"}}]}]}, 400, "messages"),
         ("bad role", ch, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
         ("no messages", ch, {"messages": []}, 400, "messages"),
         ("image part", ch, {"messages": [{"role": "user", "content": [

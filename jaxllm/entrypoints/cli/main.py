@@ -1,10 +1,12 @@
-"""`jaxllm` command line: `jaxllm generate PROMPT...`, `jaxllm chat MESSAGE`, `jaxllm serve
+"""`jaxllm` command line: `jaxllm generate PROMPT...`, `jaxllm chat MESSAGE` (optionally
+constrained: `--json-schema FILE`, `--regex`, `--choice`), `jaxllm serve
 [MODEL]` (the OpenAI-compatible server) and `jaxllm bench throughput | latency | sweep | serve`
 (see jaxllm/benchmarks/)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -40,11 +42,46 @@ def _make_llm(args: argparse.Namespace, num_prompts: int):
                             if args.max_num_seqs is None else args.max_num_seqs)))
 
 
+def _add_constraint_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="constrain the answer to JSON valid against this JSON schema file")
+    group.add_argument("--regex", default=None, help="constrain the answer to this regex")
+    group.add_argument("--choice", action="append", default=None,
+                       help="constrain the answer to one of these strings (repeatable)")
+    parser.add_argument("--disable-any-whitespace", action="store_true",
+                        help="no whitespace between JSON tokens (small or untrained models "
+                             "need it to close objects)")
+
+
+def _structured_outputs(args: argparse.Namespace):
+    from jaxllm import StructuredOutputsParams
+
+    spec: dict = {}
+    if getattr(args, "json_schema", None) is not None:
+        try:
+            with open(args.json_schema, encoding="utf-8") as f:
+                spec["json"] = json.load(f)
+        except OSError as e:
+            raise ValueError(f"--json-schema: cannot read {args.json_schema}: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema: {args.json_schema} is not JSON: {e}") from None
+    elif getattr(args, "regex", None) is not None:
+        spec["regex"] = args.regex
+    elif getattr(args, "choice", None) is not None:
+        spec["choice"] = args.choice
+    if not spec:
+        return None
+    return StructuredOutputsParams(**spec,
+                                   disable_any_whitespace=args.disable_any_whitespace)
+
+
 def _sampling_params(args: argparse.Namespace):
     from jaxllm import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, stop=args.stop)
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, stop=args.stop,
+                          structured_outputs=_structured_outputs(args))
 
 
 def _print_stats(outputs, elapsed: float) -> None:
@@ -68,13 +105,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)  # a bad constraint fails before the model loads
     llm = _make_llm(args, 1)
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": args.message})
     start = time.perf_counter()
-    outputs = llm.chat(messages, _sampling_params(args))
+    outputs = llm.chat(messages, params)
     elapsed = time.perf_counter() - start
     print(f"user: {args.message}\n\nassistant: {outputs[0].outputs[0].text}")
     _print_stats(outputs, elapsed)
@@ -94,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt (default: the template's)")
     _add_engine_args(chat)
     _add_sampling_args(chat)
+    _add_constraint_args(chat)
     chat.set_defaults(func=cmd_chat)
     add_serve_parser(sub)
     add_bench_parser(sub)
