@@ -91,7 +91,7 @@ def test_response_format_json_schema_on_chat_and_completions(client):
         assert c.finish_reason == "stop", c.message.content
         jsonschema.validate(json.loads(c.message.content), PERSON)
         comp = client.completions.create(model=MODEL, prompt="Person:", max_tokens=120,
-                                         response_format=rf, **kw)
+                                         extra_body={"response_format": rf}, **kw)
         assert comp.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(comp.choices[0].text), PERSON)
     # The constraint changes the answer: unconstrained, the random model writes no JSON.
@@ -108,8 +108,8 @@ def test_response_format_json_object(client):
                          response_format={"type": "json_object"}).choices[0].message.content
         else:
             text = client.completions.create(model=MODEL, prompt="{", max_tokens=200,
-                                             temperature=0, seed=3,
-                                             response_format={"type": "json_object"}
+                                             temperature=0, seed=3, extra_body={
+                                                 "response_format": {"type": "json_object"}}
                                              ).choices[0].text
         # A random model may not close the object within max_tokens, but what it wrote is
         # an object's beginning: a brace, then no whitespace (the server's default).
@@ -221,11 +221,8 @@ def test_tool_round_trip(client, tokenizer):
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     call = first.choices[0].message.tool_calls[0]
     args = _check_call(call, "get_weather")
-    history = [*ASK,
-               {"role": "assistant", "content": None, "tool_calls": [{
-                   "id": call.id, "type": "function",
-                   "function": {"name": call.function.name,
-                                "arguments": call.function.arguments}}]},
+    # The client's own message object goes back as it is, as OpenAI's examples do.
+    history = [*ASK, first.choices[0].message,
                {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
     answer = _chat(client, messages=history, tools=TOOLS, tool_choice="none", temperature=0,
                    max_tokens=8)
@@ -339,8 +336,8 @@ def test_echo_prompt_logprobs_match_offline_llm(client, tiny_path, tokenizer):
               max_num_batched_tokens=64, num_kv_blocks=64, show_progress=False,
               multiprocess_mode=False)
     try:
-        want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=1,
-                                                  prompt_logprobs=1), use_tqdm=False)[0]
+        want = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+            temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1), use_tqdm=False)[0]
     finally:
         llm.shutdown()
     # lm-evaluation-harness's loglikelihood request.
