@@ -94,7 +94,8 @@ class StructuredOutputManager:
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         assert self._tokenizer is not None  # started before any compilation
-        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar)
+        # Silent: what goes wrong reaches the request as its finish reason.
+        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the structured-output grammar does not compile: "
                              f"{error_summary(matcher.get_error())}")
