@@ -179,6 +179,19 @@ def test_invalid_constraints_name_the_field(server):
         assert word in err["message"], err
 
 
+def test_structured_outputs_config_flag():
+    from jaxllm.entrypoints.openai.serving_engine import StructuredOutputsConfig
+
+    assert StructuredOutputsConfig.from_json('{"disable_any_whitespace": true}') \
+        == StructuredOutputsConfig(disable_any_whitespace=True)
+    assert StructuredOutputsConfig.from_json("{}") == StructuredOutputsConfig()
+    for bad, word in (("{nope", "not valid JSON"), ("[1]", "JSON object"),
+                      ('{"backend": "xgrammar"}', "unknown keys ['backend']"),
+                      ('{"disable_any_whitespace": 1}', "disable_any_whitespace")):
+        with pytest.raises(ValueError, match=re.escape(word)):
+            StructuredOutputsConfig.from_json(bad)
+
+
 # --- tools -----------------------------------------------------------------------------------
 
 
