@@ -119,7 +119,8 @@ class LLM:
         # transformers annotates every return kind at once; tokenize=False gives the text.
         prompts = [
             cast(str, self.tokenizer.apply_chat_template(
-                conv, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                conv, tools=cast(list[Any] | None, tools), tokenize=False,
+                add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {})))
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

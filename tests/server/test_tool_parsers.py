@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
 
@@ -105,7 +106,7 @@ def ll_tokenizer():
     from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
     from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(str(tiny_qwen2_path()))
+    tok: Any = load_tokenizer(str(tiny_qwen2_path()))  # a fast tokenizer, as llguidance wants
     return tok, llguidance.hf.from_tokenizer(tok, n_vocab=151936, eos_token=[151645, 151643])
 
 

@@ -144,7 +144,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # transformers annotates every return kind at once; tokenize=False gives the text.
             return cast(str, self.tokenizer.apply_chat_template(
-                message_dicts(messages), tools=tools, tokenize=False,
+                message_dicts(messages), tools=cast(list[Any] | None, tools), tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **(kwargs or {})))
         except APIError:

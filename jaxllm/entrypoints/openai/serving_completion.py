@@ -9,7 +9,7 @@ what lm-evaluation-harness's loglikelihood requests read."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, cast
 
 from jaxllm.entrypoints.openai.protocol import (
     UNSUPPORTED_COMPLETION,
@@ -102,7 +102,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """The prompt as text (a token-id prompt decoded), for echo."""
         if prompt.text is not None:
             return prompt.text
-        return self.tokenizer.decode(prompt.token_ids)
+        # transformers annotates decode's batch form too; one id list gives one string.
+        return cast(str, self.tokenizer.decode(prompt.token_ids))
 
     def prompt_logprobs_json(self, rows: list[dict[int, Logprob] | None] | None
                              ) -> list[dict[str, dict[str, Any]] | None] | None:

@@ -207,7 +207,7 @@ def tool_call_grammar(functions: list[dict[str, Any]], parallel: bool,
              "tool_call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
     for i, fn in enumerate(functions):
         header = '\n{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": '
-        schema = dict(fn.get("parameters") or {"type": "object"})
+        schema: dict[str, Any] = dict(fn.get("parameters") or {"type": "object"})
         schema.setdefault("x-guidance", {"whitespace_flexible": whitespace_flexible})
         lines.append(f'call_{i}: {start} {json.dumps(header, ensure_ascii=False)} args_{i} '
                      f'"}}\\n" {end}')
