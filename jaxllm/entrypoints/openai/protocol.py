@@ -175,7 +175,9 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+# Union members as pydantic names them in an error's location (a model member by its class).
+_MODEL_TAGS = {"NamedToolChoice"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", *_MODEL_TAGS}
 
 
 def parse_request(model: type[BaseModel], body: Any,
@@ -190,12 +192,17 @@ def parse_request(model: type[BaseModel], body: Any,
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        # pydantic names the union member that failed ("str", "list[int]", a model's class
-        # name) in the location: not a part of the request the caller wrote.
+        errors = e.errors()
+        err = errors[0]
+        if isinstance(err.get("input"), dict):
+            # An object where a union also takes a string (tool_choice): the object member's
+            # error says what is wrong with it.
+            err = next((x for x in errors if _MODEL_TAGS & set(map(str, x.get("loc", ())))),
+                       err)
+        # pydantic names the union member that failed ("str", "list[int]") in the location:
+        # not a part of the request the caller wrote.
         loc = [str(p) for p in err.get("loc", ())
-               if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS
-                                               or p[:1].isupper()))]
+               if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
         if err.get("type") == "extra_forbidden":

@@ -32,14 +32,12 @@ from jaxllm.entrypoints.openai.serving_engine import (
     sse,
 )
 from jaxllm.entrypoints.openai.tool_parsers import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
     DeltaMessage,
     HermesToolParser,
     extract_tool_calls,
     tool_call_grammar,
-)
-from jaxllm.entrypoints.openai.tool_parsers.hermes_tool_parser import (
-    TOOL_CALL_END,
-    TOOL_CALL_START,
 )
 from jaxllm.outputs import Logprob
 
@@ -122,9 +120,9 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, f"tool_choice names the function {choice.function.name!r}, "
                                     f"which is not among the tools {names}", "tool_choice")
             functions = [f for f in functions if f["name"] == choice.function.name]
-        tags = all(self.tokenizer.convert_tokens_to_ids(t) != self.tokenizer.unk_token_id
-                   and self.tokenizer.convert_tokens_to_ids(t) is not None
-                   for t in (TOOL_CALL_START, TOOL_CALL_END))
+        tag_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in (TOOL_CALL_START,
+                                                                      TOOL_CALL_END)]
+        tags = all(i is not None and i != self.tokenizer.unk_token_id for i in tag_ids)
         grammar = tool_call_grammar(
             functions, req.parallel_tool_calls,
             not self.structured_outputs_config.disable_any_whitespace, tags)
