@@ -228,7 +228,7 @@ class EngineCore:
         if not waiting:
             return
         states = self._states
-        pending = [states[rid].structured_output for rid in waiting]
+        pending = [so for rid in waiting if (so := states[rid].structured_output) is not None]
         if not any(so.is_ready for so in pending) and self._inflight is None \
                 and not self.scheduler.has_unfinished_requests():
             StructuredOutputManager.wait_any(pending, GRAMMAR_WAIT_S)
@@ -404,9 +404,10 @@ class EngineCore:
         "stop" when its grammar is complete, "error" when the matcher refuses a token."""
         for o in outputs:
             state = self._states.get(o.request_id)
-            so = None if state is None else state.structured_output
-            if so is None or not o.new_token_ids or o.finished:
+            if state is None or state.structured_output is None or not o.new_token_ids \
+                    or o.finished:
                 continue
+            so = state.structured_output
             if not so.accept_tokens(o.new_token_ids):
                 self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_ERROR)
                 o.finish_reason, o.stop_reason = "error", so.error

@@ -9,7 +9,7 @@ Validation needs no tokenizer, so the frontend refuses a bad spec before anythin
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
@@ -59,8 +59,9 @@ def build_grammar(params: StructuredOutputsParams) -> str:
             schema = ANY_JSON_OBJECT
         if params.disable_additional_properties:
             schema = _closed_objects(schema)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema,
-                                                            defaults=_json_options(params))
+        # A boolean schema (true: anything) is valid JSON Schema; llguidance's stub names dicts.
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            cast(dict[str, Any], schema), defaults=cast(Any, _json_options(params)))
     if params.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:

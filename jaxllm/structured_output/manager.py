@@ -85,10 +85,14 @@ class StructuredOutputManager:
 
     def _load_tokenizer(self, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
         import llguidance.hf  # imports transformers: only in a core that needs it
+        from transformers import PreTrainedTokenizerFast
 
         from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(self.model_path)
+        if not isinstance(tokenizer, PreTrainedTokenizerFast):
+            raise ValueError(f"structured outputs need a fast (Rust) tokenizer; {self.model_path} "
+                             f"has a {type(tokenizer).__name__}")
         return llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
                                             eos_token=eos_token_ids or None)
 
