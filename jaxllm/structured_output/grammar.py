@@ -52,16 +52,16 @@ def build_grammar(params: StructuredOutputsParams) -> str:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"SamplingParams.structured_outputs.json is not valid "
                                      f"JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(schema, dict):
                 raise ValueError(f"SamplingParams.structured_outputs.json must be a JSON "
                                  f"schema (an object), got {type(schema).__name__}")
         else:
             schema = ANY_JSON_OBJECT
         if params.disable_additional_properties:
             schema = _closed_objects(schema)
-        # A boolean schema (true: anything) is valid JSON Schema; llguidance's stub names dicts.
+        # cast: llguidance's stub types the options as its own TypedDict.
         return llguidance.LLMatcher.grammar_from_json_schema(
-            cast(dict[str, Any], schema), defaults=cast(Any, _json_options(params)))
+            schema, defaults=cast(Any, _json_options(params)))
     if params.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:
