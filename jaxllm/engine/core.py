@@ -144,7 +144,8 @@ class EngineCore:
         self._waiting_for_grammar: dict[str, Request] = {}
         # Outputs of requests the core finished outside a step (grammar that did not compile).
         self._pending_outputs: list[EngineCoreOutput] = []
-        self.sampler = HostSampler(self.scheduler, self._states)
+        self.sampler = HostSampler(self.scheduler, self._states,
+                                   candidates=self.runner.top_k > 0)
         # Async scheduling: the dispatched step whose results are not applied yet.
         self._inflight: tuple[SchedulerOutput, StepHandle, SchedulerStats] | None = None
 

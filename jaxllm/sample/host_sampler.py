@@ -27,6 +27,7 @@ from jaxllm.sample.candidates import exact_rows, mask_candidates, sample_from_to
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
+from jaxllm.sample.token_mask import TokenMask
 
 if TYPE_CHECKING:
     from jaxllm.engine import SchedulerStats
@@ -52,6 +53,10 @@ class SampleInputs:
     # (one int32 bit row each) and the requests that cannot go on, with why.
     grammar_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
     grammar_bitmask: np.ndarray | None = None
+    # The constrained rows' masks in the form the full-row sampler applies, by live position:
+    # built here when every row goes that way (no device candidates), else at sampling time
+    # for the rows that do.
+    token_masks: dict[int, TokenMask] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
 
     def positions_of(self, req_ids: list[str]) -> np.ndarray:
@@ -86,10 +91,14 @@ class HostSampler:
     `structured_output` fills the constrained rows' masks."""
 
     def __init__(self, scheduler: Scheduler, states: Mapping[str, CoreRequestState],
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None,
+                 candidates: bool = True) -> None:
         self.scheduler = scheduler
         self.states = states
         self.structured_output = structured_output
+        # Whether the device returns top-K candidates; without them every row is sampled from
+        # its full logits, so `prepare` readies the constrained rows' masks for that.
+        self.candidates = candidates
 
     def prepare(self, prepared: PreparedStep) -> SampleInputs:
         """The step's sampled rows whose request is still here (with async scheduling a row may
@@ -125,6 +134,11 @@ class HostSampler:
                     [so for _, so in constrained])
                 inputs.errors = {req_ids[j]: why for (j, _), why in zip(constrained, errors,
                                                                         strict=True) if why}
+                if not self.candidates:
+                    vocab = self.structured_output.vocab_size
+                    inputs.token_masks = {
+                        j: TokenMask.from_bitmask(inputs.grammar_bitmask[k], vocab)
+                        for k, (j, _) in enumerate(constrained)}
         return inputs
 
     def sample(self, out: ModelRunnerOutput, inputs: SampleInputs,
@@ -160,9 +174,8 @@ class HostSampler:
                 logprobs[int(fast[j])] = fast_logprob_rows[j]
         full = np.flatnonzero(~exact)
         if full.size:
-            mask_of = {} if bitmask is None else {
-                int(j): bitmask[k] for k, j in enumerate(grammar_rows.tolist())}
-            full_rows = [self._row(inputs.requests[i], mask_of.get(i)) for i in full.tolist()]
+            full_rows = [self._row(inputs.requests[i], self._mask(inputs, i))
+                         for i in full.tolist()]
             logits = out.logits_rows(inputs.live[full].tolist())
             if topk is not None:
                 result = sample(logits, full_rows, lse=topk.lse[full], u=inputs.u[full])
@@ -176,12 +189,21 @@ class HostSampler:
         stats.sample_s = time.perf_counter() - t0
         return SampledTokens(inputs.req_ids, tokens, sampled_logprobs, logprobs, inputs.errors)
 
-    def _row(self, req: Request, bitmask: np.ndarray | None = None) -> SamplingRow:
+    def _mask(self, inputs: SampleInputs, j: int) -> TokenMask | None:
+        """The mask of live row j for the full-row sampler; None for an unconstrained row."""
+        mask = inputs.token_masks.get(j)
+        if mask is None and inputs.grammar_bitmask is not None:
+            k = np.flatnonzero(inputs.grammar_rows == j)
+            if k.size:
+                assert self.structured_output is not None  # it filled the bitmask
+                mask = TokenMask.from_bitmask(inputs.grammar_bitmask[int(k[0])],
+                                              self.structured_output.vocab_size)
+        return mask
+
+    def _row(self, req: Request, mask: TokenMask | None = None) -> SamplingRow:
         state = self.states[req.request_id]
-        allowed = None if bitmask is None else \
-            np.unpackbits(bitmask.view(np.uint8), bitorder="little").view(bool)
         return SamplingRow(params=req.sampling_params, generator=state.generator,
                            prompt_token_ids=req.prompt_token_ids,
                            output_token_ids=req.output_token_ids,
                            eos_token_ids=state.eos_token_ids, penalties=state.penalties,
-                           allowed=allowed)
+                           mask=mask)

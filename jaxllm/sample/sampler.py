@@ -5,7 +5,7 @@ Per row, in order (vLLM's `Sampler.forward`):
 1. raw log-softmax statistics of the unprocessed logits (vLLM's default `raw_logprobs`): the
    sampled token's logprob and the requested top-N logprobs come from these, so a constrained
    row reports the model's own distribution, not the one its grammar left;
-2. the structured-output mask (`SamplingRow.allowed`): disallowed tokens -inf, before anything
+2. the structured-output mask (`SamplingRow.mask`): disallowed tokens -inf, before anything
    else, so bias, penalties and the draw see only what the grammar allows;
    then logit_bias added;
 3. min_tokens: while fewer than `min_tokens` tokens were generated, the row's eos ids and its
@@ -49,6 +49,7 @@ import numpy as np
 from jaxllm.sample.candidates import candidate_weights, inverse_cdf, min_p_threshold
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
+from jaxllm.sample.token_mask import TokenMask
 from jaxllm.sampling_params import SamplingParams
 
 # Top-p without other truncation: first look only at tokens whose probability is at least this
@@ -69,9 +70,8 @@ class SamplingRow:
     eos_token_ids: frozenset[int] = frozenset()  # masked with stop_token_ids during min_tokens
     # The request's penalty statistics, kept by the engine; None: built from the token ids above.
     penalties: PenaltyState | None = None
-    # Structured outputs: the tokens the grammar allows next ([>= vocab] bool; ids past its
-    # length are not allowed); None: no constraint.
-    allowed: np.ndarray | None = None
+    # Structured outputs: the tokens the grammar allows next; None: no constraint.
+    mask: TokenMask | None = None
 
 
 @dataclass
@@ -91,7 +91,7 @@ class SamplerOutput:
 
 def needs_processing(row: SamplingRow) -> bool:
     params = row.params
-    return bool(row.allowed is not None or params.logit_bias
+    return bool(row.mask is not None or params.logit_bias
                 or (params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens)
                 or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                 or params.presence_penalty != 0.0)
@@ -108,13 +108,7 @@ def _process_row(raw: np.ndarray, row: SamplingRow) -> np.ndarray | None:
         return None
     params = row.params
     vocab = raw.shape[0]
-    if row.allowed is None:
-        z = np.array(raw, dtype=np.float32, copy=True)
-    else:  # the copy and the mask in one pass (a boolean-index store costs twice as much)
-        allowed = row.allowed[:vocab]
-        if allowed.shape[0] < vocab:
-            allowed = np.concatenate([allowed, np.zeros(vocab - allowed.shape[0], bool)])
-        z = np.where(allowed, raw, np.float32(-np.inf)).astype(np.float32, copy=False)
+    z = np.array(raw, dtype=np.float32, copy=True) if row.mask is None else row.mask.apply(raw)
     bias = params.logit_bias
     if bias:
         ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))

@@ -8,10 +8,12 @@ layout), independently of the sampler's bit tests and unpacking.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jaxllm.sample.candidates import TopKLogits, exact_rows, mask_candidates, sample_from_topk
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import SamplingRow, sample
+from jaxllm.sample.token_mask import TokenMask
 from jaxllm.sampling_params import SamplingParams
 from tests.sample.test_topk_sampling import _param_mix, device_topk, llm_like
 
@@ -70,7 +72,7 @@ def test_masked_candidates_sample_what_the_masked_full_row_samples(rng):
         gens = [np.random.default_rng(p.seed) for p in params]
         u = np.array([0.0 if p.greedy else g.random() for p, g in zip(params, gens, strict=True)])
         # The oracle: every row through the full-row sampler on its masked row.
-        want = sample(x, [SamplingRow(p, None, allowed=allowed[r])
+        want = sample(x, [SamplingRow(p, None, mask=TokenMask.from_allowed(allowed[r], vocab))
                           for r, p in enumerate(params)], lse=topk.lse, u=u)
         assert allowed[everything, want.token_ids].all()
         fast = np.flatnonzero(exact)
@@ -100,8 +102,8 @@ def test_greedy_masked_row_outside_the_candidates_takes_the_full_row(rng):
     masked = mask_candidates(topk, np.arange(2), pack(allowed))
     exact = exact_rows(metadata, np.zeros(2, bool), topk, masked)
     assert exact.tolist() == [False, True]
-    want = sample(x, [SamplingRow(p, None, allowed=allowed[r]) for r, p in enumerate(params)],
-                  lse=topk.lse)
+    want = sample(x, [SamplingRow(p, None, mask=TokenMask.from_allowed(allowed[r], vocab))
+                      for r, p in enumerate(params)], lse=topk.lse)
     assert want.token_ids[0] == outside[np.argmax(x[0, outside])]
     assert want.token_ids[1] == topk.token_ids[1][3]
     tokens, _, logprobs = sample_from_topk(topk.rows(np.array([1])), metadata.rows(np.array([1])),
@@ -127,3 +129,21 @@ def test_unconstrained_rows_are_untouched_by_mask_candidates(rng):
     assert np.isfinite(masked.values[2]).sum() == keep.sum()
     np.testing.assert_array_equal(masked.values[2, :keep.sum()], topk.values[2][keep])
     np.testing.assert_array_equal(masked.token_ids[2, :keep.sum()], topk.token_ids[2][keep])
+
+
+@pytest.mark.parametrize("density", [0.0005, 0.3, 0.7, 0.9995])
+def test_token_mask_from_bitmask_applies_exactly_the_grammar_mask(rng, density):
+    """Either form (allowed ids or masked ids, whichever is shorter) gives the row the bool mask
+    gives, from llguidance's bit layout; tokens past the vocabulary the mask knows are masked,
+    and bits past the row's width are ignored."""
+    vocab = 5000
+    allowed = rng.random(vocab) < density
+    allowed[int(rng.integers(vocab))] = True
+    mask = TokenMask.from_bitmask(pack(allowed[None])[0], vocab)
+    assert mask.keep == (density < 0.5)
+    assert mask.ids.size == (allowed.sum() if mask.keep else (~allowed).sum())
+    raw = rng.normal(0, 3, vocab + 7).astype(np.float32)  # logits wider than the mask's vocab
+    want = np.where(np.append(allowed, np.zeros(7, bool)), raw, np.float32(-np.inf))
+    np.testing.assert_array_equal(mask.apply(raw), want)
+    np.testing.assert_array_equal(mask.apply(raw[:vocab - 3]), want[:vocab - 3])
+    assert mask.apply(raw).dtype == np.float32
