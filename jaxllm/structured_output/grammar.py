@@ -28,13 +28,31 @@ def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
     return options
 
 
+# Keywords whose value is a subschema, a list of them, or a map of names to them; everything
+# else (const, enum, default, examples, ...) is data and left as it is.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+              "additionalProperties", "propertyNames", "unevaluatedProperties",
+              "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+
+
 def _closed_objects(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` on every object that does not say."""
-    if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
+    """The schema with `additionalProperties: false` on every object schema that does not
+    say, its subschemas included."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed_objects(v) for k, v in schema.items()}
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed_objects(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed_objects(s) for name, s in out[key].items()}
     if (out.get("type") == "object" or "properties" in out) \
             and "additionalProperties" not in out:
         out["additionalProperties"] = False

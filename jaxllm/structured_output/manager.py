@@ -1,6 +1,6 @@
 """StructuredOutputManager: grammars compiled off the step loop, and each step's token masks.
 
-The engine core owns one. The LLTokenizer (about a second to build for a 150k vocabulary) is
+The engine core owns one. The LLTokenizer is
 built at the first constrained request, on a thread, from the model's own tokenizer; engines
 that never see a constrained request never pay for it. Grammars compile on a small thread pool
 (llguidance drops the GIL while it compiles), cached by a hash of the grammar text: the cache

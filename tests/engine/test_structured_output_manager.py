@@ -70,3 +70,23 @@ def test_why_a_request_cannot_go_on(manager, tokenizer):
     assert "refused" in so.error
     _, errors = manager.grammar_bitmask([so])
     assert errors[0] is not None and "matcher failed" in errors[0]
+
+
+def test_a_mask_that_allows_nothing_is_a_dead_end(manager, monkeypatch):
+    """A row the batched fill leaves without any allowed token (a grammar that cannot go on)
+    is reported as a dead end, the other rows not."""
+    from jaxllm.structured_output import manager as manager_module
+
+    real_fill = manager_module.fill_next_token_bitmask_par
+
+    def fill_then_block_row_0(executor, matchers, bitmask):
+        real_fill(executor, matchers, bitmask)
+        bitmask[0] = 0
+
+    a = manager.add_request(StructuredOutputsParams(regex="[a-z]+"), EOS)
+    b = manager.add_request(StructuredOutputsParams(regex="[a-z]+"), EOS)
+    assert manager.init_matcher(a) and manager.init_matcher(b)
+    monkeypatch.setattr(manager_module, "fill_next_token_bitmask_par", fill_then_block_row_0)
+    bitmask, errors = manager.grammar_bitmask([a, b])
+    assert errors[0] is not None and "dead end" in errors[0]
+    assert errors[1] is None and bitmask[1].any()

@@ -236,6 +236,33 @@ def test_partial_utf8_tokens_are_bytes_strings(tokenizer):
             raw.decode()
 
 
+def test_text_offsets_are_the_decoded_prefix_lengths(tokenizer):
+    """The legacy logprobs' text_offset of each token is len(decode(the tokens before it)),
+    partial characters (U+FFFD), special tokens and ids past the tokenizer included, fed in
+    chunks as a stream feeds them."""
+    import random
+
+    from jaxllm.entrypoints.openai.serving_completion import CompletionLogprobs
+    from jaxllm.entrypoints.openai.serving_engine import token_text_and_bytes
+
+    added = set(tokenizer.added_tokens_decoder)
+    serving = type("Serving", (), {"token_info": staticmethod(
+        lambda t: token_text_and_bytes(tokenizer, t, added))})()
+    rng = random.Random(0)
+    seqs = [tokenizer.encode("héllo 世界 🤖 <|im_start|>user\nx<|im_end|>\t ✓")]
+    seqs += [[rng.randrange(151936) for _ in range(40)] for _ in range(8)]
+    for ids in seqs:
+        lp = CompletionLogprobs(serving, 0)  # type: ignore[arg-type]
+        out = None
+        i = 0
+        while i < len(ids):
+            k = rng.randint(1, 5)
+            out = lp.add(ids[i:i + k], [None] * len(ids[i:i + k]), out)
+            i += k
+        assert out is not None
+        assert out["text_offset"] == [len(tokenizer.decode(ids[:j])) for j in range(len(ids))]
+
+
 def test_penalties_bias_and_min_tokens(client, tokenizer):
     base = dict(model="tiny-qwen2", prompt=PROMPTS[3], max_tokens=8, temperature=0)
     plain = client.completions.create(**base)

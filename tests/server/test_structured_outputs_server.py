@@ -112,8 +112,9 @@ def test_response_format_json_object(client):
                                                  "response_format": {"type": "json_object"}}
                                              ).choices[0].text
         # A random model may not close the object within max_tokens, but what it wrote is
-        # an object's beginning: a brace, then no whitespace (the server's default).
-        assert text.startswith("{"), text
+        # an object's beginning: a brace, then no whitespace (the server's default) but a key
+        # or the closing brace.
+        assert text.startswith("{") and text[1:2] in ('"', "}"), text
         if text.endswith("}"):
             assert isinstance(json.loads(text), dict)
 
@@ -217,7 +218,7 @@ def test_tool_choice_required_and_named(client):
         r = _chat(client, messages=ASK, tools=TOOLS, temperature=0,
                   tool_choice={"type": "function", "function": {"name": name}})
         c = r.choices[0]
-        assert c.finish_reason == "tool_calls"
+        assert c.finish_reason == "stop"  # a call forced by name, as OpenAI reports it
         assert [t.function.name for t in c.message.tool_calls] \
             == [name] * len(c.message.tool_calls)
         for call in c.message.tool_calls:
@@ -240,6 +241,12 @@ def test_tool_round_trip(client, tokenizer):
     answer = _chat(client, messages=history, tools=TOOLS, tool_choice="none", temperature=0,
                    max_tokens=8)
     assert answer.choices[0].message.content
+    # ... and as its plain dict (`model_dump()`: with OpenAI's empty refusal, annotations,
+    # audio and function_call), as many clients send it back.
+    dumped = _chat(client, messages=[*ASK, first.choices[0].message.model_dump(), history[-1]],
+                   tools=TOOLS, tool_choice="none", temperature=0, max_tokens=8)
+    assert dumped.usage.prompt_tokens == answer.usage.prompt_tokens
+    assert dumped.choices[0].message.content == answer.choices[0].message.content
     # The prompt is the template's rendering of the whole exchange: the call (its arguments
     # as an object) and the tool's result.
     want = tokenizer.apply_chat_template(

@@ -125,6 +125,13 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # What OpenAI's own assistant message carries besides, so that a client may send a reply
+    # back as it got it (`message.model_dump()`): a refusal and annotations are not rendered;
+    # audio and the legacy function_call are refused unless empty.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
 
 class FunctionDefinition(_Strict):

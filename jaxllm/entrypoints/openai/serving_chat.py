@@ -217,7 +217,7 @@ class OpenAIServingChat(OpenAIServing):
                     if found.tools_called:
                         message["content"] = found.content
                         message["tool_calls"] = [t.to_dict() for t in found.tool_calls]
-                        finish_reason = _tool_finish_reason(finish_reason)
+                        finish_reason = _tool_finish_reason(finish_reason, req.tool_choice)
                 choices[c.index] = {
                     "index": c.index, "message": message, "logprobs": logprobs,
                     "finish_reason": finish_reason, "stop_reason": c.stop_reason}
@@ -260,7 +260,7 @@ class OpenAIServingChat(OpenAIServing):
                             found = DeltaMessage(found.content + end.content,
                                                  found.tool_calls + end.tool_calls)
                             if parser.tool_calls:
-                                finish_reason = _tool_finish_reason(finish_reason)
+                                finish_reason = _tool_finish_reason(finish_reason, req.tool_choice)
                         delta = {}
                         if found.content:
                             delta["content"] = found.content
@@ -280,6 +280,8 @@ class OpenAIServingChat(OpenAIServing):
         yield sse("[DONE]")
 
 
-def _tool_finish_reason(finish_reason: str | None) -> str | None:
-    # OpenAI's reason for an answer that ends in calls; one cut by max_tokens stays "length".
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+def _tool_finish_reason(finish_reason: str | None, tool_choice: Any) -> str | None:
+    # OpenAI's reason for an answer that ends in calls, but "stop" for a call forced by name
+    # (as OpenAI and vLLM report it); one cut by max_tokens stays "length".
+    named = tool_choice is not None and not isinstance(tool_choice, str)
+    return "tool_calls" if finish_reason == "stop" and not named else finish_reason

@@ -8,6 +8,7 @@ what lm-evaluation-harness's loglikelihood requests read."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import AsyncGenerator
 from typing import Any, cast
 
@@ -39,21 +40,29 @@ class CompletionLogprobs:
     def __init__(self, serving: OpenAIServing, num_top: int) -> None:
         self.serving = serving
         self.num_top = num_top
-        self.ids: list[int] = []
+        # The text so far, as its length: the tokens' raw bytes through an incremental UTF-8
+        # decoder (an echoed prompt has thousands of tokens; decoding each prefix again would be
+        # quadratic, on the event loop).
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._num_chars = 0
+
+    def _text_length(self) -> int:
+        """len(tokenizer.decode(tokens so far)): a partial character at the end counts as the
+        U+FFFD the decode shows for it."""
+        pending = self._utf8.getstate()[0]
+        return self._num_chars + (len(pending.decode("utf-8", "replace")) if pending else 0)
 
     def add(self, token_ids: list[int], rows: list[dict[int, Logprob] | None] | None,
             out: dict[str, Any] | None = None) -> dict[str, Any]:
         """The entries of `token_ids` (appended to `out` when given). A None row (the prompt's
         first token) has no logprob and no top logprobs."""
-        tok = self.serving.tokenizer
         if out is None:
             out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, row in zip(token_ids, rows or [], strict=False):
-            # The offset is where the text decoded so far ends (a partial character counts as
-            # the one U+FFFD the decode shows for it).
-            out["text_offset"].append(len(tok.decode(self.ids)) if self.ids else 0)
-            self.ids.append(tid)
-            out["tokens"].append(self.serving.token_info(tid)[0])
+            out["text_offset"].append(self._text_length())
+            text, raw = self.serving.token_info(tid)
+            self._num_chars += len(self._utf8.decode(raw))
+            out["tokens"].append(text)
             if row is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)

@@ -11,6 +11,8 @@ once, so a streamed call reassembles to exactly the non-streamed one. `arguments
 own JSON text (what the client will `json.loads`), without the object's closing brace.
 
 A tag whose body has no well-formed header (not JSON, no name) is kept as content, tags and all.
+A whole text whose calls' arguments are not JSON is all content (`extract_tool_calls`); a stream
+cannot take back what it sent, so there such a call's pieces have already gone out as a call.
 When calls were made, whitespace at the end of the content (the newlines between and after the
 calls) is dropped; without calls the content is the text as generated.
 """
@@ -188,9 +190,16 @@ class HermesToolParser:
 
 
 def extract_tool_calls(text: str) -> ExtractedToolCalls:
-    """The calls in a whole generated text, and the content around them (None when empty)."""
+    """The calls in a whole generated text, and the content around them (None when empty).
+    When a call's arguments are not JSON, the whole text is content and no call is reported:
+    a client would fail to `json.loads` them."""
     parser = HermesToolParser()
     content = parser.feed(text).content + parser.finish().content
+    for call in parser.tool_calls:
+        try:
+            json.loads(call.arguments)
+        except json.JSONDecodeError:
+            return ExtractedToolCalls(False, [], text or None)
     return ExtractedToolCalls(bool(parser.tool_calls), parser.tool_calls, content or None)
 
 
