@@ -17,12 +17,12 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxllm.benchmarks.common import repeat_ms  # noqa: E402
 from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path  # noqa: E402
 from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer  # noqa: E402
 from jaxllm.sample.candidates import TopKLogits, exact_rows, mask_candidates  # noqa: E402
@@ -55,13 +55,7 @@ CASES = {
 
 
 def median_ms(f, reps: int = 20) -> float:
-    f()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(ts))
+    return float(np.median(repeat_ms(f, reps)))
 
 
 def main() -> None:

@@ -6,13 +6,13 @@ best of 10, so the numbers compare.
     python benchmarks/topk_vs_host.py [ROWS ...]   (default: 1 64 256)
 """
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxllm.benchmarks.common import repeat_ms  # noqa: E402
 from jaxllm.sample.candidates import TopKLogits, exact_rows, sample_from_topk  # noqa: E402
 from jaxllm.sample.metadata import SamplingMetadata  # noqa: E402
 from jaxllm.sample.sampler import SamplingRow, sample  # noqa: E402
@@ -23,13 +23,7 @@ VOCAB = 151936
 
 
 def best(f, reps=10):
-    f()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * min(ts)
+    return min(repeat_ms(f, reps))
 
 
 rng = np.random.default_rng(0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,17 @@ from jaxllm.engine.arg_utils import EngineArgs
 
 if TYPE_CHECKING:
     from jaxllm import LLM
+
+
+def repeat_ms(f: Callable[[], object], reps: int) -> list[float]:
+    """Wall milliseconds of `reps` calls of f, after one untimed warm-up call."""
+    f()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        times.append(1e3 * (time.perf_counter() - t))
+    return times
 
 
 def sampling_params(out_len: int, ignore_eos: bool):
