@@ -6,7 +6,9 @@ engine core reported (vocabulary, max_model_len, KV capacity), before anything i
 
 from __future__ import annotations
 
+import functools
 import numbers
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,36 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 PromptType = str | dict[str, Any]
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# The longest canonical decomposition in Unicode: NFC/NFKC compose at most this many code
+# points into one.
+_MAX_COMPOSED = 4
+
+
+def lone_surrogate_at(text: str) -> int | None:
+    """Where `text` holds a lone UTF-16 surrogate (no tokenizer or UTF-8 encoder takes one)."""
+    m = _SURROGATE.search(text)
+    return None if m is None else m.start()
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
+    """A length in characters beyond which a text certainly needs more than max_model_len
+    tokens, so that it can be refused without tokenizing it; None where no such bound is sure.
+
+    For a byte-level BPE tokenizer (no unknown tokens) whose normalizer is at most a Unicode
+    normal form: a token stands for at most as many bytes, so characters, of the normalized text
+    as its vocabulary string has symbols, and normalizing shrinks a text at most
+    `_MAX_COMPOSED`-fold."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    normalizer = backend.normalizer
+    if normalizer is not None and type(normalizer).__name__ not in ("NFC", "NFKC", "NFD",
+                                                                     "NFKD"):
+        return None
+    longest = max(len(t) for t in tokenizer.get_vocab())  # added tokens included
+    return max_model_len * longest * _MAX_COMPOSED
 
 
 @dataclass
@@ -56,6 +88,13 @@ class Processor:
         self.num_usable_blocks = info.num_usable_blocks
         self.eos_token_ids = eos_token_ids
         self.max_n = max_n
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """Text prompts longer than this are refused before tokenizing (see
+        `max_prompt_chars`); computed on first use from the vocabulary."""
+        return None if self.tokenizer is None else max_prompt_chars(self.tokenizer,
+                                                                    self.max_model_len)
 
     def process_inputs(self, request_id: str, prompt: PromptType,
                        params: SamplingParams | None = None,
@@ -105,6 +144,16 @@ class Processor:
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass "
                                  "{'prompt_token_ids': [...]} or drop skip_tokenizer_init")
+            at = lone_surrogate_at(prompt)
+            if at is not None:
+                raise ValueError(f"the prompt contains a lone UTF-16 surrogate "
+                                 f"({prompt[at]!a}) at character {at}, which is not valid "
+                                 f"Unicode text")
+            limit = self.max_prompt_chars
+            if limit is not None and len(prompt) > limit:
+                raise ValueError(f"the prompt has {len(prompt)} characters, more than "
+                                 f"max_model_len ({self.max_model_len}) tokens of this "
+                                 f"vocabulary can hold")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
             if "prompt_token_ids" in prompt:
@@ -142,11 +191,17 @@ class Processor:
         if params.n > self.max_n:
             raise ValueError(f"SamplingParams.n must be at most the engine's max_n "
                              f"({self.max_n}), got {params.n}")
-        bad = [t for t in list(params.stop_token_ids or ()) + list((params.logit_bias or {}).keys())
-               if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} in stop_token_ids/logit_bias are outside "
-                             f"the vocabulary [0, {self.vocab_size})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids or ()),
+                          ("logit_bias", (params.logit_bias or {}).keys())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token ids {bad[:5]} outside the "
+                                 f"vocabulary [0, {self.vocab_size})")
+        for s in params.stop or ():
+            at = lone_surrogate_at(s)
+            if at is not None:
+                raise ValueError(f"SamplingParams.stop {s[:50]!a} contains a lone UTF-16 "
+                                 f"surrogate at character {at}")
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (stop strings match text)")
         if params.structured_outputs is not None and self.tokenizer is None:

@@ -99,10 +99,50 @@ def test_chat_uses_template(tiny_llm):
     ({"prompt_token_ids": [-1]}, "outside the vocabulary"),
     ({"prompt_token_ids": [1] * 128}, "max_model_len"),
     (42, "must be a str or a dict"),
+    ("a\ud800b", "lone UTF-16 surrogate.*at character 1"),
+    ({"prompt": "\udfff"}, "lone UTF-16 surrogate"),
 ])
 def test_bad_prompts_are_named(tiny_llm, prompt, match):
     with pytest.raises(ValueError, match=match):
         tiny_llm.generate(prompt, use_tqdm=False)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_with_a_lone_surrogate_is_a_value_error(tiny_llm):
+    with pytest.raises(ValueError, match="prompt 1: .*lone UTF-16 surrogate"):
+        tiny_llm.chat([[{"role": "user", "content": "hi"}],
+                       [{"role": "user", "content": "x\ud800"}]], use_tqdm=False)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("params, match", [
+    (SamplingParams(stop=["ok", "\ud800"]), r"SamplingParams\.stop .*surrogate"),
+    (SamplingParams(stop_token_ids=[151936]), r"SamplingParams\.stop_token_ids .*151936"),
+    (SamplingParams(logit_bias={151936: 1.0}), r"SamplingParams\.logit_bias .*151936"),
+])
+def test_bad_params_are_named(tiny_llm, params, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_llm.generate("hi", params, use_tqdm=False)
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(tiny_llm, monkeypatch):
+    """Byte-level BPE: no token covers more characters than its vocabulary string has symbols,
+    and NFC shrinks text at most 4-fold, so a text over 4 x max_model_len x the longest symbol
+    string cannot fit; one at the bound is tokenized as before."""
+    processor = tiny_llm.llm_engine.processor
+    longest = max(len(t) for t in tiny_llm.tokenizer.get_vocab())
+    limit = 128 * longest * 4
+    assert processor.max_prompt_chars == limit
+    calls = []
+    encode = processor.tokenizer.encode
+    monkeypatch.setattr(processor.tokenizer, "encode",
+                        lambda text, *a, **k: calls.append(len(text)) or encode(text, *a, **k))
+    with pytest.raises(ValueError, match=f"{limit + 1} characters.*max_model_len"):
+        tiny_llm.generate("ab" * (limit // 2) + "c", use_tqdm=False)
+    assert calls == []
+    with pytest.raises(ValueError, match="tokens; max_model_len is 128"):
+        tiny_llm.generate("ab" * (limit // 2), use_tqdm=False)
+    assert calls == [limit]
 
 
 def test_bad_engine_args(tiny_models):

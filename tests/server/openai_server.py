@@ -132,6 +132,11 @@ def bad_requests(max_model_len: int) -> list[tuple[str, str, bytes | dict, int, 
     long_prompt = list(range(1000, 1000 + max_model_len + 4))
     msgs = [{"role": "user", "content": "hi"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    nested = b"[" * 10_000 + b"]" * 10_000
+    # Nested loops: seconds of rendering, on the event loop when requests could bring one.
+    slow_template = ("{% set ns = namespace(n=0) %}{% for i in range(1500) %}"
+                     "{% for j in range(1500) %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+                     "{% endfor %}{{ messages[0]['content'] }}")
     return [
         ("malformed JSON", c, b'{"prompt": "hi",', 400, None),
         ("not an object", c, b'[1, 2]', 400, None),
@@ -215,4 +220,55 @@ def bad_requests(max_model_len: int) -> list[tuple[str, str, bytes | dict, int, 
         ("image part", ch, {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
         ("10 MB body", c, b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, None),
+        # Lone UTF-16 surrogates: valid JSON escapes, but no text.
+        ("lone surrogate in prompt", c, {**ok, "prompt": "a\ud800b"}, 400, "prompt"),
+        ("lone surrogate in a prompt list", c, {**ok, "prompt": ["hi", "\udfff"]}, 400,
+         "prompt"),
+        ("lone surrogate in chat content", ch, {"messages": [{"role": "user",
+                                                             "content": "\ud800"}]},
+         400, "messages"),
+        ("lone surrogate in stop", c, {**ok, "stop": ["ok", "\ud800"]}, 400, "stop"),
+        ("lone surrogate in model", c, {**ok, "model": "\ud800"}, 400, "model"),
+        ("lone surrogate in a logit_bias key", c, {**ok, "logit_bias": {"\ud800": 1.0}}, 400,
+         "logit_bias"),
+        ("lone surrogate in /tokenize", "/tokenize", {"prompt": "\ud800"}, 400, "prompt"),
+        ("lone surrogate in /tokenize messages", "/tokenize", {"messages": [
+            {"role": "user", "content": "\udbff"}]}, 400, "messages"),
+        # The JSON parser recurses once per level.
+        ("JSON nested 10,000 deep", c, b'{"prompt": ' + nested + b"}", 400, None),
+        ("JSON nested 10,000 deep to /tokenize", "/tokenize", b'{"prompt": ' + nested + b"}",
+         400, None),
+        # The field at fault is named.
+        ("stop_token_ids outside the vocabulary", c, {**ok, "stop_token_ids": [10**7]}, 400,
+         "stop_token_ids"),
+        ("zero max_completion_tokens", ch, {"messages": msgs, "max_completion_tokens": 0}, 400,
+         "max_completion_tokens"),
+        ("max_completion_tokens over the context", ch, {"messages": msgs,
+                                                        "max_completion_tokens": 10**6},
+         400, "max_completion_tokens"),
+        # logit_bias keys are token ids in canonical ASCII digits, nothing int() also reads.
+        ("logit_bias key with spaces", c, {**ok, "logit_bias": {" 5 ": 1.0}}, 400,
+         "logit_bias"),
+        ("logit_bias key in Arabic-Indic digits", c, {**ok, "logit_bias": {"\u0661\u0662": 1.0}},
+         400, "logit_bias"),
+        ("logit_bias key in superscript", c, {**ok, "logit_bias": {"\u00b2": 1.0}}, 400,
+         "logit_bias"),
+        ("logit_bias key of 5,000 digits", c, {**ok, "logit_bias": {"9" * 5000: 1.0}}, 400,
+         "logit_bias"),
+        ("logit_bias key with a sign", c, {**ok, "logit_bias": {"+5": 1.0}}, 400, "logit_bias"),
+        ("logit_bias key with a leading zero", c, {**ok, "logit_bias": {"05": 1.0}}, 400,
+         "logit_bias"),
+        # A template from the request is the client's code: refused without the trust flag.
+        ("chat template in chat_template_kwargs", ch, {
+            "messages": msgs, "chat_template_kwargs": {"chat_template": slow_template}}, 400,
+         "chat_template_kwargs"),
+        ("chat template as a request field", ch, {"messages": msgs,
+                                                  "chat_template": slow_template}, 400,
+         "chat_template"),
+        ("tokenize in chat_template_kwargs", ch, {"messages": msgs,
+                                                  "chat_template_kwargs": {"tokenize": True}},
+         400, "chat_template_kwargs"),
+        ("add_generation_prompt in chat_template_kwargs", ch, {
+            "messages": msgs, "chat_template_kwargs": {"add_generation_prompt": False}}, 400,
+         "chat_template_kwargs"),
     ]

@@ -38,6 +38,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         '\'{"disable_any_whitespace": true}\' (no whitespace between JSON '
                         'tokens: small or untrained models need it to close objects); keys: '
                         'disable_any_whitespace, disable_additional_properties')
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat template (chat_template, "
+                        "chat_template_kwargs.chat_template): it runs the client's code in the "
+                        "server, so only for trusted clients (default: refused with a 400)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     EngineArgs.add_cli_args(p)
@@ -76,7 +80,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = engine.engine_config
     state = make_state(engine, name,
                        engine_config.model if tag is None else engine_config.model_path,
-                       metrics, args.max_request_bytes, so_config)
+                       metrics, args.max_request_bytes, so_config,
+                       args.trust_request_chat_template)
     app = build_app(state, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level,

@@ -32,7 +32,6 @@ from jaxllm.entrypoints.openai.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.protocol import (
     APIError,
     DetokenizeRequest,
-    TokenizeRequest,
     parse_request,
 )
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -90,6 +89,8 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(b"".join(chunks), parse_constant=reject)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise APIError(400, "the request body is nested too deeply") from None
 
 
 class AuthMiddleware:
@@ -217,18 +218,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        req: TokenizeRequest = parse_request(TokenizeRequest, await body_of(request))
-        state.completion.check_model(req.model)
-        if req.messages is not None and req.prompt is None:
-            text = state.chat.apply_chat_template(req.messages, req.add_generation_prompt)
-        elif req.prompt is not None and req.messages is None:
-            text = req.prompt
-        else:
-            raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
-        tok = state.completion.tokenizer
-        ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": state.completion.max_model_len,
-                "tokens": ids}
+        return await state.chat.create_tokenize(await body_of(request))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
@@ -246,12 +236,13 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
 def make_state(engine: AsyncLLM, model_name: str, model_root: str,
                metrics: ServerMetrics, max_request_bytes: int,
-               structured_outputs_config: StructuredOutputsConfig | None = None
-               ) -> ServerState:
+               structured_outputs_config: StructuredOutputsConfig | None = None,
+               trust_request_chat_template: bool = False) -> ServerState:
     return ServerState(engine, model_name, model_root,
                        OpenAIServingCompletion(engine, model_name, metrics,
                                                structured_outputs_config),
                        OpenAIServingChat(engine, model_name, metrics,
-                                         structured_outputs_config), metrics,
+                                         structured_outputs_config,
+                                         trust_request_chat_template), metrics,
                        max_request_bytes, int(time.time()))
 

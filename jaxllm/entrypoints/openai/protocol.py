@@ -8,6 +8,7 @@ second schema to keep in step.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,8 +38,14 @@ class APIError(Exception):
         self.err_type = err_type or self.TYPES.get(status, "BadRequestError")
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
+        # Both may quote the request; a lone surrogate in them could not be sent as UTF-8.
+        return {"error": {"message": _utf8_safe(self.message), "type": self.err_type,
+                          "param": None if self.param is None else _utf8_safe(self.param),
                           "code": self.status}}
+
+
+def _utf8_safe(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # Integers that travel to the core process must fit its 64-bit wire format.
@@ -163,6 +170,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -187,12 +195,38 @@ _MODEL_TAGS = {"NamedToolChoice"}
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", *_MODEL_TAGS}
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_field(body: dict[str, Any]) -> str | None:
+    """The first top-level field whose value (or a key inside it, or the field's own name)
+    holds a lone UTF-16 surrogate: JSON's `\\ud800` escape decodes to one, and no tokenizer
+    or UTF-8 encoder takes it. Walked without recursion: the depth is the client's."""
+    for name, value in body.items():
+        stack = [name, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                if _SURROGATE.search(item):
+                    return name
+            elif isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+    return None
+
+
 def parse_request(model: type[BaseModel], body: Any,
                   unsupported: tuple[str, ...] = ()) -> Any:
     """A JSON body -> `model`, or an APIError(400) naming the offending parameter."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got "
                             f"{type(body).__name__}")
+    bad = lone_surrogate_field(body)
+    if bad is not None:
+        raise APIError(400, f"{bad!r} contains a lone UTF-16 surrogate (an unpaired \\ud800-"
+                            f"\\udfff escape), which is not valid Unicode text", bad)
     for name in unsupported:
         if name in body and body[name] is not None:
             raise APIError(400, f"parameter {name!r} is not supported by this server", name)

@@ -9,8 +9,10 @@ the same format, so the model can only answer with calls of valid arguments."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncGenerator
+import threading
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -20,6 +22,7 @@ from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     NamedToolChoice,
+    TokenizeRequest,
     check_logprobs,
     parse_request,
 )
@@ -42,6 +45,46 @@ from jaxllm.entrypoints.openai.tool_parsers import (
 from jaxllm.outputs import Logprob
 
 _MIN_LOGPROB = -9999.0
+
+# apply_chat_template's own arguments, which the server sets (from the request's fields where
+# it has them): chat_template_kwargs may not (tokenize=True would return ids, not text).
+_SERVER_SET_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+# Templates render off the event loop. A render past the timeout is answered with a 400, but
+# Python cannot stop its thread: it runs to its end, taking a share of the GIL meanwhile (a
+# daemon thread, so that it never holds up the server's exit). The model's own template
+# renders in time linear in the messages; only a template from the request (allowed by
+# --trust-request-chat-template) can run for longer.
+_RENDER_TIMEOUT_S = 10.0
+
+
+def _in_daemon_thread(fn: Callable[[], str]) -> asyncio.Future[str]:
+    """fn() in a new daemon thread, as a future of the running loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[str] = loop.create_future()
+
+    def settle(result: str | None, error: BaseException | None) -> None:
+        if future.cancelled():  # timed out: nobody waits for it any more
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as e:  # noqa: B036 - handed to the waiting request
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed while it ran
+            pass
+
+    threading.Thread(target=run, name="chat-template", daemon=True).start()
+    return future
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -128,28 +171,82 @@ class OpenAIServingChat(OpenAIServing):
             not self.structured_outputs_config.disable_any_whitespace, tags)
         return ToolUse(tools, True, Constraint({"grammar": grammar}, "tool_choice"))
 
-    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                            continue_final_message: bool = False,
-                            kwargs: dict[str, Any] | None = None,
-                            tools: list[dict[str, Any]] | None = None) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions")
+    def template_kwargs(self, chat_template: str | None,
+                        kwargs: dict[str, Any] | None) -> tuple[dict[str, Any], str | None]:
+        """A request's extra template variables, checked, and the request field its own
+        template came from (None: the model's). A template from the request runs the client's
+        code in the server (time and memory without bound), so it is refused unless the
+        server was started with --trust-request-chat-template, as vLLM does."""
+        kwargs = dict(kwargs or {})
+        for key in kwargs:
+            if key in _SERVER_SET_KWARGS:
+                raise APIError(400, f"chat_template_kwargs may not set {key!r}: the server "
+                                    f"sets it (from the request's own field where there is "
+                                    f"one)", "chat_template_kwargs")
+        source = "chat_template" if chat_template is not None else None
+        if "chat_template" in kwargs:
+            if chat_template is not None:
+                raise APIError(400, "give the chat template once: chat_template or "
+                                    "chat_template_kwargs.chat_template", "chat_template")
+            chat_template, source = kwargs.pop("chat_template"), "chat_template_kwargs"
+        if source is not None:
+            if not self.trust_request_chat_template:
+                raise APIError(400, "this server does not take chat templates from requests "
+                                    "(start it with --trust-request-chat-template to allow "
+                                    "them)", source)
+            if not isinstance(chat_template, str):
+                raise APIError(400, f"the chat template must be a string, got "
+                                    f"{type(chat_template).__name__}", source)
+            kwargs["chat_template"] = chat_template
+        return kwargs, source
+
+    async def apply_chat_template(self, messages: list[ChatMessage],
+                                  add_generation_prompt: bool,
+                                  continue_final_message: bool = False,
+                                  kwargs: dict[str, Any] | None = None,
+                                  tools: list[dict[str, Any]] | None = None,
+                                  chat_template: str | None = None) -> str:
+        """The prompt text of `messages`, rendered in a thread of its own."""
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
         if continue_final_message and add_generation_prompt:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
                                 "be true", "continue_final_message")
-        try:
+        template_kwargs, source = self.template_kwargs(chat_template, kwargs)
+        if source is None and not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        conversation = message_dicts(messages)
+
+        def render() -> str:
             # transformers annotates every return kind at once; tokenize=False gives the text.
             return cast(str, self.tokenizer.apply_chat_template(
-                message_dicts(messages), tools=cast(list[Any] | None, tools), tokenize=False,
+                conversation, tools=cast(list[Any] | None, tools), tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(kwargs or {})))
-        except APIError:
-            raise
+                continue_final_message=continue_final_message, **template_kwargs))
+
+        try:
+            return await asyncio.wait_for(_in_daemon_thread(render), _RENDER_TIMEOUT_S)
+        except TimeoutError:
+            raise APIError(400, f"the chat template did not finish rendering in "
+                                f"{_RENDER_TIMEOUT_S:g} s", source or "messages") from None
         except Exception as e:  # the template's own checks (jinja raise_exception, ...)
             raise APIError(400, f"the chat template failed on these messages: {e}",
-                           "messages") from None
+                           source or "messages") from None
+
+    async def create_tokenize(self, body: Any) -> dict[str, Any]:
+        """`POST /tokenize`: the token ids of a prompt, or of messages through the chat
+        template (vLLM's extension); rendering and tokenizing off the event loop."""
+        req: TokenizeRequest = parse_request(TokenizeRequest, body)
+        self.check_model(req.model)
+        if req.messages is not None and req.prompt is None:
+            text = await self.apply_chat_template(req.messages, req.add_generation_prompt)
+        elif req.prompt is not None and req.messages is None:
+            text = req.prompt
+        else:
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+        ids = await asyncio.to_thread(self.tokenizer.encode, text,
+                                      add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
     async def create_chat_completion(self, body: Any
                                      ) -> dict[str, Any] | AsyncGenerator[str, None]:
@@ -168,15 +265,18 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, f"tool_choice {req.tool_choice!r} constrains the answer to tool "
                                 f"calls; it cannot be combined with {constraint.source}",
                            "tool_choice")
-        text = self.apply_chat_template(req.messages, req.add_generation_prompt,
-                                        req.continue_final_message, req.chat_template_kwargs,
-                                        tool_use.tools)
-        prompt = self.tokenize(text)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
+        text = await self.apply_chat_template(req.messages, req.add_generation_prompt,
+                                              req.continue_final_message,
+                                              req.chat_template_kwargs, tool_use.tools,
+                                              req.chat_template)
+        prompt = await self.tokenize(text, "messages")
+        max_tokens, max_tokens_field = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens is not None:
+            max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, len(prompt.token_ids), num_top,
-                                      req.stream, constraint or tool_use.constraint)
+                                      req.stream, constraint or tool_use.constraint,
+                                      max_tokens_field=max_tokens_field)
         request_id = random_id("chatcmpl")
         gen = self.generate(prompt, params, request_id)
         if req.stream:

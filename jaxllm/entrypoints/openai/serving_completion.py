@@ -95,7 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if prompt_logprobs is None and req.echo:
             prompt_logprobs = req.logprobs
         prompts = self._prompts(req.prompt)
-        tokenized = [self.tokenize(p) for p in prompts]
+        tokenized = [await self.tokenize(p) for p in prompts]
         params = [self.sampling_params(req, req.max_tokens, len(t.token_ids), req.logprobs,
                                        req.stream, constraint, prompt_logprobs)
                   for t in tokenized]

@@ -130,6 +130,22 @@ def _unicode_to_byte() -> dict[str, int]:
 
 _BYTE_OF = _unicode_to_byte()
 _SAMPLING_PARAM = re.compile(r"SamplingParams\.(\w+)")
+# A token id as a logit_bias key: canonical ASCII digits only (int() would also read " 5 ",
+# Arabic-Indic digits or thousands of digits), at most what an int64 holds.
+_TOKEN_ID_KEY = re.compile(r"(?:0|[1-9][0-9]{0,18})")
+
+
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """A request's logit_bias with its keys as token ids; a key that is not one is a 400."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise APIError(400, f"logit_bias keys must be token ids written as non-negative "
+                                f"decimal integers, got {key!r:.50}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def token_text_and_bytes(tokenizer: Any, token_id: int, added: set[int]) -> tuple[str, bytes]:
@@ -154,8 +170,10 @@ def token_text_and_bytes(tokenizer: Any, token_id: int, added: set[int]) -> tupl
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_name: str,
                  metrics: ServerMetrics | None = None,
-                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
+                 structured_outputs_config: StructuredOutputsConfig | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template
         self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.model_name = served_model_name
         if engine.tokenizer is None:
@@ -175,13 +193,16 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`", "model", "NotFoundError")
 
-    def tokenize(self, prompt: str | list[int]) -> TokenizedPrompt:
-        """Token ids for a text or token-id prompt, validated by the engine's processor."""
+    async def tokenize(self, prompt: str | list[int], param: str = "prompt"
+                       ) -> TokenizedPrompt:
+        """Token ids for a text or token-id prompt, validated by the engine's processor (which
+        refuses a text too long to fit before tokenizing it). In a worker thread: a long text
+        takes a while, and the event loop serves every other connection meanwhile."""
         value: Any = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         try:
-            p = self.engine.processor.process_prompt(value)
+            p = await asyncio.to_thread(self.engine.processor.process_prompt, value)
         except ValueError as e:
-            raise APIError(400, str(e), "prompt") from None
+            raise APIError(400, str(e), param) from None
         return TokenizedPrompt(p.prompt, p.prompt_token_ids)
 
     def structured_outputs(self, constraint: Constraint | None
@@ -204,9 +225,11 @@ class OpenAIServing:
     def sampling_params(self, req: Any, max_tokens: int | None, num_prompt_tokens: int,
                         logprobs: int | None, stream: bool,
                         constraint: Constraint | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        max_tokens_field: str = "max_tokens") -> SamplingParams:
         """The request's SamplingParams; as vLLM's server (not the offline LLM, which clamps),
-        a prompt plus max_tokens over max_model_len is a 400 naming the numbers."""
+        a prompt plus max_tokens over max_model_len is a 400 naming the numbers.
+        `max_tokens_field`: the request field max_tokens came from, which a 400 names."""
         room = self.max_model_len - num_prompt_tokens
         if max_tokens is None:
             max_tokens = room
@@ -216,12 +239,13 @@ class OpenAIServing:
                                 f"{self.max_model_len} tokens. However, you requested "
                                 f"{num_prompt_tokens + max_tokens} tokens "
                                 f"({num_prompt_tokens} in the prompt, {max_tokens} for the "
-                                f"completion). Please reduce the prompt or max_tokens.",
-                           "max_tokens")
+                                f"completion). Please reduce the prompt or "
+                                f"{max_tokens_field}.", max_tokens_field)
         kw: dict[str, Any] = dict(
             n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed,
             max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=req.logit_bias,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=logit_bias_ids(req.logit_bias),
             structured_outputs=self.structured_outputs(constraint),
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
@@ -239,8 +263,8 @@ class OpenAIServing:
             param = m.group(1) if m else None
             if param == "structured_outputs" and constraint is not None:
                 param = constraint.source
-            if param is None and "logit_bias" in str(e):
-                param = "logit_bias"
+            elif param == "max_tokens":
+                param = max_tokens_field
             raise APIError(400, str(e), param) from None
         return params
 
