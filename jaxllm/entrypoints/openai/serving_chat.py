@@ -65,19 +65,19 @@ def _in_daemon_thread(fn: Callable[[], str]) -> asyncio.Future[str]:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[str] = loop.create_future()
 
-    def settle(result: str | None, error: BaseException | None) -> None:
+    def settle(result: str, error: BaseException | None) -> None:
         if future.cancelled():  # timed out: nobody waits for it any more
             return
         if error is not None:
             future.set_exception(error)
         else:
-            future.set_result(result)  # type: ignore[arg-type]
+            future.set_result(result)
 
     def run() -> None:
         try:
             result, error = fn(), None
-        except BaseException as e:  # noqa: B036 - handed to the waiting request
-            result, error = None, e
+        except Exception as e:  # handed to the waiting request
+            result, error = "", e
         try:
             loop.call_soon_threadsafe(settle, result, error)
         except RuntimeError:  # the loop closed while it ran
