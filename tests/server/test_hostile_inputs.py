@@ -13,6 +13,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.server.openai_server import ServerProcess, http
 
@@ -134,3 +136,56 @@ def test_a_render_past_the_timeout_is_a_400_naming_the_template(tokenizer, monke
     assert time.monotonic() - start < 1.0
     assert e.value.status == 400 and e.value.param == "chat_template"
     assert "did not finish rendering in 0.2 s" in e.value.message
+
+
+# --- in process: the checks themselves -------------------------------------------------------
+
+# Text that tokenizes into few tokens per character, or shrinks under NFC: combining marks and
+# Hangul jamo that compose, CJK, repeats of long vocabulary strings, whitespace runs.
+_PIECES = ["a\u0323\u0302", "\u1100\u1161\u11a8", "\u03b1\u0313\u0342\u0345", "\u4e2d\u6587",
+           "=" * 64, " " * 40, "-" * 100, "\n\n\n", "hello", "\ufdfa", "e\u0301"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES) | st.text(max_size=30), max_size=60))
+def test_the_prompt_character_bound_never_refuses_text_that_fits(tokenizer, pieces):
+    """Sound: a text needs at least len(text) / (4 x longest) tokens, so one refused by the
+    bound (longer than max_model_len x longest x 4 characters) cannot fit."""
+    from jaxllm.engine.processor import max_prompt_chars
+
+    text = "".join(pieces).encode("utf-8", "ignore").decode("utf-8")  # no lone surrogates
+    longest = max_prompt_chars(tokenizer, 1) // 4
+    assert len(tokenizer.encode(text)) * longest * 4 >= len(text)
+
+
+def test_no_prompt_character_bound_where_it_would_not_hold(tokenizer):
+    import copy
+
+    from tokenizers import normalizers
+
+    from jaxllm.engine.processor import max_prompt_chars
+
+    assert max_prompt_chars(tokenizer, 10) == 10 * 4 * max(map(len, tokenizer.get_vocab()))
+    # Stripping accents can delete any number of characters: no bound is sure.
+    stripping = copy.deepcopy(tokenizer)
+    stripping.backend_tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.NFD(), normalizers.StripAccents()])
+    assert max_prompt_chars(stripping, 10) is None
+    assert max_prompt_chars(SimpleNamespace(), 10) is None  # not a fast tokenizer
+
+
+@pytest.mark.parametrize("key, ok", [
+    ("0", True), ("5", True), ("151935", True), ("9223372036854775807", True),
+    ("", False), (" 5 ", False), ("05", False), ("+5", False), ("-5", False), ("5.0", False),
+    ("\u0661\u0662", False), ("\u00b2", False), ("9" * 20, False), ("9" * 5000, False),
+])
+def test_logit_bias_keys_are_canonical_ascii_integers(key, ok):
+    from jaxllm.entrypoints.openai.protocol import APIError
+    from jaxllm.entrypoints.openai.serving_engine import logit_bias_ids
+
+    if ok:
+        assert logit_bias_ids({key: 1.5}) == {int(key): 1.5}
+    else:
+        with pytest.raises(APIError) as e:
+            logit_bias_ids({key: 1.5})
+        assert e.value.status == 400 and e.value.param == "logit_bias"

@@ -131,7 +131,7 @@ def _unicode_to_byte() -> dict[str, int]:
 _BYTE_OF = _unicode_to_byte()
 _SAMPLING_PARAM = re.compile(r"SamplingParams\.(\w+)")
 # A token id as a logit_bias key: canonical ASCII digits only (int() would also read " 5 ",
-# Arabic-Indic digits or thousands of digits), at most what an int64 holds.
+# Arabic-Indic digits or thousands of digits), at most 19 digits (an int64's width).
 _TOKEN_ID_KEY = re.compile(r"(?:0|[1-9][0-9]{0,18})")
 
 
