@@ -22,11 +22,10 @@ from tqdm.auto import tqdm
 
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
+from jaxllm.model_executor.model_loader.gguf_check import check_gguf_layout
 from jaxllm.model_executor.model_loader.gguf_params import quantized_param_trees
 from jaxllm.model_executor.model_loader.gguf_repack import FLOAT_TYPES, SUPPORTED_TYPES
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, abstract_params
-
-GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
@@ -86,8 +85,10 @@ def gguf_keeps_quantized(path: str | Path) -> bool:
     import gguf
 
 
+    file = _gguf_file(Path(path).expanduser())
     try:
-        reader = gguf.GGUFReader(str(_gguf_file(Path(path).expanduser())))
+        check_gguf_layout(file)
+        reader = gguf.GGUFReader(str(file))
     except Exception:  # noqa: BLE001 - load_model names what is wrong with the file
         return False
     types = {t.tensor_type.name for t in reader.tensors} - set(FLOAT_TYPES)
@@ -164,10 +165,7 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
         raise ModelLoadError(f"{path}: quantization='gguf' with the reference backend computes "
                              f"in float32 (the exact dequantized values); got dtype "
                              f"{jnp.dtype(dtype).name} (a Pallas kernel_backend takes bfloat16)")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    check_gguf_layout(path)
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises assorted errors on a short or corrupt file
@@ -188,7 +186,7 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
     try:
         config = ModelConfig.from_gguf_metadata(meta, vocab_size,
                                                 tied="output.weight" not in by_name)
-    except ValueError as e:
+    except (ValueError, TypeError, OverflowError) as e:  # metadata of the wrong type or size
         raise ModelLoadError(f"{path}: {e}") from e
 
     bar = tqdm(total=len(by_name), desc="dequantizing GGUF", unit="tensor", disable=not progress)
