@@ -25,7 +25,10 @@ from jaxllm.model_executor.model_loader.loader import load_model
 from tests.gguf_models import write_tiny_gguf
 from tests.utils import save_tiny_checkpoint
 
-FUZZ = settings(max_examples=40, derandomize=True, deadline=None, database=None,
+# Damaged block bytes dequantize to NaN and inf: numpy's warnings about them are expected.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+FUZZ = settings(max_examples=100, derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
 # Seconds one load may take: the intact files load in well under one.
@@ -35,8 +38,9 @@ ABSURD = st.sampled_from([0, 1, 3, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2*
                           2**64 - 1]) | st.integers(0, 2**64 - 1)
 
 
-class Hang(Exception):
-    pass
+class Hang(BaseException):
+    """Not an Exception: the loader's handlers of a reader's assorted errors must not turn a
+    hang into a clean failure."""
 
 
 @contextmanager
@@ -99,33 +103,45 @@ def _tensor_info_fields(data: bytes, at: int) -> dict[str, tuple[int, int]]:
 
 
 @st.composite
-def damaged_gguf(draw, original):
+def gguf_damage(draw, original):
+    """A damage to apply to the file (kind, byte offset, value): shown compactly on failure."""
     data, header_end, kv, infos = original
-    out = bytearray(data)
-    kind = draw(st.sampled_from(["truncate", "flip_header", "flip_metadata", "tensor_info",
-                                 "block_type", "counts"]))
+    kind = draw(st.sampled_from(["truncate", "flip_header", "flip_metadata", "metadata_type",
+                                 "tensor_info", "block_type", "counts"]))
     if kind == "truncate":
-        return bytes(out[:draw(st.integers(0, len(data) - 1))])
+        return kind, draw(st.integers(0, len(data) - 1)), None
+    if kind == "metadata_type":  # a value read as another type: an array's length from its bytes
+        at = draw(st.sampled_from(kv))
+        (key_len,) = struct.unpack_from("<Q", data, at)
+        return kind, (at + 8 + key_len, 4), draw(st.sampled_from([9, 8, 12, 13, 2**32 - 1])
+                                                  | st.integers(0, 12))
     if kind in ("flip_header", "flip_metadata"):
         lo, hi = (0, header_end) if kind == "flip_header" else (kv[0], infos[0])
-        for pos in draw(st.lists(st.integers(lo, hi - 1), min_size=1, max_size=4)):
-            out[pos] ^= 1 << draw(st.integers(0, 7))
-        return bytes(out)
+        flips = draw(st.lists(st.tuples(st.integers(lo, hi - 1), st.integers(0, 7)),
+                              min_size=1, max_size=4))
+        return kind, None, flips
     if kind == "counts":  # the tensor and metadata counts right after the version
-        at = draw(st.sampled_from([8, 16]))
-        out[at:at + 8] = struct.pack("<Q", draw(ABSURD))
-        return bytes(out)
+        return kind, (draw(st.sampled_from([8, 16])), 8), draw(ABSURD)
     info = _tensor_info_fields(data, draw(st.sampled_from(infos)))
     if kind == "block_type":
-        at, _ = info["type"]
         # Unknown ids, ids gguf no longer defines, and real types of other sizes.
         value = draw(st.sampled_from([4, 5, 3, 7, 16, 19, 31, 39, 1000, 2**32 - 1])
                      | st.integers(0, 2**32 - 1))
-        out[at:at + 4] = struct.pack("<I", value)
+        return kind, info["type"], value
+    at, size = info[draw(st.sampled_from(sorted(info)))]
+    return kind, (at, size), draw(ABSURD) % (1 << (8 * size))
+
+
+def _damaged(data: bytes, damage: tuple) -> bytes:
+    kind, where, value = damage
+    if kind == "truncate":
+        return data[:where]
+    out = bytearray(data)
+    if kind.startswith("flip"):
+        for pos, bit in value:
+            out[pos] ^= 1 << bit
         return bytes(out)
-    name = draw(st.sampled_from(sorted(info)))
-    at, size = info[name]
-    value = draw(ABSURD) % (1 << (8 * size))
+    at, size = where
     out[at:at + size] = struct.pack("<Q" if size == 8 else "<I", value)
     return bytes(out)
 
@@ -146,9 +162,9 @@ def test_intact_gguf_loads_within_the_memory_budget(tiny_gguf, tmp_path):
 @FUZZ
 @given(data=st.data(), quantization=st.sampled_from([None, "gguf"]))
 def test_damaged_gguf_fails_cleanly(tiny_gguf, tmp_path, data, quantization):
-    damaged = data.draw(damaged_gguf(tiny_gguf))
+    damage = data.draw(gguf_damage(tiny_gguf), label="damage")
     path = tmp_path / "damaged.gguf"
-    path.write_bytes(damaged)
+    path.write_bytes(_damaged(tiny_gguf[0], damage))
     _check_load(path, _gguf_budget(len(tiny_gguf[0])), quantization=quantization)
 
 
@@ -204,38 +220,59 @@ def _with_header(data: bytes, header: dict) -> bytes:
 
 
 @st.composite
-def damaged_safetensors(draw, original):
+def safetensors_damage(draw, original):
+    """(kind, detail): a damage to the weights file or config.json, shown compactly."""
     _, data, header = original
     kind = draw(st.sampled_from(["truncate", "flip_header", "header_len", "shape", "offsets",
                                  "dtype", "config"]))
     if kind == "truncate":
-        return data[:draw(st.integers(0, len(data) - 1))], None
+        return kind, draw(st.integers(0, len(data) - 1))
     if kind == "flip_header":
-        out = bytearray(data)
         header_end = 8 + struct.unpack_from("<Q", data, 0)[0]
-        for pos in draw(st.lists(st.integers(0, header_end - 1), min_size=1, max_size=4)):
-            out[pos] ^= 1 << draw(st.integers(0, 7))
-        return bytes(out), None
+        return kind, draw(st.lists(st.tuples(st.integers(0, header_end - 1),
+                                             st.integers(0, 7)), min_size=1, max_size=4))
     if kind == "header_len":
-        return struct.pack("<Q", draw(ABSURD)) + data[8:], None
+        return kind, draw(ABSURD)
     if kind == "config":
         key = draw(st.sampled_from(["hidden_size", "num_hidden_layers", "num_attention_heads",
                                     "num_key_value_heads", "vocab_size", "intermediate_size",
-                                    "max_position_embeddings", "rope_theta", "head_dim"]))
-        value = draw(st.sampled_from([0, -1, 10**12, 2**63, 10**400, "x", None, [], 1.5,
-                                      float("nan"), True]))
-        return data, (key, value)
-    header = json.loads(json.dumps(header))
+                                    "max_position_embeddings", "rope_theta", "head_dim",
+                                    "rms_norm_eps"]))
+        return kind, (key, draw(st.sampled_from([0, -1, 10**12, 2**63, 10**400, "x", None, [],
+                                                  1.5, float("nan"), True])))
     name = draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")))
-    entry = header[name]
     if kind == "shape":
-        entry["shape"] = draw(st.lists(ABSURD, max_size=5))
+        value = draw(st.lists(ABSURD, max_size=5))
     elif kind == "offsets":
-        entry["data_offsets"] = [draw(ABSURD), draw(ABSURD)]
+        value = [draw(ABSURD), draw(ABSURD)]
     else:
-        entry["dtype"] = draw(st.sampled_from(["F64", "I64", "U8", "BOOL", "F8_E4M3", "Q4_0",
-                                               "", "f32"]))
-    return _with_header(data, header), None
+        value = draw(st.sampled_from(["F64", "I64", "U8", "BOOL", "F8_E4M3", "Q4_0", "", "f32"]))
+    return kind, (name, value)
+
+
+def _damaged_checkpoint(original, damage: tuple, ckpt: Path) -> None:
+    src, data, header = original
+    kind, detail = damage
+    config = json.loads((src / "config.json").read_text())
+    if kind == "truncate":
+        data = data[:detail]
+    elif kind == "flip_header":
+        out = bytearray(data)
+        for pos, bit in detail:
+            out[pos] ^= 1 << bit
+        data = bytes(out)
+    elif kind == "header_len":
+        data = struct.pack("<Q", detail) + data[8:]
+    elif kind == "config":
+        config[detail[0]] = detail[1]
+    else:
+        name, value = detail
+        header = json.loads(json.dumps(header))
+        header[name][{"shape": "shape", "offsets": "data_offsets", "dtype": "dtype"}[kind]] = value
+        data = _with_header(data, header)
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(config))
+    (ckpt / "model.safetensors").write_bytes(data)
 
 
 def _hf_budget(size: int) -> int:
@@ -246,18 +283,11 @@ def _hf_budget(size: int) -> int:
 @FUZZ
 @given(data=st.data())
 def test_damaged_safetensors_fails_cleanly(tiny_hf, tmp_path, data):
-    src, original, _ = tiny_hf
-    damaged, config_change = data.draw(damaged_safetensors(tiny_hf))
+    damage = data.draw(safetensors_damage(tiny_hf), label="damage")
     ckpt = tmp_path / "damaged_ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
-    ckpt.mkdir()
-    config = json.loads((src / "config.json").read_text())
-    if config_change is not None:
-        key, value = config_change
-        config[key] = value
-    # allow_nan: a NaN in config.json is what Python's json writes and reads back.
-    (ckpt / "config.json").write_text(json.dumps(config))
-    (ckpt / "model.safetensors").write_bytes(damaged)
+    # NaN goes into config.json as Python's json writes (and reads back) it.
+    _damaged_checkpoint(tiny_hf, damage, ckpt)
     tracemalloc.start()
     try:
         with _watchdog(HANG_S):
@@ -267,7 +297,7 @@ def test_damaged_safetensors_fails_cleanly(tiny_hf, tmp_path, data):
     finally:
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-    assert peak <= _hf_budget(len(original)), peak
+    assert peak <= _hf_budget(len(tiny_hf[1])), peak
 
 
 def test_config_with_wrong_types_is_named(tiny_hf, tmp_path):
@@ -287,7 +317,7 @@ def test_config_with_wrong_types_is_named(tiny_hf, tmp_path):
 @pytest.mark.parametrize("shapes,problem", [
     (((2, 64), (8, 64), (8, 2), None), None),  # the well-formed call, for contrast
     (((2, 64), (8, 64), (8, 3), None), "block"),
-    (((2, 64), (8, 48), (8, 3), None), "multiple of 32"),
+    (((2, 48), (8, 48), (8, 3), None), "multiple of 32"),
     (((2, 32), (8, 64), (8, 2), None), r"x \[T, in\]"),
     (((2, 64), (8, 64), (7, 2), None), "scale"),
     (((2, 64), (8, 64), (8, 2), (8, 4)), "offset"),

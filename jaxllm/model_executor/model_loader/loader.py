@@ -145,7 +145,8 @@ def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
     try:
         config = ModelConfig.from_json_file(config_file)
     except ValueError as e:
-        raise ModelLoadError(str(e)) from e
+        message = str(e) if str(config_file) in str(e) else f"{config_file}: {e}"
+        raise ModelLoadError(message) from e
     tensors = {}
     for name, arr in _iter_safetensors(_safetensors_files(path), progress):
         tensors[name.removeprefix("model.")] = arr
