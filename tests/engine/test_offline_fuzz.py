@@ -6,6 +6,7 @@ what is wrong; either way the engine is left with no request and every KV block 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -138,4 +139,12 @@ def test_huge_top_k_refused_before_the_engine(llm):
                        SamplingParams(top_k=2**63 - 1, max_tokens=3, ignore_eos=True, seed=0),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+    _check_engine_clean(llm)
+
+
+def test_deeply_nested_prompt_dict_is_refused(llm):
+    prompt = functools.reduce(lambda p, _: {"prompt": p}, range(5000), {"prompt_token_ids": [1]})
+    with pytest.raises(ValueError, match=r"prompt 0: a prompt dict's 'prompt' must be a str, "
+                                         r"got dict"):
+        llm.generate([prompt], use_tqdm=False)
     _check_engine_clean(llm)
