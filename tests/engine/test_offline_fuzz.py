@@ -113,7 +113,8 @@ def test_hostile_params_and_prompts(llm, kwargs, prompts):
         for out in outputs:
             assert out.finished and len(out.outputs) == params.n
             for c in out.outputs:
-                assert 1 <= len(c.token_ids) <= params.max_tokens
+                # None: up to what max_model_len leaves after the prompt.
+                assert 1 <= len(c.token_ids) <= (params.max_tokens or MAX_MODEL_LEN)
                 assert all(0 <= t < VOCAB for t in c.token_ids)
                 if params.logprobs is not None:
                     # The sampled token's logprob, and the top-N, each step.

@@ -86,6 +86,8 @@ def gguf_keeps_quantized(path: str | Path) -> bool:
 
 
     file = _gguf_file(Path(path).expanduser())
+    if file is None:
+        return False
     try:
         check_gguf_layout(file)
         reader = gguf.GGUFReader(str(file))
