@@ -81,8 +81,11 @@ class ModelConfig:
         path = Path(path)
         try:
             cfg = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read model config: {e}") from e
+        except (OSError, ValueError, RecursionError) as e:  # unreadable, not UTF-8 or not JSON
+            raise ValueError(f"{path}: cannot read model config: {type(e).__name__}: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path}: the model config must be a JSON object, got "
+                             f"{type(cfg).__name__}")
         try:
             return cls.from_hf_config(cfg)
         except KeyError as e:

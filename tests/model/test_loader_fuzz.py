@@ -6,6 +6,7 @@ a small multiple of the file's size."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import struct
@@ -224,9 +225,13 @@ def safetensors_damage(draw, original):
     """(kind, detail): a damage to the weights file or config.json, shown compactly."""
     _, data, header = original
     kind = draw(st.sampled_from(["truncate", "flip_header", "header_len", "shape", "offsets",
-                                 "dtype", "config"]))
+                                 "dtype", "config", "config_bytes"]))
     if kind == "truncate":
         return kind, draw(st.integers(0, len(data) - 1))
+    if kind == "config_bytes":  # config.json itself damaged: bad UTF-8, broken or other JSON
+        size = len((original[0] / "config.json").read_bytes())
+        return kind, draw(st.lists(st.tuples(st.integers(0, size - 1), st.integers(0, 7)),
+                                   min_size=1, max_size=4))
     if kind == "flip_header":
         header_end = 8 + struct.unpack_from("<Q", data, 0)[0]
         return kind, draw(st.lists(st.tuples(st.integers(0, header_end - 1),
@@ -254,7 +259,13 @@ def _damaged_checkpoint(original, damage: tuple, ckpt: Path) -> None:
     src, data, header = original
     kind, detail = damage
     config = json.loads((src / "config.json").read_text())
-    if kind == "truncate":
+    config_bytes = None
+    if kind == "config_bytes":
+        out = bytearray((src / "config.json").read_bytes())
+        for pos, bit in detail:
+            out[pos] ^= 1 << bit
+        config_bytes = bytes(out)
+    elif kind == "truncate":
         data = data[:detail]
     elif kind == "flip_header":
         out = bytearray(data)
@@ -271,7 +282,7 @@ def _damaged_checkpoint(original, damage: tuple, ckpt: Path) -> None:
         header[name][{"shape": "shape", "offsets": "data_offsets", "dtype": "dtype"}[kind]] = value
         data = _with_header(data, header)
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(config))
+    (ckpt / "config.json").write_bytes(config_bytes or json.dumps(config).encode())
     (ckpt / "model.safetensors").write_bytes(data)
 
 
@@ -308,6 +319,24 @@ def test_config_with_wrong_types_is_named(tiny_hf, tmp_path):
     config["num_attention_heads"] = "four"
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"cfg_types.*num_attention_heads"):
+        load_model(ckpt, progress=False)
+
+
+@pytest.mark.parametrize("file,text,problem", [
+    ("config.json", "[" * 100_000 + "]" * 100_000, "cannot read model config: RecursionError"),
+    ("config.json", b"{\"hidden_size\": \xff}", "cannot read model config: UnicodeDecodeError"),
+    ("config.json", "[1, 2]", "must be a JSON object, got list"),
+    ("model.safetensors.index.json", "[" * 100_000, "not a safetensors index"),
+    ("model.safetensors.index.json", '{"weight_map": [1]}', "weight_map must map"),
+    ("model.safetensors.index.json", '{"weight_map": {"a": 5}}', "weight_map must map"),
+    ("model.safetensors.index.json", '{"weight_map": {"a": "../x.safetensors"}}',
+     "weight_map must map"),
+])
+def test_damaged_json_is_named(tiny_hf, tmp_path, file, text, problem):
+    ckpt = tmp_path / "json_ckpt"
+    shutil.copytree(tiny_hf[0], ckpt)
+    (ckpt / file).write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ModelLoadError, match=rf"json_ckpt/{re.escape(file)}: .*{problem}"):
         load_model(ckpt, progress=False)
 
 

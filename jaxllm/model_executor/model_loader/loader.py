@@ -105,8 +105,14 @@ def _safetensors_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ModelLoadError(f"{index}: not a safetensors index ({e})") from e
+        except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index "
+                                 f"({type(e).__name__}: {e})") from e
+        # Shard names are file names in this directory: nothing else is read.
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) and v and Path(v).name == v for v in weight_map.values()):
+            raise ModelLoadError(f"{index}: weight_map must map tensor names to shard file "
+                                 f"names in {path}")
         files = [path / name for name in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
