@@ -13,6 +13,11 @@ from typing import Any
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+# Integer fields travel to the engine core as msgpack integers and into int64 row arrays (top_k),
+# token ids into int32 arrays: larger values are refused here, naming the field, rather than
+# overflowing later inside a step.
+INT64_MAX = 2**63 - 1
+TOKEN_ID_MAX = 2**31 - 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -173,12 +178,11 @@ class SamplingParams:
         if self.stop_token_ids is None:
             stop_token_ids = []
         elif isinstance(self.stop_token_ids, (list, tuple)):
-            stop_token_ids = [self._int(t, "stop_token_ids", "must be non-negative integers")
+            why = f"must be integers in [0, {TOKEN_ID_MAX}]"
+            stop_token_ids = [self._int(t, "stop_token_ids", why, 0, TOKEN_ID_MAX)
                               for t in self.stop_token_ids]
         else:
             raise self._bad("stop_token_ids", "must be a list of non-negative integers or None")
-        if any(t < 0 for t in stop_token_ids):
-            raise self._bad("stop_token_ids", "must be non-negative integers")
         self.stop_token_ids = stop_token_ids
         if self.logit_bias is not None:
             self.logit_bias = self._normalise_logit_bias(self.logit_bias)
@@ -194,9 +198,12 @@ class SamplingParams:
             value = getattr(self, name, None)
         return ValueError(f"SamplingParams.{name} {why}, got {value!r}")
 
-    def _int(self, value: object, name: str, why: str) -> int:
-        """An integer (bool and non-integral numbers refused), as a plain int."""
+    def _int(self, value: object, name: str, why: str, lo: int = -INT64_MAX - 1,
+             hi: int = INT64_MAX) -> int:
+        """An integer in [lo, hi] (bool and non-integral numbers refused), as a plain int."""
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise self._bad(name, why, value)
+        if not lo <= int(value) <= hi:
             raise self._bad(name, why, value)
         return int(value)
 
@@ -204,31 +211,35 @@ class SamplingParams:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise self._bad(name, why)
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond float's range
+            raise self._bad(name, why) from None
         setattr(self, name, value)
         return value
 
     def _normalise_logit_bias(self, bias: object) -> dict[int, float]:
-        why = "must map non-negative integer token ids to finite floats"
+        why = f"must map integer token ids in [0, {TOKEN_ID_MAX}] to finite floats"
         if not isinstance(bias, dict):
             raise self._bad("logit_bias", why)
         out: dict[int, float] = {}
         for key, value in bias.items():
             if isinstance(key, str) and key.strip().isdigit():  # JSON object keys are strings
                 key = int(key)
-            tok = self._int(key, "logit_bias", why)
-            if tok < 0:
+            tok = self._int(key, "logit_bias", why, 0, TOKEN_ID_MAX)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise self._bad("logit_bias", why, bias)
-            if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                    or not math.isfinite(float(value))):
+            try:
+                value = float(value)
+            except OverflowError:
+                raise self._bad("logit_bias", why, bias) from None
+            if not math.isfinite(value):
                 raise self._bad("logit_bias", why, bias)
-            out[tok] = float(value)
+            out[tok] = value
         return out
 
     def _verify(self) -> None:
-        self.n = self._int(self.n, "n", "must be an integer >= 1")
-        if self.n < 1:
-            raise self._bad("n", "must be an integer >= 1")
+        self.n = self._int(self.n, "n", f"must be an integer in [1, {INT64_MAX}]", 1)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= self._float(name, "must be in [-2, 2]") <= 2.0:
                 raise self._bad(name, "must be in [-2, 2]")
@@ -240,42 +251,31 @@ class SamplingParams:
             raise self._bad("temperature", "must be a finite number >= 0")
         if not 0.0 < self._float("top_p", "must be in (0, 1]") <= 1.0:
             raise self._bad("top_p", "must be in (0, 1]")
-        why_k = "must be -1 (disabled) or a positive integer"
-        self.top_k = self._int(self.top_k, "top_k", why_k)
+        why_k = f"must be -1 (disabled) or an integer in [1, {INT64_MAX}]"
+        self.top_k = self._int(self.top_k, "top_k", why_k, -1)
         if self.top_k == 0:
             self.top_k = -1
-        if self.top_k < -1:
-            raise self._bad("top_k", why_k)
         if not 0.0 <= self._float("min_p", "must be in [0, 1]") <= 1.0:
             raise self._bad("min_p", "must be in [0, 1]")
         if self.seed is not None:
-            why = "must be a non-negative integer, -1 or None (no seed)"
-            self.seed = self._int(self.seed, "seed", why)
+            why = f"must be an integer in [0, {INT64_MAX}], -1 or None (no seed)"
+            self.seed = self._int(self.seed, "seed", why, -1)
             if self.seed == -1:
                 self.seed = None  # as vLLM's OpenAI server: -1 means "no seed"
-            elif self.seed < 0:
-                raise self._bad("seed", why)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise self._bad(name, "must be a bool")
         if self.max_tokens is not None:
-            why = "must be a positive integer or None"
-            self.max_tokens = self._int(self.max_tokens, "max_tokens", why)
-            if self.max_tokens < 1:
-                raise self._bad("max_tokens", why)
+            why = f"must be an integer in [1, {INT64_MAX}] or None"
+            self.max_tokens = self._int(self.max_tokens, "max_tokens", why, 1)
         self.min_tokens = self._int(self.min_tokens, "min_tokens",
-                                    "must be a non-negative integer")
-        if self.min_tokens < 0:
-            raise self._bad("min_tokens", "must be a non-negative integer")
+                                    f"must be an integer in [0, {INT64_MAX}]", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise self._bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 why = f"must be None or an integer in [0, {MAX_LOGPROBS}]"
-                value = self._int(getattr(self, name), name, why)
-                if not 0 <= value <= MAX_LOGPROBS:
-                    raise self._bad(name, why)
-                setattr(self, name, value)
+                setattr(self, name, self._int(getattr(self, name), name, why, 0, MAX_LOGPROBS))
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

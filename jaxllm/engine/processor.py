@@ -168,8 +168,12 @@ class Processor:
                            for t in raw):
                     raise ValueError("prompt_token_ids must be integers")
                 token_ids = [int(t) for t in raw]
-            else:
+            elif isinstance(prompt["prompt"], str):
                 return self.process_prompt(prompt["prompt"])
+            else:
+                # Only text: a dict nested in a dict would recurse as deep as the caller built it.
+                raise ValueError(f"a prompt dict's 'prompt' must be a str, got "
+                                 f"{type(prompt['prompt']).__name__}")
         else:
             raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids', got "
                              f"{type(prompt).__name__}")

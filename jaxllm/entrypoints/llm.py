@@ -72,6 +72,12 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (str, bytes, dict)) or not isinstance(
+                sampling_params, Sequence):
+            # A dict (say, SamplingParams' fields) would otherwise be read as its keys.
+            raise TypeError(f"sampling_params must be SamplingParams or a sequence of them, got "
+                            f"{type(sampling_params).__name__}; for a dict of fields, pass "
+                            f"SamplingParams(**fields)")
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,21 @@ class ModelConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        # Checkpoints are input: a count of the wrong type or size is named here rather than
+        # failing inside the model's shapes; int32 bounds what positions and ids are computed in.
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                value = getattr(self, name)
-                raise ValueError(f"model config: {name} must be positive, got {value}")
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+                raise ValueError(f"model config: {name} must be a positive integer below 2**31, "
+                                 f"got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not (math.isfinite(_float(value, name)) and value > 0)):
+                raise ValueError(f"model config: {name} must be a finite number > 0, "
+                                 f"got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple "
@@ -56,9 +67,9 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=num_heads,
             num_key_value_heads=cfg.get("num_key_value_heads", num_heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            head_dim=cfg.get("head_dim") or _quotient(cfg["hidden_size"], num_heads),
+            rms_norm_eps=_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+            rope_theta=_float(rope_theta, "rope_theta"),
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
@@ -70,8 +81,11 @@ class ModelConfig:
         path = Path(path)
         try:
             cfg = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read model config: {e}") from e
+        except (OSError, ValueError, RecursionError) as e:  # unreadable, not UTF-8 or not JSON
+            raise ValueError(f"{path}: cannot read model config: {type(e).__name__}: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path}: the model config must be a JSON object, got "
+                             f"{type(cfg).__name__}")
         try:
             return cls.from_hf_config(cfg)
         except KeyError as e:
@@ -99,11 +113,26 @@ class ModelConfig:
             num_hidden_layers=int(get("block_count")),
             num_attention_heads=num_heads,
             num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=int(meta.get("qwen2.attention.key_length") or hidden // num_heads),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            head_dim=int(meta.get("qwen2.attention.key_length") or _quotient(hidden, num_heads)),
+            rms_norm_eps=_float(get("attention.layer_norm_rms_epsilon", 1e-6), "rms_norm_eps"),
+            rope_theta=_float(get("rope.freq_base", 10000.0), "rope_theta"),
             max_position_embeddings=int(get("context_length", 32768)),
             tie_word_embeddings=tied,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         )
+
+
+def _quotient(hidden: Any, num_heads: Any) -> Any:
+    """hidden // num_heads where both are usable; else `hidden`, leaving __post_init__ to name
+    the bad field."""
+    if isinstance(hidden, int) and isinstance(num_heads, int) and num_heads > 0:
+        return hidden // num_heads
+    return hidden
+
+
+def _float(value: Any, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"model config: {name} must be a number, got {value!r}") from None

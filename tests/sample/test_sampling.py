@@ -61,10 +61,31 @@ QWEN_VOCAB = 151936
     ({"logit_bias": {3: float("inf")}}, "logit_bias"),
     ({"logit_bias": {3: float("nan")}}, "logit_bias"),
     ({"logit_bias": [1, 2]}, "logit_bias"),
+    # Integers beyond what the engine's int64 rows / int32 token ids / msgpack wire hold.
+    ({"top_k": 10**30}, "top_k"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"n": 2**63}, "n"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -2}, "seed"),
+    ({"max_tokens": 2**63}, "max_tokens"),
+    ({"min_tokens": 2**63, "max_tokens": None}, "min_tokens"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+    ({"logit_bias": {2**31: 1.0}}, "logit_bias"),
+    ({"logit_bias": {3: 10**400}}, "logit_bias"),
+    ({"repetition_penalty": 10**400}, "repetition_penalty"),
+    ({"temperature": -(10**400)}, "temperature"),
 ])
 def test_invalid_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^SamplingParams\.{field} must .*, got "):
         SamplingParams(**kwargs)
+
+
+def test_integer_bounds_are_inclusive():
+    sp = SamplingParams(top_k=2**63 - 1, seed=2**63 - 1, max_tokens=2**63 - 1,
+                        min_tokens=2**63 - 1, stop_token_ids=[2**31 - 1],
+                        logit_bias={2**31 - 1: 1.0})
+    assert (sp.top_k, sp.seed, sp.max_tokens, sp.min_tokens) == (2**63 - 1,) * 4
+    assert sp.stop_token_ids == [2**31 - 1] and sp.logit_bias == {2**31 - 1: 1.0}
 
 
 def test_defaults_match_vllm():

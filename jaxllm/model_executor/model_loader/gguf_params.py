@@ -60,7 +60,7 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
                           path: Path, fused_kernel: bool = False) -> tuple[dict, dict | None]:
     """(params, gemv_params) from the dense float32 tree and `tensor(hf_name)`, the GGUF reader's
     tensor of that name (None if absent); with `fused_kernel`, (the all-quantized tree, None)."""
-    def quantized(hf_names: list[str]) -> GGUFWeight | None:
+    def quantized(hf_names: list[str], dense: Any) -> GGUFWeight | None:
         parts = []
         for name in hf_names:
             t = tensor(name)
@@ -72,7 +72,13 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
                 parts.append(repack(t.data, type_name, shape, t.name))
             except (UnsupportedGGUFType, ValueError) as e:
                 raise ModelLoadError(f"{path}: {e}") from e
-        return _device(parts[0] if len(parts) == 1 else concat_rows(parts))
+        blocks = parts[0] if len(parts) == 1 else concat_rows(parts)
+        # The CPU kernel reads the blocks by these shapes: they must be the checked dense ones.
+        shape, dense_shape = blocks.qweight.shape, tuple(dense.shape)
+        if shape != dense_shape or blocks.block_size not in (16, 32) or shape[1] % 32:
+            raise ModelLoadError(f"{path}: {', '.join(hf_names)}: quantized blocks of shape "
+                                 f"{shape} (block {blocks.block_size}) for weight {dense_shape}")
+        return _device(blocks)
 
     gemv = {k: v for k, v in params.items()}
     # Our CPU kernel takes rows of any width; XLA's fused GEMV lost to float32 on down_proj's.
@@ -84,17 +90,18 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         for (group, mod), hf_names in _LAYER_WEIGHTS.items():
             if not any_width and not single_chunk(layer[group][mod]["weight"].shape[1]):
                 continue
-            weight = quantized([f"layers.{i}.{n}" for n in hf_names])
+            weight = quantized([f"layers.{i}.{n}" for n in hf_names],
+                               layer[group][mod]["weight"])
             if weight is not None:
                 layer[group][mod]["weight"] = weight
         gemv[f"layers_{i}"] = layer
-    embed = quantized(["embed_tokens.weight"])
+    embed = quantized(["embed_tokens.weight"], params["embed_tokens"])
     if embed is not None:
         gemv["embed_tokens"] = embed
         if not config.tie_word_embeddings:
             params = {**params, "embed_tokens": embed}
     if not config.tie_word_embeddings:
-        head = quantized(["lm_head.weight"])
+        head = quantized(["lm_head.weight"], params["lm_head"])
         if head is not None:
             gemv["lm_head"] = head
     if fused_kernel:

@@ -22,11 +22,10 @@ from tqdm.auto import tqdm
 
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
+from jaxllm.model_executor.model_loader.gguf_check import check_gguf_layout
 from jaxllm.model_executor.model_loader.gguf_params import quantized_param_trees
 from jaxllm.model_executor.model_loader.gguf_repack import FLOAT_TYPES, SUPPORTED_TYPES
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, abstract_params
-
-GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
@@ -86,8 +85,12 @@ def gguf_keeps_quantized(path: str | Path) -> bool:
     import gguf
 
 
+    file = _gguf_file(Path(path).expanduser())
+    if file is None:
+        return False
     try:
-        reader = gguf.GGUFReader(str(_gguf_file(Path(path).expanduser())))
+        check_gguf_layout(file)
+        reader = gguf.GGUFReader(str(file))
     except Exception:  # noqa: BLE001 - load_model names what is wrong with the file
         return False
     types = {t.tensor_type.name for t in reader.tensors} - set(FLOAT_TYPES)
@@ -102,8 +105,14 @@ def _safetensors_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ModelLoadError(f"{index}: not a safetensors index ({e})") from e
+        except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index "
+                                 f"({type(e).__name__}: {e})") from e
+        # Shard names are file names in this directory: nothing else is read.
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) and v and Path(v).name == v for v in weight_map.values()):
+            raise ModelLoadError(f"{index}: weight_map must map tensor names to shard file "
+                                 f"names in {path}")
         files = [path / name for name in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -144,7 +153,8 @@ def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
     try:
         config = ModelConfig.from_json_file(config_file)
     except ValueError as e:
-        raise ModelLoadError(str(e)) from e
+        message = str(e) if str(config_file) in str(e) else f"{config_file}: {e}"
+        raise ModelLoadError(message) from e
     tensors = {}
     for name, arr in _iter_safetensors(_safetensors_files(path), progress):
         tensors[name.removeprefix("model.")] = arr
@@ -164,10 +174,7 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
         raise ModelLoadError(f"{path}: quantization='gguf' with the reference backend computes "
                              f"in float32 (the exact dequantized values); got dtype "
                              f"{jnp.dtype(dtype).name} (a Pallas kernel_backend takes bfloat16)")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    check_gguf_layout(path)
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises assorted errors on a short or corrupt file
@@ -188,7 +195,7 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
     try:
         config = ModelConfig.from_gguf_metadata(meta, vocab_size,
                                                 tied="output.weight" not in by_name)
-    except ValueError as e:
+    except (ValueError, TypeError, OverflowError) as e:  # metadata of the wrong type or size
         raise ModelLoadError(f"{path}: {e}") from e
 
     bar = tqdm(total=len(by_name), desc="dequantizing GGUF", unit="tensor", disable=not progress)

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -112,11 +113,41 @@ def available() -> bool:
     return True
 
 
+def check_inputs(x: Any, qweight: Any, scale: Any, offset: Any | None) -> None:
+    """ValueError naming the problem unless the operands have the shapes and dtypes the kernel
+    reads: it indexes its buffers by these shapes with no bounds checks of its own per block."""
+    shapes = {"x": x.shape, "qweight": qweight.shape, "scale": scale.shape}
+    if offset is not None:
+        shapes["offset"] = offset.shape
+    for name, shape in shapes.items():
+        if len(shape) != 2:
+            raise ValueError(f"dequant_matmul: x [T, in], qweight [out, in], scale and offset "
+                             f"[out, in // block] must be 2-D; {name} has shape {tuple(shape)}")
+    if jnp.dtype(qweight.dtype) != jnp.int8:
+        raise ValueError(f"dequant_matmul: qweight must be int8, got {qweight.dtype}")
+    for name, arr in (("scale", scale), ("offset", offset)):
+        if arr is not None and jnp.dtype(arr.dtype) != jnp.float32:
+            raise ValueError(f"dequant_matmul: {name} must be float32, got {arr.dtype}")
+    (out, cols), (srows, blocks) = qweight.shape, scale.shape
+    if x.shape[1] != cols:
+        raise ValueError(f"dequant_matmul: x [T, in] has in={x.shape[1]}, qweight [out, in] "
+                         f"has in={cols}")
+    if cols % 32:
+        raise ValueError(f"dequant_matmul: in ({cols}) must be a multiple of 32")
+    if srows != out or blocks == 0 or cols % blocks or cols // blocks not in (16, 32):
+        raise ValueError(f"dequant_matmul: scale {tuple(scale.shape)} must be [out, in // block] "
+                         f"with a block of 16 or 32 values for qweight {tuple(qweight.shape)}")
+    if offset is not None and tuple(offset.shape) != tuple(scale.shape):
+        raise ValueError(f"dequant_matmul: offset {tuple(offset.shape)} must have scale's shape "
+                         f"{tuple(scale.shape)}")
+
+
 def dequant_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array,
                    offset: jax.Array | None) -> jax.Array:
     """x [T, in] times the dequantized weight [out, in] transposed -> [T, out] float32, reading
-    the int8 weight once. Needs `available()`; blocks of a multiple of 16 values, `in` a
-    multiple of 32 (every Qwen2 shape)."""
+    the int8 weight once. Needs `available()`; blocks of 16 or 32 values, `in` a multiple of 32
+    (every Qwen2 shape); other operands raise ValueError (check_inputs)."""
+    check_inputs(x, qweight, scale, offset)
     if not available():
         raise RuntimeError("the CPU dequant matmul kernel is not available (see the warning)")
     t, n = x.shape[0], qweight.shape[0]
