@@ -6,6 +6,7 @@ import copy
 import enum
 import math
 import numbers
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -27,6 +28,8 @@ class RequestOutputKind(enum.IntEnum):
     DELTA = 1  # only what is new since the last output
     FINAL_ONLY = 2  # one output, when the request finishes
 
+
+_CANONICAL_INT = re.compile(r"0|[1-9][0-9]{0,9}")
 
 _STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -224,7 +227,9 @@ class SamplingParams:
             raise self._bad("logit_bias", why)
         out: dict[int, float] = {}
         for key, value in bias.items():
-            if isinstance(key, str) and key.strip().isdigit():  # JSON object keys are strings
+            # JSON object keys are strings: only a canonical ASCII integer names a token
+            # (not " 5 ", "+5", "05", or digits of other scripts, which int() would read).
+            if isinstance(key, str) and _CANONICAL_INT.fullmatch(key):
                 key = int(key)
             tok = self._int(key, "logit_bias", why, 0, TOKEN_ID_MAX)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -72,6 +72,12 @@ QWEN_VOCAB = 151936
     ({"stop_token_ids": [2**31]}, "stop_token_ids"),
     ({"logit_bias": {2**31: 1.0}}, "logit_bias"),
     ({"logit_bias": {3: 10**400}}, "logit_bias"),
+    # Only canonical ASCII integer keys name tokens (int() would read all of these).
+    ({"logit_bias": {" 5 ": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"+5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"05": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"\u0661\u0662": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"9" * 5000: 1.0}}, "logit_bias"),
     ({"repetition_penalty": 10**400}, "repetition_penalty"),
     ({"temperature": -(10**400)}, "temperature"),
 ])
