@@ -205,10 +205,11 @@ _OK_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-def openapi_schema(app: FastAPI, api_key: bool) -> dict[str, Any]:
+def openapi_schema(app: FastAPI, api_key: bool, model_name: str) -> dict[str, Any]:
     """FastAPI's schema of the routes, with what it cannot see: the bodies are read by
-    `read_json`, not by FastAPI, so each POST route's request model is added here, with the
-    error body of every 4xx/5xx the server answers."""
+    `read_json`, not by FastAPI, so each POST route's request model is added here (`model`
+    narrowed to the served name, the only one not answered 404), with the error body of every
+    4xx/5xx the server answers."""
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["ErrorResponse"] = _ERROR_SCHEMA
@@ -227,13 +228,18 @@ def openapi_schema(app: FastAPI, api_key: bool) -> dict[str, Any]:
             elif ok is not None:
                 content = {"application/json": {"schema": ok}}
                 if path.startswith("/v1/") and method == "post":
-                    content["text/event-stream"] = {"schema": {"type": "string"}}
+                    # Each event: a JSON chunk as `data`, the last one `[DONE]`.
+                    content["text/event-stream"] = {"schema": {
+                        "type": "object", "required": ["data"],
+                        "properties": {"data": {"type": "string"}}}}
                 responses["200"] = {"description": "OK", "content": content}
             model = _REQUEST_BODIES.get(path)
             if model is not None:
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}",
                                                by_alias=True)
                 components.update(body.pop("$defs", {}))
+                body["properties"]["model"] = {"anyOf": [{"const": model_name},
+                                                         {"type": "null"}]}
                 components[model.__name__] = body
                 op["requestBody"] = {"required": True, "content": {"application/json": {
                     "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
@@ -264,7 +270,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     def openapi() -> dict[str, Any]:
         if not cached:
-            cached.append(openapi_schema(app, api_key is not None))
+            cached.append(openapi_schema(app, api_key is not None, state.model_name))
         return cached[0]
 
     app.openapi = openapi  # type: ignore[method-assign]
