@@ -42,8 +42,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout-keep-alive", type=int, default=5,
                    help="seconds an idle keep-alive connection stays open (default: 5)")
     p.add_argument("--h11-max-incomplete-event-size", type=int, default=64 << 10,
-                   help="largest request line plus headers in bytes; larger ones close the "
-                        "connection with 431/400 (default: 64 KiB)")
+                   help="largest request line plus headers in bytes; larger ones get 400 and "
+                        "the connection is closed (default: 64 KiB)")
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM, seconds running requests get to finish before they are "
                         "aborted (default: 10)")

@@ -76,8 +76,8 @@ def engine_dead(engine: AsyncLLM) -> bool:
 
 
 def check_content_type(request: Request) -> None:
-    """415 unless the body is declared JSON (no header: taken as JSON, as curl -d aside most
-    clients send it) in UTF-8, the only encoding the server reads."""
+    """415 unless the body is declared JSON in UTF-8, the only encoding the server reads (a
+    request without Content-Type is read as JSON)."""
     declared = request.headers.get("content-type")
     if declared is None:
         return
