@@ -148,3 +148,13 @@ def test_openapi_json_carries_the_request_models(server):
         assert op["security"] == [{"bearer": []}]
         assert {"400", "401", "413", "415"} <= set(op["responses"])
     assert "security" not in paths["/health"]["get"]
+
+
+@pytest.mark.parametrize("flag", ["--request-body-timeout", "--request-header-timeout",
+                                  "--limit-concurrency", "--timeout-keep-alive",
+                                  "--h11-max-incomplete-event-size", "--max-request-bytes"])
+def test_serve_refuses_a_non_positive_bound(flag, capsys):
+    from jaxllm.entrypoints.cli.main import main
+
+    assert main(["serve", "tiny-qwen2", flag, "0"]) == 2  # before any engine starts
+    assert f"{flag} must be positive, got 0" in capsys.readouterr().err

@@ -41,9 +41,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "get 503 (uvicorn's; default: 1024)")
     p.add_argument("--timeout-keep-alive", type=int, default=5,
                    help="seconds an idle keep-alive connection stays open (default: 5)")
-    p.add_argument("--h11-max-incomplete-event-size", type=int, default=64 << 10,
+    p.add_argument("--h11-max-incomplete-event-size", type=int, default=16 << 10,
                    help="largest request line plus headers in bytes; larger ones get 400 and "
-                        "the connection is closed (default: 64 KiB)")
+                        "the connection is closed (default: 16 KiB, h11's)")
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM, seconds running requests get to finish before they are "
                         "aborted (default: 10)")
