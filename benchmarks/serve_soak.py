@@ -158,7 +158,10 @@ def main() -> int:
               f"{s['p99_ttft_ms']:8.1f} ms  RSS {s['rss_mib']:7.0f} MiB")
     print(f"RSS growth {report['rss_growth_mib']:.0f} MiB (bound {args.rss_growth_bound_mib:g}); "
           f"at rest {report['at_rest']}")
-    print("problems:", *report["problems"], sep="\n  ") if report["problems"] else print("ok")
+    if report["problems"]:
+        print("problems:", *report["problems"], sep="\n  ")
+    else:
+        print("ok")
     return 1 if report["problems"] or code != 0 else 0
 
 
