@@ -29,9 +29,13 @@ def free_port() -> int:
 def http(method: str, url: str, body: bytes | dict | None = None,
          headers: dict[str, str] | None = None, timeout: float = 60.0
          ) -> tuple[int, bytes]:
-    """(status, body) of one request, errors included (urllib raises on 4xx/5xx)."""
+    """(status, body) of one request, errors included (urllib raises on 4xx/5xx). A dict body
+    goes as JSON (urllib would otherwise declare it a form)."""
+    headers = dict(headers or {})
+    if isinstance(body, dict):
+        headers.setdefault("Content-Type", "application/json")
     data = json.dumps(body).encode() if isinstance(body, dict) else body
-    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()

@@ -398,18 +398,19 @@ def test_n_siblings_hit_the_prefix_cache(server, client):
 
 
 def test_tokenize_detokenize(server, tokenizer):
-    status, body = http("POST", server.url + "/tokenize", {"prompt": PROMPTS[0]})
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, body = http("POST", server.url + "/tokenize", {"prompt": PROMPTS[0]}, auth)
     assert status == 200
     out = json.loads(body)
     assert out["tokens"] == tokenizer.encode(PROMPTS[0])
     assert out["count"] == len(out["tokens"]) and out["max_model_len"] == MAX_MODEL_LEN
-    status, body = http("POST", server.url + "/detokenize", {"tokens": out["tokens"]})
+    status, body = http("POST", server.url + "/detokenize", {"tokens": out["tokens"]}, auth)
     assert status == 200 and json.loads(body)["prompt"] == PROMPTS[0]
     msgs = [{"role": "user", "content": "hi"}]
-    status, body = http("POST", server.url + "/tokenize", {"messages": msgs})
+    status, body = http("POST", server.url + "/tokenize", {"messages": msgs}, auth)
     assert json.loads(body)["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=True))
-    assert http("POST", server.url + "/detokenize", {"tokens": [-1]})[0] == 400
+    assert http("POST", server.url + "/detokenize", {"tokens": [-1]}, auth)[0] == 400
 
 
 def test_bench_serve_against_the_server(server, tmp_path):
@@ -503,3 +504,14 @@ def test_engine_death_gives_5xx_not_a_hang(server, client):
     with pytest.raises(openai.APIStatusError):
         list(client.completions.create(model="tiny-qwen2", prompt="hi", max_tokens=2,
                                        stream=True))
+    # Every route that needs the engine says it is dead; the request gauges do not keep the
+    # values of its last step.
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for method, path, body in (("GET", "/v1/models", None),
+                               ("POST", "/tokenize", {"prompt": "hi"}),
+                               ("POST", "/detokenize", {"tokens": [1]})):
+        status, raw = http(method, server.url + path, body, auth)
+        assert status == 503 and json.loads(raw)["error"]["type"] == "EngineDeadError", path
+    for name in ("jaxllm:num_requests_running", "jaxllm:num_requests_waiting",
+                 "jaxllm:kv_cache_usage_perc"):
+        assert metric(server, name) == 0, name

@@ -30,6 +30,20 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         f"{API_KEY_ENV})")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body; larger ones get 413 (default: 4 MiB)")
+    p.add_argument("--request-body-timeout", type=float, default=60.0,
+                   help="seconds a client gets to send a request body; slower ones get 408 "
+                        "(default: 60)")
+    p.add_argument("--request-header-timeout", type=float, default=30.0,
+                   help="seconds a connection gets to send a request's headers (from its "
+                        "opening or its previous response) before it is closed (default: 30)")
+    p.add_argument("--limit-concurrency", type=int, default=1024,
+                   help="open connections and requests in progress beyond which new requests "
+                        "get 503 (uvicorn's; default: 1024)")
+    p.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="seconds an idle keep-alive connection stays open (default: 5)")
+    p.add_argument("--h11-max-incomplete-event-size", type=int, default=16 << 10,
+                   help="largest request line plus headers in bytes; larger ones get 400 and "
+                        "the connection is closed (default: 16 KiB, h11's)")
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM, seconds running requests get to finish before they are "
                         "aborted (default: 10)")
@@ -52,7 +66,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from jaxllm.engine.async_llm import AsyncLLM
-    from jaxllm.entrypoints.openai.api_server import build_app, make_state
+    from jaxllm.entrypoints.openai.api_server import (
+        build_app,
+        header_timeout_protocol,
+        make_state,
+    )
     from jaxllm.entrypoints.openai.metrics import ServerMetrics
     from jaxllm.entrypoints.openai.serving_engine import StructuredOutputsConfig
     from jaxllm.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
@@ -65,8 +83,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tag = args.model_tag or args.model
     if args.skip_tokenizer_init:
         raise ValueError("the server needs the tokenizer (drop --skip-tokenizer-init)")
-    if args.max_request_bytes < 1:
-        raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+    for flag in ("max_request_bytes", "request_body_timeout", "request_header_timeout",
+                 "limit_concurrency", "timeout_keep_alive", "h11_max_incomplete_event_size"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got "
+                             f"{getattr(args, flag)}")
     so_config = StructuredOutputsConfig() if args.structured_outputs_config is None \
         else StructuredOutputsConfig.from_json(args.structured_outputs_config)
     engine_args = EngineArgs.from_cli_args(args, model=tag)
@@ -82,10 +103,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        engine_config.model if tag is None else engine_config.model_path,
                        metrics, args.max_request_bytes, so_config,
                        args.trust_request_chat_template)
+    state.body_timeout = args.request_body_timeout
     app = build_app(state, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+                            http=header_timeout_protocol(args.request_header_timeout),
+                            limit_concurrency=args.limit_concurrency,
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                             lifespan="off")
     # uvicorn raises the signal that stopped it again once it has shut down gracefully; with
     # the default handler that would end the process by SIGTERM instead of exit code 0.

@@ -1,13 +1,15 @@
 """The OpenAI-compatible HTTP server (vLLM's `vllm serve`): FastAPI + uvicorn over one AsyncLLM.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (OpenAI's API), and
-GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics.
+GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json
+(the request models' schemas, so that clients and fuzzers know the bounds).
 
 Every error is OpenAI's body ({"error": {"message", "type", "param", "code"}}) with a 4xx for a bad
 request and 503 once the engine is dead; a bad request changes nothing in the engine. Bodies are
 read here, not by FastAPI, so that the size limit (413) also counts chunked bodies and malformed
-JSON is a 400 like any other. With an API key, every /v1 route wants `Authorization: Bearer KEY`
-(compared in constant time); /health, /version and /metrics stay open, as in vLLM.
+JSON is a 400 like any other; a POST body must be UTF-8 JSON (415 otherwise) and arrive within
+the body timeout (408). With an API key, every route but /health, /version, /metrics and
+/openapi.json wants `Authorization: Bearer KEY` (compared in constant time).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,7 +34,10 @@ from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.protocol import (
     APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
     DetokenizeRequest,
+    TokenizeRequest,
     parse_request,
 )
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -39,6 +45,9 @@ from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_engine import StructuredOutputsConfig
 
 logger = logging.getLogger("jaxllm.server")
+
+# Routes that need no API key: probes, scrapers and the schema carry no request data.
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json"})
 
 # A body over the limit is still read (and dropped) up to this size, so that the client sees
 # the 413 instead of a connection reset; beyond it the connection is closed.
@@ -55,6 +64,8 @@ class ServerState:
     metrics: ServerMetrics
     max_request_bytes: int
     created: int
+    # Seconds a client gets to send a whole request body (408 after).
+    body_timeout: float = 60.0
 
 
 def engine_dead(engine: AsyncLLM) -> bool:
@@ -64,29 +75,61 @@ def engine_dead(engine: AsyncLLM) -> bool:
     return engine.errored or getattr(resources, "dead", None) is not None
 
 
-async def read_json(request: Request, limit: int) -> Any:
+def check_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON in UTF-8, the only encoding the server reads (a
+    request without Content-Type is read as JSON)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media, _, params = declared.partition(";")
+    charset = ""
+    for param in params.split(";"):
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset":
+            charset = value.strip().strip('"').lower()
+    if media.strip().lower() != "application/json" or charset not in ("", "utf-8", "utf8"):
+        raise APIError(415, f"the request body must be JSON in UTF-8 (Content-Type: "
+                            f"application/json), got Content-Type {declared[:100]!r}",
+                       None, "UnsupportedMediaTypeError")
+
+
+async def read_json(request: Request, limit: int, timeout: float = 60.0) -> Any:
     """The request's JSON body; 413 over `limit` bytes (chunked bodies counted as they come),
-    400 for anything that is not JSON (NaN and Infinity included)."""
+    408 when it has not all arrived within `timeout` seconds, 415 for a body that is not
+    UTF-8 (a byte-order mark, UTF-16), 400 for anything that is not JSON (NaN and Infinity
+    included)."""
+    check_content_type(request)
     declared = request.headers.get("content-length", "")
     size, chunks, too_big = 0, [], declared.isdigit() and int(declared) > limit
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            too_big = True
-        if too_big:
-            if size > _DRAIN_LIMIT:
-                break
-            continue
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    too_big = True
+                if too_big:
+                    if size > _DRAIN_LIMIT:
+                        break
+                    continue
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                       None, "RequestTimeoutError") from None
     if too_big:
         raise APIError(413, f"the request body exceeds the server's limit of {limit} bytes "
                             f"(--max-request-bytes)", None, "RequestTooLargeError")
+    data = b"".join(chunks)
+    # json.loads would guess UTF-16/32 from the first bytes and skip a BOM; we read UTF-8 only.
+    if data[:3] == b"\xef\xbb\xbf" or b"\x00" in data[:4]:
+        raise APIError(415, "the request body must be UTF-8 JSON without a byte-order mark "
+                            "(it looks like UTF-16, UTF-32 or has a BOM)",
+                       None, "UnsupportedMediaTypeError")
 
     def reject(name: str) -> None:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        return json.loads(b"".join(chunks), parse_constant=reject)
+        return json.loads(data.decode(), parse_constant=reject)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:  # the parser recurses once per level of nesting
@@ -94,15 +137,15 @@ async def read_json(request: Request, limit: int) -> Any:
 
 
 class AuthMiddleware:
-    """401 for /v1 requests without `Authorization: Bearer <key>` (a pure ASGI middleware:
-    streaming responses and their cancellation pass through untouched)."""
+    """401 for requests without `Authorization: Bearer <key>` outside OPEN_PATHS (a pure ASGI
+    middleware: streaming responses and their cancellation pass through untouched)."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS \
                 and scope.get("method") != "OPTIONS":
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
@@ -142,10 +185,97 @@ def _respond(result: dict[str, Any] | AsyncGenerator[str, None]) -> Response:
                              headers={"Cache-Control": "no-cache"})
 
 
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+_REQUEST_BODIES = {"/v1/completions": CompletionRequest,
+                   "/v1/chat/completions": ChatCompletionRequest,
+                   "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+_OK_SCHEMAS: dict[str, dict[str, Any]] = {
+    "/tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"],
+                  "properties": {"count": {"type": "integer"},
+                                 "max_model_len": {"type": "integer"},
+                                 "tokens": {"type": "array", "items": {"type": "integer"}}}},
+    "/detokenize": {"type": "object", "required": ["prompt"],
+                    "properties": {"prompt": {"type": "string"}}},
+    "/v1/models": {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {
+            "type": "object", "required": ["id", "object", "created", "owned_by"]}}}},
+    "/v1/completions": {"type": "object", "required": ["id", "object", "choices"]},
+    "/v1/chat/completions": {"type": "object", "required": ["id", "object", "choices"]},
+}
+
+
+def openapi_schema(app: FastAPI, api_key: bool, model_name: str) -> dict[str, Any]:
+    """FastAPI's schema of the routes, with what it cannot see: the bodies are read by
+    `read_json`, not by FastAPI, so each POST route's request model is added here (`model`
+    narrowed to the served name, the only one not answered 404), with the error body of every
+    4xx/5xx the server answers."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["ErrorResponse"] = _ERROR_SCHEMA
+    error = {"description": "OpenAI's error body", "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for path, ops in schema["paths"].items():
+        for method, op in ops.items():
+            responses = op["responses"] = {"200": op["responses"].get("200", {
+                "description": "OK"})}
+            ok = _OK_SCHEMAS.get(path)
+            if path == "/metrics":
+                responses["200"] = {"description": "Prometheus text", "content": {
+                    "text/plain": {"schema": {"type": "string"}}}}
+            elif path == "/health":
+                responses["200"] = {"description": "OK, no body"}
+            elif ok is not None:
+                content = {"application/json": {"schema": ok}}
+                if path.startswith("/v1/") and method == "post":
+                    # Each event: a JSON chunk as `data`, the last one `[DONE]`.
+                    content["text/event-stream"] = {"schema": {
+                        "type": "object", "required": ["data"],
+                        "properties": {"data": {"type": "string"}}}}
+                responses["200"] = {"description": "OK", "content": content}
+            model = _REQUEST_BODIES.get(path)
+            if model is not None:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}",
+                                               by_alias=True)
+                components.update(body.pop("$defs", {}))
+                body["properties"]["model"] = {"anyOf": [{"const": model_name},
+                                                         {"type": "null"}]}
+                components[model.__name__] = body
+                op["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+                codes = ("400", "404", "408", "413", "415", "503")
+            elif path in OPEN_PATHS:
+                codes = ("503",) if path == "/health" else ()
+            else:
+                codes = ("503",)
+            if api_key and path not in OPEN_PATHS:
+                codes = ("401", *codes)
+            if path.startswith("/v1/") and method == "post":
+                codes = (*codes, "499")  # the client went away before the answer
+            for code in codes:
+                responses[code] = error if code != "499" else {"description": "no answer"}
+            if api_key and path not in OPEN_PATHS:
+                op["security"] = [{"bearer": []}]
+    if api_key:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http",
+                                                              "scheme": "bearer"}}
+    return schema
+
+
 def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url=None, redoc_url=None)
     app.state.server = state
+    cached: list[dict[str, Any]] = []
+
+    def openapi() -> dict[str, Any]:
+        if not cached:
+            cached.append(openapi_schema(app, api_key is not None, state.model_name))
+        return cached[0]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -169,7 +299,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
                            None, "EngineDeadError")
 
     async def body_of(request: Request) -> Any:
-        return await read_json(request, state.max_request_bytes)
+        return await read_json(request, state.max_request_bytes, state.body_timeout)
 
     @app.get("/health")
     async def health() -> Response:
@@ -184,19 +314,22 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if not engine_dead(state.engine):
+        if engine_dead(state.engine):
+            state.metrics.record_engine_dead()
+        else:
             try:
-                free, usable = await state.engine.call_utility("get_kv_block_counts")
-                state.metrics.record_kv_blocks(free, usable)
-            except EngineDeadError:  # it died in between: serve the last values
-                pass
+                state.metrics.record_scheduler_state(
+                    await state.engine.call_utility("get_scheduler_state"))
+            except EngineDeadError:  # it died in between: it holds nothing any more
+                state.metrics.record_engine_dead()
             except Exception:  # a bug, not a death: say so, and still serve the counters
-                logger.exception("reading the KV pool for /metrics failed")
+                logger.exception("reading the scheduler for /metrics failed")
         return Response(state.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        live()
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created,
             "owned_by": "jaxllm", "root": state.model_root, "parent": None,
@@ -218,11 +351,14 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        return await state.chat.create_tokenize(await body_of(request))
+        body = await body_of(request)
+        live()
+        return await state.chat.create_tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         req: DetokenizeRequest = parse_request(DetokenizeRequest, await body_of(request))
+        live()
         state.completion.check_model(req.model)
         vocab = state.engine.core_info.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -232,6 +368,53 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         return {"prompt": state.completion.tokenizer.decode(req.tokens)}
 
     return AuthMiddleware(app, api_key) if api_key else app  # type: ignore[return-value]
+
+
+def header_timeout_protocol(timeout: float) -> type:
+    """uvicorn's h11 protocol, closing a connection that has not sent a request's headers
+    within `timeout` seconds of its opening or of its previous response: uvicorn's keep-alive
+    timer stops at the first byte, so a client trickling headers would hold a connection
+    forever (the body has its own timeout, in `read_json`)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout, self._headers_timed_out)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_timed_out(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a request's headers are in
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            super().on_response_complete()  # may start a pipelined request (a new cycle)
+            if self.cycle is cycle and not self.transport.is_closing():
+                self._arm()
+
+    return HeaderTimeoutH11Protocol
 
 
 def make_state(engine: AsyncLLM, model_name: str, model_root: str,

@@ -1,8 +1,10 @@
 """Prometheus metrics for `GET /metrics`, with vLLM's names under our prefix.
 
-Two feeds: the core's SchedulerStats of every step (AsyncLLM's stat loggers: running and
-waiting requests, KV usage, prefix-cache lookups, preemptions) and each request as it ends in the
-server (prompt and generation tokens, TTFT, TPOT, end-to-end latency, finish reason). Counting
+Three feeds: the core's SchedulerStats of every step (AsyncLLM's stat loggers: running and
+waiting requests, KV usage, prefix-cache lookups, preemptions), the scheduler's state read at
+scrape time (the gauges: no step runs once aborts have emptied the engine, so the last step's
+numbers would stay), and each request as it ends in the server (prompt and generation tokens,
+TTFT, TPOT, end-to-end latency, finish reason). Counting
 tokens per served request makes the counters move by exactly what the responses report.
 A registry per server, not prometheus_client's global one: several servers can live in one
 process (tests) without clashing names.
@@ -76,10 +78,18 @@ class ServerMetrics:
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
 
-    def record_kv_blocks(self, free: int, usable: int) -> None:
-        """The pool as it is now (asked at scrape time: no step runs when the engine is idle,
-        so the last step's numbers could be stale)."""
-        self.kv_usage.set(0.0 if usable <= 0 else 1.0 - free / usable)
+    def record_scheduler_state(self, state: dict[str, int]) -> None:
+        """The gauges as the core's `get_scheduler_state` reports them now."""
+        self.running.set(state["num_running_reqs"])
+        self.waiting.set(state["num_waiting_reqs"])
+        usable = state["num_usable_blocks"]
+        self.kv_usage.set(0.0 if usable <= 0 else 1.0 - state["num_free_blocks"] / usable)
+
+    def record_engine_dead(self) -> None:
+        """A dead core holds no requests and no blocks: the gauges say so rather than keep the
+        values of its last step."""
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            gauge.set(0)
 
     def record_request(self, num_prompt: int, num_generated: int,
                        times: RequestMetrics | None, finish_reason: str | None,

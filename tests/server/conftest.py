@@ -1,0 +1,30 @@
+"""One `jaxllm serve tiny-qwen2` for the hardening, schema-fuzzing and soak modules (a server
+start costs 30-60 s on a small machine): short body and header timeouts so that slow clients are
+cut off within the tests' time, an API key, and a pool large enough for 256 streams."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.openai_server import ServerProcess
+
+HARDENED_KEY = "hardened-key"
+HARDENED_MAX_MODEL_LEN = 256
+BODY_TIMEOUT_S = 2
+HEADER_TIMEOUT_S = 2
+LIMIT_CONCURRENCY = 320
+
+
+@pytest.fixture(scope="session")
+def hardened_server(tmp_path_factory):
+    srv = ServerProcess(["tiny-qwen2", "--max-model-len", str(HARDENED_MAX_MODEL_LEN),
+                         "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
+                         "--num-kv-blocks", "2048", "--no-show-progress",
+                         "--api-key", HARDENED_KEY,
+                         "--request-body-timeout", str(BODY_TIMEOUT_S),
+                         "--request-header-timeout", str(HEADER_TIMEOUT_S),
+                         "--limit-concurrency", str(LIMIT_CONCURRENCY)],
+                        tmp_path_factory.mktemp("serve_hardened") / "server.log")
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.log_tail()
