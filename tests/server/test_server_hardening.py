@@ -114,14 +114,21 @@ def test_a_connection_without_headers_is_closed(server, sent):
 
 
 def test_connections_beyond_the_limit_get_503(server):
-    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
-            for _ in range(LIMIT_CONCURRENCY)]
-    try:
-        time.sleep(0.2)  # let the server accept them all
-        assert http("GET", server.url + "/health")[0] == 503
-    finally:
-        for s in idle:
-            s.close()
+    for _ in range(3):
+        start = time.monotonic()
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
+                for _ in range(LIMIT_CONCURRENCY)]
+        try:
+            time.sleep(0.2)  # let the server accept them all
+            status = http("GET", server.url + "/health")[0]
+        finally:
+            for s in idle:
+                s.close()
+        # The header timeout closes idle connections: on a machine too loaded to open them
+        # all well within it, the server may have dropped the first ones; try again.
+        if time.monotonic() - start < HEADER_TIMEOUT_S - 0.5:
+            break
+    assert status == 503
     deadline = time.monotonic() + 10
     while http("GET", server.url + "/health")[0] != 200:
         assert time.monotonic() < deadline, "the server did not recover from the idle clients"

@@ -62,6 +62,27 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def raise_open_file_limit(connections: int, log: logging.Logger) -> None:
+    """Lift the soft open-file limit to the hard one (as vLLM does): with a soft limit near
+    --limit-concurrency the process runs out of descriptors (and stops accepting for a while)
+    before uvicorn answers the connections beyond the limit with 503."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and soft >= hard):
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as e:
+        log.warning("could not raise the open-file limit from %d: %s", soft, e)
+        return
+    if hard != resource.RLIM_INFINITY and hard < connections + 64:
+        log.warning("the open-file limit (%d) is close to --limit-concurrency (%d): "
+                    "connections beyond it may fail before they get a 503", hard, connections)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -88,6 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got "
                              f"{getattr(args, flag)}")
+    raise_open_file_limit(args.limit_concurrency, log)
     so_config = StructuredOutputsConfig() if args.structured_outputs_config is None \
         else StructuredOutputsConfig.from_json(args.structured_outputs_config)
     engine_args = EngineArgs.from_cli_args(args, model=tag)

@@ -49,6 +49,9 @@ logger = logging.getLogger("jaxllm.server")
 # Routes that need no API key: probes, scrapers and the schema carry no request data.
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json"})
 
+# How long a /metrics scrape waits for the engine core's counters.
+METRICS_STATE_TIMEOUT_S = 2.0
+
 # A body over the limit is still read (and dropped) up to this size, so that the client sees
 # the 413 instead of a connection reset; beyond it the connection is closed.
 _DRAIN_LIMIT = 64 << 20
@@ -318,8 +321,12 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
             state.metrics.record_engine_dead()
         else:
             try:
-                state.metrics.record_scheduler_state(
-                    await state.engine.call_utility("get_scheduler_state"))
+                # The core answers between steps; a long one (a first compile) must not hold
+                # the scrape past a scraper's timeout: the gauges keep their last values.
+                state.metrics.record_scheduler_state(await asyncio.wait_for(
+                    state.engine.call_utility("get_scheduler_state"), METRICS_STATE_TIMEOUT_S))
+            except TimeoutError:
+                pass
             except EngineDeadError:  # it died in between: it holds nothing any more
                 state.metrics.record_engine_dead()
             except Exception:  # a bug, not a death: say so, and still serve the counters
@@ -357,8 +364,9 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req: DetokenizeRequest = parse_request(DetokenizeRequest, await body_of(request))
+        body = await body_of(request)
         live()
+        req: DetokenizeRequest = parse_request(DetokenizeRequest, body)
         state.completion.check_model(req.model)
         vocab = state.engine.core_info.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
