@@ -18,6 +18,13 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 from tests.server.conftest import HARDENED_KEY  # noqa: E402
 
 EXAMPLES_PER_ROUTE = 25
+VALID_BODIES = {
+    "POST /v1/completions": {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0},
+    "POST /v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}],
+                                  "max_tokens": 4, "temperature": 0},
+    "POST /tokenize": {"prompt": "Hello world"},
+    "POST /detokenize": {"tokens": [9707, 1879]},
+}
 CHECKS = [schemathesis.checks.not_a_server_error, status_code_conformance,
           content_type_conformance, response_schema_conformance]
 
@@ -57,9 +64,18 @@ def test_no_5xx_and_responses_match_the_schema(hardened_server):
                 continue  # nothing to break: no parameters, no body
             statuses[f"{op.label} {mode.value}"] = fuzz(op, mode, auth)
     # The valid requests were served, the invalid ones refused.
-    assert 200 in statuses["POST /v1/completions positive"], statuses
-    assert 200 in statuses["POST /v1/chat/completions positive"], statuses
-    assert 200 in statuses["POST /detokenize positive"], statuses
+    # Generated valid requests are served or refused by rules a schema cannot say (a token id
+    # past the vocabulary, a logit_bias key that is no integer, a template the server does not
+    # trust), never with a 5xx; a plain valid request of each route is served, its response
+    # as the schema describes it.
+    for route in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
+                  "POST /detokenize"):
+        assert statuses[f"{route} positive"] <= {200, 400}, statuses
+    by_label = {op.label: op for op in operations}
+    for label, body in VALID_BODIES.items():
+        case = by_label[label].Case(body=body, media_type="application/json")
+        response = case.call_and_validate(headers=auth, timeout=60, checks=CHECKS)
+        assert response.status_code == 200, (label, response.text[:300])
     # A broken body is a 400 (415 for a broken content type, 401 for a broken key), never
     # served.
     for route in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
