@@ -13,12 +13,14 @@ the resolvers that need JAX import it when called.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jaxllm.worker.model_runner import ModelRunner
@@ -43,6 +45,52 @@ MATMUL_PRECISIONS = ("default", "high", "highest")
 # "+" adds to XLA's default command types. XLA 0.10.2 and later reject
 # --legacy_command_buffer_custom_call_targets as an unknown flag (a fatal error).
 CUDA_GRAPH_TRITON_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL",)
+
+
+SPEC_DECODE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): `ngram` proposes up to
+    `num_speculative_tokens` drafts per step by prompt lookup, matching the sequence's last
+    `prompt_lookup_max` down to `prompt_lookup_min` tokens against its earlier tokens."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def from_dict(cls, value: Any) -> SpeculativeConfig:
+        """From the `speculative_config` engine argument (a dict, or its JSON text)."""
+        name = "speculative_config"
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{name} is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a dict (or its JSON text), got {value!r}")
+        method = value.get("method")
+        if method == "draft_model":
+            raise ValueError(f"{name}: method 'draft_model' is not available yet; use 'ngram'")
+        if method not in SPEC_DECODE_METHODS:
+            raise ValueError(f"{name}.method must be one of {SPEC_DECODE_METHODS}, got {method!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"{name} has unknown key(s) {unknown}; known: {sorted(known)}")
+        for key, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1),
+                         ("prompt_lookup_max", 1)):
+            v = value.get(key, getattr(cls, key, None))
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name}.{key} must be an integer >= {low}, got {v!r}")
+        config = cls(**value)
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"{name}: prompt_lookup_min ({config.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({config.prompt_lookup_max})")
+        return config
 
 
 @dataclass(frozen=True)
@@ -83,6 +131,7 @@ class EngineConfig:
     show_progress: bool
     tensor_parallel_size: int
     platform: str  # JAX's backend the engine core runs on ("cpu", "gpu")
+    speculative_config: SpeculativeConfig | None = None
 
 
 def resolve_model(model: str | Path | None) -> Path:
@@ -182,6 +231,21 @@ def resolve_gemv_max_rows(quantization: str, dtype: str, kernel_backend: str,
 
         return MIN_TOKEN_BUCKET - 1
     return 0
+
+
+def resolve_async_scheduling(async_scheduling: bool | None, speculative: bool) -> bool:
+    """On unless speculative decoding is: a speculative step's drafts come from the tokens the
+    step before it accepted, so it cannot be scheduled while that step runs (docs/spec_decode.md
+    measures what that costs); asked for both, speculation wins and a warning says so."""
+    if not speculative:
+        return True if async_scheduling is None else async_scheduling
+    if async_scheduling:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "async_scheduling is off with speculative decoding: a speculative step needs the "
+            "previous step's tokens to propose its drafts")
+    return False
 
 
 def resolve_kv_cache_dtype(dtype: str, platform: str) -> str:

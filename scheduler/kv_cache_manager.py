@@ -107,6 +107,20 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = end
 
+    def truncate(self, request: Request, num_tokens: int) -> int | None:
+        """Keep only the blocks the request's first `num_tokens` tokens need, the rest back to
+        the pool (those of rejected draft tokens). Returns the blocks kept, or None when
+        nothing was freed. Registered (prefix-cached) blocks are always below the cut: only
+        computed tokens' full blocks are registered."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = self.num_blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return None
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+        return keep
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first: when evicted, a sequence loses its end
         before the prefix other requests are likelier to share."""

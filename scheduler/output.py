@@ -35,6 +35,9 @@ class ScheduledRequest:
     # scheduled for, not to a later one reusing the id (async scheduling applies results a
     # step late).
     arrival_index: int = -1
+    # Speculative decoding: the last this many of `token_ids` are draft tokens to verify; the
+    # step samples at each of them too, and the result accepts a prefix of them plus one token.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +59,10 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Finished or aborted since the previous schedule(); the runner drops their state.
     finished_req_ids: list[str] = field(default_factory=list)
+    # Requests whose block table lost its last blocks since the previous schedule() (the
+    # blocks of rejected draft tokens went back to the pool): request id -> blocks kept. The
+    # runner cuts its table there before appending this step's new blocks.
+    truncated_block_tables: dict[str, int] = field(default_factory=dict)
     # Prefix-cache hit tokens of the requests taken from the waiting queue this step.
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
     # Tokens looked up in the prefix cache this step (the admitted requests' lengths), and how
@@ -80,6 +87,9 @@ class RequestResult:
     # The stop token id that finished the request.
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Speculative decoding: draft tokens verified this step, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -79,6 +79,9 @@ class Request:
     # The stop token id that finished the request, a stop string set by the output side, or
     # why it ended with an error.
     stop_reason: int | str | None = field(default=None, init=False)
+    # Speculative decoding: draft tokens proposed for the step after the next scheduled one;
+    # the scheduler puts them after the request's next token and clears them.
+    spec_token_ids: list[int] = field(default_factory=list, init=False)
     # Hash of each full block of `all_token_ids`, chained; filled lazily by KVCacheManager.
     block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
 

@@ -84,6 +84,9 @@ class Scheduler:
         self._pending_outputs: list[RequestResult] = []
         self._next_arrival_index = 0
         self.num_preemptions = 0
+        # Block tables cut since the last schedule(), reported in its output (see
+        # SchedulerOutput.truncated_block_tables).
+        self._truncated: dict[str, int] = {}
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -164,6 +167,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         # In-flight KV is lost with the blocks; a token in flight still arrives and is kept.
         request.num_inflight_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -199,6 +203,10 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + pending - request.num_computed_tokens
                           - request.num_inflight_tokens, budget)
+            drafts: list[int] = []
+            if request.spec_token_ids:
+                drafts = self._take_drafts(request, num_new, pending, budget)
+                num_new += len(drafts)
             scheduled = True
             while (new_blocks := kv.allocate_slots(request, num_new)) is None:
                 if len(self.running) == 1:
@@ -216,7 +224,7 @@ class Scheduler:
                 break
             assert new_blocks is not None  # the loop above exits with blocks or unscheduled
             self._add_to_output(out, request, num_new, [b.block_id for b in new_blocks],
-                                is_new=False)
+                                is_new=False, drafts=drafts)
             budget -= num_new
             i += 1
 
@@ -252,7 +260,20 @@ class Scheduler:
             budget -= num_new
 
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
+        out.truncated_block_tables, self._truncated = self._truncated, {}
         return out
+
+    def _take_drafts(self, request: Request, num_new: int, pending: int,
+                     budget: int) -> list[int]:
+        """The request's draft tokens that go into this step (clearing them all): only
+        after a decode token (no placeholder, nothing else in flight), within the budget, and
+        never more than its remaining tokens can use (accepted drafts and the one token after
+        them must fit max_tokens and max_model_len)."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if num_new != 1 or pending or request.num_inflight_tokens:
+            return []
+        return drafts[:max(0, min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                                  self.config.max_model_len - request.num_tokens - 1))]
 
     def _add_to_output(
         self,
@@ -261,13 +282,19 @@ class Scheduler:
         num_new: int,
         new_block_ids: list[int],
         is_new: bool,
+        drafts: Sequence[int] = (),
     ) -> None:
         start = request.num_computed_tokens + request.num_inflight_tokens
         rid = request.request_id
-        token_ids = request.all_token_ids[start : start + num_new]
+        num_draft = len(drafts)
+        if num_draft:  # the request's last token, then its drafts
+            token_ids = request.all_token_ids[start:] + list(drafts)
+        else:
+            token_ids = request.all_token_ids[start : start + num_new]
         if len(token_ids) < num_new:  # placeholders for tokens still being sampled
             token_ids += [-1] * (num_new - len(token_ids))
-        do_sample = start + num_new == request.num_tokens + request.num_output_placeholders
+        do_sample = (start + num_new - num_draft
+                     == request.num_tokens + request.num_output_placeholders)
         out.scheduled.append(
             ScheduledRequest(
                 request_id=rid,
@@ -278,6 +305,7 @@ class Scheduler:
                 is_new=is_new,
                 sampling_params=request.sampling_params,
                 arrival_index=request.arrival_index,
+                num_draft_tokens=num_draft,
             )
         )
         request.num_inflight_tokens += num_new
@@ -293,7 +321,9 @@ class Scheduler:
         """Apply a step's results: tokens computed, tokens sampled, stops, freed blocks.
 
         `sampled_token_ids` maps every request scheduled with do_sample to the token(s)
-        sampled for it (one per step today; more are accepted one by one until a stop).
+        sampled for it: one, or with draft tokens the accepted drafts and one more; they are
+        accepted one by one until a stop (tokens past it are dropped). The KV of rejected
+        drafts does not count as computed, and blocks only they used are freed.
         """
         kv = self.kv_cache_manager
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -303,18 +333,24 @@ class Scheduler:
             if request is None or request.arrival_index != item.arrival_index:
                 continue  # finished (aborted, stopped) between schedule() and now
             running = request.status == RequestStatus.RUNNING
+            # int(): a runner may hand over numpy integers; keep the request's lists plain.
+            new_ids = [int(t) for t in sampled_token_ids.get(rid, ())]
+            num_draft = item.num_draft_tokens
+            if len(new_ids) > num_draft + 1:
+                raise ValueError(f"request {rid!r}: {len(new_ids)} tokens for a step that "
+                                 f"verified {num_draft} drafts")
+            # Drafts after the first rejected one: their KV is garbage, overwritten later.
+            num_rejected = num_draft - len(new_ids) + 1 if num_draft and new_ids else 0
             if running:
                 if request.num_computed_tokens != item.start_position:
                     raise RuntimeError(
                         f"request {rid!r}: output of a step applied twice or out of order"
                     )
-                request.num_computed_tokens += item.num_tokens
+                request.num_computed_tokens += item.num_tokens - num_rejected
                 request.num_inflight_tokens -= item.num_tokens
                 kv.cache_blocks(request, request.num_computed_tokens)
             # Else preempted after this step was scheduled (async scheduling): its KV is gone,
             # but a sampled token is kept, so a seeded stream stays the same.
-            # int(): a runner may hand over numpy integers; keep the request's lists plain.
-            new_ids = [int(t) for t in sampled_token_ids.get(rid, ())]
             if not item.do_sample:
                 if new_ids:
                     raise ValueError(f"request {rid!r}: token sampled from a partial prefill")
@@ -331,6 +367,12 @@ class Scheduler:
             if request.is_finished:
                 (self.running if running else self.waiting).remove(request)
                 self._free_request(request)
+            elif num_rejected and running:
+                # The rejected drafts' blocks go back; the next token's position is kept.
+                kept = kv.truncate(request, request.num_computed_tokens
+                                   + request.num_inflight_tokens + 1)
+                if kept is not None:
+                    self._truncated[rid] = kept
             outputs.append(
                 RequestResult(
                     rid,
@@ -338,6 +380,8 @@ class Scheduler:
                     request.finish_reason,
                     request.stop_reason,
                     request.num_cached_tokens,
+                    num_draft,
+                    len(new_ids) - 1 if num_draft else 0,
                 )
             )
         return outputs

@@ -85,9 +85,7 @@ def _broadcast(x: np.ndarray) -> np.ndarray:
 
 
 def input_shapes(runner: ModelRunner, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
-    num_tokens = shape[0]
-    return DeviceInputs.shapes(num_tokens, min(num_tokens, runner.max_num_seqs),
-                               runner.max_blocks_per_seq)
+    return DeviceInputs.shapes(shape[0], *runner.step_sizes(shape), runner.max_blocks_per_seq)
 
 
 def input_size(runner: ModelRunner, shape: tuple[int, int]) -> int:
@@ -125,7 +123,7 @@ def warm_up(runner: ModelRunner, prompt_rows: int) -> None:
     """Broadcast every size once (all processes, same order), so serving compiles nothing."""
     _broadcast(np.zeros(HEADER, np.int32))
     shapes = runner.bucket_shapes()
-    rows = {min(t, runner.max_num_seqs) for t, _ in shapes}
+    rows = {runner.step_sizes(shape)[1] for shape in shapes}
     for size in sorted({input_size(runner, s) for s in shapes} | {2 * prompt_rows} | rows):
         _broadcast(np.zeros(size, np.int32))
 

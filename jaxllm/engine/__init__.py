@@ -84,6 +84,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     # the cores from the calling thread at once, so this mostly measures the device's start).
     launch_s: float | None = None
     num_full_row_samples: int = 0  # rows sampled from full logits, not top-K candidates
+    # Speculative decoding this step: requests that verified drafts, their draft tokens, and
+    # how many were accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -18,7 +18,9 @@ from jaxllm.config import (
     MATMUL_PRECISIONS,
     QUANTIZATIONS,
     EngineConfig,
+    SpeculativeConfig,
     resolve_activation_dtype,
+    resolve_async_scheduling,
     resolve_cuda_graph_triton,
     resolve_dtype,
     resolve_gemv_max_rows,
@@ -103,6 +105,12 @@ class EngineArgs:
         None, "several hosts: processes in the job (or JAXLLM_NUM_PROCESSES)")
     process_id: int | None = _arg(
         None, "several hosts: this process's rank, 0 runs the engine (or JAXLLM_PROCESS_ID)")
+    speculative_config: dict | None = _arg(
+        None, "speculative decoding, a dict or its JSON text: {\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": k, \"prompt_lookup_min\": 2, "
+              "\"prompt_lookup_max\": 5} proposes up to k draft tokens per step by prompt "
+              "lookup and verifies them in one step (greedy output unchanged, sampling exact by "
+              "rejection sampling); steps then run without async scheduling. Not given: off")
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -152,6 +160,13 @@ class EngineArgs:
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             raise ValueError(GGUF_TP_REFUSAL)
+        if self.speculative_config is not None:
+            spec = SpeculativeConfig.from_dict(self.speculative_config)
+            if spec.num_speculative_tokens >= self.max_num_batched_tokens:
+                raise ValueError(f"speculative_config.num_speculative_tokens "
+                                 f"({spec.num_speculative_tokens}) must be below "
+                                 f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+            self.speculative_config = dataclasses.asdict(spec)
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, numbers.Real) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
@@ -185,7 +200,7 @@ class EngineArgs:
                 continue
             kind: Any = {"gpu_memory_utilization": float}.get(f.name, int)
             if f.name in ("model", "dtype", "kernel_backend", "quantization",
-                          "coordinator_address", "matmul_precision"):
+                          "coordinator_address", "matmul_precision", "speculative_config"):
                 kind = str
             choices = {"dtype": DTYPES, "kernel_backend": KERNEL_BACKENDS,
                        "quantization": QUANTIZATIONS, "matmul_precision": MATMUL_PRECISIONS,
@@ -224,6 +239,8 @@ class EngineArgs:
 
             platform = jax.default_backend()
         path = resolve_model(self.model)
+        spec = None if self.speculative_config is None \
+            else SpeculativeConfig.from_dict(self.speculative_config)
         dtype = resolve_dtype(self.dtype, platform)
         backend = resolve_kernel_backend(self.kernel_backend, platform)
         quantization = resolve_quantization(self.quantization, path, dtype, backend,
@@ -242,7 +259,7 @@ class EngineArgs:
             gemv_max_rows=resolve_gemv_max_rows(quantization, dtype, backend, platform),
             topk_sampling=platform != "cpu" if self.topk_sampling is None
             else self.topk_sampling,
-            async_scheduling=True if self.async_scheduling is None else self.async_scheduling,
+            async_scheduling=resolve_async_scheduling(self.async_scheduling, spec is not None),
             multiprocess_mode=resolve_multiprocess_mode(self.multiprocess_mode),
             matmul_precision=resolve_matmul_precision(self.matmul_precision, dtype, platform),
             cuda_graph_triton=resolve_cuda_graph_triton(self.cuda_graph_triton),
@@ -253,7 +270,8 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens, max_n=self.max_n,
             enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
             skip_tokenizer_init=self.skip_tokenizer_init, show_progress=self.show_progress,
-            tensor_parallel_size=self.tensor_parallel_size, platform=platform)
+            tensor_parallel_size=self.tensor_parallel_size, platform=platform,
+            speculative_config=spec)
 
 
 def engine_args_markdown() -> str:

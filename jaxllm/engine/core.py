@@ -40,6 +40,7 @@ from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
+from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
 from jaxllm.structured_output.request import StructuredOutputRequest
 from jaxllm.worker.model_runner import (
@@ -116,7 +117,9 @@ class EngineCore:
             gemv_max_rows=config.gemv_max_rows, kv_cache_dtype=jnp.dtype(config.kv_cache_dtype),
             activation_dtype=jnp.dtype(config.activation_dtype),
             tensor_parallel_size=config.tensor_parallel_size,
-            matmul_precision=config.matmul_precision)
+            matmul_precision=config.matmul_precision,
+            num_speculative_tokens=0 if config.speculative_config is None
+            else config.speculative_config.num_speculative_tokens)
         num_blocks = multihost.agree(self.distributed, num_kv_blocks_for(config, self.runner))
         self.runner.initialize_kv_cache(num_blocks)
         compile_time_s = self.runner.compile(progress=config.show_progress)
@@ -148,6 +151,19 @@ class EngineCore:
                                    candidates=self.runner.top_k > 0)
         # Async scheduling: the dispatched step whose results are not applied yet.
         self._inflight: tuple[SchedulerOutput, StepHandle, SchedulerStats] | None = None
+        # Speculative decoding: the proposer, the most requests a step verifies drafts for (the
+        # largest spec-decode bucket), and counters since start.
+        spec = config.speculative_config
+        self.drafter: NgramProposer | None = None
+        self._max_spec_seqs = 0
+        if spec is not None:
+            self.drafter = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                         spec.prompt_lookup_max, max_model_len,
+                                         config.max_num_seqs)
+            self._max_spec_seqs = max(self.runner.spec_buckets, default=0) \
+                // self.runner.spec_query_len
+        self.spec_counts = {"num_spec_drafts": 0, "num_spec_draft_tokens": 0,
+                            "num_spec_accepted_tokens": 0}
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -204,6 +220,8 @@ class EngineCore:
         for rid in request_ids:
             self._waiting_for_grammar.pop(rid, None)
             self._forget(rid)
+            if self.drafter is not None:
+                self.drafter.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar)
@@ -253,7 +271,7 @@ class EngineCore:
         """One step: with async scheduling, the outputs of the step dispatched by the previous
         call (see step_with_batch_queue); else schedule, run, sample and return this one."""
         self._admit_compiled()
-        if self.async_scheduling:
+        if self.async_scheduling:  # never with speculative decoding (resolve_async_scheduling)
             return self.step_with_batch_queue()
         stats = SchedulerStats()
         scheduler_output = self._schedule(stats)
@@ -368,10 +386,11 @@ class EngineCore:
                     stats.num_prefill_tokens += r.num_tokens
         for rid in sampled.errors:  # before the update, which then skips them
             self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
-        results = self.scheduler.update_from_output(
-            scheduler_output, {rid: (t,) for rid, t in zip(sampled.req_ids,
-                                                           sampled.tokens.tolist(), strict=True)
-                               if rid not in sampled.errors})
+        new_tokens = {rid: (t,) for rid, t in zip(sampled.req_ids, sampled.tokens.tolist(),
+                                                 strict=True) if rid not in sampled.errors}
+        for j, verified in sampled.verified.items():
+            new_tokens[sampled.req_ids[j]] = verified.token_ids
+        results = self.scheduler.update_from_output(scheduler_output, new_tokens)
         outputs = self._make_outputs(results, stats)
         by_id = {o.request_id: o for o in outputs.outputs}
         for rid, why in sampled.errors.items():
@@ -393,12 +412,50 @@ class EngineCore:
                 continue
             o.new_sampled_logprobs = [float(sampled.logprobs_raw[j])]
             o.new_logprobs = lps
+        for j, verified in sampled.verified.items():
+            o = by_id.get(sampled.req_ids[j])
+            if o is None or not o.new_token_ids or verified.logprobs is None:
+                continue
+            n = len(o.new_token_ids)  # tokens past a stop are dropped
+            rows = verified.logprobs
+            o.new_sampled_logprobs = verified.sampled_logprobs[:n]
+            o.new_logprobs = LogprobsLists(rows.token_ids[:n], rows.logprobs[:n], rows.ranks[:n])
         if out is not None:
             for rid, prompt_stats in out.prompt_logprobs.items():
                 self._emit_prompt_logprobs(rid, prompt_stats, by_id, outputs.outputs)
         self._forget_finished(outputs)
+        if self.drafter is not None:
+            self._propose_drafts(scheduler_output, outputs.outputs)
         stats.update_s = time.perf_counter() - t0
         return outputs
+
+    def _propose_drafts(self, scheduler_output: SchedulerOutput,
+                        outputs: list[EngineCoreOutput]) -> None:
+        """Keep the proposer's token rows in step with the accepted tokens, then give each
+        running request about to decode its drafts for the next step (none when more requests
+        run than a spec-decode bucket holds)."""
+        drafter = self.drafter
+        assert drafter is not None
+        requests = self.scheduler.requests
+        for rid in scheduler_output.preempted_req_ids:
+            drafter.remove(rid)
+        for o in outputs:
+            if o.finished:
+                drafter.remove(o.request_id)
+            elif o.new_token_ids and (request := requests.get(o.request_id)) is not None:
+                if drafter.has_request(o.request_id):
+                    drafter.append(o.request_id, o.new_token_ids)
+                else:
+                    drafter.add_request(o.request_id, request.all_token_ids)
+        running = self.scheduler.running
+        if not running or len(running) > self._max_spec_seqs:
+            return
+        ready = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
+                 and not r.num_inflight_tokens and drafter.has_request(r.request_id)]
+        if ready:
+            for request, drafts in zip(ready, drafter.propose([r.request_id for r in ready]),
+                                       strict=True):
+                request.spec_token_ids = drafts
 
     def _advance_matchers(self, outputs: list[EngineCoreOutput]) -> None:
         """Feed each constrained request's matcher the tokens just accepted for it; finish it
@@ -409,14 +466,20 @@ class EngineCore:
                     or o.finished:
                 continue
             so = state.structured_output
-            if not so.accept_tokens(o.new_token_ids):
-                self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_ERROR)
-                o.finish_reason, o.stop_reason = "error", so.error
-            elif so.is_terminated:
-                self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_STOPPED)
-                o.finish_reason = "stop"
-                # The last token is text unless it is an EOS the grammar ended on.
-                o.stopped_on_text = o.new_token_ids[-1] not in state.eos_token_ids
+            # Several tokens (accepted drafts): one by one, so the grammar's end drops what
+            # follows it.
+            for i, token in enumerate(o.new_token_ids):
+                if not so.accept_tokens([token]):
+                    self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_ERROR)
+                    o.finish_reason, o.stop_reason = "error", so.error
+                    break
+                if so.is_terminated:
+                    del o.new_token_ids[i + 1:]
+                    self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_STOPPED)
+                    o.finish_reason = "stop"
+                    # The last token is text unless it is an EOS the grammar ended on.
+                    o.stopped_on_text = token not in state.eos_token_ids
+                    break
 
     def _forget_finished(self, outputs: EngineCoreOutputs) -> None:
         for o in outputs.outputs:
@@ -428,6 +491,16 @@ class EngineCore:
         outputs = [EngineCoreOutput(
             request_id=r.request_id, new_token_ids=r.new_token_ids, finish_reason=r.finish_reason,
             stop_reason=r.stop_reason, num_cached_tokens=r.num_cached_tokens) for r in results]
+        if self.drafter is not None:
+            for r in results:
+                if r.num_draft_tokens:
+                    stats.spec_num_drafts += 1
+                    stats.spec_num_draft_tokens += r.num_draft_tokens
+                    stats.spec_num_accepted_tokens += r.num_accepted_tokens
+            counts = self.spec_counts
+            counts["num_spec_drafts"] += stats.spec_num_drafts
+            counts["num_spec_draft_tokens"] += stats.spec_num_draft_tokens
+            counts["num_spec_accepted_tokens"] += stats.spec_num_accepted_tokens
         if self._pending_outputs:
             outputs += self._pending_outputs
             self._pending_outputs = []
@@ -488,7 +561,8 @@ class EngineCore:
                 "num_waiting_for_grammar": num_for_grammar,
                 "num_running_reqs": len(sched.running),
                 "num_preemptions": sched.num_preemptions,
-                "num_grammars_compiled": 0 if manager is None else manager.num_compiled}
+                "num_grammars_compiled": 0 if manager is None else manager.num_compiled,
+                **self.spec_counts}
 
     def collective_rpc(self, method: str, args: list | tuple = ()) -> Any:
         """Call a public method of the model runner (vLLM's collective_rpc; one runner drives

@@ -182,19 +182,32 @@ class OutputProcessor:
             if out.new_prompt_logprobs and parent.prompt_logprobs is not None \
                     and state.index == 0:
                 parent.prompt_logprobs.extend(out.new_prompt_logprobs.to_dicts())
-            if out.new_token_ids:
-                if parent.metrics.first_token_time is None:
-                    parent.metrics.first_token_time = now
-                state.token_ids.extend(out.new_token_ids)
-                if state.logprobs is not None and out.new_logprobs:
-                    state.logprobs.extend(out.new_logprobs.to_dicts())
-                if state.cumulative_logprob is not None and out.new_sampled_logprobs:
-                    state.cumulative_logprob += sum(out.new_sampled_logprobs)
             stop_string = None
-            if state.detokenizer is not None and (out.new_token_ids or out.finished):
+            new_ids = out.new_token_ids
+            if state.detokenizer is not None and (new_ids or out.finished):
                 stop_terminated = out.finish_reason == "stop" and \
                     not isinstance(out.stop_reason, str) and not out.stopped_on_text
-                stop_string = state.detokenizer.update(out.new_token_ids, stop_terminated)
+                if len(new_ids) > 1 and state.detokenizer.stop:
+                    # Several tokens (accepted drafts): one at a time, so those after the
+                    # token that completes a stop string are dropped, as without drafts.
+                    for i in range(len(new_ids)):
+                        last = i == len(new_ids) - 1
+                        stop_string = state.detokenizer.update(new_ids[i:i + 1],
+                                                               stop_terminated and last)
+                        if stop_string is not None:
+                            new_ids = new_ids[:i + 1]
+                            break
+                else:
+                    stop_string = state.detokenizer.update(new_ids, stop_terminated)
+            if new_ids:
+                if parent.metrics.first_token_time is None:
+                    parent.metrics.first_token_time = now
+                n = len(new_ids)
+                state.token_ids.extend(new_ids)
+                if state.logprobs is not None and out.new_logprobs:
+                    state.logprobs.extend(out.new_logprobs.to_dicts()[:n])
+                if state.cumulative_logprob is not None and out.new_sampled_logprobs:
+                    state.cumulative_logprob += sum(out.new_sampled_logprobs[:n])
             if stop_string is not None and out.finish_reason is None:
                 state.finish_reason, state.stop_reason = "stop", stop_string
                 to_abort.append(state.request_id)
@@ -203,7 +216,7 @@ class OutputProcessor:
             if state.finish_reason is not None:
                 self.children.pop(state.request_id, None)
             touched[parent.request_id] = parent
-            if out.new_token_ids or state.finish_reason is not None:
+            if new_ids or state.finish_reason is not None:
                 progressed.add(parent.request_id)
         for parent in touched.values():
             if parent.request_id not in self.parents:

@@ -26,6 +26,7 @@ import numpy as np
 from jaxllm.sample.candidates import exact_rows, mask_candidates, sample_from_topk
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata
+from jaxllm.sample.rejection_sampler import VerifiedTokens, verify
 from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
 from jaxllm.sample.token_mask import TokenMask
 
@@ -58,6 +59,28 @@ class SampleInputs:
     # for the rows that do.
     token_masks: dict[int, TokenMask] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    # Each live request's first logits row (its only one without drafts).
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
+    # Speculative decoding: live positions of the requests verifying drafts, their drafts,
+    # and their masks per verified position when constrained.
+    spec: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
+    drafts: list[list[int]] = field(default_factory=list)
+    draft_masks: dict[int, list[TokenMask]] = field(default_factory=dict)
+
+    def take(self, keep: np.ndarray) -> SampleInputs:
+        """The inputs of the live positions `keep` only (drafts left out)."""
+        pos = np.full(len(self.live), -1, np.intp)
+        pos[keep] = np.arange(len(keep))
+        g = np.flatnonzero(pos[self.grammar_rows] >= 0)
+        req_ids = [self.req_ids[j] for j in keep.tolist()]
+        return SampleInputs(
+            self.live[keep], [self.requests[j] for j in keep.tolist()], req_ids,
+            self.metadata.rows(keep), self.processed[keep], self.u[keep],
+            pos[self.grammar_rows[g]],
+            None if self.grammar_bitmask is None else self.grammar_bitmask[g],
+            {int(pos[j]): m for j, m in self.token_masks.items() if pos[j] >= 0},
+            {rid: why for rid, why in self.errors.items() if rid in set(req_ids)},
+            self.rows[keep])
 
     def positions_of(self, req_ids: list[str]) -> np.ndarray:
         """Each request's position among the live rows, -1 for one no longer here."""
@@ -76,6 +99,9 @@ class SampledTokens:
     logprobs: list[LogprobsLists | None]
     # Requests whose constraint allows no next token (their token here is meaningless), and why.
     errors: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding, by live position: the verification of the requests with drafts
+    # (their accepted drafts and the token after them; `tokens` holds that last token).
+    verified: dict[int, VerifiedTokens] = field(default_factory=dict)
 
     def tokens_for(self, positions: np.ndarray) -> np.ndarray:
         """Tokens at `positions`, 0 where a position is -1 (a request no longer here)."""
@@ -113,21 +139,32 @@ class HostSampler:
                 live.append(i)
                 reqs.append(req)
         idx = np.asarray(live, np.intp)
-        metadata = prepared.inputs.sampling
+        step_inputs = prepared.inputs
+        metadata = step_inputs.sampling
         if len(idx) < len(metadata):
             metadata = metadata.rows(idx)
         processed = np.zeros(len(idx), bool)
         for j in np.flatnonzero(metadata.maybe_processed).tolist():
             processed[j] = needs_processing(self._row(reqs[j]))
+        num_verified = step_inputs.num_verified_drafts[idx]
+        spec = np.flatnonzero(num_verified > 0)
         u = np.zeros(len(idx))
         states = self.states
-        for j in np.flatnonzero(~metadata.greedy).tolist():  # exactly one draw per sampled token
+        # Exactly one draw per sampled token; requests verifying drafts draw as they verify.
+        draws = ~metadata.greedy
+        draws[spec] = False
+        for j in np.flatnonzero(draws).tolist():
             u[j] = states[reqs[j].request_id].generator.random()
         req_ids = [r.request_id for r in reqs]
-        inputs = SampleInputs(idx, reqs, req_ids, metadata, processed, u)
+        inputs = SampleInputs(idx, reqs, req_ids, metadata, processed, u,
+                              rows=step_inputs.sample_rows[idx], spec=spec,
+                              drafts=[step_inputs.draft_token_ids[int(i)]
+                                      for i in idx[spec].tolist()])
         if self.structured_output is not None:
+            is_spec = set(spec.tolist())
             constrained = [(j, so) for j, rid in enumerate(req_ids)
-                           if (so := states[rid].structured_output) is not None]
+                           if (so := states[rid].structured_output) is not None
+                           and j not in is_spec]
             if constrained:
                 inputs.grammar_rows = np.array([j for j, _ in constrained], np.intp)
                 inputs.grammar_bitmask, errors = self.structured_output.grammar_bitmask(
@@ -139,13 +176,61 @@ class HostSampler:
                     inputs.token_masks = {
                         j: TokenMask.from_bitmask(inputs.grammar_bitmask[k], vocab)
                         for k, (j, _) in enumerate(constrained)}
+            for k, j in enumerate(spec.tolist()):
+                so = states[req_ids[j]].structured_output
+                if so is not None:
+                    vocab = self.structured_output.vocab_size
+                    inputs.draft_masks[j] = [
+                        TokenMask.from_bitmask(bits, vocab)
+                        for bits in self.structured_output.draft_bitmasks(so, inputs.drafts[k])]
         return inputs
 
     def sample(self, out: ModelRunnerOutput, inputs: SampleInputs,
                stats: SchedulerStats) -> SampledTokens:
         """Sample the live rows: exact rows from the candidates, the others from their full
-        logits rows."""
+        logits rows; requests with drafts verify them (`rejection_sampler.verify`)."""
         t0 = time.perf_counter()
+        if not inputs.spec.size:
+            sampled = self._sample_rows(out, inputs, stats)
+        else:
+            n = len(inputs.live)
+            keep = np.setdiff1d(np.arange(n), inputs.spec)
+            part = self._sample_rows(out, inputs.take(keep), stats)
+            sampled = SampledTokens(inputs.req_ids, np.zeros(n, np.int64),
+                                    np.full(n, np.nan, np.float32), [None] * n,
+                                    dict(part.errors))
+            sampled.tokens[keep] = part.tokens
+            sampled.logprobs_raw[keep] = part.logprobs_raw
+            for k, j in enumerate(keep.tolist()):
+                sampled.logprobs[j] = part.logprobs[k]
+            self._verify(out, inputs, sampled, stats)
+        stats.sample_s = time.perf_counter() - t0
+        return sampled
+
+    def _verify(self, out: ModelRunnerOutput, inputs: SampleInputs, sampled: SampledTokens,
+                stats: SchedulerStats) -> None:
+        """Verify the drafts of the requests that brought some, from their full rows."""
+        topk = out.topk
+        for k, j in enumerate(inputs.spec.tolist()):
+            drafts = inputs.drafts[k]
+            first = int(inputs.rows[j])
+            rows = list(range(first, first + len(drafts) + 1))
+            masks = inputs.draft_masks.get(j)
+            rid = inputs.req_ids[j]
+            if masks is not None and not masks[0].allows_any:
+                sampled.errors[rid] = ("the structured-output grammar allows no next token "
+                                       "(dead end)")
+                continue
+            result = verify(out.logits_rows(rows), drafts, self._row(inputs.requests[j]),
+                            masks=masks, lse=None if topk is None else topk.lse[rows])
+            sampled.verified[j] = result
+            sampled.tokens[j] = result.token_ids[-1]
+            sampled.logprobs_raw[j] = result.sampled_logprobs[-1]
+            stats.num_full_row_samples += len(rows)
+
+    def _sample_rows(self, out: ModelRunnerOutput, inputs: SampleInputs,
+                     stats: SchedulerStats) -> SampledTokens:
+        """Sample the live rows without drafts."""
         n = len(inputs.live)
         tokens = np.empty(n, np.int64)
         sampled_logprobs = np.full(n, np.nan, np.float32)
@@ -154,8 +239,8 @@ class HostSampler:
         grammar_rows, bitmask = inputs.grammar_rows, inputs.grammar_bitmask
         masked = None
         if topk is not None:
-            if n < len(out.sample_req_ids):
-                topk = topk.rows(inputs.live)
+            if n < len(topk.lse):  # some requests gone, or rows of drafts in between
+                topk = topk.rows(inputs.rows)
             if bitmask is not None:
                 masked = mask_candidates(topk, grammar_rows, bitmask)
             exact = exact_rows(metadata, inputs.processed, topk, masked)
@@ -176,7 +261,7 @@ class HostSampler:
         if full.size:
             full_rows = [self._row(inputs.requests[i], self._mask(inputs, i))
                          for i in full.tolist()]
-            logits = out.logits_rows(inputs.live[full].tolist())
+            logits = out.logits_rows(inputs.rows[full].tolist())
             if topk is not None:
                 result = sample(logits, full_rows, lse=topk.lse[full], u=inputs.u[full])
             else:  # the raw log-normaliser costs a pass over the vocabulary: only when asked
@@ -186,7 +271,6 @@ class HostSampler:
             for j, i in enumerate(full.tolist()):
                 logprobs[i] = result.logprobs[j]
         stats.num_full_row_samples = int(full.size)
-        stats.sample_s = time.perf_counter() - t0
         return SampledTokens(inputs.req_ids, tokens, sampled_logprobs, logprobs, inputs.errors)
 
     def _mask(self, inputs: SampleInputs, j: int) -> TokenMask | None:

@@ -35,6 +35,10 @@ class TokenMask:
             return cls(np.flatnonzero(allowed), True, vocab)
         return cls(np.flatnonzero(~allowed), False, vocab)
 
+    @property
+    def allows_any(self) -> bool:
+        return bool(self.ids.size) if self.keep else self.ids.size < self.vocab
+
     @classmethod
     def from_bitmask(cls, bits: np.ndarray, vocab: int) -> TokenMask:
         """From one int32 bit row (llguidance's layout: bit t of the row = token t)."""

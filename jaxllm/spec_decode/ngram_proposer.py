@@ -58,6 +58,9 @@ class NgramProposer:
         """Requests tracked now."""
         return len(self._rows)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._rows
+
     def add_request(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Start tracking a request with all its tokens so far (prompt, plus outputs after a
         preemption). An id already tracked is replaced."""

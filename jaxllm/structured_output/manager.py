@@ -28,7 +28,7 @@ from pathlib import Path
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from jaxllm.sampling_params import StructuredOutputsParams
 from jaxllm.structured_output.grammar import build_grammar
@@ -153,6 +153,31 @@ class StructuredOutputManager:
                     errors[i] = "the structured-output grammar allows no next token " \
                                 "(dead end)"
         return bitmask, errors
+
+    def draft_bitmasks(self, request: StructuredOutputRequest,
+                       draft_token_ids: list[int]) -> np.ndarray:
+        """Speculative decoding: the masks of the request's verified positions, [m, words]
+        int32 with m <= len(draft_token_ids) + 1: row j is the mask after drafts 1..j. It stops
+        at the first draft its row does not allow (nothing after it can be accepted). The
+        matcher is rolled back to where it was."""
+        matcher = request.matcher
+        assert matcher is not None  # scheduled requests have their matcher
+        rows = np.zeros((len(draft_token_ids) + 1, self._bitmask.shape[1]), np.int32)
+        consumed = 0
+        for j in range(len(draft_token_ids) + 1):
+            if matcher.is_error():
+                break
+            fill_next_token_bitmask(matcher, rows, j)
+            if j == len(draft_token_ids):
+                break
+            t = int(draft_token_ids[j])
+            allowed = 0 <= t < self.vocab_size and (rows[j, t >> 5] >> (t & 31)) & 1
+            if not allowed or not matcher.consume_token(t):
+                break
+            consumed += 1
+        if consumed:
+            matcher.rollback(consumed)
+        return rows[:j + 1]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

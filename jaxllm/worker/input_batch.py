@@ -31,15 +31,17 @@ class DeviceInputs:
     block_tables: np.ndarray  # [S, max_blocks_per_seq] int32
     seq_lens: np.ndarray  # [S] int32, 0 for padding
     query_start_loc: np.ndarray  # [S + 1] int32
-    logits_indices: np.ndarray  # [S] int32: rows that sample first, then 0
+    # [R] int32: the token rows whose logits are sampled (with draft tokens, a request's last
+    # 1 + d tokens), then 0
+    logits_indices: np.ndarray
 
     @staticmethod
-    def shapes(num_tokens: int, num_seqs: int, max_blocks_per_seq: int
+    def shapes(num_tokens: int, num_seqs: int, num_rows: int, max_blocks_per_seq: int
                ) -> dict[str, tuple[int, ...]]:
         t, s = num_tokens, num_seqs
         return {"input_ids": (t,), "positions": (t,), "slot_mapping": (t,),
                 "block_tables": (s, max_blocks_per_seq), "seq_lens": (s,),
-                "query_start_loc": (s + 1,), "logits_indices": (s,)}
+                "query_start_loc": (s + 1,), "logits_indices": (num_rows,)}
 
     def pack(self) -> np.ndarray:
         """Every device field, flattened into one int32 vector."""
@@ -60,9 +62,20 @@ class DeviceInputs:
 class StepInputs(DeviceInputs):
     """One step's device arrays and what the host keeps about them."""
 
-    sample_req_ids: list[str]  # request of each sampled row, in order
+    sample_req_ids: list[str]  # each request that samples this step, in order
     num_tokens: np.ndarray  # [len(scheduled)] tokens of each scheduled request
-    sampling: SamplingMetadata  # the sampled rows' parameters, in sample_req_ids order
+    sampling: SamplingMetadata  # the sampling requests' parameters, in sample_req_ids order
+    # Speculative decoding: each sampling request's first logits row, and how many of its
+    # drafts have a row to be verified in (all of them unless the step's rows ran out: the
+    # others count as rejected); their draft tokens.
+    sample_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.intp))
+    num_verified_drafts: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, np.intp))
+    draft_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        return len(self.sample_req_ids) + int(self.num_verified_drafts.sum())
 
 
 class InputBatch:
@@ -90,6 +103,11 @@ class InputBatch:
         with their whole block table, append the new blocks of continuing ones."""
         for rid in chain(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids):
             self._remove(rid)
+        for rid, kept in scheduler_output.truncated_block_tables.items():
+            row = self.req_id_to_row.get(rid)
+            if row is not None and kept < self.num_blocks[row]:
+                self.block_table[row, kept:self.num_blocks[row]] = 0
+                self.num_blocks[row] = kept
         for r in scheduler_output.scheduled:
             if r.is_new:
                 self._remove(r.request_id)  # a stale row must never leak into a new one
@@ -119,8 +137,9 @@ class InputBatch:
         self._free_rows.append(row)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput, padded_tokens: int,
-                       num_seqs: int) -> StepInputs:
-        """The step's device inputs (after update_states), in the scheduler's request order."""
+                       num_seqs: int, num_rows: int | None = None) -> StepInputs:
+        """The step's device inputs (after update_states), in the scheduler's request order;
+        `num_rows` logits rows (default `num_seqs`)."""
         reqs = scheduler_output.scheduled
         n = len(reqs)
         total = scheduler_output.total_num_scheduled_tokens
@@ -148,9 +167,32 @@ class InputBatch:
         seq_lens = np.zeros(num_seqs, np.int32)
         seq_lens[:n] = starts + num_tokens
         sampling = np.flatnonzero(np.fromiter((r.do_sample for r in reqs), bool, n))
-        logits_indices = np.zeros(num_seqs, np.int32)
-        logits_indices[:len(sampling)] = query_start_loc[sampling + 1] - 1
+        num_rows = num_seqs if num_rows is None else num_rows
+        logits_indices = np.zeros(num_rows, np.int32)
+        last = query_start_loc[sampling + 1] - 1
+        num_drafts = np.fromiter((reqs[i].num_draft_tokens for i in sampling.tolist()),
+                                 np.intp, len(sampling))
+        if not num_drafts.any():
+            logits_indices[:len(sampling)] = last
+            return StepInputs(input_ids, positions, slot_mapping, block_tables, seq_lens,
+                              query_start_loc, logits_indices,
+                              [reqs[i].request_id for i in sampling], num_tokens,
+                              self.sampling.rows(rows[sampling]),
+                              np.arange(len(sampling)), num_drafts, [])
+        # Rows left beyond one per sampling request go to drafts in request order; drafts
+        # without a row are verified as rejected.
+        spare = num_rows - len(sampling)
+        verified = np.minimum(num_drafts, np.maximum(0, spare - (np.cumsum(num_drafts)
+                                                                 - num_drafts)))
+        per_req = 1 + verified
+        sample_rows = np.cumsum(per_req) - per_req
+        # Request i's rows: tokens last - num_drafts[i] ... last - num_drafts[i] + verified[i].
+        first = last - num_drafts
+        offset = np.arange(int(per_req.sum())) - np.repeat(sample_rows, per_req)
+        logits_indices[:int(per_req.sum())] = np.repeat(first, per_req) + offset
+        drafts = [reqs[i].token_ids[-reqs[i].num_draft_tokens:][:v] if v else []
+                  for i, v in zip(sampling.tolist(), verified.tolist(), strict=True)]
         return StepInputs(input_ids, positions, slot_mapping, block_tables, seq_lens,
                           query_start_loc, logits_indices,
                           [reqs[i].request_id for i in sampling], num_tokens,
-                          self.sampling.rows(rows[sampling]))
+                          self.sampling.rows(rows[sampling]), sample_rows, verified, drafts)

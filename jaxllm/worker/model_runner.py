@@ -153,7 +153,8 @@ class ModelRunner:
                  max_num_batched_tokens: int, topk_sampling: bool = False,
                  gemv_params: dict | None = None, gemv_max_rows: int = 0,
                  kv_cache_dtype: Any = None, activation_dtype: Any = None,
-                 tensor_parallel_size: int = 1, matmul_precision: str = "default") -> None:
+                 tensor_parallel_size: int = 1, matmul_precision: str = "default",
+                 num_speculative_tokens: int = 0) -> None:
         """`gemv_max_rows`, `kv_cache_dtype`, `activation_dtype` and `matmul_precision` as
         EngineConfig resolved them (None: `dtype`); with `gemv_max_rows` and no `gemv_params`,
         the GEMV buckets run on float32 copies of `params`."""
@@ -188,6 +189,14 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buckets = token_buckets(max_num_batched_tokens)
         self.decode_buckets = decode_buckets(max_num_seqs, max_num_batched_tokens)
+        # Speculative decoding: a step where every request verifies up to k drafts pads to a
+        # spec-decode bucket, s sequences of 1 + k tokens each (s a decode bucket), logits at
+        # every token (docs/spec_decode.md).
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_query_len = 1 + num_speculative_tokens
+        self.spec_buckets = ([s * self.spec_query_len for s in self.decode_buckets
+                              if s * self.spec_query_len <= max_num_batched_tokens]
+                             if num_speculative_tokens else [])
         self.model = Qwen2ForCausalLM(self.local_config, dtype=dtype,
                                       kernel_backend=kernel_backend,
                                       activation_dtype=self.activation_dtype,
@@ -254,7 +263,22 @@ class ModelRunner:
 
     def bucket_shapes(self) -> list[tuple[int, int]]:
         """(num_tokens, max_query_len) of every step shape the runner can produce."""
-        return [(t, 1) for t in self.decode_buckets] + [(t, t) for t in self.buckets]
+        shapes = [(t, 1) for t in self.decode_buckets] + [(t, t) for t in self.buckets]
+        return shapes + [shape for t in self.spec_buckets
+                         if (shape := (t, self.spec_query_len)) not in shapes]
+
+    def is_spec_shape(self, shape: tuple[int, int]) -> bool:
+        return (bool(self.spec_buckets) and shape[1] == self.spec_query_len
+                and shape[0] in self.spec_buckets)
+
+    def step_sizes(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """(sequences, logits rows) of a step shape: min(T, max_num_seqs) of each, or for a
+        spec-decode bucket its sequences and 1 + k rows per sequence."""
+        if self.is_spec_shape(shape):
+            seqs = min(shape[0] // self.spec_query_len, self.max_num_seqs)
+            return seqs, seqs * self.spec_query_len
+        seqs = min(shape[0], self.max_num_seqs)
+        return seqs, seqs
 
     def bucket_table(self) -> list[tuple[int, int, int]]:
         """(num_tokens, max_query_len, attention split count) of every compiled step."""
@@ -263,39 +287,42 @@ class ModelRunner:
 
     def params_for(self, num_tokens: int, max_query_len: int) -> dict:
         """The param tree a bucket's executable is compiled for and runs with."""
-        if self.gemv_params is not None and max_query_len == 1 \
-                and num_tokens <= self.gemv_max_rows:
+        if self.gemv_params is not None and num_tokens <= self.gemv_max_rows \
+                and (max_query_len == 1 or self.is_spec_shape((num_tokens, max_query_len))):
             return self.gemv_params
         return self.params
 
-    def _abstract_inputs(self, num_tokens: int):
-        s = min(num_tokens, self.max_num_seqs)
+    def _abstract_inputs(self, shape: tuple[int, int]):
+        num_tokens = shape[0]
+        s, rows = self.step_sizes(shape)
         i32 = jnp.int32
 
         def spec(*shape):
             return jax.ShapeDtypeStruct(shape, i32, sharding=self._replicated())
 
         attn_metadata = AttentionMetadata(spec(num_tokens), spec(s, self.max_blocks_per_seq),
-                                          spec(s), spec(s + 1), spec(s))
+                                          spec(s), spec(s + 1), spec(rows))
         return spec(num_tokens), spec(num_tokens), attn_metadata
 
     def lower_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int) -> Any:
         """The step of one bucket lowered (at the runner's matmul precision), not compiled."""
         kv_spec = jax.ShapeDtypeStruct(self.kv_shape(num_kv_blocks), self.kv_cache_dtype,
                                        sharding=self._sharding(KV_SPEC))
-        ids, pos, attn_metadata = self._abstract_inputs(num_tokens)
+        ids, pos, attn_metadata = self._abstract_inputs((num_tokens, max_query_len))
         splits = self.decode_splits[num_tokens] if max_query_len == 1 else 1
         with jax.default_matmul_precision(self.matmul_precision):
             return self._step.lower(self.params_for(num_tokens, max_query_len), self.rope,
-                                    kv_spec, self._logits_spec(num_tokens), ids, pos,
+                                    kv_spec, self._logits_spec(
+                                        self.step_sizes((num_tokens, max_query_len))[1]),
+                                    ids, pos,
                                     attn_metadata, max_query_len=max_query_len,
                                     num_splits=splits)
 
     def _compile_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int):
         return self.lower_step(num_tokens, max_query_len, num_kv_blocks).compile()
 
-    def _logits_spec(self, num_tokens: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((min(num_tokens, self.max_num_seqs), self.config.vocab_size),
+    def _logits_spec(self, rows: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((rows, self.config.vocab_size),
                                     jnp.float32, sharding=self._sharding(LOGITS_SPEC))
 
     def weight_bytes(self) -> int:
@@ -304,7 +331,7 @@ class ModelRunner:
 
     def logits_buffer_bytes(self) -> int:
         """Device bytes of the kept logits buffers once every step shape has run."""
-        rows = {min(t, self.max_num_seqs) for t, _ in self.bucket_shapes()}
+        rows = {self.step_sizes(shape)[1] for shape in self.bucket_shapes()}
         return sum(rows) * self.local_config.vocab_size * 4
 
     def measure_activation_bytes(self, probe_blocks: int = 16) -> int:
@@ -370,14 +397,14 @@ class ModelRunner:
         self._row_slices.clear()
         self._gathers.clear()
         if self.mesh is not None and jax.process_count() > 1:
-            for s in sorted({min(t, self.max_num_seqs) for t, _ in self.bucket_shapes()}):
+            for s in sorted({self.step_sizes(shape)[1] for shape in self.bucket_shapes()}):
                 rows_spec = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=self._replicated())
                 self._gathers[s] = jax.jit(take_rows, out_shardings=self._replicated()).lower(
                     self._logits_spec(s), rows_spec).compile()
         if jax.default_backend() != "cpu":
             row = jax.ShapeDtypeStruct((), jnp.int32)
-            for num_tokens, _ in self.bucket_shapes():
-                spec = self._logits_spec(num_tokens)
+            for shape in self.bucket_shapes():
+                spec = self._logits_spec(self.step_sizes(shape)[1])
                 if spec.shape[0] not in self._row_slices:
                     self._row_slices[spec.shape[0]] = jax.jit(row_slice).lower(spec,
                                                                                row).compile()
@@ -388,6 +415,22 @@ class ModelRunner:
             if t >= num_tokens:
                 return t
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    def step_shape(self, scheduler_output: SchedulerOutput) -> tuple[int, int]:
+        """The bucket a non-empty step pads to: a decode bucket when every request computes
+        one token, a spec-decode bucket when every request computes its next token and its
+        drafts, else a token bucket."""
+        scheduled = scheduler_output.scheduled
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        if num_tokens == len(scheduled):
+            return self.bucket_for(num_tokens, decode_only=True), 1
+        if self.spec_buckets and all(r.do_sample and r.num_tokens == 1 + r.num_draft_tokens
+                                     for r in scheduled):
+            seqs = self.bucket_for(len(scheduled), decode_only=True) * self.spec_query_len
+            if seqs in self.spec_buckets:
+                return seqs, self.spec_query_len
+        padded = self.bucket_for(num_tokens)
+        return padded, padded
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -400,15 +443,13 @@ class ModelRunner:
         """Host inputs of a non-empty step (after applying it to the persistent batch)."""
         t0 = time.perf_counter()
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        # Every request computes one token.
-        decode_only = num_tokens == len(scheduler_output.scheduled)
-        padded = self.bucket_for(num_tokens, decode_only)
-        shape = (padded, 1 if decode_only else padded)
+        shape = self.step_shape(scheduler_output)
+        padded = shape[0]
         if shape not in self._compiled:
             raise RuntimeError(f"step shape {shape} was not compiled; call compile() first")
         self.update_states(scheduler_output)
         inputs = self.input_batch.prepare_inputs(scheduler_output, padded,
-                                                 min(padded, self.max_num_seqs))
+                                                 *self.step_sizes(shape))
         index = np.flatnonzero(inputs.input_ids[:num_tokens] < 0)
         req_ids = []
         if index.size:
@@ -445,10 +486,10 @@ class ModelRunner:
         logits, hidden states)."""
         attn_metadata = AttentionMetadata(**{name: getattr(inputs, name)
                                              for name in AttentionMetadata._fields})
-        num_seqs = inputs.seq_lens.shape[0]
-        buf = self._logits_bufs.pop(num_seqs, None)
+        num_rows = inputs.logits_indices.shape[0]
+        buf = self._logits_bufs.pop(num_rows, None)
         if buf is None:  # first step of this shape (a transfer, not a compile)
-            zeros = np.zeros((num_seqs, self.config.vocab_size), np.float32)
+            zeros = np.zeros((num_rows, self.config.vocab_size), np.float32)
             if self.mesh is None:
                 buf = jax.device_put(zeros)
             else:  # per shard: device_put would compare the value across processes
@@ -483,7 +524,7 @@ class ModelRunner:
         """Block until the step's candidates are on the host. The full logits stay on the
         device (their buffer goes to the next step of the same shape once this output is
         released via `release`)."""
-        n = len(handle.prepared.inputs.sample_req_ids)
+        n = handle.prepared.inputs.num_sampled_rows
         if self.top_k:
             values, token_ids, lse = handle.values, handle.token_ids, handle.lse
             assert values is not None and token_ids is not None and lse is not None  # top-K on

@@ -593,18 +593,69 @@ def test_empty_schedule() -> None:
     assert sched.update_from_output(out, {}) == []
 
 
+def _decode_with_drafts(sched: Scheduler, rid: str, drafts: list[int]):
+    sched.requests[rid].spec_token_ids = list(drafts)
+    return sched.schedule()
+
+
 def test_several_sampled_tokens_stop_at_the_first_stop() -> None:
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
     sched.add_request(Request("a", [1, 2, 3], stop_token_ids=[9], max_tokens=10))
-    out = sched.schedule()
-    (o,) = sched.update_from_output(out, {"a": [4, 9, 5]})
-    assert (o.new_token_ids, o.finish_reason, o.stop_reason) == ([4, 9], "stop", 9)
+    sched.update_from_output(sched.schedule(), {"a": [4]})
+    out = _decode_with_drafts(sched, "a", [9, 5])
+    (item,) = out.scheduled
+    assert (item.token_ids, item.num_draft_tokens, item.do_sample) == ([4, 9, 5], 2, True)
+    (o,) = sched.update_from_output(out, {"a": [9, 5, 7]})
+    assert (o.new_token_ids, o.finish_reason, o.stop_reason) == ([9], "stop", 9)
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == 15
+
+
+def test_drafts_accepted_and_rejected_advance_computed_tokens() -> None:
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
     sched.add_request(Request("b", [1, 2, 3], max_tokens=10))
+    sched.update_from_output(sched.schedule(), {"b": [4]})
+    out = _decode_with_drafts(sched, "b", [5, 6, 7, 8, 10])
+    assert out.scheduled[0].num_draft_tokens == 5
+    assert len(sched.kv_cache_manager.get_block_ids("b")) == 3  # positions 0..8
+    free = sched.kv_cache_manager.block_pool.num_free_blocks
+    (o,) = sched.update_from_output(out, {"b": [5, 9]})  # draft 5 accepted, 6 rejected
+    assert (o.new_token_ids, o.num_draft_tokens, o.num_accepted_tokens) == ([5, 9], 5, 1)
+    req = sched.requests["b"]
+    assert req.num_computed_tokens == 5 and req.all_token_ids == [1, 2, 3, 4, 5, 9]
+    # Positions 0..5 need two blocks: the third goes back, and the runner learns it.
+    assert len(sched.kv_cache_manager.get_block_ids("b")) == 2
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == free + 1
     out = sched.schedule()
-    sched.update_from_output(out, {"b": [4, 5]})
-    # Both sampled tokens still need their KV computed.
-    (item,) = sched.schedule().scheduled
-    assert (item.start_position, item.token_ids, item.do_sample) == (3, [4, 5], True)
+    (item,) = out.scheduled
+    assert (item.start_position, item.token_ids, item.num_draft_tokens) == (5, [9], 0)
+    assert out.truncated_block_tables == {"b": 2}
+    sched.update_from_output(out, {"b": [11]})
+    assert sched.schedule().truncated_block_tables == {}
+
+
+def test_drafts_capped_by_max_tokens_and_budget() -> None:
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_num_batched_tokens=8))
+    sched.add_request(Request("c", [1, 2, 3], max_tokens=3))
+    sched.update_from_output(sched.schedule(), {"c": [4]})
+    # Two tokens left: at most one draft and the token after it.
+    out = _decode_with_drafts(sched, "c", [5, 6, 7])
+    assert out.scheduled[0].token_ids == [4, 5]
+    (o,) = sched.update_from_output(out, {"c": [5, 6]})
+    assert (o.new_token_ids, o.finish_reason) == ([5, 6], "length")
+    sched.add_request(Request("d", [1, 2, 3], max_tokens=30))
+    sched.update_from_output(sched.schedule(), {"d": [4]})
+    out = _decode_with_drafts(sched, "d", list(range(10, 20)))
+    assert out.scheduled[0].token_ids == [4] + list(range(10, 17))  # the budget of 8
+
+
+def test_drafts_only_follow_a_decode_token() -> None:
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_num_batched_tokens=4))
+    sched.add_request(Request("e", [1, 2, 3, 4, 5, 6], max_tokens=10))
+    sched.update_from_output(sched.schedule(), {})  # the first chunk of 4
+    sched.requests["e"].spec_token_ids = [7, 8]
+    out = sched.schedule()  # the last chunk: drafts dropped
+    assert out.scheduled[0].token_ids == [5, 6] and out.scheduled[0].num_draft_tokens == 0
+    assert not sched.requests["e"].spec_token_ids
 
 
 def test_scheduler_output_pickles() -> None:

@@ -62,6 +62,14 @@ class ServerMetrics:
                               _TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last output.",
                              _LATENCY_BUCKETS)
+        # Speculative decoding (vLLM's spec_decode counters): acceptance rate = accepted /
+        # draft tokens; mean accepted length = 1 + accepted / drafts.
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Requests x steps that verified draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.")
         self._queries = self._hits = 0
 
     def record_stats(self, stats: SchedulerStats) -> None:
@@ -77,6 +85,10 @@ class ServerMetrics:
             self.prefix_hit_rate.set(self._hits / self._queries)
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
+        if stats.spec_num_drafts:
+            self.spec_drafts.inc(stats.spec_num_drafts)
+            self.spec_draft_tokens.inc(stats.spec_num_draft_tokens)
+            self.spec_accepted_tokens.inc(stats.spec_num_accepted_tokens)
 
     def record_scheduler_state(self, state: dict[str, int]) -> None:
         """The gauges as the core's `get_scheduler_state` reports them now."""

@@ -1,0 +1,176 @@
+"""Speculative decoding's verification (vLLM's RejectionSampler): a request's d draft tokens
+against the target model's d + 1 logits rows of one step.
+
+Row j scores the position after draft j (row 0: after the request's last accepted token), so
+it is processed exactly as a non-speculative step would process it had drafts 1..j been
+sampled: penalties and min_tokens count them, its structured-output mask is the matcher's after
+them. Then, in order:
+- greedy: draft j + 1 is accepted while it equals row j's argmax; the first mismatch emits the
+  argmax instead (the correction); all accepted: row d's argmax is the bonus token. The output
+  is exactly what non-speculative greedy decoding emits from the same logits.
+- random: the target distribution p_j of row j is what the sampler draws from (temperature,
+  min_p, top-k, top-p over the processed logits). Draft t is accepted with probability
+  min(1, p_j(t) / q_j(t)) (q_j: the proposer's distribution; a point mass at t for n-gram
+  drafts); on rejection a token is drawn from the residual max(0, p_j - q_j), renormalised;
+  all accepted: a bonus token from p_d. Every emitted token is then distributed as p (Leviathan
+  et al. 2023; Chen et al. 2023). Draws come from the request's own generator, one for each
+  acceptance test and one for the final draw, so a seeded request's tokens depend only on its
+  seed, its logits and its drafts, never on the batch.
+Logprobs are the raw distribution's (as for non-speculative rows), one per emitted token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from jaxllm.sample.logprobs import LogprobsLists
+from jaxllm.sample.penalties import PenaltyState
+from jaxllm.sample.sampler import (
+    SamplingRow,
+    _candidates,
+    _draw,
+    _exp_row,
+    _logprob_row,
+    _lse,
+    _process_row,
+)
+from jaxllm.sample.token_mask import TokenMask
+
+
+@dataclass
+class VerifiedTokens:
+    """One request's verification: the accepted drafts, then one correction or bonus token."""
+
+    token_ids: list[int]
+    # Raw logprob of each emitted token under its row's unprocessed distribution.
+    sampled_logprobs: list[float]
+    # One row per emitted token when the request asked for logprobs, else None.
+    logprobs: LogprobsLists | None
+    num_accepted: int
+
+
+def _target(z: np.ndarray, row: SamplingRow, buf: np.ndarray
+            ) -> tuple[np.ndarray | None, np.ndarray]:
+    """The row's target distribution as (token ids or None for the whole vocabulary, weights),
+    unnormalised, from its processed logits."""
+    return _candidates(z, row.params, buf)
+
+
+def _weight_of(cand: np.ndarray | None, w: np.ndarray, token: int) -> float:
+    if cand is None:
+        return float(w[token]) if 0 <= token < w.shape[0] else 0.0
+    hit = np.flatnonzero(cand == token)
+    return float(w[hit[0]]) if hit.size else 0.0
+
+
+def _row_at(row: SamplingRow, drafts: Sequence[int], j: int,
+            mask: TokenMask | None) -> SamplingRow:
+    """The sampling row of position j: as if drafts[:j] had been sampled."""
+    if not j:
+        return replace(row, mask=mask)
+    output = list(row.output_token_ids) + list(drafts[:j])
+    penalties = None
+    if row.penalties is not None:
+        penalties = PenaltyState(row.prompt_token_ids, output)
+    return replace(row, output_token_ids=output, penalties=penalties, mask=mask)
+
+
+def verify(logits: np.ndarray, draft_token_ids: Sequence[int], row: SamplingRow, *,
+           masks: Sequence[TokenMask | None] | None = None,
+           draft_probs: np.ndarray | None = None,
+           lse: np.ndarray | None = None) -> VerifiedTokens:
+    """Verify one request's drafts.
+
+    logits: [d + 1, vocab] raw rows (row j after draft j); `row`: the request's sampling row
+    before the drafts (its penalty state is read, not changed). masks: structured outputs'
+    mask per position; a list shorter than d + 1 means the draft at its last position is not
+    allowed there, so nothing after it can be accepted. draft_probs: [d, vocab] the proposer's
+    distribution per draft, None for point masses (n-gram). lse: the rows' raw log-sum-exp when
+    the device computed it.
+    """
+    x = np.asarray(logits, np.float32)
+    d = len(draft_token_ids)
+    if x.ndim != 2 or x.shape[0] != d + 1:
+        raise ValueError(f"verify: logits of shape {x.shape} for {d} drafts (want {d + 1} rows)")
+    params = row.params
+    want_logprobs = params.logprobs is not None
+    vocab = x.shape[1]
+    raw_buf = np.empty(vocab, np.float32)
+    work_buf = np.empty(vocab, np.float32)
+    tokens: list[int] = []
+    sampled: list[float] = []
+    rows = LogprobsLists([], [], []) if want_logprobs else None
+    num_accepted = 0
+    for j in range(d + 1):
+        mask = None
+        if masks is not None:
+            if j >= len(masks):
+                break  # unreachable: the previous draft was refused by the grammar
+            mask = masks[j]
+        raw = np.ascontiguousarray(x[j])
+        z = _process_row(raw, _row_at(row, draft_token_ids, j, mask))
+        logits_j = raw if z is None else z
+        draft = int(draft_token_ids[j]) if j < d else None
+        if params.greedy:
+            tok = int(np.argmax(logits_j))
+            accept = draft is not None and tok == draft
+        else:
+            generator = row.generator
+            if generator is None:
+                raise ValueError("verify: a random-sampling row needs a generator")
+            cand, w = _target(logits_j, row, work_buf)
+            if draft is None:
+                tok, accept = _draw(cand, w, float(generator.random())), False
+            else:
+                total = float(np.sum(w, dtype=np.float64))
+                p_t = _weight_of(cand, w, draft) / total
+                q = None if draft_probs is None else np.asarray(draft_probs[j], np.float64)
+                q_t = 1.0 if q is None else float(q[draft])
+                # u < p/q, written so a zero q never divides (a draft of probability 0 under
+                # its own proposer is never accepted).
+                accept = float(generator.random()) * q_t < p_t
+                if accept:
+                    tok = draft
+                else:
+                    tok = _draw_residual(cand, w / total, q, draft,
+                                         float(generator.random()))
+        if accept:
+            tok = draft
+            num_accepted += 1
+        assert tok is not None
+        tokens.append(tok)
+        row_lse = float(lse[j]) if lse is not None else None
+        if row_lse is None:
+            m = float(raw.max())
+            row_lse = _lse(_exp_row(raw, raw_buf, m)) if math.isfinite(m) else m
+        sampled.append(float(raw[tok]) - row_lse)
+        if rows is not None:
+            ids, lps, ranks = _logprob_row(raw, row_lse, params.logprobs, tok)
+            rows.token_ids.append(ids)
+            rows.logprobs.append(lps)
+            rows.ranks.append(ranks)
+        if not accept:
+            break
+    return VerifiedTokens(tokens, sampled, rows, num_accepted)
+
+
+def _draw_residual(cand: np.ndarray | None, p: np.ndarray, q: np.ndarray | None, draft: int,
+                   u: float) -> int:
+    """Draw from max(0, p - q), renormalised (p: the target's normalised weights over `cand`).
+    With a point-mass q that is p without the draft token. If nothing is left (p == q, which
+    a rejection makes a zero-probability event), p itself."""
+    res = p.astype(np.float64, copy=True)
+    if q is None:
+        if cand is None:
+            res[draft] = 0.0
+        else:
+            res[cand == draft] = 0.0
+    else:
+        res = np.maximum(res - (q if cand is None else q[cand]), 0.0)
+    if not np.any(res > 0.0):
+        res = p.astype(np.float64)
+    return _draw(cand, res, u)
