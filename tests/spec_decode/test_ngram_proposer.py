@@ -4,6 +4,7 @@ starts): random batches and random add/append/remove/propose sequences over smal
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -198,8 +199,19 @@ def test_unknown_requests_and_bad_token_ids_are_refused():
         p.append("a", [-1, 2])
     with pytest.raises(ValueError, match=r"request 'b' must be in \[0, 2147483647\]"):
         p.add_request("b", [2**31])
+    with pytest.raises(ValueError, match=r"request 'b' must be in \[0, 2147483647\], got "
+                                         r"values from -3 to 4"):
+        p.add_request("b", np.array([4, -3]))
     assert p.num_requests == 1
     assert p.propose(["a"]) == [[]]
+
+
+def test_token_ids_may_come_as_numpy_arrays():
+    p = proposer(k=3, lookup_min=1, lookup_max=2)
+    p.add_request("a", np.array([6, 7, 8], np.int64))
+    p.append("a", np.array([6], np.uint32))
+    p.add_request("b", np.array([], np.int32))
+    assert p.propose(["a", "b"]) == [[7, 8, 6], []]
 
 
 # Properties against the reference ---------------------------------------------------------------
