@@ -7,13 +7,14 @@ edits, summaries, answers quoting a document).
 
 The engine core asks for drafts after every step, for every running request, so the lookup is
 on the critical path. It is numpy over all the listed requests at once: each request's tokens
-live in a row of a preallocated array (like the model runner's input batch), and one pass per
-n-gram length compares every position of every row with that row's suffix; no Python loop
-visits a request or a position.
+live in a row of a preallocated array (like the model runner's input batch), and each n-gram
+length takes one pass that compares every position of every row with one more token of that
+row's suffix; no Python loop visits a request or a position.
 """
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -112,48 +113,54 @@ class NgramProposer:
         width = int(lens.max())
         if width <= self.prompt_lookup_min:
             return [[] for _ in range(len(rows))]  # too short for a match and a token after it
-        tokens = self.token_ids_cpu[rows, :width]
+        # The rows read backwards from the longest one's end, contiguous, so that the latest
+        # match of a row is its first True (np.argmax stops there): rev[b, c] = x[width - 1 - c].
+        rev = self.token_ids_cpu[rows, width - 1::-1]
         batch = np.arange(len(rows))
-        # match[b, e]: the last n tokens of row b also end at position e, for n = 1, 2, ...
-        # grown by one position back per n. Only ends e <= L - 2 count (the match is followed
-        # by a token of the sequence), so the stale tail of a row never matches.
-        match = np.arange(width) <= (lens - 2)[:, None]
+        # match[b, c]: the last n tokens of row b also end at position e = width - 1 - c, for
+        # n = 1, 2, ..., one more token compared per n. Only ends e <= L - 2 count (a token of
+        # the sequence follows the match), so a row's stale tail never matches.
+        match = np.arange(width, dtype=np.int32) >= (width + 1 - lens).astype(np.int32)[:, None]
         found = np.zeros(len(rows), bool)
         end = np.zeros(len(rows), np.intp)
-        # A longer n-gram than width - 1 has no earlier occurrence in any row.
+        # No row has an earlier occurrence of more than width - 1 tokens.
         for n in range(1, min(self.prompt_lookup_max, width - 1) + 1):
             back = n - 1
-            # Rows shorter than n read a clipped index: they have no candidate end left.
-            suffix_token = tokens[batch, np.maximum(lens - n, 0)]
-            match[:, :back] = False
-            match[:, back:] &= tokens[:, :width - back] == suffix_token[:, None]
+            # x[L - n]; rows shorter than n read a clipped index, but have no candidate left.
+            suffix_token = rev[batch, np.minimum(width - 1 - lens + n, width - 1)]
+            if back:
+                match[:, width - back:] = False  # the n tokens would start before x[0]
+            match[:, :width - back] &= rev[:, back:] == suffix_token[:, None]
             if n < self.prompt_lookup_min:
                 continue
-            # The latest end: the first True of the reversed row.
-            last = width - 1 - np.argmax(match[:, ::-1], axis=1)
-            hit = match[batch, last]
+            first = np.argmax(match, axis=1)
+            hit = match[batch, first]
             if not hit.any():
                 break  # no row matches n tokens, so none matches more
-            end = np.where(hit, last, end)  # a longer n replaces a shorter one
+            end = np.where(hit, width - 1 - first, end)  # a longer n replaces a shorter one
             found |= hit
         k = self.num_speculative_tokens
         start = end + 1
         num_draft = np.where(found, np.minimum(lens - start, k), 0)
-        idx = np.minimum(start[:, None] + np.arange(k), width - 1)
-        drafts = tokens[batch[:, None], idx].tolist()
+        idx = np.minimum(start[:, None] + np.arange(k), self.max_model_len - 1)
+        drafts = self.token_ids_cpu[rows[:, None], idx].tolist()
         return [d[:c] for d, c in zip(drafts, num_draft.tolist(), strict=True)]
 
 
 def _as_token_ids(request_id: str, token_ids: Sequence[int]) -> np.ndarray:
+    """The ids as a flat int array; ValueError naming the request unless each is in [0, 2**31)."""
     try:
         tokens = np.asarray(token_ids)
-    except (TypeError, ValueError):
-        tokens = None
-    if tokens is None or tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+    except (TypeError, ValueError):  # ragged nesting
+        tokens = np.asarray(None)
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
         raise ValueError(f"token ids of request {request_id!r} must be a flat sequence of "
-                         f"ints, got {type(token_ids).__name__} "
-                         + ("" if tokens is None else f"of shape {tokens.shape}, {tokens.dtype}"))
-    if tokens.size and (tokens.min() < 0 or tokens.max() > _INT32_MAX):
-        raise ValueError(f"token ids of request {request_id!r} must be in [0, {_INT32_MAX}], "
-                         f"got values from {tokens.min()} to {tokens.max()}")
+                         f"ints, got {reprlib.repr(token_ids)}")
+    if tokens.size:
+        # Builtins are far cheaper than numpy reductions on the few tokens of a step.
+        low, high = ((min(token_ids), max(token_ids)) if isinstance(token_ids, list)
+                     else (tokens.min(), tokens.max()))
+        if low < 0 or high > _INT32_MAX:
+            raise ValueError(f"token ids of request {request_id!r} must be in "
+                             f"[0, {_INT32_MAX}], got values from {low} to {high}")
     return tokens
