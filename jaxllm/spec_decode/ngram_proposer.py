@@ -1,6 +1,6 @@
 """NgramProposer: draft tokens for speculative decoding looked up in the request itself.
 
-Prompt lookup decoding needs no draft model: it finds the latest earlier occurrence of a
+Prompt lookup decoding needs no draft model: it finds the earliest occurrence of a
 request's last n tokens (the longest n in [prompt_lookup_min, prompt_lookup_max] that occurs)
 and proposes the tokens that followed it. It pays off where the output repeats its input (code
 edits, summaries, answers quoting a document).
@@ -24,7 +24,7 @@ _INT32_MAX = np.iinfo(np.int32).max
 
 class NgramProposer:
     """Prompt lookup decoding (vLLM's NgramProposer): for a request with tokens x[0..L-1], the
-    draft is the (at most `num_speculative_tokens`) tokens that follow the latest earlier match
+    draft is the (at most `num_speculative_tokens`) tokens that follow the earliest match
     of its suffix x[L-n:L], for the longest n in [prompt_lookup_min, prompt_lookup_max] that
     matches. A match ends before the last token, so it is never the suffix itself and at least
     one token follows it; drafts stop at the end of the sequence. No match: no draft."""
@@ -113,8 +113,8 @@ class NgramProposer:
         width = int(lens.max())
         if width <= self.prompt_lookup_min:
             return [[] for _ in range(len(rows))]  # too short for a match and a token after it
-        # The rows read backwards from the longest one's end, contiguous, so that the latest
-        # match of a row is its first True (np.argmax stops there): rev[b, c] = x[width - 1 - c].
+        # The rows read backwards from the longest one's end, contiguous: rev[b, c] =
+        # x[width - 1 - c], so a row's earliest match is its last True.
         rev = self.token_ids_cpu[rows, width - 1::-1]
         batch = np.arange(len(rows))
         # match[b, c]: the last n tokens of row b also end at position e = width - 1 - c, for
@@ -133,7 +133,7 @@ class NgramProposer:
             match[:, :width - back] &= rev[:, back:] == suffix_token[:, None]
             if n < self.prompt_lookup_min:
                 continue
-            first = np.argmax(match, axis=1)
+            first = width - 1 - np.argmax(match[:, ::-1], axis=1)  # the earliest end
             hit = match[batch, first]
             if not hit.any():
                 break  # no row matches n tokens, so none matches more

@@ -14,12 +14,12 @@ from jaxllm.spec_decode.ngram_proposer import NgramProposer
 
 
 def reference_draft(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
-    """The tokens after the latest earlier occurrence of the longest matching suffix."""
+    """The tokens after the earliest occurrence of the longest matching suffix."""
     length = len(tokens)
     for n in range(min(lookup_max, length - 1), lookup_min - 1, -1):
         suffix = tokens[length - n:]
         # The match must end before the last token: start j <= length - 1 - n.
-        for j in range(length - 1 - n, -1, -1):
+        for j in range(length - n):
             if tokens[j:j + n] == suffix:
                 return tokens[j + n:min(j + n + k, length)]
     return []
@@ -37,8 +37,8 @@ def draft_of(tokens: list[int], **kwargs) -> list[int]:
 
 
 def test_the_reference_on_worked_examples():
-    # The oracle itself, by hand: [1, 2] occurs at 0 (then 3) and at 3 (then 4): the later wins.
-    assert reference_draft([1, 2, 3, 1, 2, 4, 9, 1, 2], 3, 2, 2) == [4, 9, 1]
+    # The oracle itself, by hand: [1, 2] occurs at 0 (then 3) and at 3 (then 4): the first wins.
+    assert reference_draft([1, 2, 3, 1, 2, 4, 9, 1, 2], 3, 2, 2) == [3, 1, 2]
     assert reference_draft([5, 6, 7, 5, 6], 5, 2, 2) == [7, 5, 6]
     assert reference_draft([3, 3], 5, 2, 4) == []
     assert reference_draft([3, 3], 5, 1, 4) == [3]
@@ -47,26 +47,26 @@ def test_the_reference_on_worked_examples():
 # Hand-worked examples -----------------------------------------------------------------------
 
 
-def test_two_earlier_occurrences_pick_the_later_one():
+def test_two_earlier_occurrences_pick_the_first_one():
     tokens = [1, 2, 3, 1, 2, 4, 9, 1, 2]
-    assert draft_of(tokens, k=1, lookup_min=2, lookup_max=2) == [4]
-    assert draft_of(tokens, k=3, lookup_min=2, lookup_max=2) == [4, 9, 1]
+    assert draft_of(tokens, k=1, lookup_min=2, lookup_max=2) == [3]
+    assert draft_of(tokens, k=3, lookup_min=2, lookup_max=2) == [3, 1, 2]
 
 
-def test_the_longest_ngram_wins_over_a_later_shorter_match():
-    # [1, 2, 3] occurs at 1 (then 5); its tail [2, 3] occurs later, at 5 (then 6).
-    tokens = [7, 1, 2, 3, 5, 2, 3, 6, 1, 2, 3]
-    assert draft_of(tokens, k=2, lookup_min=2, lookup_max=3) == [5, 2]
-    assert draft_of(tokens, k=2, lookup_min=2, lookup_max=2) == [6, 1]
+def test_the_longest_ngram_wins_over_an_earlier_shorter_match():
+    # [2, 3] occurs at 1 (then 5); [1, 2, 3] only later, at 4 (then 6).
+    tokens = [7, 2, 3, 5, 1, 2, 3, 6, 1, 2, 3]
+    assert draft_of(tokens, k=2, lookup_min=2, lookup_max=3) == [6, 1]
+    assert draft_of(tokens, k=2, lookup_min=2, lookup_max=2) == [5, 1]
     # A longer lookup_max than any match changes nothing: the longest that matches wins.
-    assert draft_of(tokens, k=2, lookup_min=2, lookup_max=8) == [5, 2]
+    assert draft_of(tokens, k=2, lookup_min=2, lookup_max=8) == [6, 1]
 
 
 def test_drafts_stop_at_the_end_of_the_sequence():
     assert draft_of([5, 6, 7, 5, 6], k=5, lookup_min=2, lookup_max=2) == [7, 5, 6]
     assert draft_of([5, 6, 7, 5, 6], k=2, lookup_min=2, lookup_max=2) == [7, 5]
-    # A run of one token: the latest match of [4, 4] starts one before the suffix.
-    assert draft_of([4, 4, 4, 4, 4], k=5, lookup_min=2, lookup_max=2) == [4]
+    # A run of one token: the first match of [4, 4] starts the sequence.
+    assert draft_of([4, 4, 4, 4, 4], k=5, lookup_min=2, lookup_max=2) == [4, 4, 4]
 
 
 def test_no_match_gives_no_draft():
