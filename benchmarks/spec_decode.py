@@ -3,16 +3,20 @@ k = 3, 5 and 8 draft tokens, and llama.cpp's prompt lookup decoding, in one proc
 taking turns in every round so a shared machine's drift lands on all of them.
 
     PYTHONPATH=. .venv/bin/python benchmarks/spec_decode.py
-    PYTHONPATH=.:/path/to/llama-cpp-python benchmarks/spec_decode.py --settings off ngram5 llama.cpp
+    PYTHONPATH=. .venv/bin/python benchmarks/spec_decode.py --settings off ngram5 --rounds 2
 
 Settings: `off`; `ngram3`, `ngram5`, `ngram8` (speculative_config {"method": "ngram",
 "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}); `llama.cpp`:
 llama-cpp-python on the same GGUF file with `LlamaPromptLookupDecoding(num_pred_tokens=
---llama-pred-tokens)`, 2 threads, greedy, the same prompt token ids (needs the optional `bench`
-extra; it serves one sequence, so batch 1 only). Every jaxllm setting is one LLM with the default
-engine settings, built once before the first round and kept alive; they differ only in
-speculative_config, and get the same max_num_seqs (the largest batch) and KV budget
-(--kv-cache-memory-bytes: the CPU default, and one that lets every engine fit on one GPU).
+--llama-pred-tokens)`, --llama-threads (2) threads, greedy, the same prompt token ids (needs the
+optional `bench` extra; it serves one sequence, so batch 1 only). With a draft model
+llama-cpp-python keeps the logits of every position (logits_all), the prompt's included, so its
+TTFT pays the vocabulary projection of the whole prompt: it is not plain llama.cpp's prefill.
+
+Every jaxllm setting is one LLM with the default engine settings, built once before the first
+round and kept alive; they differ only in speculative_config, and get the same max_num_seqs (the
+largest batch) and KV budget (--kv-cache-memory-bytes: the CPU default, and one that lets every
+engine fit on one GPU).
 
 Workloads:
   - `code`: benchmarks/data/code_edit_prompts.json (benchmarks/code_edit_workload.py): a small
@@ -79,14 +83,16 @@ class LlamaCppLookup:
     """llama-cpp-python with prompt lookup decoding, timed per request like the jaxllm runs: TTFT
     from the call to the first token, TPOT over the rest."""
 
-    def __init__(self, n_ctx: int, num_pred_tokens: int, eos_token_ids: list[int]):
+    def __init__(self, n_ctx: int, num_pred_tokens: int, n_threads: int,
+                 eos_token_ids: list[int]):
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         from jaxllm.model_executor.model_loader.default_model import default_model_path
 
         self.llm = llama_cpp.Llama(
-            model_path=str(default_model_path()), n_ctx=n_ctx, n_threads=2, n_threads_batch=2,
+            model_path=str(default_model_path()), n_ctx=n_ctx, n_threads=n_threads,
+            n_threads_batch=n_threads,
             draft_model=LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens),
             verbose=False)
         self.eos = {*eos_token_ids, self.llm.token_eos()}
@@ -227,13 +233,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--random-output-len", type=int, default=128)
     ap.add_argument("--llama-pred-tokens", type=int, default=8,
                     help="llama.cpp: LlamaPromptLookupDecoding's num_pred_tokens")
+    ap.add_argument("--llama-threads", type=int, default=2, help="llama.cpp: threads")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
                     help="every jaxllm engine's KV budget")
     ap.add_argument("--prompts-file", type=Path, default=CODE_PROMPTS)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "spec_decode.json")
     args = ap.parse_args()
     for name in ("rounds", "num_prompts", "max_tokens", "random_input_len", "random_output_len",
-                 "llama_pred_tokens"):
+                 "llama_pred_tokens", "llama_threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(b < 1 for b in args.batch_sizes):
@@ -292,7 +299,8 @@ def main() -> int:
         longest = max([len(p) + args.max_tokens for p in code]
                       + [args.random_input_len + args.random_output_len])
         start = time.perf_counter()
-        engines["llama.cpp"] = LlamaCppLookup(longest + 16, args.llama_pred_tokens, eos)
+        engines["llama.cpp"] = LlamaCppLookup(longest + 16, args.llama_pred_tokens,
+                                              args.llama_threads, eos)
         print(f"llama.cpp: start-up {time.perf_counter() - start:.1f} s", flush=True)
 
     def prompts_for(workload: str, r: int) -> tuple[list[list[int]], int, bool]:
