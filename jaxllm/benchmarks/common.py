@@ -46,6 +46,11 @@ def warm_up(llm: LLM, sampler: TokenSampler) -> None:
                  use_tqdm=False)
 
 
+def scheduler_state(llm: LLM) -> dict[str, int]:
+    """The core's counters (get_scheduler_state), in either engine mode."""
+    return llm.llm_engine.engine_core_client.call_utility("get_scheduler_state")
+
+
 def make_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
     from jaxllm import LLM
 

@@ -21,6 +21,7 @@ from jaxllm.benchmarks.common import (
     make_llm,
     profile_max_seqs,
     sampling_params,
+    scheduler_state,
     warm_up,
 )
 from jaxllm.benchmarks.datasets import TokenSampler, Workload, token_sampler_for
@@ -31,7 +32,7 @@ from jaxllm.benchmarks.matmul_floor import (
     print_matmul_floor,
     step_shape_counts,
 )
-from jaxllm.benchmarks.metrics import latency_metrics
+from jaxllm.benchmarks.metrics import format_spec_decode, latency_metrics, spec_decode_metrics
 from jaxllm.benchmarks.profile import maybe_profile
 from jaxllm.benchmarks.roofline import ModelCost, print_roofline, roofline, workload_cost
 
@@ -53,6 +54,7 @@ def run_jaxllm_latency(llm: LLM, sampler: TokenSampler, batch_size: int, input_l
         llm.generate(batch(), sp, use_tqdm=False)
     # Only measured iterations count toward the run's step shapes (the matmul floor).
     llm.collective_rpc("reset_step_shape_counts")
+    counters = scheduler_state(llm)
     latencies, ttfts, tpots = [], [], []
     out_tokens = 0
     for _ in tqdm(range(num_iters), desc="Measured iterations", disable=not use_tqdm):
@@ -69,7 +71,8 @@ def run_jaxllm_latency(llm: LLM, sampler: TokenSampler, batch_size: int, input_l
             ttfts.append(m.first_token_time - m.arrival_time)
             if n > 1 and m.finished_time is not None:
                 tpots.append((m.finished_time - m.first_token_time) / (n - 1))
-    return latency_metrics(latencies, ttfts, tpots, out_tokens)
+    return {**latency_metrics(latencies, ttfts, tpots, out_tokens),
+            **spec_decode_metrics(counters, scheduler_state(llm))}
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
@@ -135,4 +138,7 @@ def _print_latency(name: str, m: dict[str, Any]) -> None:
           f"p50 {m.get('tpot_p50', float('nan')) * 1e3:.1f} ms, "
           f"p99 {m.get('tpot_p99', float('nan')) * 1e3:.1f} ms; "
           f"{m['output_tokens_per_second']:.1f} output tok/s")
+    spec = format_spec_decode(m)
+    if spec is not None:
+        print(spec)
 

@@ -16,6 +16,7 @@ from jaxllm.benchmarks.common import (
     make_llm,
     profile_max_seqs,
     sampling_params,
+    scheduler_state,
     warm_up,
 )
 from jaxllm.benchmarks.datasets import (
@@ -26,7 +27,11 @@ from jaxllm.benchmarks.datasets import (
     token_sampler_for,
 )
 from jaxllm.benchmarks.matmul_floor import matmul_floor, print_matmul_floor, step_shape_counts
-from jaxllm.benchmarks.metrics import throughput_metrics
+from jaxllm.benchmarks.metrics import (
+    format_spec_decode,
+    spec_decode_metrics,
+    throughput_metrics,
+)
 from jaxllm.benchmarks.profile import maybe_profile
 from jaxllm.benchmarks.roofline import ModelCost, print_roofline, roofline, workload_cost
 
@@ -38,11 +43,13 @@ def run_jaxllm_throughput(llm: LLM, workload: Workload, ignore_eos: bool,
                           use_tqdm: bool = True) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = [sampling_params(n, ignore_eos) for n in workload.output_lens]
+    counters = scheduler_state(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return throughput_metrics(elapsed, sum(workload.prompt_lens), out_tokens, len(workload))
+    return {**throughput_metrics(elapsed, sum(workload.prompt_lens), out_tokens, len(workload)),
+            **spec_decode_metrics(counters, scheduler_state(llm))}
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
@@ -77,6 +84,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
           f"{ours['output_tokens_per_second']:.1f} output tokens/s "
           f"({ours['num_requests']} requests, {ours['total_prompt_tokens']} prompt + "
           f"{ours['total_output_tokens']} output tokens in {ours['elapsed_time']:.2f} s)")
+    spec = format_spec_decode(ours)
+    if spec is not None:
+        print(spec)
     measured = {"jaxllm": ours["elapsed_time"]}
     if args.compare_hf:
         hf = make_hf_runner(args, llm).throughput(workload, args.hf_batch_size,

@@ -3,6 +3,7 @@ their JSON with the documented keys, and the profile's split adds up. No timing 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,8 +16,10 @@ import pytest
 
 from jaxllm.benchmarks.datasets import TokenSampler, load_dataset, synthetic_workload
 from jaxllm.benchmarks.matmul_floor import matmul_floor
+from jaxllm.benchmarks.metrics import format_spec_decode, spec_decode_metrics
 from jaxllm.benchmarks.profile import PROFILE_PHASES
 from jaxllm.benchmarks.roofline import ModelCost, roofline, workload_cost
+from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.entrypoints.cli.main import main
 from jaxllm.worker.matmul_timing import time_weight_matmuls, weight_matmuls
 from tests.utils import make_tiny_checkpoint
@@ -125,8 +128,10 @@ def test_latency_with_hf(tiny_path, tmp_path, capsys):
     assert dec["jaxllm_fraction"] == pytest.approx(dec["bound_s_per_token"] / res["tpot_mean"])
     assert dec["hf_fraction"] == pytest.approx(dec["bound_s_per_token"] / res["hf"]["tpot_mean"])
     assert dec["matmul_floor_s_per_step"] > 0
+    assert not [k for k in res if k.startswith("spec_decode")]  # speculation is off
     out = capsys.readouterr().out
     assert "TTFT" in out and "Decode vs the memory bound" in out
+    assert "Speculative decoding" not in out
 
 
 def test_weight_matmuls_is_the_models_matmul_chain(tiny_path):
@@ -202,6 +207,46 @@ def test_throughput_from_jsonl_dataset(tiny_path, tmp_path):
     assert res["total_output_tokens"] == 3 + 2 + 5
     assert "roofline" not in res and "hf" not in res
     _positive(res, THROUGHPUT_KEYS)
+
+
+def test_spec_decode_metrics_from_counter_deltas():
+    before = {"num_spec_drafts": 2, "num_spec_draft_tokens": 10, "num_spec_accepted_tokens": 4,
+              "num_free_blocks": 7}
+    after = {"num_spec_drafts": 6, "num_spec_draft_tokens": 30, "num_spec_accepted_tokens": 16,
+             "num_free_blocks": 3}
+    m = spec_decode_metrics(before, after)
+    # 4 drafts of 20 tokens in the run, 12 of them accepted.
+    assert m == {"spec_decode_acceptance_rate": 0.6, "spec_decode_mean_accepted_length": 4.0,
+                 "spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 20,
+                 "spec_decode_num_accepted_tokens": 12}
+    assert format_spec_decode(m) == ("Speculative decoding: acceptance rate 60.0%, mean "
+                                     "accepted length 4.00 (4 drafts, 20 draft tokens, "
+                                     "12 accepted)")
+    # No step carried drafts (speculation off), or a core without the counters.
+    assert spec_decode_metrics(after, after) == {}
+    assert spec_decode_metrics({"num_free_blocks": 7}, {"num_free_blocks": 3}) == {}
+    assert format_spec_decode({"output_tokens_per_second": 1.0}) is None
+
+
+@pytest.mark.skipif("speculative_config" not in {f.name for f in dataclasses.fields(EngineArgs)},
+                    reason="this engine has no speculative_config")
+def test_throughput_reports_spec_decode(tiny_path, tmp_path, capsys):
+    """A prompt that repeats a 4-token pattern: its last 2 tokens occur earlier, so the n-gram
+    proposer drafts from the first decode step on."""
+    data = tmp_path / "repeat.jsonl"
+    data.write_text(json.dumps({"prompt_token_ids": [5, 6, 7, 8] * 6, "output_len": 8}) + "\n")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 5}
+    res = _run(["bench", "throughput", "--model", str(tiny_path), "--dataset", str(data),
+                "--ignore-eos", "--no-roofline", "--speculative-config", json.dumps(spec),
+                *ENGINE], tmp_path / "spec.json")
+    assert res["total_output_tokens"] == 8
+    drafts, tokens = res["spec_decode_num_drafts"], res["spec_decode_num_draft_tokens"]
+    accepted = res["spec_decode_num_accepted_tokens"]
+    assert 1 <= drafts <= tokens <= 3 * drafts and 0 <= accepted <= tokens
+    assert res["spec_decode_acceptance_rate"] == pytest.approx(accepted / tokens)
+    assert res["spec_decode_mean_accepted_length"] == pytest.approx(1 + accepted / drafts)
+    assert format_spec_decode(res) in capsys.readouterr().out
 
 
 def test_sweep_json_and_png(tiny_path, tmp_path):
