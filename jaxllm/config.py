@@ -74,7 +74,7 @@ class SpeculativeConfig:
             raise ValueError(f"{name} must be a dict (or its JSON text), got {value!r}")
         method = value.get("method")
         if method == "draft_model":
-            raise ValueError(f"{name}: method 'draft_model' is not available yet; use 'ngram'")
+            raise ValueError(f"{name}: method 'draft_model' is not supported; use 'ngram'")
         if method not in SPEC_DECODE_METHODS:
             raise ValueError(f"{name}.method must be one of {SPEC_DECODE_METHODS}, got {method!r}")
         known = {f.name for f in dataclasses.fields(cls)}

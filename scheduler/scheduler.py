@@ -209,6 +209,10 @@ class Scheduler:
                 num_new += len(drafts)
             scheduled = True
             while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+                if drafts:  # drafts never cost a preemption: without them first
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 if len(self.running) == 1:
                     self.running.pop()
                     self._finish_unfittable(request)
@@ -348,7 +352,8 @@ class Scheduler:
                     )
                 request.num_computed_tokens += item.num_tokens - num_rejected
                 request.num_inflight_tokens -= item.num_tokens
-                kv.cache_blocks(request, request.num_computed_tokens)
+                if not item.do_sample:
+                    kv.cache_blocks(request, request.num_computed_tokens)
             # Else preempted after this step was scheduled (async scheduling): its KV is gone,
             # but a sampled token is kept, so a seeded stream stays the same.
             if not item.do_sample:
@@ -364,6 +369,10 @@ class Scheduler:
                 accepted.append(token_id)
                 if check_stop(request, self.config.max_model_len):
                     break
+            if running:
+                # After the tokens are appended: blocks are registered under the hash of the
+                # tokens they hold, and accepted drafts are computed tokens too.
+                kv.cache_blocks(request, request.num_computed_tokens)
             if request.is_finished:
                 (self.running if running else self.waiting).remove(request)
                 self._free_request(request)

@@ -154,6 +154,9 @@ class EngineCore:
         # Speculative decoding: the proposer, the most requests a step verifies drafts for (the
         # largest spec-decode bucket), and counters since start.
         spec = config.speculative_config
+        if spec is not None and self.async_scheduling:
+            raise ValueError("speculative decoding runs without async scheduling: build the "
+                             "config with EngineArgs.create_engine_config()")
         self.drafter: NgramProposer | None = None
         self._max_spec_seqs = 0
         if spec is not None:
@@ -380,8 +383,8 @@ class EngineCore:
             stats.device_s = out.timings.device_s
             stats.transfer_s = out.timings.transfer_s
             for r in scheduler_output.scheduled:
-                if r.do_sample and r.num_tokens == 1:
-                    stats.num_decode_tokens += 1
+                if r.do_sample and r.num_tokens == 1 + r.num_draft_tokens:
+                    stats.num_decode_tokens += 1  # drafts are counted in spec_num_draft_tokens
                 else:
                     stats.num_prefill_tokens += r.num_tokens
         for rid in sampled.errors:  # before the update, which then skips them

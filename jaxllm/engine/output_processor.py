@@ -208,9 +208,13 @@ class OutputProcessor:
                     state.logprobs.extend(out.new_logprobs.to_dicts()[:n])
                 if state.cumulative_logprob is not None and out.new_sampled_logprobs:
                     state.cumulative_logprob += sum(out.new_sampled_logprobs[:n])
-            if stop_string is not None and out.finish_reason is None:
+            # A stop string inside several tokens ends the request there, whatever ended it
+            # at the last of them in the core.
+            cut = len(new_ids) < len(out.new_token_ids)
+            if stop_string is not None and (out.finish_reason is None or cut):
                 state.finish_reason, state.stop_reason = "stop", stop_string
-                to_abort.append(state.request_id)
+                if out.finish_reason is None:
+                    to_abort.append(state.request_id)
             elif out.finish_reason is not None:
                 state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
             if state.finish_reason is not None:

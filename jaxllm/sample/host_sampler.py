@@ -73,13 +73,14 @@ class SampleInputs:
         pos[keep] = np.arange(len(keep))
         g = np.flatnonzero(pos[self.grammar_rows] >= 0)
         req_ids = [self.req_ids[j] for j in keep.tolist()]
+        kept_ids = set(req_ids)
         return SampleInputs(
             self.live[keep], [self.requests[j] for j in keep.tolist()], req_ids,
             self.metadata.rows(keep), self.processed[keep], self.u[keep],
             pos[self.grammar_rows[g]],
             None if self.grammar_bitmask is None else self.grammar_bitmask[g],
             {int(pos[j]): m for j, m in self.token_masks.items() if pos[j] >= 0},
-            {rid: why for rid, why in self.errors.items() if rid in set(req_ids)},
+            {rid: why for rid, why in self.errors.items() if rid in kept_ids},
             self.rows[keep])
 
     def positions_of(self, req_ids: list[str]) -> np.ndarray:
@@ -222,7 +223,8 @@ class HostSampler:
                                        "(dead end)")
                 continue
             result = verify(out.logits_rows(rows), drafts, self._row(inputs.requests[j]),
-                            masks=masks, lse=None if topk is None else topk.lse[rows])
+                            masks=masks, lse=None if topk is None else topk.lse[rows],
+                            all_sampled_logprobs=False)
             sampled.verified[j] = result
             sampled.tokens[j] = result.token_ids[-1]
             sampled.logprobs_raw[j] = result.sampled_logprobs[-1]

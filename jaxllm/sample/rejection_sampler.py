@@ -9,13 +9,17 @@ them. Then, in order:
   argmax instead (the correction); all accepted: row d's argmax is the bonus token. The output
   is exactly what non-speculative greedy decoding emits from the same logits.
 - random: the target distribution p_j of row j is what the sampler draws from (temperature,
-  min_p, top-k, top-p over the processed logits). Draft t is accepted with probability
-  min(1, p_j(t) / q_j(t)) (q_j: the proposer's distribution; a point mass at t for n-gram
-  drafts); on rejection a token is drawn from the residual max(0, p_j - q_j), renormalised;
-  all accepted: a bonus token from p_d. Every emitted token is then distributed as p (Leviathan
-  et al. 2023; Chen et al. 2023). Draws come from the request's own generator, one for each
-  acceptance test and one for the final draw, so a seeded request's tokens depend only on its
-  seed, its logits and its drafts, never on the batch.
+  min_p, top-k, top-p over the processed logits). Rejection sampling (Leviathan et al. 2023;
+  Chen et al. 2023) accepts draft t with probability min(1, p_j(t) / q_j(t)), q_j being the
+  proposer's distribution, and on rejection draws from the residual max(0, p_j - q_j),
+  renormalised; all accepted, a bonus token comes from p_d. Every emitted token is then
+  distributed as p. For drafts without a distribution (n-gram: q_j is a point mass at t) both
+  steps take one uniform u: the token x that inverting p_j's cumulative weights at u gives, as
+  the sampler without drafts would draw it; t is accepted when x == t (probability p_j(t)), else
+  x is emitted (distributed as p_j without t, renormalised: the residual). So each emitted token
+  takes exactly one draw from the request's generator, as without drafts: a seeded request
+  gives the same tokens with or without speculation, whatever its batch, from the same logits.
+  With a draft distribution, the acceptance test and the residual draw take one draw each.
 Logprobs are the raw distribution's (as for non-speculative rows), one per emitted token.
 """
 
@@ -82,7 +86,8 @@ def _row_at(row: SamplingRow, drafts: Sequence[int], j: int,
 def verify(logits: np.ndarray, draft_token_ids: Sequence[int], row: SamplingRow, *,
            masks: Sequence[TokenMask | None] | None = None,
            draft_probs: np.ndarray | None = None,
-           lse: np.ndarray | None = None) -> VerifiedTokens:
+           lse: np.ndarray | None = None,
+           all_sampled_logprobs: bool = True) -> VerifiedTokens:
     """Verify one request's drafts.
 
     logits: [d + 1, vocab] raw rows (row j after draft j); `row`: the request's sampling row
@@ -90,7 +95,8 @@ def verify(logits: np.ndarray, draft_token_ids: Sequence[int], row: SamplingRow,
     mask per position; a list shorter than d + 1 means the draft at its last position is not
     allowed there, so nothing after it can be accepted. draft_probs: [d, vocab] the proposer's
     distribution per draft, None for point masses (n-gram). lse: the rows' raw log-sum-exp when
-    the device computed it.
+    the device computed it; without it, all_sampled_logprobs=False leaves `sampled_logprobs`
+    NaN unless the request asked for logprobs (as `sampler.sample`).
     """
     x = np.asarray(logits, np.float32)
     d = len(draft_token_ids)
@@ -98,6 +104,7 @@ def verify(logits: np.ndarray, draft_token_ids: Sequence[int], row: SamplingRow,
         raise ValueError(f"verify: logits of shape {x.shape} for {d} drafts (want {d + 1} rows)")
     params = row.params
     want_logprobs = params.logprobs is not None
+    want_sampled_logprobs = all_sampled_logprobs or want_logprobs
     vocab = x.shape[1]
     raw_buf = np.empty(vocab, np.float32)
     work_buf = np.empty(vocab, np.float32)
@@ -125,29 +132,32 @@ def verify(logits: np.ndarray, draft_token_ids: Sequence[int], row: SamplingRow,
             cand, w = _target(logits_j, row, work_buf)
             if draft is None:
                 tok, accept = _draw(cand, w, float(generator.random())), False
+            elif draft_probs is None:
+                tok = _draw(cand, w, float(generator.random()))
+                accept = tok == draft
             else:
                 total = float(np.sum(w, dtype=np.float64))
                 p_t = _weight_of(cand, w, draft) / total
-                q = None if draft_probs is None else np.asarray(draft_probs[j], np.float64)
-                q_t = 1.0 if q is None else float(q[draft])
+                q = np.asarray(draft_probs[j], np.float64)
+                q_t = float(q[draft])
                 # u < p/q, written so a zero q never divides (a draft of probability 0 under
                 # its own proposer is never accepted).
                 accept = float(generator.random()) * q_t < p_t
                 if accept:
                     tok = draft
                 else:
-                    tok = _draw_residual(cand, w / total, q, draft,
-                                         float(generator.random()))
+                    tok = _draw_residual(cand, w / total, q, float(generator.random()))
         if accept:
             tok = draft
             num_accepted += 1
         assert tok is not None
         tokens.append(tok)
         row_lse = float(lse[j]) if lse is not None else None
-        if row_lse is None:
+        if row_lse is None and want_sampled_logprobs:
             m = float(raw.max())
             row_lse = _lse(_exp_row(raw, raw_buf, m)) if math.isfinite(m) else m
-        sampled.append(float(raw[tok]) - row_lse)
+        # The raw log-normaliser costs a pass over the vocabulary: only when someone reads it.
+        sampled.append(math.nan if row_lse is None else float(raw[tok]) - row_lse)
         if rows is not None:
             ids, lps, ranks = _logprob_row(raw, row_lse, params.logprobs, tok)
             rows.token_ids.append(ids)
@@ -158,19 +168,10 @@ def verify(logits: np.ndarray, draft_token_ids: Sequence[int], row: SamplingRow,
     return VerifiedTokens(tokens, sampled, rows, num_accepted)
 
 
-def _draw_residual(cand: np.ndarray | None, p: np.ndarray, q: np.ndarray | None, draft: int,
-                   u: float) -> int:
+def _draw_residual(cand: np.ndarray | None, p: np.ndarray, q: np.ndarray, u: float) -> int:
     """Draw from max(0, p - q), renormalised (p: the target's normalised weights over `cand`).
-    With a point-mass q that is p without the draft token. If nothing is left (p == q, which
-    a rejection makes a zero-probability event), p itself."""
-    res = p.astype(np.float64, copy=True)
-    if q is None:
-        if cand is None:
-            res[draft] = 0.0
-        else:
-            res[cand == draft] = 0.0
-    else:
-        res = np.maximum(res - (q if cand is None else q[cand]), 0.0)
+    If nothing is left (p == q, which a rejection makes a zero-probability event), p itself."""
+    res = np.maximum(p.astype(np.float64) - (q if cand is None else q[cand]), 0.0)
     if not np.any(res > 0.0):
         res = p.astype(np.float64)
     return _draw(cand, res, u)

@@ -15,9 +15,14 @@ start-up, so serving never compiles:
   - any other step pads T to a token bucket (powers of two from 16 up to
     max_num_batched_tokens) with max_query_len = T;
   - the sequence count S and the number of logits rows are min(T, max_num_seqs), so they follow
-    T and add no bucket dimension.
+    T and add no bucket dimension;
+  - with speculative decoding, a step where every request computes its next token and its draft
+    tokens pads to a spec-decode bucket: s sequences (s a decode bucket) of 1 + k tokens, T =
+    s * (1 + k), max_query_len = 1 + k, a logits row at every token (`step_sizes`); such
+    buckets pick their weights like decode buckets of T rows.
 Weights are picked per bucket when it is compiled (`params_for`), between two trees of the same
-values: with quantization="gguf" the decode buckets up to `gemv_max_rows` run on
+values: with quantization="gguf" the decode (and spec-decode) buckets up to `gemv_max_rows` rows
+run on
 `gemv_params` (GGUF blocks kept quantized, fused dequant GEMVs: fewer bytes per step), every
 other bucket on `params` (float32 copies, fastest for multi-row dots); with a Pallas kernel
 backend the loader gives one tree, all quantized, and every bucket runs the fused dequant
@@ -194,8 +199,11 @@ class ModelRunner:
         # every token (docs/spec_decode.md).
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_query_len = 1 + num_speculative_tokens
-        self.spec_buckets = ([s * self.spec_query_len for s in self.decode_buckets
-                              if s * self.spec_query_len <= max_num_batched_tokens]
+        # A one-sequence spec bucket the shape of a token bucket (1 + k a power of two) is
+        # left to that token bucket, which holds as many logits rows.
+        self.spec_buckets = ([t for s in self.decode_buckets
+                              if (t := s * self.spec_query_len) <= max_num_batched_tokens
+                              and not (t == self.spec_query_len and t in self.buckets)]
                              if num_speculative_tokens else [])
         self.model = Qwen2ForCausalLM(self.local_config, dtype=dtype,
                                       kernel_backend=kernel_backend,
@@ -338,13 +346,21 @@ class ModelRunner:
         """Device bytes the largest step needs besides weights and KV: its temporaries plus the
         outputs that do not alias the donated KV array, read from XLA's memory analysis of that
         step compiled against a small probe KV array (one extra compile)."""
-        num_tokens = self.buckets[-1]
-        ma = self._compile_step(num_tokens, num_tokens, probe_blocks).memory_analysis()
-        if ma is None:
-            raise RuntimeError(f"XLA gives no memory analysis on {jax.default_backend()} to "
-                               "size the KV cache from; give num_kv_blocks or "
-                               "kv_cache_memory_bytes")
-        return int(ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
+        # The largest token bucket; the largest spec-decode bucket too, whose logits rows (one
+        # per token) may make it the larger one.
+        shapes = [(self.buckets[-1], self.buckets[-1])]
+        if self.spec_buckets:
+            shapes.append((self.spec_buckets[-1], self.spec_query_len))
+        need = 0
+        for num_tokens, max_query_len in shapes:
+            ma = self._compile_step(num_tokens, max_query_len, probe_blocks).memory_analysis()
+            if ma is None:
+                raise RuntimeError(f"XLA gives no memory analysis on {jax.default_backend()} "
+                                   "to size the KV cache from; give num_kv_blocks or "
+                                   "kv_cache_memory_bytes")
+            need = max(need, int(ma.temp_size_in_bytes + ma.output_size_in_bytes
+                                 - ma.alias_size_in_bytes))
+        return need
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the one paged KV array (all layers); compile() comes after."""
@@ -361,7 +377,9 @@ class ModelRunner:
         shapes = self.bucket_shapes()
         rows = jax.ShapeDtypeStruct((PROMPT_LOGPROB_ROWS,), jnp.int32,
                                     sharding=self._replicated())
-        prompt_tokens = sorted({num_tokens for num_tokens, _ in shapes})
+        # Spec-decode steps carry no prompt tokens: no prompt-logprob executable for them.
+        prompt_tokens = sorted({num_tokens for shape in shapes if not self.is_spec_shape(shape)
+                                for num_tokens in shape[:1]})
         # Tracing and lowering are Python (they hold the GIL): one after another here; XLA's
         # compiles release it and run in a pool. Each result lands under its own key, so the
         # executables do not depend on the order the compiles finish in.

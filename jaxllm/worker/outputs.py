@@ -71,7 +71,9 @@ class ModelRunnerOutput:
     logits on request (`logits_rows`); prompt logprob statistics where asked."""
 
     sample_req_ids: list[str]
-    topk: TopKLogits | None  # rows follow sample_req_ids; None when the runner has top-K off
+    # Rows follow the step's logits rows (one per sampling request, 1 + d for one verifying d
+    # drafts; `StepInputs.sample_rows`); None when the runner has top-K off.
+    topk: TopKLogits | None
     handle: StepHandle
     # When the small outputs were on the host (perf_counter): the start of the host's critical
     # section, which ends when the next step is dispatched.
