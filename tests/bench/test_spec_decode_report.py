@@ -42,7 +42,7 @@ def test_greedy_check_names_each_differing_request():
                ("code", 1, "ngram3"): [_round(1, 1.0, token_ids=[[1, 2, 3], [4, 6, 7]])],
                ("code", 1, "ngram8"): [_round(1, 1.0, token_ids=[[1, 2, 3], [4, 5]])]}
     assert check_greedy(results, "code") == [
-        {"workload": "code", "round": 1, "setting": "ngram3", "prompt": 1,
+        {"workload": "code", "batch_size": 1, "round": 1, "setting": "ngram3", "prompt": 1,
          "first_difference": 1, "off_len": 2, "setting_len": 3}]
     # A longer output that starts like off's differs where off's ends.
     results[("code", 1, "ngram8")] = [_round(1, 1.0, token_ids=[[1, 2, 3, 9], [4, 5]])]
