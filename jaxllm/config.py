@@ -47,19 +47,22 @@ MATMUL_PRECISIONS = ("default", "high", "highest")
 CUDA_GRAPH_TRITON_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL",)
 
 
-SPEC_DECODE_METHODS = ("ngram",)
+SPEC_DECODE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's `speculative_config`): `ngram` proposes up to
-    `num_speculative_tokens` drafts per step by prompt lookup, matching the sequence's last
-    `prompt_lookup_max` down to `prompt_lookup_min` tokens against its earlier tokens."""
+    """Speculative decoding (vLLM's `speculative_config`): up to `num_speculative_tokens`
+    drafts per request and step, proposed by `ngram` (prompt lookup: the sequence's last
+    `prompt_lookup_max` down to `prompt_lookup_min` tokens matched against its earlier tokens)
+    or `draft_model` (`model`: a checkpoint directory or .gguf file of a smaller model with the
+    target's vocabulary)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    model: str | None = None
 
     @classmethod
     def from_dict(cls, value: Any) -> SpeculativeConfig:
@@ -73,8 +76,6 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"{name} must be a dict (or its JSON text), got {value!r}")
         method = value.get("method")
-        if method == "draft_model":
-            raise ValueError(f"{name}: method 'draft_model' is not supported; use 'ngram'")
         if method not in SPEC_DECODE_METHODS:
             raise ValueError(f"{name}.method must be one of {SPEC_DECODE_METHODS}, got {method!r}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -86,6 +87,12 @@ class SpeculativeConfig:
             v = value.get(key, getattr(cls, key, None))
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name}.{key} must be an integer >= {low}, got {v!r}")
+        model = value.get("model")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError(f"{name}: method 'draft_model' needs 'model', the draft model's "
+                             f"checkpoint directory or .gguf file, got {model!r}")
+        if method == "ngram" and model is not None:
+            raise ValueError(f"{name}: method 'ngram' takes no 'model', got {model!r}")
         config = cls(**value)
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError(f"{name}: prompt_lookup_min ({config.prompt_lookup_min}) exceeds "

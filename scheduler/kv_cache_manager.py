@@ -65,8 +65,10 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` tokens after the request's computed and in-flight ones.
+        """Make room for `num_new_tokens` tokens after the request's computed and in-flight ones
+        (and `num_lookahead_tokens` more slots past them).
 
         `new_computed_blocks` (from get_computed_blocks, only for a request without blocks)
         are referenced and prepended. Returns the newly allocated blocks, or None (changing
@@ -77,7 +79,7 @@ class KVCacheManager:
             raise ValueError(f"request {request.request_id!r} already has blocks")
         num_computed = (request.num_computed_tokens + request.num_inflight_tokens
                         + len(new_computed_blocks) * self.block_size)
-        num_needed = self.num_blocks_needed(num_computed + num_new_tokens)
+        num_needed = self.num_blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
         num_new_blocks = max(0, num_needed - len(blocks) - len(new_computed_blocks))
         # A hit on a free cached block takes it out of the free queue as well.
         num_hits_on_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

@@ -21,6 +21,9 @@ class SchedulerConfig:
     # Including the reserved null block 0; usable blocks are num_blocks - 1.
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
+    # Speculative decoding with a draft model: slots a request keeps past its scheduled tokens,
+    # where the draft model writes the KV of its drafts before the target sees them.
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -208,10 +211,11 @@ class Scheduler:
                 drafts = self._take_drafts(request, num_new, pending, budget)
                 num_new += len(drafts)
             scheduled = True
-            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
-                if drafts:  # drafts never cost a preemption: without them first
+            lookahead = self._lookahead(request, num_new)
+            while (new_blocks := kv.allocate_slots(request, num_new, (), lookahead)) is None:
+                if lookahead or drafts:  # never worth a preemption: without them first
                     num_new -= len(drafts)
-                    drafts = []
+                    drafts, lookahead = [], 0
                     continue
                 if len(self.running) == 1:
                     self.running.pop()
@@ -243,7 +247,9 @@ class Scheduler:
             request = self.waiting[0]
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            if kv.allocate_slots(request, num_new, computed_blocks) is None:
+            if kv.allocate_slots(request, num_new, computed_blocks,
+                                 self._lookahead(request, num_new, num_hit)) is None \
+                    and kv.allocate_slots(request, num_new, computed_blocks) is None:
                 if self.running:
                     break
                 self.waiting.popleft()
@@ -266,6 +272,15 @@ class Scheduler:
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         out.truncated_block_tables, self._truncated = self._truncated, {}
         return out
+
+    def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
+        """Lookahead slots for the request after `num_new` more tokens, within max_model_len."""
+        if not self.config.num_lookahead_tokens:
+            return 0
+        if num_computed is None:
+            num_computed = request.num_computed_tokens + request.num_inflight_tokens
+        return max(0, min(self.config.num_lookahead_tokens,
+                          self.config.max_model_len - num_computed - num_new))
 
     def _take_drafts(self, request: Request, num_new: int, pending: int,
                      budget: int) -> list[int]:
@@ -377,9 +392,11 @@ class Scheduler:
                 (self.running if running else self.waiting).remove(request)
                 self._free_request(request)
             elif num_rejected and running:
-                # The rejected drafts' blocks go back; the next token's position is kept.
-                kept = kv.truncate(request, request.num_computed_tokens
-                                   + request.num_inflight_tokens + 1)
+                # The rejected drafts' blocks go back; the next token's position (and the
+                # lookahead past it) is kept.
+                num_kept = request.num_computed_tokens + request.num_inflight_tokens + 1
+                kept = kv.truncate(request, num_kept + self._lookahead(request, 1,
+                                                                       num_kept - 1))
                 if kept is not None:
                     self._truncated[rid] = kept
             outputs.append(

@@ -40,6 +40,7 @@ from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
+from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
 from jaxllm.structured_output.request import StructuredOutputRequest
@@ -124,11 +125,14 @@ class EngineCore:
         self.runner.initialize_kv_cache(num_blocks)
         compile_time_s = self.runner.compile(progress=config.show_progress)
         multihost.attach(self.distributed, self.runner, PROMPT_LOGPROB_ROWS)
+        spec = config.speculative_config
+        use_draft_model = spec is not None and spec.method == "draft_model"
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
             block_size=config.block_size, num_blocks=num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching))
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_lookahead_tokens=spec.num_speculative_tokens if use_draft_model else 0))
         self.info = EngineCoreInfo(
             config=config, model_config=model_config, max_model_len=max_model_len,
             num_kv_blocks=num_blocks,
@@ -153,16 +157,18 @@ class EngineCore:
         self._inflight: tuple[SchedulerOutput, StepHandle, SchedulerStats] | None = None
         # Speculative decoding: the proposer, the most requests a step verifies drafts for (the
         # largest spec-decode bucket), and counters since start.
-        spec = config.speculative_config
         if spec is not None and self.async_scheduling:
             raise ValueError("speculative decoding runs without async scheduling: build the "
                              "config with EngineArgs.create_engine_config()")
-        self.drafter: NgramProposer | None = None
+        self.drafter: NgramProposer | DraftModelProposer | None = None
         self._max_spec_seqs = 0
-        if spec is not None:
+        if use_draft_model:
+            self.drafter = DraftModelProposer(config, model_config, max_model_len, num_blocks)
+        elif spec is not None:
             self.drafter = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                          spec.prompt_lookup_max, max_model_len,
                                          config.max_num_seqs)
+        if spec is not None:
             self._max_spec_seqs = max(self.runner.spec_buckets, default=0) \
                 // self.runner.spec_query_len
         self.spec_counts = {"num_spec_drafts": 0, "num_spec_draft_tokens": 0,
@@ -346,6 +352,8 @@ class EngineCore:
     def _schedule(self, stats: SchedulerStats) -> SchedulerOutput:
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if isinstance(self.drafter, DraftModelProposer):
+            self.drafter.update_states(scheduler_output)
         stats.schedule_s = time.perf_counter() - t0
         stats.num_preemptions = len(scheduler_output.preempted_req_ids)
         stats.prefix_cache_queries = scheduler_output.num_prefix_cache_queries
@@ -434,18 +442,20 @@ class EngineCore:
 
     def _propose_drafts(self, scheduler_output: SchedulerOutput,
                         outputs: list[EngineCoreOutput]) -> None:
-        """Keep the proposer's token rows in step with the accepted tokens, then give each
-        running request about to decode its drafts for the next step (none when more requests
-        run than a spec-decode bucket holds)."""
+        """Give each running request about to decode its drafts for the next step (none when
+        more requests run than a spec-decode bucket holds); the n-gram proposer's token rows
+        first follow the accepted tokens."""
         drafter = self.drafter
         assert drafter is not None
+        ngram = isinstance(drafter, NgramProposer)
         requests = self.scheduler.requests
         for rid in scheduler_output.preempted_req_ids:
             drafter.remove(rid)
         for o in outputs:
             if o.finished:
                 drafter.remove(o.request_id)
-            elif o.new_token_ids and (request := requests.get(o.request_id)) is not None:
+            elif ngram and o.new_token_ids \
+                    and (request := requests.get(o.request_id)) is not None:
                 if drafter.has_request(o.request_id):
                     drafter.append(o.request_id, o.new_token_ids)
                 else:
@@ -454,11 +464,14 @@ class EngineCore:
         if not running or len(running) > self._max_spec_seqs:
             return
         ready = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
-                 and not r.num_inflight_tokens and drafter.has_request(r.request_id)]
-        if ready:
-            for request, drafts in zip(ready, drafter.propose([r.request_id for r in ready]),
-                                       strict=True):
-                request.spec_token_ids = drafts
+                 and not r.num_inflight_tokens
+                 and (not ngram or drafter.has_request(r.request_id))]
+        if not ready:
+            return
+        drafts = drafter.propose([r.request_id for r in ready]) if ngram \
+            else drafter.propose(ready)
+        for request, draft in zip(ready, drafts, strict=True):
+            request.spec_token_ids = draft
 
     def _advance_matchers(self, outputs: list[EngineCoreOutput]) -> None:
         """Feed each constrained request's matcher the tokens just accepted for it; finish it
