@@ -1,0 +1,453 @@
+"""Speculative decoding (n-gram prompt lookup) end to end.
+
+Oracles: the same engine settings without speculation, and Hugging Face's greedy decoding of the
+same checkpoint. Greedy requests must give exactly the tokens, logprobs, finish reasons and text
+they give without drafts, under preemption, chunked prefill, prefix-cache hits, stops, length
+limits and structured outputs; seeded random requests must not depend on their batch. Every
+test checks through the core's counters that drafts were verified and some accepted, so the
+speculative path really ran.
+
+The tiny checkpoint here is initialised with a larger weight scale than the other engine tests'
+(whose greedy output repeats one token): its greedy output wanders and falls into short cycles,
+so prompt lookup proposes runs that are partly accepted and partly rejected.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from jaxllm import SamplingParams
+from jaxllm.config import SpeculativeConfig
+from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
+from tests.utils import (
+    assert_pool_free,
+    check_logprobs_close,
+    compile_count,
+    make_llm,
+    make_tiny_checkpoint,
+    on_each_step,
+    scheduler_state,
+)
+
+VOCAB = 512
+
+
+def ngram(k: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_spec")
+    return path, make_tiny_checkpoint(path, False, seed=2, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(model):
+    _, hf = model
+
+    @functools.cache
+    def run(prompt: tuple[int, ...], max_new: int) -> list[int]:
+        import torch
+
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                              min_new_tokens=max_new, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """Prompts with repeats (lookup finds drafts in the prompt) and without (only the output's
+    own cycles give drafts)."""
+    rng = np.random.default_rng(42)
+    pat = rng.integers(0, VOCAB, 6).tolist()
+    return [pat * 4,
+            rng.integers(0, VOCAB, 17).tolist(),
+            list(range(20, 30)) * 3,
+            (pat[:3] + [5]) * 5 + rng.integers(0, VOCAB, 9).tolist(),
+            rng.integers(0, VOCAB, 3).tolist()]
+
+
+# In process: the chunked-prefill check reads each step's schedule. float32: HF's precision.
+@pytest.fixture(scope="module")
+def plain(model):
+    return make_llm(model[0], dtype="float32", multiprocess_mode=False)
+
+
+@pytest.fixture(scope="module")
+def spec(model):
+    return make_llm(model[0], dtype="float32", multiprocess_mode=False,
+                    speculative_config=ngram(3))
+
+
+@pytest.fixture(scope="module")
+def spec_tight(model):
+    """k = 5, a KV cache small enough to preempt and a token budget small enough to chunk."""
+    return make_llm(model[0], dtype="float32", multiprocess_mode=False, num_kv_blocks=12,
+                    max_num_seqs=4, max_num_batched_tokens=32, speculative_config=ngram(5))
+
+
+def token_prompts(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def generate(llm, prompts, params):
+    return llm.generate(token_prompts(prompts), params, use_tqdm=False)
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+class SpecCounters:
+    """The core's speculative-decoding counters over a block of the test."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.before = self._read()
+
+    def _read(self) -> dict[str, int]:
+        state = scheduler_state(self.llm)
+        return {k: state[k] for k in ("num_spec_drafts", "num_spec_draft_tokens",
+                                      "num_spec_accepted_tokens")}
+
+    def delta(self) -> dict[str, int]:
+        now = self._read()
+        return {k: now[k] - self.before[k] for k in now}
+
+    def assert_exercised(self, rejected: bool = True) -> dict[str, int]:
+        """Drafts were verified and some accepted; with `rejected`, some were also refused."""
+        d = self.delta()
+        assert d["num_spec_drafts"] > 0 and d["num_spec_draft_tokens"] >= d["num_spec_drafts"], d
+        assert d["num_spec_accepted_tokens"] > 0, d
+        assert d["num_spec_accepted_tokens"] <= d["num_spec_draft_tokens"], d
+        if rejected:
+            assert d["num_spec_accepted_tokens"] < d["num_spec_draft_tokens"], d
+        return d
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(plain, prompts) -> list[list[int]]:
+    return token_ids(generate(plain, prompts, GREEDY))
+
+
+def test_greedy_equals_spec_off_and_hf(spec, plain_greedy, prompts, hf_greedy):
+    for prompt, want in zip(prompts, plain_greedy, strict=True):
+        assert want == hf_greedy(tuple(prompt), GREEDY.max_tokens)
+    counters = SpecCounters(spec)
+    before = compile_count(spec)
+    spec.collective_rpc("reset_step_shape_counts")
+    outs = generate(spec, prompts, GREEDY)
+    assert compile_count(spec) == before, "the engine compiled after warm-up"
+    assert token_ids(outs) == plain_greedy
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    counters.assert_exercised()
+    # Steps of the spec-decode shape ran: 1 + k tokens per sequence.
+    shapes = spec.collective_rpc("get_step_shape_counts")
+    assert any(q == 4 for _, q, _ in shapes), shapes
+    assert_pool_free(spec)
+
+
+def test_one_request_alone(spec, plain_greedy, prompts):
+    # Alone: every step is a spec-decode step of one sequence.
+    for i in (0, 2):
+        counters = SpecCounters(spec)
+        assert token_ids(generate(spec, [prompts[i]], GREEDY)) == [plain_greedy[i]]
+        counters.assert_exercised(rejected=False)
+    assert_pool_free(spec)
+
+
+def test_preemption_and_chunked_prefill(spec_tight, plain, prompts):
+    rng = np.random.default_rng(3)
+    # Long prompts with repeats: prefills take several 32-token chunks and the 11 usable
+    # blocks of 16 tokens cannot hold every request to the end.
+    long_prompts = [(p * 8)[:int(n)] for p, n in zip(prompts, rng.integers(40, 60, 5),
+                                                     strict=True)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = token_ids(generate(plain, long_prompts, params))
+    steps = []
+    on_each_step(spec_tight, lambda so: steps.append(
+        [(r.num_tokens, r.do_sample, r.num_draft_tokens) for r in so.scheduled]))
+    counters = SpecCounters(spec_tight)
+    preemptions = scheduler_state(spec_tight)["num_preemptions"]
+    got = token_ids(generate(spec_tight, long_prompts, params))
+    assert got == want
+    assert scheduler_state(spec_tight)["num_preemptions"] > preemptions
+    # Chunked: some steps computed part of a prompt (no token sampled); the budget held,
+    # drafts included.
+    assert any(not do_sample for step in steps for _, do_sample, _ in step)
+    assert max(sum(n for n, _, _ in step) for step in steps) <= 32
+    assert max(d for step in steps for _, _, d in step) == 5
+    counters.assert_exercised()
+    assert_pool_free(spec_tight)
+
+
+def test_prefix_cache_hits(spec, plain, prompts):
+    rng = np.random.default_rng(5)
+    base = (prompts[3] * 3)[:70]
+    shared = [base[:48] + rng.integers(0, VOCAB, 5).tolist(),
+              base[:50] + rng.integers(0, VOCAB, 12).tolist()]
+    want = token_ids(generate(plain, [base] + shared, GREEDY))
+    counters = SpecCounters(spec)
+    assert token_ids(generate(spec, [base], GREEDY)) == want[:1]
+    outs = generate(spec, shared, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [48, 48]
+    assert token_ids(outs) == want[1:]
+    counters.assert_exercised(rejected=False)
+    assert_pool_free(spec)
+
+
+def test_max_tokens_inside_an_accepted_run(spec, plain, prompts):
+    """Every length from 2 to 20: a run of accepted drafts that would overshoot it is cut by
+    the scheduler (drafts beyond max_tokens are never proposed to the step)."""
+    lengths = list(range(2, 21))
+    batch = [prompts[0]] * len(lengths)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
+    want = token_ids(generate(plain, [prompts[0]], SamplingParams(
+        temperature=0.0, max_tokens=max(lengths), ignore_eos=True)))[0]
+    counters = SpecCounters(spec)
+    outs = generate(spec, batch, params)
+    for m, o in zip(lengths, outs, strict=True):
+        assert o.outputs[0].token_ids == want[:m], m
+        assert o.outputs[0].finish_reason == "length"
+    counters.assert_exercised(rejected=False)
+    assert_pool_free(spec)
+
+
+def test_stop_token_ids(spec, plain, prompts, plain_greedy):
+    """A stop token id in the middle of the output: generation ends on it, as without drafts,
+    even where it arrives with accepted drafts after it in the same step."""
+    counters = SpecCounters(spec)
+    for i, want_all in enumerate(plain_greedy):
+        # The first token that appears for the first time at position 6 or later.
+        pos = next((j for j in range(6, len(want_all)) if want_all[j] not in want_all[:j]),
+                   None)
+        if pos is None:
+            continue
+        params = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[want_all[pos]])
+        want = generate(plain, [prompts[i]], params)[0].outputs[0]
+        got = generate(spec, [prompts[i]], params)[0].outputs[0]
+        assert list(want.token_ids) == want_all[:pos + 1]
+        assert (list(got.token_ids), got.finish_reason, got.stop_reason) == \
+            (list(want.token_ids), "stop", want_all[pos])
+    counters.assert_exercised()
+    assert_pool_free(spec)
+
+
+def test_greedy_logprobs_close_to_spec_off(spec, plain, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    want = generate(plain, prompts, params)
+    counters = SpecCounters(spec)
+    got = generate(spec, prompts, params)
+    counters.assert_exercised()
+
+    def pairs(outs):
+        return [(list(o.outputs[0].token_ids),
+                 [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                for o in outs]
+
+    check_logprobs_close(pairs(got), pairs(want), name_a="spec", name_b="plain")
+    for g, w in zip(got, want, strict=True):
+        gc, wc = g.outputs[0], w.outputs[0]
+        assert gc.token_ids == wc.token_ids
+        for dg, dw in zip(gc.logprobs, wc.logprobs, strict=True):
+            assert list(dg) == list(dw)
+            for t in dw:
+                assert dg[t].rank == dw[t].rank
+                assert dg[t].logprob == pytest.approx(dw[t].logprob, abs=1e-4)
+        assert gc.cumulative_logprob == pytest.approx(wc.cumulative_logprob, abs=1e-3)
+    assert_pool_free(spec)
+
+
+RANDOM = dict(temperature=0.3, top_k=50, max_tokens=24, ignore_eos=True)
+
+
+def test_seeded_sampling_is_batch_independent(spec, prompts):
+    seeded = SamplingParams(seed=77, **RANDOM)
+    counters = SpecCounters(spec)
+    alone = token_ids(generate(spec, [prompts[2]], seeded))
+    others = [SamplingParams(seed=5 + i, **RANDOM) for i in range(3)]
+    batched = generate(spec, [prompts[0], prompts[2], prompts[1], prompts[4]],
+                       [others[0], seeded, others[1], others[2]])
+    assert token_ids(batched)[1] == alone[0]
+    again = token_ids(generate(spec, [prompts[2]], seeded))
+    assert again == alone
+    counters.assert_exercised()
+    assert_pool_free(spec)
+
+
+def test_seeded_n2_and_unseeded_sampling_run(spec, prompts):
+    """n = 2 with a seed (children draw from their own streams), and unseeded requests: each
+    gets its tokens, drafts are accepted in random sampling too."""
+    counters = SpecCounters(spec)
+    params = SamplingParams(n=2, seed=11, **RANDOM)
+    first = generate(spec, [prompts[0], prompts[3]], params)
+    second = generate(spec, [prompts[0], prompts[3]], params)
+    assert token_ids(first) == token_ids(second)
+    assert all(len(c.token_ids) == RANDOM["max_tokens"] for o in first for c in o.outputs)
+    free = generate(spec, prompts, SamplingParams(**RANDOM))
+    assert all(len(o.outputs[0].token_ids) == RANDOM["max_tokens"] for o in free)
+    assert all(0 <= t < VOCAB for ids in token_ids(free) for t in ids)
+    counters.assert_exercised()
+    assert_pool_free(spec)
+
+
+def test_aborts_mid_run_leave_every_block_free(spec, plain, prompts, plain_greedy):
+    engine = spec.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
+    done = {}
+    counters = SpecCounters(spec)
+    for step in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for o in engine.step():
+            done[o.request_id] = o
+        if step == 4:
+            engine.abort_request(["r1", "r3"])
+    assert set(done) == {"r0", "r2", "r4"}
+    for i in (0, 2, 4):
+        assert list(done[f"r{i}"].outputs[0].token_ids) == plain_greedy[i]
+    counters.assert_exercised(rejected=False)
+    assert_pool_free(spec)
+
+
+def test_multiprocess_mode(model, prompts, plain_greedy):
+    llm = make_llm(model[0], dtype="float32", multiprocess_mode=True, max_num_seqs=4,
+                   max_num_batched_tokens=32, speculative_config=ngram(2))
+    try:
+        counters = SpecCounters(llm)
+        before = compile_count(llm)
+        assert token_ids(generate(llm, prompts, GREEDY)) == plain_greedy
+        assert compile_count(llm) == before
+        counters.assert_exercised()
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+
+
+# --- tiny-qwen2: real tokenizer (stop strings, structured outputs) ------------------------------
+
+TEXT_PROMPTS = ["Repeat after me: one two three, one two three, one two three,",
+                "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n\ndef h(x):"]
+
+
+# Few buckets: the 151,936-token vocabulary makes each one slow to compile.
+QWEN_KW = dict(skip_tokenizer_init=False, max_model_len=128, max_num_seqs=2,
+               max_num_batched_tokens=32, multiprocess_mode=False)
+
+
+@pytest.fixture(scope="module")
+def qwen_plain():
+    return make_llm(tiny_qwen2_path(), **QWEN_KW)
+
+
+@pytest.fixture(scope="module")
+def qwen_spec():
+    return make_llm(tiny_qwen2_path(), **QWEN_KW, speculative_config=ngram(4))
+
+
+def test_stop_strings_cut_as_spec_off(qwen_plain, qwen_spec):
+    base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    full = [o.outputs[0] for o in qwen_plain.generate(TEXT_PROMPTS, base, use_tqdm=False)]
+    tokenizer = qwen_plain.get_tokenizer()
+    counters = SpecCounters(qwen_spec)
+    for prompt, out in zip(TEXT_PROMPTS, full, strict=True):
+        for m in (5, 6, 9):
+            # The text from its second character to the end of token m: completed by token m
+            # at the earliest, which may arrive with accepted drafts after it.
+            stop = out.text[1:len(tokenizer.decode(out.token_ids[:m]))]
+            for include in (False, True):
+                params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                        stop=[stop], include_stop_str_in_output=include)
+                want = qwen_plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+                got = qwen_spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+                assert (want.finish_reason, want.stop_reason) == ("stop", stop)
+                assert m <= len(want.token_ids) < len(out.token_ids)
+                assert want.text == out.text[:out.text.index(stop) + include * len(stop)]
+                assert (got.text, list(got.token_ids), got.finish_reason, got.stop_reason) == \
+                    (want.text, list(want.token_ids), want.finish_reason, want.stop_reason)
+    counters.assert_exercised(rejected=False)
+    assert_pool_free(qwen_spec)
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "tags": {"type": "array", "items": {"enum": ["aa", "aa aa", "b"]},
+                                  "maxItems": 4}}}
+REGEX = r"(ab){2,8}c"
+
+
+@pytest.mark.parametrize("kind", ["json", "regex"])
+def test_structured_outputs_equal_spec_off(qwen_plain, qwen_spec, kind):
+    if kind == "json":
+        so = dict(json=PERSON, disable_any_whitespace=True)
+    else:
+        so = dict(regex=REGEX)
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so)
+    prompts = [p + " ab ab ab ab" for p in TEXT_PROMPTS]
+    want = [o.outputs[0] for o in qwen_plain.generate(prompts, params, use_tqdm=False)]
+    counters = SpecCounters(qwen_spec)
+    got = [o.outputs[0] for o in qwen_spec.generate(prompts, params, use_tqdm=False)]
+    for g, w in zip(got, want, strict=True):
+        assert (g.text, list(g.token_ids), g.finish_reason) == \
+            (w.text, list(w.token_ids), w.finish_reason)
+        assert g.finish_reason == "stop", g.text
+        if kind == "json":
+            jsonschema.validate(json.loads(g.text), PERSON)
+        else:
+            assert re.fullmatch(REGEX, g.text), g.text
+    d = counters.delta()
+    assert d["num_spec_draft_tokens"] > 0, d
+    assert_pool_free(qwen_spec)
+
+
+# --- configuration errors ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, match", [
+    ({"method": "eagle", "num_speculative_tokens": 3}, r"speculative_config\.method"),
+    ({"num_speculative_tokens": 3}, r"speculative_config\.method"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2},
+     r"speculative_config has unknown key\(s\) \['lookahead'\]"),
+    ({"method": "ngram", "num_speculative_tokens": 0},
+     r"speculative_config\.num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram"}, r"speculative_config\.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5},
+     r"speculative_config\.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": True},
+     r"speculative_config\.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0},
+     r"speculative_config\.prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, r"speculative_config: prompt_lookup_min \(4\) exceeds "
+                               r"prompt_lookup_max \(2\)"),
+    ({"method": "draft_model", "num_speculative_tokens": 3},
+     r"speculative_config: method 'draft_model' is not available"),
+    ('{"method": "ngram", "num_speculative_tokens": 3', r"speculative_config is not valid JSON"),
+    ("[1, 2]", r"speculative_config must be a dict"),
+    ({"method": "ngram", "num_speculative_tokens": 64},
+     r"speculative_config\.num_speculative_tokens \(64\) must be below "
+     r"max_num_batched_tokens \(64\)"),
+])
+def test_bad_speculative_config_is_refused(value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model="tiny-qwen2", max_num_batched_tokens=64, speculative_config=value)
+
+
+def test_speculative_config_from_json_text():
+    text = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    assert SpeculativeConfig.from_dict(text) == SpeculativeConfig("ngram", 4, 2, 3)
