@@ -348,7 +348,9 @@ class Scheduler:
                     )
                 request.num_computed_tokens += item.num_tokens - num_rejected
                 request.num_inflight_tokens -= item.num_tokens
-                kv.cache_blocks(request, request.num_computed_tokens)
+                # Accepted drafts are computed but join the token ids below: their blocks are
+                # hashed once the ids are there (the next step), never from a partial slice.
+                kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             # Else preempted after this step was scheduled (async scheduling): its KV is gone,
             # but a sampled token is kept, so a seeded stream stays the same.
             if not item.do_sample:

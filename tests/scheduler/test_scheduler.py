@@ -24,6 +24,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler.block_pool import hash_block_tokens
 
 VOCAB = 40
 EOS = 0
@@ -631,6 +632,50 @@ def test_drafts_accepted_and_rejected_advance_computed_tokens() -> None:
     assert out.truncated_block_tables == {"b": 2}
     sched.update_from_output(out, {"b": [11]})
     assert sched.schedule().truncated_block_tables == {}
+
+
+def test_blocks_filled_by_accepted_drafts_are_cached_with_their_tokens() -> None:
+    """A block completed by accepted drafts is registered under the hash of its own tokens,
+    so a later prompt that starts with them hits it (and the blocks after it)."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    sched.add_request(Request("f", [1, 2, 3], max_tokens=30))
+    sched.update_from_output(sched.schedule(), {"f": [4]})
+    out = _decode_with_drafts(sched, "f", [5, 6, 7, 8, 10])
+    sched.update_from_output(out, {"f": [5, 6, 7, 8, 10, 11]})  # all accepted, then 11
+    req = sched.requests["f"]
+    assert req.num_computed_tokens == 9
+    assert req.all_token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
+    first = hash_block_tokens(None, [1, 2, 3, 4])
+    # Every hash so far is of a full block's tokens; the drafts' block is hashed once its
+    # ids are the request's, after the next step.
+    assert req.block_hashes == [first]
+    sched.update_from_output(sched.schedule(), {"f": [13]})
+    assert req.block_hashes[:2] == [first, hash_block_tokens(first, [5, 6, 7, 8])]
+    sched.add_request(Request("g", [1, 2, 3, 4, 5, 6, 7, 8, 10, 12], max_tokens=2))
+    out = sched.schedule()
+    (item,) = [r for r in out.scheduled if r.request_id == "g"]
+    assert item.start_position == 8  # two cached blocks
+
+
+def test_requests_whose_drafts_fill_blocks_never_share_their_hashes() -> None:
+    """Two requests with the same prompt whose accepted drafts differ: a lookup of one's tokens
+    hits its own blocks, never the other's (whose KV holds other tokens)."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32))
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, [1, 2, 3], max_tokens=30))
+    sched.update_from_output(sched.schedule(), {"a": [4], "b": [4]})
+    sched.requests["a"].spec_token_ids = [5, 6, 7, 8, 10]
+    sched.requests["b"].spec_token_ids = [20, 21, 22, 23, 24]
+    sched.update_from_output(sched.schedule(), {"a": [5, 6, 7, 8, 10, 11],
+                                                "b": [20, 21, 22, 23, 24, 25]})
+    sched.update_from_output(sched.schedule(), {"a": [12], "b": [26]})
+    kv = sched.kv_cache_manager
+    a, b = sched.requests["a"], sched.requests["b"]
+    assert a.block_hashes[1] != b.block_hashes[1]
+    hits, num_hit = kv.get_computed_blocks(Request("c", a.all_token_ids, max_tokens=2))
+    assert num_hit == 8 and hits[1].block_id == kv.get_block_ids("a")[1]
+    hits, num_hit = kv.get_computed_blocks(Request("d", b.all_token_ids, max_tokens=2))
+    assert num_hit == 8 and hits[1].block_id == kv.get_block_ids("b")[1]
 
 
 def test_drafts_capped_by_max_tokens_and_budget() -> None:
