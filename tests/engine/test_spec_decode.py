@@ -214,6 +214,28 @@ def test_prefix_cache_hits(spec, plain, prompts):
     assert_pool_free(spec)
 
 
+def test_output_blocks_filled_by_drafts_are_prefix_cached(spec, plain, prompts):
+    """A follow-up prompt made of a request's prompt and output (a chat's next turn) hits the
+    blocks the output filled, accepted drafts included, as many as without speculation."""
+    rng = np.random.default_rng(8)
+    pattern = rng.integers(0, VOCAB, 7).tolist()
+    first = pattern * 3  # new to both engines' caches
+    params = SamplingParams(temperature=0.0, max_tokens=44, ignore_eos=True)
+    hits = {}
+    for name, llm in (("plain", plain), ("spec", spec)):
+        counters = SpecCounters(llm) if llm is spec else None
+        out = generate(llm, [first], params)[0].outputs[0]
+        follow = first + list(out.token_ids)[:40] + [7, 8, 9]
+        again = generate(llm, [follow], GREEDY)[0]
+        hits[name] = (list(out.token_ids), again.num_cached_tokens,
+                      list(again.outputs[0].token_ids))
+        if counters is not None:
+            counters.assert_exercised(rejected=False)
+    assert hits["spec"] == hits["plain"]
+    assert hits["plain"][1] == (len(first) + 40) // 16 * 16
+    assert_pool_free(spec)
+
+
 def test_max_tokens_inside_an_accepted_run(spec, plain, prompts):
     """Every length from 2 to 20: a run of accepted drafts that would overshoot it is cut by
     the scheduler (drafts beyond max_tokens are never proposed to the step)."""
