@@ -140,6 +140,33 @@ class SpecCounters:
         return d
 
 
+def assert_same_logprobs(got: list | None, want: list | None, where: str) -> None:
+    """Per position: the same token ids in the same order, the same ranks, logprobs within
+    1e-4 (the steps' shapes differ, so float rounding may)."""
+    assert (got is None) == (want is None), where
+    for j, (dg, dw) in enumerate(zip(got or (), want or (), strict=True)):
+        assert (dg is None) == (dw is None), f"{where}, position {j}"
+        assert list(dg or ()) == list(dw or ()), f"{where}, position {j}"
+        for t in dw or ():
+            assert dg[t].rank == dw[t].rank, f"{where}, position {j}"
+            assert dg[t].logprob == pytest.approx(dw[t].logprob, abs=1e-4), \
+                f"{where}, position {j}"
+
+
+def assert_same_outputs(got, want) -> None:
+    """Spec-on outputs against spec-off ones: tokens, stops, logprobs, prompt logprobs."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        where = f"request {i}"
+        assert_same_logprobs(g.prompt_logprobs, w.prompt_logprobs, where + " prompt")
+        for gc, wc in zip(g.outputs, w.outputs, strict=True):
+            assert (list(gc.token_ids), gc.finish_reason, gc.stop_reason) == \
+                (list(wc.token_ids), wc.finish_reason, wc.stop_reason), where
+            assert_same_logprobs(gc.logprobs, wc.logprobs, where)
+            if wc.cumulative_logprob is not None:
+                assert gc.cumulative_logprob == pytest.approx(wc.cumulative_logprob,
+                                                              abs=1e-3), where
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 RANDOM = dict(temperature=0.3, top_k=50, max_tokens=24, ignore_eos=True)
 
@@ -181,15 +208,18 @@ def test_preemption_and_chunked_prefill(spec_tight, plain, prompts):
     # blocks of 16 tokens cannot hold every request to the end.
     long_prompts = [(p * 8)[:int(n)] for p, n in zip(prompts, rng.integers(40, 60, 5),
                                                      strict=True)]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    want = token_ids(generate(plain, long_prompts, params))
+    kinds = [dict(prompt_logprobs=2, logprobs=2), dict(repetition_penalty=1.3, logprobs=1),
+             dict(min_tokens=10, stop_token_ids=[432, 367]), {},
+             dict(frequency_penalty=0.4, prompt_logprobs=1)]
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, **kind)
+              for kind in kinds]
+    want = generate(plain, long_prompts, params)
     steps = []
     on_each_step(spec_tight, lambda so: steps.append(
         [(r.num_tokens, r.do_sample, r.num_draft_tokens) for r in so.scheduled]))
     counters = SpecCounters(spec_tight)
     preemptions = scheduler_state(spec_tight)["num_preemptions"]
-    got = token_ids(generate(spec_tight, long_prompts, params))
-    assert got == want
+    assert_same_outputs(generate(spec_tight, long_prompts, params), want)
     assert scheduler_state(spec_tight)["num_preemptions"] > preemptions
     # Chunked: some steps computed part of a prompt (no token sampled); the budget held,
     # drafts included.
@@ -304,16 +334,7 @@ def test_processed_greedy_rows_equal_spec_off(spec, plain, prompts):
     counters = SpecCounters(spec)
     got = generate(spec, batch, params)
     counters.assert_exercised()
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        where = f"request {i}: {params[i]}"
-        assert list(g.outputs[0].token_ids) == list(w.outputs[0].token_ids), where
-        assert (g.outputs[0].finish_reason, g.outputs[0].stop_reason) == \
-            (w.outputs[0].finish_reason, w.outputs[0].stop_reason), where
-        if w.prompt_logprobs is not None:
-            for dg, dw in zip(g.prompt_logprobs, w.prompt_logprobs, strict=True):
-                assert (dg is None) == (dw is None) and list(dg or ()) == list(dw or ())
-                for t in dw or ():
-                    assert dg[t].logprob == pytest.approx(dw[t].logprob, abs=1e-4)
+    assert_same_outputs(got, want)
     # min_tokens held the stop ids back, then one of them stopped some request.
     assert any(o.outputs[0].finish_reason == "stop" for o in got)
     assert all(len(o.outputs[0].token_ids) >= 12 for o in got[16:20])
@@ -365,15 +386,7 @@ def test_greedy_logprobs_close_to_spec_off(spec, plain, prompts):
                 for o in outs]
 
     check_logprobs_close(pairs(got), pairs(want), name_a="spec", name_b="plain")
-    for g, w in zip(got, want, strict=True):
-        gc, wc = g.outputs[0], w.outputs[0]
-        assert gc.token_ids == wc.token_ids
-        for dg, dw in zip(gc.logprobs, wc.logprobs, strict=True):
-            assert list(dg) == list(dw)
-            for t in dw:
-                assert dg[t].rank == dw[t].rank
-                assert dg[t].logprob == pytest.approx(dw[t].logprob, abs=1e-4)
-        assert gc.cumulative_logprob == pytest.approx(wc.cumulative_logprob, abs=1e-3)
+    assert_same_outputs(got, want)
     assert_pool_free(spec)
 
 
