@@ -209,6 +209,11 @@ class Scheduler:
                 num_new += len(drafts)
             scheduled = True
             while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+                if drafts:
+                    # Drafts are optional: their KV never preempts a request or ends this one.
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 if len(self.running) == 1:
                     self.running.pop()
                     self._finish_unfittable(request)

@@ -693,6 +693,54 @@ def test_drafts_capped_by_max_tokens_and_budget() -> None:
     assert out.scheduled[0].token_ids == [4] + list(range(10, 17))  # the budget of 8
 
 
+def _decode_all_rejected(sched: Scheduler, rids: list[str], drafts: bool,
+                         steps: int = 12) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Decode steps in which every draft is rejected (each request gets one token per step,
+    as without drafts): the tokens and finish reasons."""
+    tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+    reasons: dict[str, str] = {}
+    for step in range(steps):
+        for rid in rids:
+            if drafts and rid in sched.requests:
+                sched.requests[rid].spec_token_ids = [50, 51, 52]
+        out = sched.schedule()
+        results = sched.update_from_output(
+            out, {r.request_id: [60 + step] for r in out.scheduled if r.do_sample})
+        for r in results:
+            tokens[r.request_id] += r.new_token_ids
+            if r.finish_reason is not None:
+                reasons[r.request_id] = r.finish_reason
+        if not sched.has_unfinished_requests():
+            break
+    return tokens, reasons
+
+
+@pytest.mark.parametrize("drafts", [False, True])
+def test_drafts_that_do_not_fit_the_kv_cache_are_dropped(drafts: bool) -> None:
+    """A request alone whose next token fits the KV cache but whose drafts do not: the drafts
+    go, the request goes on (it ends only when its own tokens no longer fit), exactly as
+    without drafts."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=3))  # 8 token slots
+    sched.add_request(Request("a", [1, 2, 3], max_tokens=20))
+    sched.update_from_output(sched.schedule(), {"a": [4]})
+    tokens, reasons = _decode_all_rejected(sched, ["a"], drafts)
+    assert tokens["a"] == [60, 61, 62, 63, 64] and reasons == {"a": "length"}
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == 2
+
+
+def test_drafts_never_preempt_a_request() -> None:
+    """Two requests fill the 4 usable blocks with positions 0..7 each; a third step's drafts
+    would need a fifth block: they are dropped instead of preempting the other request."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=5))
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, [1, 2, 3], max_tokens=20))
+    sched.update_from_output(sched.schedule(), {"a": [4], "b": [4]})
+    tokens, reasons = _decode_all_rejected(sched, ["a", "b"], drafts=True, steps=3)
+    assert sched.num_preemptions == 0 and not reasons
+    assert tokens == {"a": [60, 61, 62], "b": [60, 61, 62]}
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == 0
+
+
 def test_drafts_only_follow_a_decode_token() -> None:
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_num_batched_tokens=4))
     sched.add_request(Request("e", [1, 2, 3, 4, 5, 6], max_tokens=10))
