@@ -505,14 +505,18 @@ def test_stop_strings_cut_as_spec_off(qwen_plain, qwen_spec):
             stop = out.text[1:len(tokenizer.decode(out.token_ids[:m]))]
             for include in (False, True):
                 params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                        stop=[stop], include_stop_str_in_output=include)
-                want = qwen_plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-                got = qwen_spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+                                        stop=[stop], include_stop_str_in_output=include,
+                                        logprobs=1)
+                want_all = qwen_plain.generate(prompt, params, use_tqdm=False)
+                got_all = qwen_spec.generate(prompt, params, use_tqdm=False)
+                want, got = want_all[0].outputs[0], got_all[0].outputs[0]
                 assert (want.finish_reason, want.stop_reason) == ("stop", stop)
                 assert m <= len(want.token_ids) < len(out.token_ids)
                 assert want.text == out.text[:out.text.index(stop) + include * len(stop)]
-                assert (got.text, list(got.token_ids), got.finish_reason, got.stop_reason) == \
-                    (want.text, list(want.token_ids), want.finish_reason, want.stop_reason)
+                assert got.text == want.text
+                # Tokens past the stop string are dropped with their logprobs.
+                assert len(got.logprobs) == len(got.token_ids)
+                assert_same_outputs(got_all, want_all)
     counters.assert_exercised(rejected=False)
     assert_pool_free(qwen_spec)
 
