@@ -10,12 +10,16 @@ them. Then, in order:
   is exactly what non-speculative greedy decoding emits from the same logits.
 - random: the target distribution p_j of row j is what the sampler draws from (temperature,
   min_p, top-k, top-p over the processed logits). Draft t is accepted with probability
-  min(1, p_j(t) / q_j(t)) (q_j: the proposer's distribution; a point mass at t for n-gram
-  drafts); on rejection a token is drawn from the residual max(0, p_j - q_j), renormalised;
-  all accepted: a bonus token from p_d. Every emitted token is then distributed as p (Leviathan
-  et al. 2023; Chen et al. 2023). Draws come from the request's own generator, one for each
-  acceptance test and one for the final draw, so a seeded request's tokens depend only on its
-  seed, its logits and its drafts, never on the batch.
+  min(1, p_j(t) / q_j(t)) (q_j: the proposer's distribution); on rejection a token is drawn
+  from the residual max(0, p_j - q_j), renormalised; all accepted: a bonus token from p_d.
+  Every emitted token is then distributed as p (Leviathan et al. 2023; Chen et al. 2023).
+  N-gram drafts are point masses (q_j(t) = 1): then row j draws its token from p_j exactly as
+  a step without drafts would, with one uniform from the request's generator, and the draft is
+  accepted when it is that token (probability p_j(t); otherwise the token is distributed as
+  p_j without t, renormalised: the residual). Each emitted token takes one draw, as without
+  drafts, so a seeded request's tokens are those of non-speculative sampling from the same
+  logits, whatever drafts its batch left it. With a draft distribution, draws come from the
+  request's generator too, one for each acceptance test and one for the final draw.
 Logprobs are the raw distribution's (as for non-speculative rows), one per emitted token.
 """
 
@@ -123,21 +127,23 @@ def verify(logits: np.ndarray, draft_token_ids: Sequence[int], row: SamplingRow,
             if generator is None:
                 raise ValueError("verify: a random-sampling row needs a generator")
             cand, w = _target(logits_j, row, work_buf)
-            if draft is None:
-                tok, accept = _draw(cand, w, float(generator.random())), False
+            if draft is None or draft_probs is None:
+                # One draw per emitted token (module docstring): with a point-mass draft,
+                # accepting exactly when the draw is the draft is the p/q test.
+                tok = _draw(cand, w, float(generator.random()))
+                accept = draft is not None and tok == draft
             else:
                 total = float(np.sum(w, dtype=np.float64))
                 p_t = _weight_of(cand, w, draft) / total
-                q = None if draft_probs is None else np.asarray(draft_probs[j], np.float64)
-                q_t = 1.0 if q is None else float(q[draft])
+                q = np.asarray(draft_probs[j], np.float64)
+                q_t = float(q[draft])
                 # u < p/q, written so a zero q never divides (a draft of probability 0 under
                 # its own proposer is never accepted).
                 accept = float(generator.random()) * q_t < p_t
                 if accept:
                     tok = draft
                 else:
-                    tok = _draw_residual(cand, w / total, q, draft,
-                                         float(generator.random()))
+                    tok = _draw_residual(cand, w / total, q, float(generator.random()))
         if accept:
             tok = draft
             num_accepted += 1
@@ -158,19 +164,11 @@ def verify(logits: np.ndarray, draft_token_ids: Sequence[int], row: SamplingRow,
     return VerifiedTokens(tokens, sampled, rows, num_accepted)
 
 
-def _draw_residual(cand: np.ndarray | None, p: np.ndarray, q: np.ndarray | None, draft: int,
-                   u: float) -> int:
-    """Draw from max(0, p - q), renormalised (p: the target's normalised weights over `cand`).
-    With a point-mass q that is p without the draft token. If nothing is left (p == q, which
-    a rejection makes a zero-probability event), p itself."""
-    res = p.astype(np.float64, copy=True)
-    if q is None:
-        if cand is None:
-            res[draft] = 0.0
-        else:
-            res[cand == draft] = 0.0
-    else:
-        res = np.maximum(res - (q if cand is None else q[cand]), 0.0)
+def _draw_residual(cand: np.ndarray | None, p: np.ndarray, q: np.ndarray, u: float) -> int:
+    """Draw from max(0, p - q), renormalised (p: the target's normalised weights over `cand`,
+    q: the proposer's over the vocabulary). If nothing is left (p == q, which a rejection makes
+    a zero-probability event), p itself."""
+    res = np.maximum(p.astype(np.float64) - (q if cand is None else q[cand]), 0.0)
     if not np.any(res > 0.0):
         res = p.astype(np.float64)
     return _draw(cand, res, u)

@@ -404,13 +404,10 @@ def test_seeded_sampling_is_batch_independent(spec, prompts):
     assert_pool_free(spec)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a seeded request's drafts depend on its batch (none while more requests run than the "
-    "largest spec-decode bucket holds, fewer when the token budget is short), and the number "
-    "of draws it takes from its generator depends on its drafts"))
 def test_seeded_sampling_is_batch_independent_beyond_a_spec_bucket(spec_tight, prompts):
     """Five running requests are more than the largest spec-decode bucket (4 sequences)
-    holds: the seeded request gets no drafts while they all run, and drafts alone."""
+    holds: the seeded request gets no drafts while they all run, and drafts alone; its
+    tokens are the same (one draw per emitted token, drafts or not)."""
     seeded = SamplingParams(seed=77, **RANDOM)
     counters = SpecCounters(spec_tight)
     alone = token_ids(generate(spec_tight, [prompts[2][:12]], seeded))
@@ -420,6 +417,20 @@ def test_seeded_sampling_is_batch_independent_beyond_a_spec_bucket(spec_tight, p
     assert counters.delta()["num_spec_draft_tokens"] > 0
     assert_pool_free(spec_tight)
     assert token_ids(batched)[1] == alone[0]
+
+
+def test_seeded_sampling_equals_spec_off(spec, plain, prompts):
+    """N-gram drafts are point masses: a seeded request draws each token as it would without
+    drafts, so its tokens are the spec-off engine's, in a batch with other kinds of rows."""
+    params = [SamplingParams(seed=21 + i, **kw) for i, kw in enumerate([
+        RANDOM, dict(RANDOM, temperature=1.0, top_k=-1), dict(RANDOM, top_p=0.8),
+        dict(RANDOM, min_p=0.05, repetition_penalty=1.2), dict(RANDOM, logprobs=2)])]
+    want = generate(plain, prompts, params)
+    counters = SpecCounters(spec)
+    got = generate(spec, prompts, params)
+    counters.assert_exercised()
+    assert_same_outputs(got, want)
+    assert_pool_free(spec)
 
 
 def test_seeded_n2_and_unseeded_sampling_run(spec, prompts):

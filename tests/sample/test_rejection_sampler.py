@@ -328,6 +328,38 @@ def test_acceptance_with_q_equal_to_p_and_with_impossible_drafts() -> None:
             assert p[0][got.token_ids[0]] > 0
 
 
+@pytest.mark.parametrize("case", sorted(DIST_CASES))
+def test_point_mass_drafts_sample_as_without_drafts(case: str) -> None:
+    """With n-gram (point-mass) drafts, a seeded row emits exactly the tokens sequential
+    sampling with `sample` emits from the same rows and generator stream, taking one draw per
+    emitted token, so its stream never depends on which drafts it was given."""
+    rng = np.random.default_rng(21)
+    vocab, d = 12, 3
+    params = SamplingParams(repetition_penalty=1.2, **DIST_CASES[case])
+    accepted = []
+    for trial in range(200):
+        logits = rng.normal(0, 1.5, (d + 1, vocab)).astype(np.float32)
+        seed = int(rng.integers(1 << 30))
+        ref_gen = np.random.default_rng(seed)
+        want: list[int] = []
+        for j in range(d + 1):
+            r = SamplingRow(params, ref_gen, [1, 2], [3] + want)
+            want.append(int(sample(logits[j:j + 1], [r]).token_ids[0]))
+        # Drafts: the sequential tokens, some replaced, so runs end at a mismatch.
+        drafts = [t if rng.random() < 0.7 else int(rng.integers(vocab)) for t in want[:d]]
+        n = next((j for j in range(d) if drafts[j] != want[j]), d) + 1
+        gen = np.random.default_rng(seed)
+        got = verify(logits, drafts, SamplingRow(params, gen, [1, 2], [3]))
+        assert got.token_ids == want[:n], (case, trial)
+        # The same draws were taken: the streams go on alike.
+        ref_gen = np.random.default_rng(seed)
+        for _ in range(n):
+            ref_gen.random()
+        assert gen.random() == ref_gen.random()
+        accepted.append(got.num_accepted)
+    assert max(accepted) == d and min(accepted) == 0
+
+
 def test_seeded_verification_is_reproducible() -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9)
     runs = []
