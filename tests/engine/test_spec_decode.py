@@ -230,6 +230,22 @@ def test_preemption_and_chunked_prefill(spec_tight, plain, prompts):
     assert_pool_free(spec_tight)
 
 
+def test_seeded_n2_under_preemption_equals_spec_off(spec_tight, plain, prompts):
+    """n = 2 children share their prompt's blocks, accept different drafts and are preempted
+    and resumed through the prefix cache: each resumes on its own KV, so the tokens are the
+    spec-off engine's."""
+    batch = [(p * 4)[:30] for p in prompts[:4]]
+    params = SamplingParams(n=2, seed=41, **dict(RANDOM, max_tokens=40))
+    want = generate(plain, batch, params)
+    counters = SpecCounters(spec_tight)
+    preemptions = scheduler_state(spec_tight)["num_preemptions"]
+    got = generate(spec_tight, batch, params)
+    assert scheduler_state(spec_tight)["num_preemptions"] > preemptions
+    counters.assert_exercised()
+    assert_same_outputs(got, want)
+    assert_pool_free(spec_tight)
+
+
 def test_prefix_cache_hits(spec, plain, prompts):
     rng = np.random.default_rng(5)
     base = (prompts[3] * 3)[:70]
