@@ -1,6 +1,6 @@
 """`jaxllm serve tiny-qwen2 --speculative-config ...`: completions with n-gram speculation equal
-the in-process engine's without it (the oracle), streamed or not, and /metrics counts the
-drafts the server verified and accepted."""
+the in-process engine's without it (the oracle), streamed or not, with a stop string or not,
+and /metrics counts the drafts the server verified and accepted."""
 
 from __future__ import annotations
 
@@ -47,9 +47,19 @@ def spec_off(tiny_path):
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20,
                                                     ignore_eos=True), use_tqdm=False)
+        # A stop string that the sixth token completes: with drafts it may arrive in the
+        # middle of a step's tokens.
+        tokenizer = llm.get_tokenizer()
+        stops = [o.outputs[0].text[1:len(tokenizer.decode(o.outputs[0].token_ids[:6]))]
+                 for o in outs]
+        stopped = [llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20,
+                                                       ignore_eos=True, stop=[stop]),
+                                use_tqdm=False)[0]
+                   for prompt, stop in zip(PROMPTS, stops, strict=True)]
     finally:
         llm.shutdown()
-    return [o.outputs[0] for o in outs]
+    return [(o.outputs[0], stop, s.outputs[0])
+            for o, stop, s in zip(outs, stops, stopped, strict=True)]
 
 
 def test_completions_equal_spec_off_and_metrics_count_drafts(server, spec_off):
@@ -58,7 +68,7 @@ def test_completions_equal_spec_off_and_metrics_count_drafts(server, spec_off):
     name = "jaxllm:spec_decode_num_draft_tokens_total"
     accepted = "jaxllm:spec_decode_num_accepted_tokens_total"
     assert metric(server, name) == 0
-    for prompt, want in zip(PROMPTS, spec_off, strict=True):
+    for prompt, (want, stop, want_stopped) in zip(PROMPTS, spec_off, strict=True):
         kw = dict(model="tiny-qwen2", prompt=prompt, max_tokens=20, temperature=0,
                   extra_body={"ignore_eos": True})
         got = client.completions.create(**kw)
@@ -69,6 +79,13 @@ def test_completions_equal_spec_off_and_metrics_count_drafts(server, spec_off):
                                                                                   stream=True)
                            if c.choices)
         assert streamed == want.text
+        assert want_stopped.finish_reason == "stop"
+        got = client.completions.create(**kw, stop=[stop])
+        assert (got.choices[0].text, got.choices[0].finish_reason) == (want_stopped.text, "stop")
+        assert got.usage.completion_tokens == len(want_stopped.token_ids)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            **kw, stop=[stop], stream=True) if c.choices)
+        assert streamed == want_stopped.text
     drafts = metric(server, name)
     assert drafts > 0
     assert 0 < metric(server, accepted) <= drafts
