@@ -90,3 +90,16 @@ def test_completions_equal_spec_off_and_metrics_count_drafts(server, spec_off):
     assert drafts > 0
     assert 0 < metric(server, accepted) <= drafts
     assert metric(server, "jaxllm:spec_decode_num_drafts_total") > 0
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"method": "ngram"', "speculative_config is not valid JSON"),
+    ('{"method": "medusa", "num_speculative_tokens": 2}', "speculative_config.method"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}',
+     "speculative_config.num_speculative_tokens must be an integer >= 1"),
+])
+def test_serve_refuses_a_bad_speculative_config(value, message, capsys):
+    from jaxllm.entrypoints.cli.main import main
+
+    assert main(["serve", "tiny-qwen2", "--speculative-config", value]) == 2
+    assert message in capsys.readouterr().err
