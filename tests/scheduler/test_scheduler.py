@@ -634,6 +634,50 @@ def test_drafts_accepted_and_rejected_advance_computed_tokens() -> None:
     assert sched.schedule().truncated_block_tables == {}
 
 
+def test_blocks_filled_by_accepted_drafts_are_cached_with_their_tokens() -> None:
+    """A block completed by accepted drafts is registered under the hash of its own tokens,
+    so a later prompt that starts with them hits it (and the blocks after it)."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    sched.add_request(Request("f", [1, 2, 3], max_tokens=30))
+    sched.update_from_output(sched.schedule(), {"f": [4]})
+    out = _decode_with_drafts(sched, "f", [5, 6, 7, 8, 10])
+    sched.update_from_output(out, {"f": [5, 6, 7, 8, 10, 11]})  # all accepted, then 11
+    req = sched.requests["f"]
+    assert req.num_computed_tokens == 9
+    assert req.all_token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
+    first = hash_block_tokens(None, [1, 2, 3, 4])
+    # Every hash so far is of a full block's tokens; the drafts' block is hashed once its
+    # ids are the request's, after the next step.
+    assert req.block_hashes == [first]
+    sched.update_from_output(sched.schedule(), {"f": [13]})
+    assert req.block_hashes[:2] == [first, hash_block_tokens(first, [5, 6, 7, 8])]
+    sched.add_request(Request("g", [1, 2, 3, 4, 5, 6, 7, 8, 10, 12], max_tokens=2))
+    out = sched.schedule()
+    (item,) = [r for r in out.scheduled if r.request_id == "g"]
+    assert item.start_position == 8  # two cached blocks
+
+
+def test_requests_whose_drafts_fill_blocks_never_share_their_hashes() -> None:
+    """Two requests with the same prompt whose accepted drafts differ: a lookup of one's tokens
+    hits its own blocks, never the other's (whose KV holds other tokens)."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=32))
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, [1, 2, 3], max_tokens=30))
+    sched.update_from_output(sched.schedule(), {"a": [4], "b": [4]})
+    sched.requests["a"].spec_token_ids = [5, 6, 7, 8, 10]
+    sched.requests["b"].spec_token_ids = [20, 21, 22, 23, 24]
+    sched.update_from_output(sched.schedule(), {"a": [5, 6, 7, 8, 10, 11],
+                                                "b": [20, 21, 22, 23, 24, 25]})
+    sched.update_from_output(sched.schedule(), {"a": [12], "b": [26]})
+    kv = sched.kv_cache_manager
+    a, b = sched.requests["a"], sched.requests["b"]
+    assert a.block_hashes[1] != b.block_hashes[1]
+    hits, num_hit = kv.get_computed_blocks(Request("c", a.all_token_ids, max_tokens=2))
+    assert num_hit == 8 and hits[1].block_id == kv.get_block_ids("a")[1]
+    hits, num_hit = kv.get_computed_blocks(Request("d", b.all_token_ids, max_tokens=2))
+    assert num_hit == 8 and hits[1].block_id == kv.get_block_ids("b")[1]
+
+
 def test_drafts_capped_by_max_tokens_and_budget() -> None:
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_num_batched_tokens=8))
     sched.add_request(Request("c", [1, 2, 3], max_tokens=3))
@@ -647,6 +691,54 @@ def test_drafts_capped_by_max_tokens_and_budget() -> None:
     sched.update_from_output(sched.schedule(), {"d": [4]})
     out = _decode_with_drafts(sched, "d", list(range(10, 20)))
     assert out.scheduled[0].token_ids == [4] + list(range(10, 17))  # the budget of 8
+
+
+def _decode_all_rejected(sched: Scheduler, rids: list[str], drafts: bool,
+                         steps: int = 12) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Decode steps in which every draft is rejected (each request gets one token per step,
+    as without drafts): the tokens and finish reasons."""
+    tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+    reasons: dict[str, str] = {}
+    for step in range(steps):
+        for rid in rids:
+            if drafts and rid in sched.requests:
+                sched.requests[rid].spec_token_ids = [50, 51, 52]
+        out = sched.schedule()
+        results = sched.update_from_output(
+            out, {r.request_id: [60 + step] for r in out.scheduled if r.do_sample})
+        for r in results:
+            tokens[r.request_id] += r.new_token_ids
+            if r.finish_reason is not None:
+                reasons[r.request_id] = r.finish_reason
+        if not sched.has_unfinished_requests():
+            break
+    return tokens, reasons
+
+
+@pytest.mark.parametrize("drafts", [False, True])
+def test_drafts_that_do_not_fit_the_kv_cache_are_dropped(drafts: bool) -> None:
+    """A request alone whose next token fits the KV cache but whose drafts do not: the drafts
+    go, the request goes on (it ends only when its own tokens no longer fit), exactly as
+    without drafts."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=3))  # 8 token slots
+    sched.add_request(Request("a", [1, 2, 3], max_tokens=20))
+    sched.update_from_output(sched.schedule(), {"a": [4]})
+    tokens, reasons = _decode_all_rejected(sched, ["a"], drafts)
+    assert tokens["a"] == [60, 61, 62, 63, 64] and reasons == {"a": "length"}
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == 2
+
+
+def test_drafts_never_preempt_a_request() -> None:
+    """Two requests fill the 4 usable blocks with positions 0..7 each; a third step's drafts
+    would need a fifth block: they are dropped instead of preempting the other request."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=5))
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, [1, 2, 3], max_tokens=20))
+    sched.update_from_output(sched.schedule(), {"a": [4], "b": [4]})
+    tokens, reasons = _decode_all_rejected(sched, ["a", "b"], drafts=True, steps=3)
+    assert sched.num_preemptions == 0 and not reasons
+    assert tokens == {"a": [60, 61, 62], "b": [60, 61, 62]}
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == 0
 
 
 def test_drafts_only_follow_a_decode_token() -> None:
