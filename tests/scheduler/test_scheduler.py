@@ -646,11 +646,9 @@ def test_blocks_filled_by_accepted_drafts_are_cached_with_their_tokens() -> None
     assert req.num_computed_tokens == 9
     assert req.all_token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
     first = hash_block_tokens(None, [1, 2, 3, 4])
-    # Every hash so far is of a full block's tokens; the drafts' block is hashed once its
-    # ids are the request's, after the next step.
-    assert req.block_hashes == [first]
+    # The block the accepted drafts filled is registered at once, under its own tokens.
+    assert req.block_hashes == [first, hash_block_tokens(first, [5, 6, 7, 8])]
     sched.update_from_output(sched.schedule(), {"f": [13]})
-    assert req.block_hashes[:2] == [first, hash_block_tokens(first, [5, 6, 7, 8])]
     sched.add_request(Request("g", [1, 2, 3, 4, 5, 6, 7, 8, 10, 12], max_tokens=2))
     out = sched.schedule()
     (item,) = [r for r in out.scheduled if r.request_id == "g"]
@@ -758,27 +756,3 @@ def test_scheduler_output_pickles() -> None:
     assert pickle.loads(pickle.dumps(out)) == out
     assert out.scheduled[0].sampling_params == {"temperature": 0.0}
 
-
-def test_accepted_drafts_register_blocks_under_their_tokens() -> None:
-    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
-    sched.add_request(Request("f", [1, 2, 3, 4, 5], max_tokens=10))
-    sched.update_from_output(sched.schedule(), {"f": [6]})
-    out = _decode_with_drafts(sched, "f", [7, 8, 9])
-    sched.update_from_output(out, {"f": [7, 8, 9, 10]})
-    # Positions 0..8 computed: blocks [1..4] and [5..8] are full and cached as such.
-    pool = sched.kv_cache_manager.block_pool
-    first = hash_block_tokens(None, [1, 2, 3, 4])
-    assert pool.get_cached_block(first) is not None
-    assert pool.get_cached_block(hash_block_tokens(first, [5, 6, 7, 8])) is not None
-
-
-def test_drafts_are_dropped_before_they_cost_a_preemption() -> None:
-    # Two usable blocks of 4: the request's 6 tokens fit, its 3 drafts would not.
-    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=3))
-    sched.add_request(Request("g", [1, 2, 3, 4, 5], max_tokens=10))
-    sched.update_from_output(sched.schedule(), {"g": [6]})
-    out = _decode_with_drafts(sched, "g", [7, 8, 9])
-    (item,) = out.scheduled
-    assert (item.token_ids, item.num_draft_tokens) == ([6], 0)
-    (o,) = sched.update_from_output(out, {"g": [7]})
-    assert o.finish_reason is None and not out.preempted_req_ids
