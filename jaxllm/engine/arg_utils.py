@@ -109,7 +109,9 @@ class EngineArgs:
         None, "speculative decoding, a dict or its JSON text: {\"method\": \"ngram\", "
               "\"num_speculative_tokens\": k, \"prompt_lookup_min\": 2, "
               "\"prompt_lookup_max\": 5} proposes up to k draft tokens per step by prompt "
-              "lookup and verifies them in one step (greedy output unchanged, sampling exact by "
+              "lookup, {\"method\": \"draft_model\", \"model\": path, "
+              "\"num_speculative_tokens\": k} by a smaller model with the same vocabulary; "
+              "the target verifies them in one step (greedy output unchanged, sampling exact by "
               "rejection sampling); steps then run without async scheduling. Not given: off")
 
     def __post_init__(self) -> None:
@@ -166,6 +168,9 @@ class EngineArgs:
                 raise ValueError(f"speculative_config.num_speculative_tokens "
                                  f"({spec.num_speculative_tokens}) must be below "
                                  f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+            if spec.method == "draft_model" and self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config method 'draft_model' runs on one device: "
+                                 "it does not combine with tensor_parallel_size > 1")
             self.speculative_config = dataclasses.asdict(spec)
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, numbers.Real) or not 0.0 < util <= 1.0:

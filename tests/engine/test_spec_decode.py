@@ -606,7 +606,7 @@ def test_structured_outputs_equal_spec_off(qwen_plain, qwen_spec, kind):
       "prompt_lookup_max": 2}, r"speculative_config: prompt_lookup_min \(4\) exceeds "
                                r"prompt_lookup_max \(2\)"),
     ({"method": "draft_model", "num_speculative_tokens": 3},
-     r"speculative_config: method 'draft_model' is not available"),
+     r"speculative_config: method 'draft_model' needs 'model'"),
     ('{"method": "ngram", "num_speculative_tokens": 3', r"speculative_config is not valid JSON"),
     ("[1, 2]", r"speculative_config must be a dict"),
     ({"method": "ngram", "num_speculative_tokens": 64},
