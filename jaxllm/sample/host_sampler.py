@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxllm.sample.candidates import exact_rows, mask_candidates, sample_from_topk
+from jaxllm.sample.candidates import (
+    TopKLogits,
+    exact_rows,
+    mask_candidates,
+    sample_from_topk,
+)
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.rejection_sampler import VerifiedTokens, verify
@@ -222,13 +227,32 @@ class HostSampler:
                 sampled.errors[rid] = ("the structured-output grammar allows no next token "
                                        "(dead end)")
                 continue
-            result = verify(out.logits_rows(rows), drafts, self._row(inputs.requests[j]),
-                            masks=masks, lse=None if topk is None else topk.lse[rows],
-                            all_sampled_logprobs=False)
+            metadata = inputs.metadata
+            if topk is not None and metadata.greedy[j] and not inputs.processed[j] \
+                    and masks is None and metadata.num_logprobs[j] < 0:
+                # Greedy rows without processing: the device's top candidate is each row's
+                # argmax, no full row is fetched.
+                result = self._verify_greedy_candidates(topk, rows, drafts,
+                                                        metadata.rows(np.full(len(rows), j)))
+            else:
+                result = verify(out.logits_rows(rows), drafts, self._row(inputs.requests[j]),
+                                masks=masks, lse=None if topk is None else topk.lse[rows],
+                                all_sampled_logprobs=False)
+                stats.num_full_row_samples += len(rows)
             sampled.verified[j] = result
             sampled.tokens[j] = result.token_ids[-1]
             sampled.logprobs_raw[j] = result.sampled_logprobs[-1]
-            stats.num_full_row_samples += len(rows)
+
+    @staticmethod
+    def _verify_greedy_candidates(topk: TopKLogits, rows: list[int], drafts: list[int],
+                                  metadata: SamplingMetadata) -> VerifiedTokens:
+        tokens, logprobs, _ = sample_from_topk(topk.rows(np.asarray(rows)), metadata,
+                                               np.zeros(len(rows)))
+        n = 1
+        while n <= len(drafts) and int(tokens[n - 1]) == drafts[n - 1]:
+            n += 1
+        return VerifiedTokens([int(t) for t in tokens[:n]], [float(x) for x in logprobs[:n]],
+                              None, n - 1)
 
     def _sample_rows(self, out: ModelRunnerOutput, inputs: SampleInputs,
                      stats: SchedulerStats) -> SampledTokens:
