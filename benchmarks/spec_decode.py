@@ -5,8 +5,10 @@ taking turns in every round so a shared machine's drift lands on all of them.
     PYTHONPATH=. .venv/bin/python benchmarks/spec_decode.py
     PYTHONPATH=. .venv/bin/python benchmarks/spec_decode.py --settings off ngram5 --rounds 2
 
-Settings: `off`; `ngram3`, `ngram5`, `ngram8` (speculative_config {"method": "ngram",
-"num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}); `llama.cpp`:
+Settings: `off`; `off-sync` (speculation off and async scheduling off, as speculative steps
+run: what the overlap of host and device is worth); `ngram3`, `ngram5`, `ngram8`
+(speculative_config {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+"prompt_lookup_max": 5}); `llama.cpp`:
 llama-cpp-python on the same GGUF file with `LlamaPromptLookupDecoding(num_pred_tokens=
 --llama-pred-tokens)`, --llama-threads (2) threads, greedy, the same prompt token ids (needs the
 optional `bench` extra; it serves one sequence, so batch 1 only). With a draft model
@@ -68,12 +70,12 @@ from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 ROOT = Path(__file__).resolve().parent
 CODE_PROMPTS = ROOT / "data" / "code_edit_prompts.json"
 NGRAM_KS = {"ngram3": 3, "ngram5": 5, "ngram8": 8}
-SETTINGS = ("off", *NGRAM_KS, "llama.cpp")
+SETTINGS = ("off", "off-sync", *NGRAM_KS, "llama.cpp")
 WORKLOADS = ("code", "random")
 
 
 def speculative_config(setting: str) -> dict[str, Any] | None:
-    if setting == "off":
+    if setting in ("off", "off-sync"):
         return None
     return {"method": "ngram", "num_speculative_tokens": NGRAM_KS[setting],
             "prompt_lookup_min": 2, "prompt_lookup_max": 5}
@@ -255,10 +257,12 @@ def build_engines(args: argparse.Namespace) -> dict[str, LLM]:
     for setting in [s for s in args.settings if s != "llama.cpp"]:
         start = time.perf_counter()
         spec = speculative_config(setting)
+        extra: dict[str, Any] = {} if spec is None else {"speculative_config": spec}
+        if setting == "off-sync":  # what speculation gives up: it runs steps synchronously
+            extra["async_scheduling"] = False
         engines[setting] = LLM(max_num_seqs=max(args.batch_sizes),
                                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                               show_progress=False,
-                               **({} if spec is None else {"speculative_config": spec}))
+                               show_progress=False, **extra)
         print(f"{setting}: start-up {time.perf_counter() - start:.1f} s", flush=True)
     return engines
 
