@@ -18,6 +18,7 @@ request finishes "stop"; when the grammar fails to compile or reaches a dead end
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,8 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
             block_size=config.block_size, num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            num_lookahead_tokens=spec.num_speculative_tokens if use_draft_model else 0))
+            num_lookahead_tokens=0 if spec is None or not use_draft_model
+            else spec.num_speculative_tokens))
         self.info = EngineCoreInfo(
             config=config, model_config=model_config, max_model_len=max_model_len,
             num_kv_blocks=num_blocks,
@@ -397,8 +399,9 @@ class EngineCore:
                     stats.num_prefill_tokens += r.num_tokens
         for rid in sampled.errors:  # before the update, which then skips them
             self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
-        new_tokens = {rid: (t,) for rid, t in zip(sampled.req_ids, sampled.tokens.tolist(),
-                                                 strict=True) if rid not in sampled.errors}
+        new_tokens: dict[str, Sequence[int]] = {
+            rid: (t,) for rid, t in zip(sampled.req_ids, sampled.tokens.tolist(), strict=True)
+            if rid not in sampled.errors}
         for j, verified in sampled.verified.items():
             new_tokens[sampled.req_ids[j]] = verified.token_ids
         results = self.scheduler.update_from_output(scheduler_output, new_tokens)
@@ -447,29 +450,32 @@ class EngineCore:
         first follow the accepted tokens."""
         drafter = self.drafter
         assert drafter is not None
-        ngram = isinstance(drafter, NgramProposer)
+        ngram = drafter if isinstance(drafter, NgramProposer) else None
         requests = self.scheduler.requests
         for rid in scheduler_output.preempted_req_ids:
             drafter.remove(rid)
         for o in outputs:
             if o.finished:
                 drafter.remove(o.request_id)
-            elif ngram and o.new_token_ids \
+            elif ngram is not None and o.new_token_ids \
                     and (request := requests.get(o.request_id)) is not None:
-                if drafter.has_request(o.request_id):
-                    drafter.append(o.request_id, o.new_token_ids)
+                if ngram.has_request(o.request_id):
+                    ngram.append(o.request_id, o.new_token_ids)
                 else:
-                    drafter.add_request(o.request_id, request.all_token_ids)
+                    ngram.add_request(o.request_id, request.all_token_ids)
         running = self.scheduler.running
         if not running or len(running) > self._max_spec_seqs:
             return
         ready = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
                  and not r.num_inflight_tokens
-                 and (not ngram or drafter.has_request(r.request_id))]
+                 and (ngram is None or ngram.has_request(r.request_id))]
         if not ready:
             return
-        drafts = drafter.propose([r.request_id for r in ready]) if ngram \
-            else drafter.propose(ready)
+        if ngram is not None:
+            drafts = ngram.propose([r.request_id for r in ready])
+        else:
+            assert isinstance(drafter, DraftModelProposer)
+            drafts = drafter.propose(ready)
         for request, draft in zip(ready, drafts, strict=True):
             request.spec_token_ids = draft
 

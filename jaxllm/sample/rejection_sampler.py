@@ -159,6 +159,7 @@ def verify(logits: np.ndarray, draft_token_ids: Sequence[int], row: SamplingRow,
         # The raw log-normaliser costs a pass over the vocabulary: only when someone reads it.
         sampled.append(math.nan if row_lse is None else float(raw[tok]) - row_lse)
         if rows is not None:
+            assert row_lse is not None and params.logprobs is not None  # want_logprobs
             ids, lps, ranks = _logprob_row(raw, row_lse, params.logprobs, tok)
             rows.token_ids.append(ids)
             rows.logprobs.append(lps)
