@@ -169,6 +169,8 @@ def test_test_utility_calls_agree_across_modes(engines):
                          "num_usable_blocks": kw["num_kv_blocks"] - 1, "num_requests": 0,
                          "num_waiting_reqs": 0, "num_running_reqs": 0,
                          "num_waiting_for_grammar": 0, "num_grammars_compiled": 0,
+                         "num_spec_drafts": 0, "num_spec_draft_tokens": 0,
+                         "num_spec_accepted_tokens": 0,
                          "num_preemptions": state["num_preemptions"]}
         kv = llm.collective_rpc("get_kv_cache_info")
         assert kv["num_blocks"] == kw["num_kv_blocks"] and kv["shape"][3] == kv["num_blocks"]
