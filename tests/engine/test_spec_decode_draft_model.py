@@ -454,3 +454,36 @@ def test_draft_refused_by_the_engine(kind, model, tmp_path):
     with pytest.raises(ValueError, match=match):
         make_llm(model, dtype="float32", multiprocess_mode=False, max_num_seqs=1,
                  max_num_batched_tokens=8, speculative_config=draft_model(draft, 2))
+
+
+# --- the embedded model drafting for itself -----------------------------------------------------
+
+MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th "
+                                        "Fibonacci number iteratively, with a docstring."}]
+
+
+@pytest.mark.real_model
+def test_embedded_model_drafting_for_itself(real_model_path, kv_budget):
+    from jaxllm import LLM
+
+    # Small buckets keep start-up short; in process, one engine at a time.
+    kw = dict(model=str(real_model_path), max_model_len=512, max_num_seqs=1,
+              max_num_batched_tokens=128, show_progress=False, multiprocess_mode=False,
+              **kv_budget)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    outs, state = {}, {}
+    for name, extra in (("plain", {}),
+                        ("spec", {"speculative_config": draft_model(real_model_path, 3)})):
+        llm = LLM(**kw, **extra)
+        try:
+            out = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
+            outs[name] = (list(out.token_ids), out.text)
+            state = scheduler_state(llm)
+            assert_pool_free(llm)
+        finally:
+            llm.shutdown()
+    assert outs["spec"] == outs["plain"]
+    assert len(outs["spec"][0]) == 48
+    assert state["num_spec_draft_tokens"] > 0
+    # The draft is the target: nearly every draft is its next token.
+    assert state["num_spec_accepted_tokens"] > 0.8 * state["num_spec_draft_tokens"], state
