@@ -27,6 +27,7 @@ from jaxllm.config import (
     resolve_gemv_max_rows,
     resolve_quantization,
 )
+from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.worker.model_runner import ModelRunner
 from scheduler import ScheduledRequest, SchedulerOutput
@@ -44,8 +45,12 @@ class DraftModelProposer:
         path = Path(spec.model).expanduser()
         quantization = resolve_quantization(None, path, config.dtype, config.kernel_backend,
                                             1, config.platform)
-        loaded = load_model(path, dtype=jnp.dtype(config.dtype), progress=config.show_progress,
-                            quantization=quantization, kernel_backend=config.kernel_backend)
+        try:
+            loaded = load_model(path, dtype=jnp.dtype(config.dtype),
+                                progress=config.show_progress, quantization=quantization,
+                                kernel_backend=config.kernel_backend)
+        except ModelLoadError as e:  # the message names the path, not the setting that gave it
+            raise ModelLoadError(f"speculative_config.model {spec.model!r}: {e}") from e
         draft = loaded.config
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
