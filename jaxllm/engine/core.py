@@ -165,7 +165,8 @@ class EngineCore:
         self.drafter: NgramProposer | DraftModelProposer | None = None
         self._max_spec_seqs = 0
         if use_draft_model:
-            self.drafter = DraftModelProposer(config, model_config, max_model_len, num_blocks)
+            self.drafter = DraftModelProposer(config, model_config, max_model_len, num_blocks,
+                                              target_weights=loaded)
         elif spec is not None:
             self.drafter = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                          spec.prompt_lookup_max, max_model_len,

@@ -34,23 +34,31 @@ from scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxllm.model_executor.config import ModelConfig
+    from jaxllm.model_executor.model_loader.loader import LoadedModel
     from scheduler import Request
 
 
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, target: ModelConfig, max_model_len: int,
-                 num_blocks: int) -> None:
+                 num_blocks: int, target_weights: LoadedModel | None = None) -> None:
+        """`target_weights`: the target's loaded weights, shared (not loaded twice) when the
+        draft is the target's own checkpoint."""
         spec = config.speculative_config
         assert spec is not None and spec.model is not None  # checked by SpeculativeConfig
         path = Path(spec.model).expanduser()
         quantization = resolve_quantization(None, path, config.dtype, config.kernel_backend,
                                             1, config.platform)
-        try:
-            loaded = load_model(path, dtype=jnp.dtype(config.dtype),
-                                progress=config.show_progress, quantization=quantization,
-                                kernel_backend=config.kernel_backend)
-        except ModelLoadError as e:  # the message names the path, not the setting that gave it
-            raise ModelLoadError(f"speculative_config.model {spec.model!r}: {e}") from e
+        if target_weights is not None and path.resolve() != target_weights.path.resolve():
+            target_weights = None
+        if target_weights is not None:
+            loaded = target_weights
+        else:
+            try:
+                loaded = load_model(path, dtype=jnp.dtype(config.dtype),
+                                    progress=config.show_progress, quantization=quantization,
+                                    kernel_backend=config.kernel_backend)
+            except ModelLoadError as e:  # the message names the path, not the setting
+                raise ModelLoadError(f"speculative_config.model {spec.model!r}: {e}") from e
         draft = loaded.config
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc as garbage_collector
 
 import numpy as np
 import pytest
@@ -463,27 +464,28 @@ MESSAGES = [{"role": "user", "content": "Write a Python function that returns th
 
 
 @pytest.mark.real_model
-def test_embedded_model_drafting_for_itself(real_model_path, kv_budget):
+def test_embedded_model_drafting_for_itself(real_llm, real_model_path):
     from jaxllm import LLM
 
-    # Small buckets keep start-up short; in process, one engine at a time.
-    kw = dict(model=str(real_model_path), max_model_len=512, max_num_seqs=1,
-              max_num_batched_tokens=128, show_progress=False, multiprocess_mode=False,
-              **kv_budget)
+    # The oracle is the session's shared engine; the speculative one (target and draft) takes
+    # its settings (a small KV array: the draft has one as large) and is dropped at the end.
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    outs, state = {}, {}
-    for name, extra in (("plain", {}),
-                        ("spec", {"speculative_config": draft_model(real_model_path, 3)})):
-        llm = LLM(**kw, **extra)
-        try:
-            out = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
-            outs[name] = (list(out.token_ids), out.text)
-            state = scheduler_state(llm)
-            assert_pool_free(llm)
-        finally:
-            llm.shutdown()
-    assert outs["spec"] == outs["plain"]
-    assert len(outs["spec"][0]) == 48
+    out = real_llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
+    want = (list(out.token_ids), out.text)
+    llm = LLM(model=str(real_model_path), max_num_seqs=4, max_num_batched_tokens=64,
+              show_progress=False, multiprocess_mode=False, dtype="float32", num_kv_blocks=128,
+              speculative_config=draft_model(real_model_path, 3))
+    try:
+        out = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
+        got = (list(out.token_ids), out.text)
+        state = scheduler_state(llm)
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+        del llm
+        garbage_collector.collect()
+    assert got == want
+    assert len(got[0]) == 48
     assert state["num_spec_draft_tokens"] > 0
     # The draft is the target: nearly every draft is its next token.
     assert state["num_spec_accepted_tokens"] > 0.8 * state["num_spec_draft_tokens"], state

@@ -3,6 +3,8 @@ code edit whose answer repeats the prompt. Oracle: the same engine without specu
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from jaxllm import LLM, SamplingParams
@@ -27,25 +29,27 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
         "prompt_lookup_max": 5}
 
 
-def test_code_edit_equals_spec_off_with_accepted_drafts(real_model_path, kv_budget):
-    # Small buckets keep start-up short; in process, one engine at a time.
-    kw = dict(model=str(real_model_path), max_model_len=512, max_num_seqs=2,
-              max_num_batched_tokens=128, show_progress=False, multiprocess_mode=False,
-              **kv_budget)
+def test_code_edit_equals_spec_off_with_accepted_drafts(real_llm, real_model_path):
+    # The oracle is the session's shared engine; the speculative one takes its settings (in
+    # process, float32, its buckets; a small KV array) and is dropped at the end.
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    outs = {}
-    for name, extra in (("plain", {}), ("spec", {"speculative_config": SPEC})):
-        llm = LLM(**kw, **extra)
-        try:
-            out = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
-            outs[name] = (list(out.token_ids), out.text)
-            state = scheduler_state(llm)
-            assert_pool_free(llm)
-        finally:
-            llm.shutdown()
-    assert outs["spec"] == outs["plain"]
-    assert len(outs["spec"][0]) == 64
-    assert "rolling_mean" in outs["spec"][1]
+    out = real_llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
+    want = (list(out.token_ids), out.text)
+    llm = LLM(model=str(real_model_path), max_num_seqs=4, max_num_batched_tokens=64,
+              show_progress=False, multiprocess_mode=False, dtype="float32", num_kv_blocks=128,
+              speculative_config=SPEC)
+    try:
+        out = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
+        got = (list(out.token_ids), out.text)
+        state = scheduler_state(llm)
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+    assert got == want
+    assert len(got[0]) == 64
+    assert "rolling_mean" in got[1]
     assert state["num_spec_draft_tokens"] > 0
     # The answer copies the prompt's code: most drafts are accepted.
     assert state["num_spec_accepted_tokens"] > state["num_spec_draft_tokens"] // 2, state
