@@ -4,6 +4,12 @@ engine's median step time per step shape while it decodes a code-edit prompt wit
 of k tokens, with the drafts accepted per step. Together they bound the speed-up at batch 1:
 (1 + mean accepted drafts) x decode step / spec step.
 
+The matmuls' rate (GFLOP/s: 2 x rows x decoder weights + 2 x logits rows x LM head) is set
+against the machine's float32 GEMM rate (numpy's 2048^3 matmul): where a 1 + k row step's
+rate nears it, verifying k drafts costs compute, not just the one read of the weights. The
+engine gets max_num_seqs 16 so that the timed matmuls compute logits at every row, as a spec
+step does (batch 1 still runs the one-sequence buckets).
+
     PYTHONPATH=. .venv/bin/python benchmarks/spec_decode_steps.py --ks 3 5 8
 """
 
@@ -46,6 +52,16 @@ def step_times(llm: LLM, messages: list[dict], max_tokens: int) -> dict[str, lis
     return times
 
 
+def sgemm_gflops(n: int = 2048, reps: int = 5) -> float:
+    a = np.random.default_rng(0).standard_normal((n, n), np.float32)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,14 +71,19 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "spec_decode_steps.json")
     args = ap.parse_args()
     messages = json.loads(PROMPTS.read_text())[args.prompt]["messages"]
-    report: dict = {"matmuls_s": {}, "steps": {}}
+    report: dict = {"sgemm_2048_gflops": sgemm_gflops(), "matmuls_s": {},
+                    "matmuls_gflops": {}, "steps": {}}
     for k in args.ks:
-        llm = LLM(max_num_seqs=1, show_progress=False, speculative_config={
+        llm = LLM(max_num_seqs=16, show_progress=False, speculative_config={
             "method": "ngram", "num_speculative_tokens": k})
         if not report["matmuls_s"]:
             rows = sorted({1, *(1 + k for k in args.ks)})
-            report["matmuls_s"] = {str(n): t for n, t in llm.collective_rpc(
-                "time_weight_matmuls", (rows, 5)).items()}
+            w = llm.collective_rpc("get_weight_stats")
+            for n, t in llm.collective_rpc("time_weight_matmuls", (rows, 5)).items():
+                n = int(n)
+                flops = 2 * n * (w["body_params"] + w["head_params"])
+                report["matmuls_s"][str(n)] = t
+                report["matmuls_gflops"][str(n)] = flops / t / 1e9
         step_times(llm, messages, 8)  # first calls, the prompt's blocks cached
         before = scheduler_state(llm)
         start = time.perf_counter()
@@ -71,10 +92,14 @@ def main() -> None:
         after = scheduler_state(llm)
         drafts = after["num_spec_drafts"] - before["num_spec_drafts"]
         accepted = after["num_spec_accepted_tokens"] - before["num_spec_accepted_tokens"]
+        median = {shape: float(np.median(v)) * 1e3 for shape, v in times.items()}
+        mean_len = 1 + accepted / max(drafts, 1)
+        decode, spec = median.get(str((1, 1))), median.get(str((1 + k, 1 + k)))
         report["steps"][k] = {
-            "median_device_ms": {shape: float(np.median(v)) * 1e3 for shape, v in times.items()},
-            "steps": {shape: len(v) for shape, v in times.items()},
-            "mean_accepted_length": 1 + accepted / max(drafts, 1), "elapsed_s": elapsed}
+            "median_device_ms": median, "steps": {shape: len(v) for shape, v in times.items()},
+            "mean_accepted_length": mean_len, "elapsed_s": elapsed,
+            "spec_over_decode_step": spec / decode if decode and spec else None,
+            "speedup_bound": mean_len * decode / spec if decode and spec else None}
         del llm
     print(json.dumps(report, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,22 @@ CUDA_GRAPH_TRITON_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL",)
 SPEC_DECODE_METHODS = ("ngram", "draft_model")
 
 
+
+def config_dict(value: Any, name: str, known: set[str]) -> dict[str, Any]:
+    """A settings object given as a dict or as its JSON text (the command line's form), with
+    only `known` keys; errors name `name`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict (a JSON object), got {value!r}")
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown key(s) {unknown}; known: {sorted(known)}")
+    return value
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): up to `num_speculative_tokens`
@@ -68,20 +84,10 @@ class SpeculativeConfig:
     def from_dict(cls, value: Any) -> SpeculativeConfig:
         """From the `speculative_config` engine argument (a dict, or its JSON text)."""
         name = "speculative_config"
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{name} is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ValueError(f"{name} must be a dict (or its JSON text), got {value!r}")
+        value = config_dict(value, name, {f.name for f in dataclasses.fields(cls)})
         method = value.get("method")
         if method not in SPEC_DECODE_METHODS:
             raise ValueError(f"{name}.method must be one of {SPEC_DECODE_METHODS}, got {method!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"{name} has unknown key(s) {unknown}; known: {sorted(known)}")
         for key, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1),
                          ("prompt_lookup_max", 1)):
             v = value.get(key, getattr(cls, key, None))

@@ -55,6 +55,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
+    # Draft tokens among them (speculative decoding).
+    total_num_draft_tokens: int = 0
     # Lost their blocks this step; the runner drops their state (they come back as is_new).
     preempted_req_ids: list[str] = field(default_factory=list)
     # Finished or aborted since the previous schedule(); the runner drops their state.

@@ -331,6 +331,7 @@ class Scheduler:
         request.num_output_placeholders += do_sample
         out.num_scheduled_tokens[rid] = num_new
         out.total_num_scheduled_tokens += num_new
+        out.total_num_draft_tokens += num_draft
 
     def update_from_output(
         self,

@@ -110,16 +110,9 @@ class EngineCore:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {model_config.max_position_embeddings}")
         self.async_scheduling = config.async_scheduling
-        self.runner = ModelRunner(
-            model_config, loaded.params, dtype=jnp.dtype(config.dtype),
-            kernel_backend=config.kernel_backend, block_size=config.block_size,
-            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            topk_sampling=config.topk_sampling, gemv_params=loaded.gemv_params,
-            gemv_max_rows=config.gemv_max_rows, kv_cache_dtype=jnp.dtype(config.kv_cache_dtype),
-            activation_dtype=jnp.dtype(config.activation_dtype),
+        self.runner = ModelRunner.from_engine_config(
+            config, loaded, max_model_len, gemv_max_rows=config.gemv_max_rows,
             tensor_parallel_size=config.tensor_parallel_size,
-            matmul_precision=config.matmul_precision,
             num_speculative_tokens=0 if config.speculative_config is None
             else config.speculative_config.num_speculative_tokens)
         num_blocks = multihost.agree(self.distributed, num_kv_blocks_for(config, self.runner))

@@ -11,7 +11,8 @@ After each step, for the running requests about to decode: one step over the tok
 has not seen yet (the prompt on the first call, then the tokens the target accepted since),
 sampling at each request's last token, then k - 1 decode steps, each feeding the previous
 draft token. Drafts are greedy (the draft's argmax): a point mass, which the target verifies
-like an n-gram draft. The draft's KV of rejected drafts is overwritten by the next catch-up.
+like an n-gram draft. The KV those decode steps wrote for drafts the target accepted is kept;
+that of rejected drafts is overwritten by the next catch-up.
 """
 
 from __future__ import annotations
@@ -71,32 +72,29 @@ class DraftModelProposer:
         self.k = spec.num_speculative_tokens
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.runner = ModelRunner(
-            draft, loaded.params, dtype=jnp.dtype(config.dtype),
-            kernel_backend=config.kernel_backend, block_size=config.block_size,
-            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            topk_sampling=config.topk_sampling, gemv_params=loaded.gemv_params,
+        self.runner = ModelRunner.from_engine_config(
+            config, loaded, max_model_len,
             gemv_max_rows=resolve_gemv_max_rows(quantization, config.dtype,
-                                                config.kernel_backend, config.platform),
-            kv_cache_dtype=jnp.dtype(config.kv_cache_dtype),
-            activation_dtype=jnp.dtype(config.activation_dtype),
-            matmul_precision=config.matmul_precision)
+                                                config.kernel_backend, config.platform))
         self.runner.initialize_kv_cache(num_blocks)
         self.compile_time_s = self.runner.compile(progress=config.show_progress)
         # Tokens of each request whose KV the draft holds (a prefix of its tokens).
         self._num_computed: dict[str, int] = {}
+        # The drafts each request's decode steps fed (their KV is in the draft's array), and
+        # the position of the first: those the target accepted need no recomputing.
+        self._fed: dict[str, tuple[int, list[int]]] = {}
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Follow the target's schedule: rows, block tables (new, appended, cut, dropped)."""
         self.runner.update_states(scheduler_output)
         for rid in scheduler_output.preempted_req_ids:
-            self._num_computed.pop(rid, None)  # its blocks are gone
+            self.remove(rid)  # its blocks are gone
         for rid in scheduler_output.finished_req_ids:
-            self._num_computed.pop(rid, None)
+            self.remove(rid)
 
     def remove(self, request_id: str) -> None:
         self._num_computed.pop(request_id, None)
+        self._fed.pop(request_id, None)
 
     def propose(self, requests: list[Request]) -> list[list[int]]:
         """Up to k draft tokens for each request (each about to decode: all its tokens but the
@@ -119,12 +117,36 @@ class DraftModelProposer:
             tokens = self._greedy(scheduled)
             for j, i in enumerate(active):
                 drafts[i].append(int(tokens[j]))
+        for i in active:
+            n = requests[i].num_tokens
+            self._fed[ids[i]] = (n, drafts[i][:max(0, min(k - 1, self._covered(ids[i]) - n))])
         return drafts
+
+    def _covered(self, request_id: str) -> int:
+        """Positions the request's blocks reach: the draft's KV is real below it. (Its
+        lookahead slots are dropped when the KV cache is short; what the draft writes past its
+        blocks lands in the reserved null block.)"""
+        batch = self.runner.input_batch
+        return int(batch.num_blocks[batch.req_id_to_row[request_id]]) * batch.block_size
+
+    def _start(self, request: Request) -> int:
+        """The first token the draft has no KV for: past its catch-up, and past the drafts its
+        decode steps fed that the target accepted (the same tokens at the same positions)."""
+        rid = request.request_id
+        start = self._num_computed.get(rid, 0)
+        first, fed = self._fed.pop(rid, (-1, []))
+        if first == start:
+            tokens = request.all_token_ids
+            for t in fed:
+                if start >= request.num_tokens - 1 or tokens[start] != t:
+                    break
+                start += 1
+        return start
 
     def _catch_up(self, requests: list[Request]) -> list[int]:
         """Run the draft over each request's tokens it has not seen, in steps of at most
         max_num_batched_tokens; returns the draft's next token after each request's last."""
-        pending = {r.request_id: self._num_computed.get(r.request_id, 0) for r in requests}
+        pending = {r.request_id: self._start(r) for r in requests}
         first: dict[str, int] = {}
         while pending:
             budget = self.max_num_batched_tokens
@@ -146,7 +168,7 @@ class DraftModelProposer:
                     first[rid] = int(tokens[j])
                     j += 1
                     del pending[rid]
-                    self._num_computed[rid] = item.seq_len
+                    self._num_computed[rid] = min(item.seq_len, self._covered(rid))
                 else:
                     pending[rid] = item.seq_len
         return [first[r.request_id] for r in requests]

@@ -170,15 +170,15 @@ class InputBatch:
         num_rows = num_seqs if num_rows is None else num_rows
         logits_indices = np.zeros(num_rows, np.int32)
         last = query_start_loc[sampling + 1] - 1
-        num_drafts = np.fromiter((reqs[i].num_draft_tokens for i in sampling.tolist()),
-                                 np.intp, len(sampling))
-        if not num_drafts.any():
+        if not scheduler_output.total_num_draft_tokens:
             logits_indices[:len(sampling)] = last
             return StepInputs(input_ids, positions, slot_mapping, block_tables, seq_lens,
                               query_start_loc, logits_indices,
                               [reqs[i].request_id for i in sampling], num_tokens,
                               self.sampling.rows(rows[sampling]),
-                              np.arange(len(sampling)), num_drafts, [])
+                              np.arange(len(sampling)), np.zeros(len(sampling), np.intp), [])
+        num_drafts = np.fromiter((reqs[i].num_draft_tokens for i in sampling.tolist()),
+                                 np.intp, len(sampling))
         # Rows left beyond one per sampling request go to drafts in request order; drafts
         # without a row are verified as rejected.
         spare = num_rows - len(sampling)

@@ -96,7 +96,9 @@ from pallas_kernels.attention_common import decode_num_splits
 from scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
+    from jaxllm.config import EngineConfig
     from jaxllm.distributed.multihost import Leader
+    from jaxllm.model_executor.model_loader.loader import LoadedModel
 
 # Prompt-logprob rows go through the LM head in chunks of this many rows, top-N up to the
 # logprobs limit.
@@ -242,6 +244,23 @@ class ModelRunner:
         # Several hosts, process 0: broadcasts each launch to the followers (multihost.py).
         self.leader: Leader | None = None
 
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, loaded: LoadedModel, max_model_len: int,
+                           *, gemv_max_rows: int, tensor_parallel_size: int = 1,
+                           num_speculative_tokens: int = 0) -> ModelRunner:
+        """A runner for `loaded` (the target, or a draft model) with the engine's settings."""
+        return cls(
+            loaded.config, loaded.params, dtype=jnp.dtype(config.dtype),
+            kernel_backend=config.kernel_backend, block_size=config.block_size,
+            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            topk_sampling=config.topk_sampling, gemv_params=loaded.gemv_params,
+            gemv_max_rows=gemv_max_rows, kv_cache_dtype=jnp.dtype(config.kv_cache_dtype),
+            activation_dtype=jnp.dtype(config.activation_dtype),
+            tensor_parallel_size=tensor_parallel_size,
+            matmul_precision=config.matmul_precision,
+            num_speculative_tokens=num_speculative_tokens)
     def _forward(self, params: dict, rope: dict, kv_cache: jax.Array, logits_buf: jax.Array,
                  input_ids: jax.Array, positions: jax.Array,
                  attn_metadata: AttentionMetadata[jax.Array], max_query_len: int,
@@ -442,8 +461,8 @@ class ModelRunner:
         num_tokens = scheduler_output.total_num_scheduled_tokens
         if num_tokens == len(scheduled):
             return self.bucket_for(num_tokens, decode_only=True), 1
-        if self.spec_buckets and all(r.do_sample and r.num_tokens == 1 + r.num_draft_tokens
-                                     for r in scheduled):
+        if scheduler_output.total_num_draft_tokens and self.spec_buckets and all(
+                r.do_sample and r.num_tokens == 1 + r.num_draft_tokens for r in scheduled):
             seqs = self.bucket_for(len(scheduled), decode_only=True) * self.spec_query_len
             if seqs in self.spec_buckets:
                 return seqs, self.spec_query_len

@@ -243,10 +243,29 @@ def test_greedy_equals_spec_off_small_draft_multiprocess(small_spec, plain_greed
 def test_one_request_alone_accepts_everything(self_spec, plain_greedy, prompts):
     # Alone, the draft is the target on the same tokens: every draft is its next token.
     counters = SpecCounters(self_spec)
-    assert token_ids(generate(self_spec, [prompts[0]], GREEDY)) == [plain_greedy[0]]
+    drafter = core_of(self_spec).drafter
+    fed = []
+    original = drafter.runner.execute_model
+
+    def spy(so, *args, **kwargs):
+        fed.append(so.total_num_scheduled_tokens)
+        return original(so, *args, **kwargs)
+
+    drafter.runner.execute_model = spy
+    try:
+        assert token_ids(generate(self_spec, [prompts[0]], GREEDY)) == [plain_greedy[0]]
+    finally:
+        del drafter.runner.execute_model
     d = counters.assert_high(rate=1.0)
     # k = 3: each verifying step emits 4 tokens; 24 tokens = the prefill's, then 23 more.
     assert d["num_spec_drafts"] == -(-(GREEDY.max_tokens - 1) // 4)
+    # Each proposal: a catch-up, then 2 decode steps of one token. After the first, a
+    # catch-up feeds only the last draft and the bonus token: the 2 drafts its decode steps
+    # fed were accepted, and their KV is kept.
+    proposals = [fed[i:i + 3] for i in range(0, len(fed), 3)]
+    # The first: the prompt and the token its prefill sampled.
+    assert len(proposals) == d["num_spec_drafts"] and proposals[0][0] == len(prompts[0]) + 1
+    assert all(p == [2, 1, 1] for p in proposals[1:]), proposals
 
 
 def test_catch_up_in_chunks_under_preemption(tight, plain):
@@ -410,7 +429,7 @@ def test_aborts_mid_run_leave_every_block_free(self_spec, prompts, plain_greedy)
     for i in (0, 2, 4):
         assert list(done[f"r{i}"].outputs[0].token_ids) == plain_greedy[i]
     # The draft forgets every request, finished or aborted.
-    assert core_of(self_spec).drafter._num_computed == {}
+    assert core_of(self_spec).drafter._num_computed == core_of(self_spec).drafter._fed == {}
     counters.assert_accepted()
     assert_pool_free(self_spec)
 

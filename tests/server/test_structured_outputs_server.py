@@ -187,7 +187,7 @@ def test_structured_outputs_config_flag():
         == StructuredOutputsConfig(disable_any_whitespace=True)
     assert StructuredOutputsConfig.from_json("{}") == StructuredOutputsConfig()
     for bad, word in (("{nope", "not valid JSON"), ("[1]", "JSON object"),
-                      ('{"backend": "xgrammar"}', "unknown keys ['backend']"),
+                      ('{"backend": "xgrammar"}', "unknown key(s) ['backend']"),
                       ('{"disable_any_whitespace": 1}', "disable_any_whitespace")):
         with pytest.raises(ValueError, match=re.escape(word)):
             StructuredOutputsConfig.from_json(bad)

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, fields
 from typing import Any
 
+from jaxllm.config import config_dict
 from jaxllm.engine import EngineDeadError
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.metrics import ServerMetrics
@@ -34,17 +35,7 @@ class StructuredOutputsConfig:
     def from_json(cls, text: str) -> StructuredOutputsConfig:
         """From the command line's JSON object; unknown keys and non-bool values are errors
         naming them."""
-        try:
-            spec = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--structured-outputs-config is not valid JSON: {e}") from None
-        if not isinstance(spec, dict):
-            raise ValueError(f"--structured-outputs-config must be a JSON object, got {text!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(spec) - known)
-        if unknown:
-            raise ValueError(f"--structured-outputs-config has unknown keys {unknown}; known: "
-                             f"{sorted(known)}")
+        spec = config_dict(text, "--structured-outputs-config", {f.name for f in fields(cls)})
         for key, value in spec.items():
             if not isinstance(value, bool):
                 raise ValueError(f"--structured-outputs-config: {key} must be true or false, "

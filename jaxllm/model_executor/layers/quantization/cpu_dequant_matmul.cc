@@ -36,6 +36,10 @@ namespace {
 
 constexpr int kLanes = 16;
 constexpr int kRowTile = 8;  // rows of x whose accumulators live in registers at once
+#ifndef JAXLLM_PAIR_TILE
+#define JAXLLM_PAIR_TILE 6
+#endif
+constexpr int kPairTile = JAXLLM_PAIR_TILE;  // the same with two weight rows
 
 struct Problem {
   const float* x;       // [T, K]
@@ -157,13 +161,15 @@ inline void tile(const Problem& p, const int64_t* ns, int64_t t0) {
     for (int r = 0; r < R; ++r) p.y[(t0 + r) * p.N + ns[i]] = lane_sum(acc0[i][r] + acc1[i][r]);
 }
 
-// Every row of x against the NR weight rows ns[], in tiles of up to kRowTile rows (4 with two
-// weight rows: their accumulators fill the 32 vector registers; on 8, 16 and 32 rows of x this
-// beat one weight row in tiles of 8, which forms each weight once per 8 rows instead of 4).
+// Every row of x against the NR weight rows ns[], in tiles of up to kRowTile rows (kPairTile
+// with two weight rows: their accumulators and weights take 28 of the 32 vector registers).
+// Each tile forms the weights again, so the fewer tiles the better: on 8, 16 and 32 rows of x
+// two weight rows in tiles of 4 beat one in tiles of 8 (two streams), and tiles of 6 keep a
+// speculative step's 4-9 rows in one or two tiles.
 template <int NR, int B, bool kOffset>
 void weight_rows(const Problem& p, const int64_t* ns) {
   int64_t t = 0;
-  constexpr int kTile = NR == 1 ? kRowTile : 4;
+  constexpr int kTile = NR == 1 ? kRowTile : kPairTile;
   for (; t + kTile <= p.T; t += kTile) tile<kTile, NR, B, kOffset>(p, ns, t);
   switch (p.T - t) {
     case 7: tile<7, NR, B, kOffset>(p, ns, t); break;
