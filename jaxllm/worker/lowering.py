@@ -25,23 +25,30 @@ from pallas_kernels.common import lower_for_cuda
 
 
 def lower_step_for_cuda(config: ModelConfig, num_tokens: int, decode: bool, *,
-                        dtype: Any = jnp.bfloat16, block_size: int = 16, num_blocks: int = 4096,
-                        max_model_len: int = 4096, max_num_seqs: int = 64) -> jax.stages.Lowered:
+                        query_len: int = 1, dtype: Any = jnp.bfloat16, block_size: int = 16,
+                        num_blocks: int = 4096, max_model_len: int = 4096,
+                        max_num_seqs: int = 64) -> jax.stages.Lowered:
     """The runner's step with the Pallas kernels, lowered for CUDA from abstract inputs: a
-    decode bucket of `num_tokens` sequences (split-K attention as the runner sizes it) or a
-    prefill bucket of `num_tokens` tokens."""
+    decode bucket of `num_tokens` sequences (split-K attention as the runner sizes it), a
+    speculative-decoding verify bucket (`decode` with `query_len` 1 + k: num_tokens / query_len
+    sequences of query_len tokens, max_query_len query_len, a logits row per token, unsplit
+    attention) or a prefill bucket of `num_tokens` tokens."""
+    if query_len < 1 or num_tokens % query_len or (query_len > 1 and not decode):
+        raise ValueError(f"query_len must be >= 1, divide num_tokens ({num_tokens}) and be 1 "
+                         f"for a prefill bucket, got {query_len} (decode={decode})")
     model = Qwen2ForCausalLM(config, dtype=dtype, kernel_backend="pallas")
-    seqs = min(num_tokens, max_num_seqs)
+    seqs = min(num_tokens // query_len, max_num_seqs)
+    rows = seqs * query_len if decode else seqs
 
     def i32(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
     attn_metadata = AttentionMetadata(i32(num_tokens), i32(seqs, -(-max_model_len // block_size)),
-                                      i32(seqs), i32(seqs + 1), i32(seqs))
+                                      i32(seqs), i32(seqs + 1), i32(rows))
     splits = (decode_num_splits(max_model_len, seqs, config.num_key_value_heads)
-              if decode else 1)
-    fn = functools.partial(forward_step, model, 0, None, max_query_len=1 if decode else num_tokens,
-                           num_splits=splits)
+              if decode and query_len == 1 else 1)
+    fn = functools.partial(forward_step, model, 0, None,
+                           max_query_len=query_len if decode else num_tokens, num_splits=splits)
     kv = jax.ShapeDtypeStruct(kv_cache_shape(config, num_blocks, block_size), dtype)
     rope = jax.eval_shape(lambda: rope_variables(config))
     return lower_for_cuda(fn, (abstract_params(model), rope, kv, i32(num_tokens),

@@ -347,8 +347,10 @@ def format_model_time(results: Sequence[Result]) -> str:
         f"Per-kernel model on an H100 SXM: MODEL, NOT MEASUREMENT (HBM "
         f"{pm.HBM_BYTES_PER_S / 1e12:.2f} TB/s; {pm.BF16_TENSOR_FLOPS / 1e12:.0f} TFLOP/s bf16 "
         f"dots, {pm.FP32_FLOPS / 1e12:.0f} TFLOP/s FP32; {pm.NUM_SMS} SMs; floor "
-        f"{pm.FLOOR_US:g} us). decode: 64 sequences x {pm.CASE_DECODE_CONTEXT} keys; prefill: "
-        "4 x 512 tokens. programs: working/launched.",
+        f"{pm.FLOOR_US:g} us). decode: 64 sequences x {pm.CASE_DECODE_CONTEXT} keys; verify: "
+        f"{pm.VERIFY_SEQS} x {pm.VERIFY_QUERY_LEN} tokens on "
+        f"{pm.CASE_DECODE_CONTEXT - pm.VERIFY_QUERY_LEN} cached keys; prefill: 4 x 512 tokens. "
+        "programs: working/launched.",
         pm.format_case_models(model_rows(results)),
         "",
         "Decode step, bfloat16 (model, not measurement; "

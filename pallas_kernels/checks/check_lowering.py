@@ -29,7 +29,8 @@ from pallas_kernels.common import lower_for_cuda
 MODEL_SHAPES: tuple[Qwen2Shape, ...] = tuple(
     QWEN2_SHAPES[name] for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"))
 DTYPES: tuple = (jnp.bfloat16, jnp.float32)
-# decode: 64 sequences of one token each (context up to 4096); decode1: one sequence of one
+# decode: 64 sequences of one token each (context up to 4096), and for paged attention a
+# speculative-decoding verify step (16 sequences of 6 tokens); decode1: one sequence of one
 # token; prefill: 2048 tokens over 4 sequences. lowering_cases.py builds each kernel's args
 # from these.
 PHASES: tuple[str, ...] = ("decode", "decode1", "prefill")

@@ -1,7 +1,8 @@
 """The cases check_lowering and check_compile lower for CUDA: per kernel module, a builder
 ``(model, dtype, phase) -> [(kernel_name, fn, ShapeDtypeStruct args)]`` at a model's shapes
 (a ``shapes.Qwen2Shape``) for the phase: "decode" (64 sequences of one token, contexts up to
-4096), "decode1" (batch-1 decode: one sequence, one token) or "prefill" (2048 tokens over 4
+4096; paged attention adds a speculative-decoding verify step, ``paged_attention_verify``),
+"decode1" (batch-1 decode: one sequence, one token) or "prefill" (2048 tokens over 4
 sequences). Every ``fn`` calls the kernel's public function with backend "pallas".
 
 The KV array of the write_kv and paged attention cases holds 64 sequences x 4096 tokens on
@@ -31,6 +32,12 @@ Case = tuple[str, Callable, tuple]
 PHASE_TOKENS = {"decode": 64, "decode1": 1, "prefill": 2048}
 # The cases' KV array: 64 sequences x 4096 tokens, in blocks of the case's size.
 CASE_KV_TOKENS = 64 * 4096
+# A speculative-decoding verify step (the runner's spec-decode bucket): VERIFY_SEQS sequences of
+# 1 + k tokens each, k = 5 draft tokens, max_query_len 1 + k. Paged attention sizes its query
+# tile from max_query_len (attention_common.launch_config), so the step's tile is neither
+# decode's nor prefill's; no other kernel reads max_query_len, so only attention gets the case.
+VERIFY_SEQS = 16
+VERIFY_QUERY_LEN = 6
 # An H100's KV budget (80 GB less weights and activations), for the models whose usual case
 # array is small enough for 32-bit offsets.
 LARGE_KV_BYTES = 60 * 2**30
@@ -105,29 +112,34 @@ def kv_write_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
 
 def paged_attention_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
     """decode: 64 sequences x 1 token, contexts up to 4096 (256 blocks of 16), max_query_len 1;
-    and split-K decode of 8 sequences (a small batch) with ``decode_num_splits`` for a
-    max_model_len of 4096 (16 splits for 2 KV heads, 8 for 4): two kernels, split and combine.
-    decode1: one sequence of one token, unsplit (a max_model_len too short to split) and
-    split-K (16 splits). prefill: 2048 tokens over 4 sequences, blocks of 16 and of 32,
-    max_query_len 2048. The KV array spans all layers (``kv_arrays``), > 4 GiB for the larger
-    models and in the ``_kv60g`` cases (blocks of 16), so the 64-bit addressing path of the
-    Triton lowering is exercised too.
+    split-K decode of 8 sequences (a small batch) with ``decode_num_splits`` for a
+    max_model_len of 4096 (16 splits for 2 KV heads, 8 for 4): two kernels, split and combine;
+    and the verify step of speculative decoding (``paged_attention_verify``): 16 sequences x 6
+    tokens (1 + k, k = 5), max_query_len 6, contexts up to 4096, unsplit. decode1: one sequence
+    of one token, unsplit (a max_model_len too short to split) and split-K (16 splits).
+    prefill: 2048 tokens over 4 sequences, blocks of 16 and of 32, max_query_len 2048. The KV
+    array spans all layers (``kv_arrays``), > 4 GiB for the larger models and in the ``_kv60g``
+    cases (blocks of 16), so the 64-bit addressing path of the Triton lowering is exercised
+    too.
     """
     max_model_len = 4096
+    attn, splitk = "paged_attention", "paged_attention_splitk"
     if phase == "decode":
-        # tokens, sequences, max_query_len, block_size, num_splits
-        shapes = [(64, 64, 1, 16, 1),
-                  (8, 8, 1, 16, decode_num_splits(max_model_len, 8, model.num_kv_heads))]
+        # name, tokens, sequences, max_query_len, block_size, num_splits
+        shapes = [(attn, 64, 64, 1, 16, 1),
+                  (splitk, 8, 8, 1, 16, decode_num_splits(max_model_len, 8, model.num_kv_heads)),
+                  ("paged_attention_verify", VERIFY_SEQS * VERIFY_QUERY_LEN, VERIFY_SEQS,
+                   VERIFY_QUERY_LEN, 16, 1)]
     elif phase == "decode1":
-        shapes = [(1, 1, 1, 16, 1),
-                  (1, 1, 1, 16, decode_num_splits(max_model_len, 1, model.num_kv_heads))]
+        shapes = [(attn, 1, 1, 1, 16, 1),
+                  (splitk, 1, 1, 1, 16, decode_num_splits(max_model_len, 1, model.num_kv_heads))]
     elif phase == "prefill":
-        shapes = [(2048, 4, 2048, 16, 1), (2048, 4, 2048, 32, 1)]
+        shapes = [(attn, 2048, 4, 2048, 16, 1), (attn, 2048, 4, 2048, 32, 1)]
     else:
         raise ValueError(f"unknown phase {phase!r}")
     num_layers = model.num_layers
     cases = []
-    for num_tokens, num_seqs, max_query_len, block_size, num_splits in shapes:
+    for name, num_tokens, num_seqs, max_query_len, block_size, num_splits in shapes:
         max_blocks = max_model_len // block_size
 
         def fn(q, kv_cache, block_tables, seq_lens, query_start_loc, _mq=max_query_len,
@@ -136,7 +148,6 @@ def paged_attention_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
                                    query_start_loc, scale=model.head_dim ** -0.5,
                                    max_query_len=_mq, backend="pallas", num_splits=_ns)
 
-        name = "paged_attention_splitk" if num_splits > 1 else "paged_attention"
         for suffix, cache in kv_arrays(model, dtype, block_size):
             if suffix and block_size != 16:
                 continue  # the large array's addressing does not depend on the block size

@@ -54,7 +54,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pallas_kernels.attention_common import decode_num_splits
-from pallas_kernels.checks.lowering_cases import DEQUANT_LAYERS, LARGE_KV_SUFFIX, matmul_shape
+from pallas_kernels.checks.lowering_cases import (
+    DEQUANT_LAYERS,
+    LARGE_KV_SUFFIX,
+    VERIFY_QUERY_LEN,
+    VERIFY_SEQS,
+    matmul_shape,
+)
 from pallas_kernels.checks.shapes import QWEN2_SHAPES, Qwen2Shape
 
 HBM_BYTES_PER_S = 3.35e12
@@ -165,16 +171,18 @@ def combine_cost(seqs: int, num_heads: int, head_dim: int, dtype: str, splits: i
 
 def prefill_attention_cost(seqs: int, q_len: int, num_heads: int, num_kv_heads: int,
                            head_dim: int, dtype: str, block_size: int = 16,
-                           programs: int | None = None) -> Cost:
-    """Causal prefill of `seqs` sequences of `q_len` new tokens and no cached context: q and o
-    once, K/V of the sequence once per (sequence, KV head) (tiles re-read by later query tiles
-    come from L2). FLOPs: query i sees i + 1 keys, so 4 x heads x head_dim x q_len(q_len+1)/2."""
+                           programs: int | None = None, context: int = 0) -> Cost:
+    """Causal attention of `seqs` sequences of `q_len` new tokens each on top of `context`
+    cached keys (0: a fresh prefill; a prefix hit, a later chunk or a speculative-decoding
+    verify step otherwise): q and o once, K/V of the sequence (context and new tokens) once per
+    (sequence, KV head) (tiles re-read by later query tiles come from L2). FLOPs: query i sees
+    context + i + 1 keys, so 4 x heads x head_dim x (q_len x context + q_len(q_len+1)/2)."""
     size = itemsize(dtype)
     tokens = seqs * q_len
-    kv = 2 * tokens * num_kv_heads * head_dim * size
+    kv = 2 * seqs * (context + q_len) * num_kv_heads * head_dim * size
     qo = 2 * tokens * num_heads * head_dim * size
-    table = seqs * math.ceil(q_len / block_size) * 4
-    pairs = seqs * q_len * (q_len + 1) // 2
+    table = seqs * math.ceil((context + q_len) / block_size) * 4
+    pairs = seqs * (q_len * context + q_len * (q_len + 1) // 2)
     return Cost(bytes=kv + qo + table, flops=4 * num_heads * head_dim * pairs,
                 peak=attention_peak(dtype), programs=programs)
 
@@ -235,7 +243,9 @@ def decode_attention_time(seqs: int, context: int, num_heads: int, num_kv_heads:
 
 # The shapes of check_lowering's cases (see lowering_cases.py): decode is 64 sequences
 # of one token, decode1 one, whose context is taken at the cases' maximum (4096 keys, 256
-# blocks of 16); prefill is 2048 tokens, 4 sequences of 512 with no cached context.
+# blocks of 16); prefill is 2048 tokens, 4 sequences of 512 with no cached context. The decode
+# phase's verify case (paged_attention_verify) is VERIFY_SEQS sequences of VERIFY_QUERY_LEN
+# tokens, at the same maximum context (the new tokens included).
 CASE_TOKENS = {"decode": 64, "decode1": 1, "prefill": 2048}
 CASE_SEQS = {"decode": 64, "decode1": 1, "prefill": 4}
 CASE_DECODE_CONTEXT = 4096
@@ -282,6 +292,15 @@ def case_cost(kernel: str, model, dtype: str, phase: str, grid: Sequence[int]) -
         return decode_attention_cost(seqs, CASE_DECODE_CONTEXT, model.num_heads,
                                      model.num_kv_heads, model.head_dim, dtype, block_size,
                                      splits=splits)
+    elif base.startswith("paged_attention_verify_bs"):
+        # A few query rows per sequence over a long context: the context's K/V bytes as in
+        # decode, FLOPs of q_len rows each seeing the context. Every sequence has
+        # max_query_len tokens, so every program of the grid works.
+        block_size = int(base.removeprefix("paged_attention_verify_bs"))
+        return prefill_attention_cost(VERIFY_SEQS, VERIFY_QUERY_LEN, model.num_heads,
+                                      model.num_kv_heads, model.head_dim, dtype, block_size,
+                                      programs=launched,
+                                      context=CASE_DECODE_CONTEXT - VERIFY_QUERY_LEN)
     elif base.startswith("paged_attention_bs"):
         block_size = int(base.removeprefix("paged_attention_bs"))
         seqs = CASE_SEQS[phase]

@@ -27,7 +27,7 @@ from pallas_kernels.checks.lowering_cases import (
     paged_attention_cases,
 )
 from pallas_kernels.checks.shapes import QWEN2_SHAPES
-from pallas_kernels.checks.triton_compile import triton_kernels
+from pallas_kernels.checks.triton_compile import lowered_triton_kernels, triton_kernels
 
 
 @pytest.mark.parametrize("module", KERNEL_MODULES)
@@ -86,24 +86,50 @@ def test_missing_module_is_reported_not_raised() -> None:
 
 # The kernel kinds of a bf16 step of the model: the norms (the first layer's input norm alone,
 # then fused with the residual add), RoPE, the KV write and attention (split-K decode: split
-# and combine kernels; a prefill bucket: the one-pass kernel).
+# and combine kernels; a prefill bucket or a speculative-decoding verify bucket: the one-pass
+# kernel).
 NORMS_ROPE_WRITE = {"rms_norm", "rms_norm_residual", "rope", "write_kv"}
 STEP_KERNELS = {
     "decode": NORMS_ROPE_WRITE | {"paged_attention_split", "paged_attention_combine"},
     "prefill": NORMS_ROPE_WRITE | {"paged_attention"},
+    "spec": NORMS_ROPE_WRITE | {"paged_attention"},
 }
+SPEC_QUERY_LEN = 6  # 1 + k, k = 5 draft tokens
 
 
-@pytest.mark.parametrize("phase, num_tokens", [("decode", 8), ("prefill", 64)])
+def _step_config(num_layers: int) -> ModelConfig:
+    shape = QWEN2_SHAPES["qwen2.5-0.5b"]
+    return ModelConfig.from_hf_config(shape.hf_config(num_hidden_layers=num_layers,
+                                                      vocab_size=1024, rope_theta=1e6))
+
+
+@pytest.mark.parametrize("phase, num_tokens", [("decode", 8), ("prefill", 64),
+                                               ("spec", 8 * SPEC_QUERY_LEN)])
 def test_model_step_has_one_triton_module_per_kernel_kind(phase, num_tokens) -> None:
     # 3 layers at Qwen2.5-0.5B widths: each layer calls write_kv and attention, yet XLA gets
     # one distinct Triton module per kernel kind to compile (with the layer a constant of the
     # kernels, write_kv and attention would be 3 modules each).
     num_layers = 3
-    shape = QWEN2_SHAPES["qwen2.5-0.5b"]
-    config = ModelConfig.from_hf_config(shape.hf_config(num_hidden_layers=num_layers,
-                                                        vocab_size=1024, rope_theta=1e6))
-    counts = triton_modules(lower_step_for_cuda(config, num_tokens, phase == "decode"))
+    config = _step_config(num_layers)
+    lowered = lower_step_for_cuda(config, num_tokens, phase != "prefill",
+                                  query_len=SPEC_QUERY_LEN if phase == "spec" else 1)
+    counts = triton_modules(lowered)
     assert counts.modules == dict.fromkeys(STEP_KERNELS[phase], 1)
     attention = "paged_attention_split" if phase == "decode" else "paged_attention"
     assert counts.ops["write_kv"] == counts.ops[attention] == num_layers
+    if phase == "spec":
+        # 8 sequences of 6 tokens at max_query_len 6: the attention grid (sequences, query
+        # tiles, KV heads) has one tile of 8 tokens x 8 (padded) heads per sequence on 4 warps
+        # (a prefill-shaped call, max_query_len 48, would launch 3 tiles of 16 tokens on 8),
+        # and every token has a logits row.
+        (attn,) = {(k.grid, k.num_warps) for k in lowered_triton_kernels(lowered)
+                   if k.name == attention}
+        assert attn == ((8, 1, 2), 4)
+        assert lowered.out_info[3].shape == (num_tokens, config.vocab_size)
+
+
+def test_step_query_len_is_checked() -> None:
+    config = _step_config(1)
+    for num_tokens, decode, query_len in ((48, True, 5), (48, False, 6), (48, True, 0)):
+        with pytest.raises(ValueError, match="query_len"):
+            lower_step_for_cuda(config, num_tokens, decode, query_len=query_len)

@@ -294,6 +294,30 @@ def test_max_query_len_none_and_loose_bound(backend):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(14, 2, 64), (12, 2, 128)])
+def test_spec_decode_verify_step(backend, dtype, num_heads, num_kv_heads, head_dim):
+    # The verify step of speculative decoding: every sequence computes 1 + k = 6 tokens (its
+    # next token and 5 drafts) on top of its context, at max_query_len 6, as the runner's
+    # spec-decode bucket runs it: padding sequences and token rows after the real ones. The
+    # kernel's query tile comes from max_query_len: 8 tokens (bfloat16: one tile per sequence,
+    # 2 rows masked) or 4 (float32: a full tile and a half one). Contexts put the 6 queries
+    # inside a block, across block and key-tile (32, 64) boundaries and ending on one.
+    contexts = [1, 13, 58, 63, 64, 130]
+    group_pad = next_pow2(num_heads // num_kv_heads)
+    assert launch_config(group_pad, 6, head_dim, dtype)[0] == (8 if dtype == jnp.bfloat16 else 4)
+    case = make_case([(c, 6) for c in contexts], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, pad_tokens=12, pad_seqs=2, seed=head_dim + 43)
+    assert case.max_query_len == 6
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    out = check(case, backend, dtype, tol=tol, max_query_len=6,
+                bucket=bucket_for(backend, **({"num_blocks": 64} if head_dim == 128 else {})))
+    if dtype == jnp.bfloat16 and backend != "reference":  # within a few ulps of the reference
+        ref = np.asarray(case.run("reference", dtype).astype(jnp.float32))
+        np.testing.assert_allclose(out[:len(ref)], ref, rtol=tol, atol=tol)
+
+
 def split_decode_lengths(num_splits, block_k, block_size=16):
     """Decode context lengths around the edges of split-K decode with ``num_splits`` splits of
     key tiles of ``block_k`` keys: 1 (one split busy, the rest empty), one block, one tile per

@@ -52,6 +52,11 @@ def test_attention_bytes_and_flops() -> None:
     c = pm.prefill_attention_cost(1, 3, 2, 1, 4, "float32", block_size=2)
     assert c.bytes == 2 * 3 * 1 * 4 * 4 + 2 * 3 * 2 * 4 * 4 + 2 * 4
     assert (c.flops, c.peak) == (4 * 2 * 4 * 6, pm.FP32_FLOPS)
+    # The same 3 tokens of each of 2 sequences on top of 5 cached keys (a verify step): K/V of
+    # 8 keys per sequence, 2 table entries of 4; query i sees 5 + i + 1 keys -> 6 + 7 + 8 pairs.
+    c = pm.prefill_attention_cost(2, 3, 2, 1, 4, "float32", block_size=4, context=5)
+    assert c.bytes == 2 * 2 * 8 * 1 * 4 * 4 + 2 * 6 * 2 * 4 * 4 + 2 * 2 * 4
+    assert c.flops == 4 * 2 * 4 * 2 * (6 + 7 + 8)
 
 
 def test_roofline_and_sm_share() -> None:
@@ -122,6 +127,11 @@ def test_case_shapes_match_the_lowering_cases() -> None:
             assert x.shape[0] == int(rows) and qweight.shape[1] == x.shape[1]
             cost = pm.case_cost(case.kernel, MODEL_SHAPES[0], "bfloat16", case.phase, (1, 1, 1))
             assert cost.flops == 2 * x.shape[0] * qweight.shape[0] * qweight.shape[1]
+        elif case.kernel.startswith("paged_attention_verify"):
+            q, cache, tables = case.args[:3]
+            assert tables.shape[0] == pm.VERIFY_SEQS and case.phase == "decode"
+            assert q.shape[0] == pm.VERIFY_SEQS * pm.VERIFY_QUERY_LEN
+            assert tables.shape[1] * cache.shape[-2] == pm.CASE_DECODE_CONTEXT
         elif case.kernel.startswith("paged_attention_splitk"):
             q, cache, tables = case.args[:3]
             assert q.shape[0] == tables.shape[0] == pm.SPLIT_K_CASE_SEQS[case.phase]
@@ -144,19 +154,33 @@ def _fake_results() -> list[cc.Result]:
         cc.Result(kernel="write_kv", phase="decode", grid=(4, 2, 1), **base),
         cc.Result(kernel="paged_attention_bs16", phase="decode", grid=(64, 1, 2), **base),
         cc.Result(kernel="paged_attention_bs16", phase="prefill", grid=(4, 128, 2), **base),
+        cc.Result(kernel="paged_attention_verify_bs16_kv60g", phase="decode", grid=(16, 1, 2),
+                  **base),
     ]
 
 
 def test_model_rows_and_main_model_time(monkeypatch, tmp_path, capsys) -> None:
     rows = cc.model_rows(_fake_results())
-    assert len(rows) == 5
-    prefill = rows[-1][-1]
+    assert len(rows) == 6
+    prefill = rows[4][-1]
     assert (prefill.launched, prefill.cost.programs) == (1024, 4 * 32 * 2)
     assert "768 programs exit at once" in prefill.note
     write_kv = rows[2][-1]
     assert "under-filled: 8 programs" in write_kv.note and write_kv.time_s == pm.FLOOR_US * 1e-6
     decode = rows[3][-1]  # 64 x 4096 keys x 2 KV heads x 64 x 2 (K, V) x 2 bytes = 134 MB
     assert decode.cost.bytes == pytest.approx(134.5e6, rel=1e-3)
+    # The verify step, 16 sequences x 6 tokens at a 4096-token context (the 6 included): the
+    # K/V and block table of a 16-sequence decode, q and o of 6 tokens instead of 1, and 6
+    # query rows on 4090 + 1..6 keys.
+    model = MODEL_SHAPES[0]
+    verify = rows[5][-1]
+    decode16 = pm.decode_attention_cost(16, 4096, model.num_heads, model.num_kv_heads,
+                                        model.head_dim, "bfloat16")
+    qo_per_token = 2 * 16 * model.num_heads * model.head_dim * 2
+    assert verify.cost.bytes == decode16.bytes + 5 * qo_per_token
+    assert verify.cost.flops == 4 * model.num_heads * model.head_dim * 16 * (6 * 4090 + 21)
+    assert (verify.launched, verify.cost.programs) == (32, 32)
+    assert "under-filled: 32 programs" in verify.note
 
     monkeypatch.setattr(cc, "run_checks", lambda *args, **kwargs: _fake_results())
     known = tmp_path / "known.txt"
@@ -166,6 +190,6 @@ def test_model_rows_and_main_model_time(monkeypatch, tmp_path, capsys) -> None:
     assert "MODEL, NOT MEASUREMENT" in out and "| qwen2.5-7b | 64 | 8192 |" in out
     assert cc.main(["--known", str(known), "--model-time", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert len(data["model"]) == 5 and data["model"][0]["model_us"] >= pm.FLOOR_US
+    assert len(data["model"]) == 6 and data["model"][0]["model_us"] >= pm.FLOOR_US
     assert pm.main([]) == 0
     assert "unsplit / split-K" in capsys.readouterr().out
