@@ -49,9 +49,11 @@ def real_llm(real_model_path, kv_budget):
 
     # Small buckets keep start-up (ahead-of-time compilation of every bucket) short. In process
     # on every platform: its tests read the runner's weights. float32: they compare with HF's
-    # float32 model.
+    # float32 model. On CPU its KV array stays resident all session beside every other test's
+    # memory: 256 blocks (4,096 tokens) hold what its tests run, not the CPU default of 1 GiB.
     return LLM(model=str(real_model_path), max_num_seqs=4, max_num_batched_tokens=64,
-               show_progress=False, multiprocess_mode=False, dtype="float32", **kv_budget)
+               show_progress=False, multiprocess_mode=False, dtype="float32",
+               **(kv_budget or {"num_kv_blocks": 256}))
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ so prompt lookup proposes runs that are partly accepted and partly rejected.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 
@@ -27,47 +26,20 @@ from jaxllm import SamplingParams
 from jaxllm.config import SpeculativeConfig, resolve_async_scheduling
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
+from tests.engine import spec_decode_utils
+from tests.engine.spec_decode_utils import GREEDY, VOCAB, SpecCounters, generate, ngram, token_ids
 from tests.utils import (
     assert_pool_free,
     check_logprobs_close,
-    compile_count,
     make_llm,
     on_each_step,
-    save_tiny_checkpoint,
     scheduler_state,
 )
-
-VOCAB = 512
-
-
-def ngram(k: int) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3}
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_spec")
-    save_tiny_checkpoint(path, tied=False, seed=2, initializer_range=0.1)
-    return path
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(model):
-    torch = pytest.importorskip(
-        "torch", reason="torch (the Hugging Face oracle) is not installed in this test lane")
-    import transformers
-
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(model)).eval()
-
-    @functools.cache
-    def run(prompt: tuple[int, ...], max_new: int) -> list[int]:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                              min_new_tokens=max_new, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
-
-    return run
+    return spec_decode_utils.save_spec_target(tmp_path_factory.mktemp("tiny_spec"))
 
 
 @pytest.fixture(scope="module")
@@ -105,73 +77,6 @@ def spec_tight(model):
                     max_num_seqs=8, max_num_batched_tokens=32, speculative_config=ngram(5))
 
 
-def token_prompts(prompts: list[list[int]]) -> list[dict]:
-    return [{"prompt_token_ids": p} for p in prompts]
-
-
-def generate(llm, prompts, params):
-    return llm.generate(token_prompts(prompts), params, use_tqdm=False)
-
-
-def token_ids(outs) -> list[list[int]]:
-    return [list(c.token_ids) for o in outs for c in o.outputs]
-
-
-class SpecCounters:
-    """The core's speculative-decoding counters over a block of the test."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-        self.before = self._read()
-
-    def _read(self) -> dict[str, int]:
-        state = scheduler_state(self.llm)
-        return {k: state[k] for k in ("num_spec_drafts", "num_spec_draft_tokens",
-                                      "num_spec_accepted_tokens")}
-
-    def delta(self) -> dict[str, int]:
-        now = self._read()
-        return {k: now[k] - self.before[k] for k in now}
-
-    def assert_exercised(self, rejected: bool = True) -> dict[str, int]:
-        """Drafts were verified and some accepted; with `rejected`, some were also refused."""
-        d = self.delta()
-        assert d["num_spec_drafts"] > 0 and d["num_spec_draft_tokens"] >= d["num_spec_drafts"], d
-        assert d["num_spec_accepted_tokens"] > 0, d
-        assert d["num_spec_accepted_tokens"] <= d["num_spec_draft_tokens"], d
-        if rejected:
-            assert d["num_spec_accepted_tokens"] < d["num_spec_draft_tokens"], d
-        return d
-
-
-def assert_same_logprobs(got: list | None, want: list | None, where: str) -> None:
-    """Per position: the same token ids in the same order, the same ranks, logprobs within
-    1e-4 (the steps' shapes differ, so float rounding may)."""
-    assert (got is None) == (want is None), where
-    for j, (dg, dw) in enumerate(zip(got or (), want or (), strict=True)):
-        assert (dg is None) == (dw is None), f"{where}, position {j}"
-        assert list(dg or ()) == list(dw or ()), f"{where}, position {j}"
-        for t in dw or ():
-            assert dg[t].rank == dw[t].rank, f"{where}, position {j}"
-            assert dg[t].logprob == pytest.approx(dw[t].logprob, abs=1e-4), \
-                f"{where}, position {j}"
-
-
-def assert_same_outputs(got, want) -> None:
-    """Spec-on outputs against spec-off ones: tokens, stops, logprobs, prompt logprobs."""
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        where = f"request {i}"
-        assert_same_logprobs(g.prompt_logprobs, w.prompt_logprobs, where + " prompt")
-        for gc, wc in zip(g.outputs, w.outputs, strict=True):
-            assert (list(gc.token_ids), gc.finish_reason, gc.stop_reason) == \
-                (list(wc.token_ids), wc.finish_reason, wc.stop_reason), where
-            assert_same_logprobs(gc.logprobs, wc.logprobs, where)
-            if wc.cumulative_logprob is not None:
-                assert gc.cumulative_logprob == pytest.approx(wc.cumulative_logprob,
-                                                              abs=1e-3), where
-
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 RANDOM = dict(temperature=0.3, top_k=50, max_tokens=24, ignore_eos=True)
 
 
@@ -180,25 +85,17 @@ def plain_greedy(plain, prompts) -> list[list[int]]:
     return token_ids(generate(plain, prompts, GREEDY))
 
 
-def test_spec_off_equals_hf(plain_greedy, prompts, hf_greedy):
-    """The oracle of the greedy tests: the engine without speculation decodes as HF does."""
-    for prompt, want in zip(prompts, plain_greedy, strict=True):
-        assert want == hf_greedy(tuple(prompt), GREEDY.max_tokens)
+def test_spec_off_equals_hf(model, prompts, plain_greedy):
+    spec_decode_utils.assert_spec_off_equals_hf(model, prompts, plain_greedy)
 
 
 def test_greedy_equals_spec_off(spec, plain_greedy, prompts):
-    counters = SpecCounters(spec)
-    before = compile_count(spec)
     spec.collective_rpc("reset_step_shape_counts")
-    outs = generate(spec, prompts, GREEDY)
-    assert compile_count(spec) == before, "the engine compiled after warm-up"
-    assert token_ids(outs) == plain_greedy
-    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    counters = spec_decode_utils.check_greedy_without_recompiles(spec, plain_greedy, prompts)
     counters.assert_exercised()
     # Steps of the spec-decode shape ran: 1 + k tokens per sequence.
     shapes = spec.collective_rpc("get_step_shape_counts")
     assert any(q == 4 for _, q, _ in shapes), shapes
-    assert_pool_free(spec)
 
 
 def test_one_request_alone(spec, plain_greedy, prompts):
@@ -227,7 +124,7 @@ def test_preemption_and_chunked_prefill(spec_tight, plain, prompts):
         [(r.num_tokens, r.do_sample, r.num_draft_tokens) for r in so.scheduled]))
     counters = SpecCounters(spec_tight)
     preemptions = scheduler_state(spec_tight)["num_preemptions"]
-    assert_same_outputs(generate(spec_tight, long_prompts, params), want)
+    spec_decode_utils.assert_same_outputs(generate(spec_tight, long_prompts, params), want)
     assert scheduler_state(spec_tight)["num_preemptions"] > preemptions
     # Chunked: some steps computed part of a prompt (no token sampled); the budget held,
     # drafts included.
@@ -244,29 +141,15 @@ def test_seeded_n2_under_preemption_equals_spec_off(spec_tight, plain, prompts):
     spec-off engine's."""
     batch = [(p * 4)[:30] for p in prompts[:4]]
     params = SamplingParams(n=2, seed=41, **dict(RANDOM, max_tokens=40))
-    want = generate(plain, batch, params)
-    counters = SpecCounters(spec_tight)
     preemptions = scheduler_state(spec_tight)["num_preemptions"]
-    got = generate(spec_tight, batch, params)
+    counters = spec_decode_utils.check_equals_spec_off(spec_tight, plain, batch, params)
     assert scheduler_state(spec_tight)["num_preemptions"] > preemptions
     counters.assert_exercised()
-    assert_same_outputs(got, want)
-    assert_pool_free(spec_tight)
 
 
 def test_prefix_cache_hits(spec, plain, prompts):
-    rng = np.random.default_rng(5)
-    base = (prompts[3] * 3)[:70]
-    shared = [base[:48] + rng.integers(0, VOCAB, 5).tolist(),
-              base[:50] + rng.integers(0, VOCAB, 12).tolist()]
-    want = token_ids(generate(plain, [base] + shared, GREEDY))
-    counters = SpecCounters(spec)
-    assert token_ids(generate(spec, [base], GREEDY)) == want[:1]
-    outs = generate(spec, shared, GREEDY)
-    assert [o.num_cached_tokens for o in outs] == [48, 48]
-    assert token_ids(outs) == want[1:]
+    counters = spec_decode_utils.check_prefix_cache_hits(spec, plain, (prompts[3] * 3)[:70])
     counters.assert_exercised(rejected=False)
-    assert_pool_free(spec)
 
 
 def test_output_blocks_filled_by_drafts_are_prefix_cached(spec, plain, prompts):
@@ -358,7 +241,7 @@ def test_processed_greedy_rows_equal_spec_off(spec, plain, prompts):
     counters = SpecCounters(spec)
     got = generate(spec, batch, params)
     counters.assert_exercised()
-    assert_same_outputs(got, want)
+    spec_decode_utils.assert_same_outputs(got, want)
     # min_tokens held the stop ids back, then one of them stopped some request.
     assert any(o.outputs[0].finish_reason == "stop" for o in got)
     assert all(len(o.outputs[0].token_ids) >= 12 for o in got[16:20])
@@ -410,7 +293,7 @@ def test_greedy_logprobs_close_to_spec_off(spec, plain, prompts):
                 for o in outs]
 
     check_logprobs_close(pairs(got), pairs(want), name_a="spec", name_b="plain")
-    assert_same_outputs(got, want)
+    spec_decode_utils.assert_same_outputs(got, want)
     assert_pool_free(spec)
 
 
@@ -449,12 +332,7 @@ def test_seeded_sampling_equals_spec_off(spec, plain, prompts):
     params = [SamplingParams(seed=21 + i, **kw) for i, kw in enumerate([
         RANDOM, dict(RANDOM, temperature=1.0, top_k=-1), dict(RANDOM, top_p=0.8),
         dict(RANDOM, min_p=0.05, repetition_penalty=1.2), dict(RANDOM, logprobs=2)])]
-    want = generate(plain, prompts, params)
-    counters = SpecCounters(spec)
-    got = generate(spec, prompts, params)
-    counters.assert_exercised()
-    assert_same_outputs(got, want)
-    assert_pool_free(spec)
+    spec_decode_utils.check_equals_spec_off(spec, plain, prompts, params).assert_exercised()
 
 
 def test_seeded_n2_and_unseeded_sampling_run(spec, prompts):
@@ -473,36 +351,17 @@ def test_seeded_n2_and_unseeded_sampling_run(spec, prompts):
     assert_pool_free(spec)
 
 
-def test_aborts_mid_run_leave_every_block_free(spec, plain, prompts, plain_greedy):
-    engine = spec.llm_engine
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
-    done = {}
-    counters = SpecCounters(spec)
-    for step in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        for o in engine.step():
-            done[o.request_id] = o
-        if step == 4:
-            engine.abort_request(["r1", "r3"])
-    assert set(done) == {"r0", "r2", "r4"}
-    for i in (0, 2, 4):
-        assert list(done[f"r{i}"].outputs[0].token_ids) == plain_greedy[i]
+def test_aborts_mid_run_leave_every_block_free(spec, prompts, plain_greedy):
+    counters = spec_decode_utils.check_aborts_mid_run(spec, prompts, plain_greedy)
     counters.assert_exercised(rejected=False)
-    assert_pool_free(spec)
 
 
 def test_multiprocess_mode(model, prompts, plain_greedy):
     llm = make_llm(model, dtype="float32", multiprocess_mode=True, max_num_seqs=4,
                    max_num_batched_tokens=32, speculative_config=ngram(2))
     try:
-        counters = SpecCounters(llm)
-        before = compile_count(llm)
-        assert token_ids(generate(llm, prompts, GREEDY)) == plain_greedy
-        assert compile_count(llm) == before
+        counters = spec_decode_utils.check_greedy_without_recompiles(llm, plain_greedy, prompts)
         counters.assert_exercised()
-        assert_pool_free(llm)
     finally:
         llm.shutdown()
 
@@ -551,7 +410,7 @@ def test_stop_strings_cut_as_spec_off(qwen_plain, qwen_spec):
                 assert got.text == want.text
                 # Tokens past the stop string are dropped with their logprobs.
                 assert len(got.logprobs) == len(got.token_ids)
-                assert_same_outputs(got_all, want_all)
+                spec_decode_utils.assert_same_outputs(got_all, want_all)
     counters.assert_exercised(rejected=False)
     assert_pool_free(qwen_spec)
 

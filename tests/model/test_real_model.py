@@ -8,6 +8,8 @@ so the test allows 2e-3 absolute; greedy tokens must be identical.
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -103,9 +105,16 @@ def test_engine_under_pressure_matches_hf(real_model_path, real_llm, hf_real_mod
                for q in questions] + ["def fibonacci(n):"]
     llm = LLM(model=str(real_model_path), max_num_seqs=4, max_num_batched_tokens=32,
               num_kv_blocks=9, show_progress=False, dtype="float32")
-    sp = SamplingParams(temperature=0, max_tokens=24)
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    assert scheduler_state(llm)["num_preemptions"] > 0
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24),
+                            use_tqdm=False)
+        state = scheduler_state(llm)
+    finally:
+        # Its weights go before HF generates: the session's engine and HF's model stay.
+        llm.shutdown()
+        del llm
+        gc.collect()
+    assert state["num_preemptions"] > 0
     assert sum(o.num_cached_tokens for o in outs) >= 16 * 3  # the shared system prompt
     for prompt, out in zip(prompts, outs, strict=True):
         ids = tok(prompt, return_tensors="pt").input_ids
@@ -113,4 +122,4 @@ def test_engine_under_pressure_matches_hf(real_model_path, real_llm, hf_real_mod
             ref = hf_real_model.generate(ids, max_new_tokens=24, do_sample=False,
                                          eos_token_id=sorted(real_llm.llm_engine.eos_token_ids))
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
-    assert scheduler_state(llm)["num_free_blocks"] == 8
+    assert state["num_free_blocks"] == 8

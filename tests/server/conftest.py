@@ -1,6 +1,7 @@
-"""One `jaxllm serve tiny-qwen2` for the hardening, schema-fuzzing and soak modules (a server
-start costs 30-60 s on a small machine): short body and header timeouts so that slow clients are
-cut off within the tests' time, an API key, and a pool large enough for 256 streams."""
+"""The tiny-qwen2 checkpoint's path, and one `jaxllm serve tiny-qwen2` for the hardening,
+schema-fuzzing and soak modules (a server start costs 30-60 s on a small machine): short body
+and header timeouts so that slow clients are cut off within the tests' time, an API key, and a
+pool large enough for 256 streams."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ HARDENED_MAX_MODEL_LEN = 256
 BODY_TIMEOUT_S = 2
 HEADER_TIMEOUT_S = 2
 LIMIT_CONCURRENCY = 320
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> str:
+    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
+
+    return str(tiny_qwen2_path())
 
 
 @pytest.fixture(scope="session")

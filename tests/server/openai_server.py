@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,6 +102,19 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def serve_tiny(log_dir: Path, max_model_len: int, *args: str) -> Iterator[ServerProcess]:
+    """A module fixture's body (`yield from`): `jaxllm serve tiny-qwen2` with `args`, without
+    progress bars; at the end of the module SIGTERM must stop it with exit code 0."""
+    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
+
+    tiny_qwen2_path()  # written once here, not by the server
+    srv = ServerProcess(["tiny-qwen2", "--max-model-len", str(max_model_len),
+                         "--no-show-progress", *args], log_dir / "server.log")
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.log_tail()
 
 
 def metric(server, name: str, labels: str = "") -> float:

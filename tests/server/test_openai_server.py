@@ -19,7 +19,7 @@ from http.client import HTTPConnection
 import openai
 import pytest
 
-from tests.server.openai_server import ServerProcess, bad_requests, http, metric, stream_text
+from tests.server.openai_server import bad_requests, http, metric, serve_tiny, stream_text
 
 KEY = "test-key-123"
 MAX_MODEL_LEN = 256
@@ -28,23 +28,11 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time",
 
 
 @pytest.fixture(scope="module")
-def tiny_path():
-    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
-
-    return str(tiny_qwen2_path())
-
-
-@pytest.fixture(scope="module")
-def server(tiny_path, tmp_path_factory):
-    srv = ServerProcess(["tiny-qwen2", "--max-model-len", str(MAX_MODEL_LEN),
-                         "--max-num-seqs", "32", "--max-num-batched-tokens", "256",
-                         "--num-kv-blocks", "2048",
-                         "--no-show-progress", "--api-key", KEY],
-                        tmp_path_factory.mktemp("serve") / "server.log")
-    yield srv
+def server(tmp_path_factory):
     # SIGTERM ends it cleanly (exit 0) even after the engine-kill test below.
-    code = srv.stop()
-    assert code == 0, srv.log_tail()
+    yield from serve_tiny(tmp_path_factory.mktemp("serve"), MAX_MODEL_LEN, "--max-num-seqs", "32",
+                          "--max-num-batched-tokens", "256", "--num-kv-blocks", "2048",
+                          "--api-key", KEY)
 
 
 @pytest.fixture(scope="module")

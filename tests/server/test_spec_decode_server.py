@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from tests.server.openai_server import ServerProcess, metric
+from tests.server.openai_server import metric, serve_tiny
 
 MAX_MODEL_LEN = 128
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -19,22 +19,10 @@ PROMPTS = ["Repeat after me: one two three, one two three, one two three,",
 
 
 @pytest.fixture(scope="module")
-def tiny_path():
-    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
-
-    return str(tiny_qwen2_path())
-
-
-@pytest.fixture(scope="module")
-def server(tiny_path, tmp_path_factory):
-    srv = ServerProcess(["tiny-qwen2", "--max-model-len", str(MAX_MODEL_LEN),
-                         "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
-                         "--num-kv-blocks", "64", "--no-show-progress",
-                         "--speculative-config", json.dumps(SPEC)],
-                        tmp_path_factory.mktemp("serve_spec") / "server.log")
-    yield srv
-    code = srv.stop()
-    assert code == 0, srv.log_tail()
+def server(tmp_path_factory):
+    yield from serve_tiny(tmp_path_factory.mktemp("serve_spec"), MAX_MODEL_LEN,
+                          "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+                          "--num-kv-blocks", "64", "--speculative-config", json.dumps(SPEC))
 
 
 @pytest.fixture(scope="module")
