@@ -36,10 +36,7 @@ namespace {
 
 constexpr int kLanes = 16;
 constexpr int kRowTile = 8;  // rows of x whose accumulators live in registers at once
-#ifndef JAXLLM_PAIR_TILE
-#define JAXLLM_PAIR_TILE 6
-#endif
-constexpr int kPairTile = JAXLLM_PAIR_TILE;  // the same with two weight rows
+constexpr int kPairTile = 6;  // the same with two weight rows
 
 struct Problem {
   const float* x;       // [T, K]
@@ -162,7 +159,7 @@ inline void tile(const Problem& p, const int64_t* ns, int64_t t0) {
 }
 
 // Every row of x against the NR weight rows ns[], in tiles of up to kRowTile rows (kPairTile
-// with two weight rows: their accumulators and weights take 28 of the 32 vector registers).
+// with two weight rows: their 24 accumulators and 2 weight vectors fit the 32 registers).
 // Each tile forms the weights again, so the fewer tiles the better: on 8, 16 and 32 rows of x
 // two weight rows in tiles of 4 beat one in tiles of 8 (two streams), and tiles of 6 keep a
 // speculative step's 4-9 rows in one or two tiles.
