@@ -50,7 +50,6 @@ CUDA_GRAPH_TRITON_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL",)
 SPEC_DECODE_METHODS = ("ngram", "draft_model")
 
 
-
 def config_dict(value: Any, name: str, known: set[str]) -> dict[str, Any]:
     """A settings object given as a dict or as its JSON text (the command line's form), with
     only `known` keys; errors name `name`."""
@@ -65,6 +64,7 @@ def config_dict(value: Any, name: str, known: set[str]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"{name} has unknown key(s) {unknown}; known: {sorted(known)}")
     return value
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:

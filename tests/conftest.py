@@ -49,8 +49,8 @@ def real_llm(real_model_path, kv_budget):
 
     # Small buckets keep start-up (ahead-of-time compilation of every bucket) short. In process
     # on every platform: its tests read the runner's weights. float32: they compare with HF's
-    # float32 model. On CPU its KV array stays resident all session beside every other test's
-    # memory: 256 blocks (4,096 tokens) hold what its tests run, not the CPU default of 1 GiB.
+    # float32 model. Its KV array stays resident all session beside every other test's memory:
+    # 256 blocks (4,096 tokens) hold what its tests run ($JAXLLM_TEST_KV_BLOCKS overrides).
     return LLM(model=str(real_model_path), max_num_seqs=4, max_num_batched_tokens=64,
                show_progress=False, multiprocess_mode=False, dtype="float32",
                **(kv_budget or {"num_kv_blocks": 256}))

@@ -12,7 +12,7 @@ has not seen yet (the prompt on the first call, then the tokens the target accep
 sampling at each request's last token, then k - 1 decode steps, each feeding the previous
 draft token. Drafts are greedy (the draft's argmax): a point mass, which the target verifies
 like an n-gram draft. The KV those decode steps wrote for drafts the target accepted is kept;
-that of rejected drafts is overwritten by the next catch-up.
+that of rejected drafts is overwritten by the next proposal.
 """
 
 from __future__ import annotations
@@ -125,7 +125,10 @@ class DraftModelProposer:
     def _covered(self, request_id: str) -> int:
         """Positions the request's blocks reach: the draft's KV is real below it. (Its
         lookahead slots are dropped when the KV cache is short; what the draft writes past its
-        blocks lands in the reserved null block.)"""
+        blocks lands in the reserved null block.) Between a step and the next schedule the
+        table may still hold blocks the scheduler just freed with rejected drafts, but those lie
+        past the request's tokens and k lookahead slots, which it keeps: beyond every position
+        a proposal writes."""
         batch = self.runner.input_batch
         return int(batch.num_blocks[batch.req_id_to_row[request_id]]) * batch.block_size
 
@@ -155,6 +158,8 @@ class DraftModelProposer:
                 start = pending.get(r.request_id)
                 if start is None or budget <= 0:
                     continue
+                # A request about to decode has at least its last token unseen by the draft.
+                assert start < r.num_tokens, (r.request_id, start, r.num_tokens)
                 n = min(r.num_tokens - start, budget)
                 budget -= n
                 done = start + n == r.num_tokens

@@ -37,6 +37,10 @@ def lower_step_for_cuda(config: ModelConfig, num_tokens: int, decode: bool, *,
         raise ValueError(f"query_len must be >= 1, divide num_tokens ({num_tokens}) and be 1 "
                          f"for a prefill bucket, got {query_len} (decode={decode})")
     model = Qwen2ForCausalLM(config, dtype=dtype, kernel_backend="pallas")
+    if query_len > 1 and num_tokens // query_len > max_num_seqs:
+        raise ValueError(f"a verify bucket of {num_tokens} tokens holds "
+                         f"{num_tokens // query_len} sequences, more than max_num_seqs "
+                         f"({max_num_seqs})")
     seqs = min(num_tokens // query_len, max_num_seqs)
     rows = seqs * query_len if decode else seqs
 

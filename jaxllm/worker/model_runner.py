@@ -244,7 +244,6 @@ class ModelRunner:
         # Several hosts, process 0: broadcasts each launch to the followers (multihost.py).
         self.leader: Leader | None = None
 
-
     @classmethod
     def from_engine_config(cls, config: EngineConfig, loaded: LoadedModel, max_model_len: int,
                            *, gemv_max_rows: int, tensor_parallel_size: int = 1,
@@ -261,6 +260,7 @@ class ModelRunner:
             tensor_parallel_size=tensor_parallel_size,
             matmul_precision=config.matmul_precision,
             num_speculative_tokens=num_speculative_tokens)
+
     def _forward(self, params: dict, rope: dict, kv_cache: jax.Array, logits_buf: jax.Array,
                  input_ids: jax.Array, positions: jax.Array,
                  attn_metadata: AttentionMetadata[jax.Array], max_query_len: int,

@@ -57,7 +57,7 @@ def test_weights_are_ggufs_values_bit_for_bit(fmt, rng):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17])
 def test_matches_float64_matmul(fmt, rows, rng):
     """Every tile path against float64 numpy: weight rows in pairs (6-row tiles + remainders
     1-5) and the odd weight row of a chunk alone (8-row tiles + remainders 1-7); 41 and 73

@@ -133,3 +133,5 @@ def test_step_query_len_is_checked() -> None:
     for num_tokens, decode, query_len in ((48, True, 5), (48, False, 6), (48, True, 0)):
         with pytest.raises(ValueError, match="query_len"):
             lower_step_for_cuda(config, num_tokens, decode, query_len=query_len)
+    with pytest.raises(ValueError, match=r"holds 8 sequences, more than max_num_seqs \(4\)"):
+        lower_step_for_cuda(config, 48, True, query_len=6, max_num_seqs=4)

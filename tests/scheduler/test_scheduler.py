@@ -146,6 +146,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput, tables: dict[str, list[in
     assert len(ids) == len(set(ids))
     assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
     assert out.total_num_scheduled_tokens == sum(item.num_tokens for item in out.scheduled)
+    assert out.total_num_draft_tokens == sum(item.num_draft_tokens for item in out.scheduled)
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(out.scheduled) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
     assert not set(out.preempted_req_ids) & set(ids)

@@ -159,10 +159,9 @@ inline void tile(const Problem& p, const int64_t* ns, int64_t t0) {
 }
 
 // Every row of x against the NR weight rows ns[], in tiles of up to kRowTile rows (kPairTile
-// with two weight rows: their 24 accumulators and 2 weight vectors fit the 32 registers).
-// Each tile forms the weights again, so the fewer tiles the better: on 8, 16 and 32 rows of x
-// two weight rows in tiles of 4 beat one in tiles of 8 (two streams), and tiles of 6 keep a
-// speculative step's 4-9 rows in one or two tiles.
+// with two weight rows: 24 accumulators and 2 weight vectors, within AVX-512's 32 zmm
+// registers). Each tile forms the weights again, so the fewer tiles the better; two weight
+// rows are preferred for their two prefetch streams (run_rows).
 template <int NR, int B, bool kOffset>
 void weight_rows(const Problem& p, const int64_t* ns) {
   int64_t t = 0;
