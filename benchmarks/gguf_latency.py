@@ -5,7 +5,8 @@ turns (one 128/128 request each per round), so a shared machine's drift lands on
     PYTHONPATH=. .venv/bin/python benchmarks/gguf_latency.py --rounds 4 none bfloat16
 
 Settings: `none` (float32, dequantized), `gguf` (quantization="gguf"), `bfloat16`, and
-`llama.cpp`: llama-cpp-python on the same GGUF file, 2 threads, greedy, the same prompt token ids
+`llama.cpp`: llama-cpp-python on the same GGUF file, a thread per core the process may use
+(`taskset` limits both engines alike), greedy, the same prompt token ids
 (needs the optional `bench` extra, `pip install -e '.[bench]'`, which builds llama.cpp from
 source in ~8 minutes; never a test dependency).
 """
@@ -36,9 +37,11 @@ class LlamaCpp:
         import llama_cpp
 
         from jaxllm.model_executor.model_loader.default_model import default_model_path
+        # The cores this process may run on (as XLA sizes its pool): under `taskset` the same.
+        threads = len(os.sched_getaffinity(0))
         self.llm = llama_cpp.Llama(model_path=str(default_model_path()),
                                    n_ctx=input_len + output_len + 16, n_batch=input_len,
-                                   n_threads=os.cpu_count(), n_threads_batch=os.cpu_count(),
+                                   n_threads=threads, n_threads_batch=threads,
                                    verbose=False)
         self.output_len = output_len
 

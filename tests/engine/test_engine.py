@@ -22,6 +22,7 @@ except ImportError:
 
 from jaxllm import SamplingParams
 from jaxllm.config import resolve_kv_cache_dtype
+from jaxllm.model_executor.layers import cpu_attention
 from tests.utils import (
     MAX_NEW,
     assert_pool_free,
@@ -272,6 +273,10 @@ def test_no_step_shape_copies_the_kv_cache(tiny, dtype):
             (num_tokens, max_query_len, shape)
         copies = [line for line in hlo.splitlines() if f"= {shape}" in line and " copy(" in line]
         assert not copies, (num_tokens, max_query_len, copies[:2])
+        # Steps of few queries per sequence read the cache through our CPU attention kernel.
+        if cpu_attention.available():
+            assert ("jaxllm_paged_attention" in hlo) == (
+                max_query_len <= cpu_attention.MAX_QUERY_LEN), (num_tokens, max_query_len)
         # The step's outputs alias the donated KV array (and logits buffer) rather than take
         # new memory for it.
         ma = llm.collective_rpc("get_memory_analysis", [num_tokens, max_query_len])

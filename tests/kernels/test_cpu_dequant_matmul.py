@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm.model_executor.layers import cpu_ffi
 from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul as kernel
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, gguf_linear
 from jaxllm.model_executor.model_loader import gguf_repack
@@ -112,21 +113,21 @@ def test_gguf_linear_uses_the_kernel_and_falls_back_to_xla(rng, monkeypatch):
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
-def test_build_is_cached_and_errors_are_named(tmp_path, monkeypatch):
-    lib = kernel.build(tmp_path)
+def test_build_is_cached_and_errors_are_named(tmp_path):
+    lib = cpu_ffi.build(kernel.SOURCE, tmp_path)
     mtime = lib.stat().st_mtime_ns
-    assert kernel.build(tmp_path) == lib and lib.stat().st_mtime_ns == mtime
+    assert cpu_ffi.build(kernel.SOURCE, tmp_path) == lib and lib.stat().st_mtime_ns == mtime
     bad = tmp_path / "bad.cc"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(kernel, "_SOURCE", bad)
-    with pytest.raises(kernel.KernelBuildError, match="failed"):
-        kernel.build(tmp_path)
+    with pytest.raises(cpu_ffi.KernelBuildError, match="failed"):
+        cpu_ffi.build(bad, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([lib.name, "bad.cc"])
 
 
 def test_disabled_by_environment(monkeypatch):
-    """$JAXLLM_CPU_KERNELS=0 turns it off (read once per process: the uncached function here)."""
-    monkeypatch.setenv(kernel.DISABLE_ENV_VAR, "0")
+    """$JAXLLM_CPU_KERNELS=0 turns them off (read once per process: the uncached function
+    here)."""
+    monkeypatch.setenv(cpu_ffi.DISABLE_ENV_VAR, "0")
     assert kernel.available.__wrapped__() is False
-    monkeypatch.setenv(kernel.DISABLE_ENV_VAR, "1")
+    monkeypatch.setenv(cpu_ffi.DISABLE_ENV_VAR, "1")
     assert kernel.available.__wrapped__() is True

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxllm.distributed.tensor_parallel import all_reduce, vocab_parallel_embed
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.layers import cpu_attention
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, dequantize, gguf_linear
 from pallas_kernels.dequant_matmul import dequant_matmul
 from pallas_kernels.kv_write import write_kv
@@ -132,11 +133,16 @@ class Qwen2Attention(nn.Module):
         q, k = rope(q, k, positions, cos_sin_cache, backend=self.backend)
         kv_cache = write_kv(kv_cache, self.layer_idx, k, v, attn_metadata.slot_mapping,
                             backend=self.backend)
-        out = paged_attention(
-            q, kv_cache, self.layer_idx, attn_metadata.block_tables, attn_metadata.seq_lens,
-            attn_metadata.query_start_loc,
-            scale=hd ** -0.5, max_query_len=max_query_len, backend=self.backend,
-            num_splits=num_splits)
+        if self.tp_axis is None and cpu_attention.use_for(q, kv_cache, max_query_len,
+                                                          self.backend):
+            out = cpu_attention.paged_attention(
+                q, kv_cache, self.layer_idx, attn_metadata.block_tables,
+                attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=hd ** -0.5)
+        else:
+            out = paged_attention(
+                q, kv_cache, self.layer_idx, attn_metadata.block_tables,
+                attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=hd ** -0.5,
+                max_query_len=max_query_len, backend=self.backend, num_splits=num_splits)
         out = Linear(cfg.hidden_size, False, self.dtype, self.backend, name="o_proj")(
             out.reshape(-1, nh * hd))
         return all_reduce(out, self.tp_axis), kv_cache

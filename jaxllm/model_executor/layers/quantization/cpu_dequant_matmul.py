@@ -1,11 +1,7 @@
-"""The CPU fused dequant matmul (cpu_dequant_matmul.cc), an XLA FFI custom call.
-
-Built on first use with the machine's C++ compiler (`$CXX`, else g++/c++/clang++) for this CPU
-(`-march=native`), cached under `$JAXLLM_CACHE_DIR/kernels` (default `~/.cache/jaxllm`) keyed
-by the source, flags, compiler, jaxlib and CPU, then registered with XLA. Where it cannot be
-built (no compiler: a warning) or `JAXLLM_CPU_KERNELS=0` (read once per process), `available()`
-is False: a .gguf model then loads dequantized by default, and an explicit quantization="gguf"
-runs XLA's fused GEMVs instead (gguf.py; slower).
+"""The CPU fused dequant matmul (cpu_dequant_matmul.cc), an XLA FFI custom call, built and
+registered by cpu_ffi.py. Where it cannot be built (no compiler: a warning) or
+`JAXLLM_CPU_KERNELS=0`, `available()` is False: a .gguf model then loads dequantized by default,
+and an explicit quantization="gguf" runs XLA's fused GEMVs instead (gguf.py; slower).
 
 Why a kernel of our own: XLA's CPU backend fuses an int8 weight's dequantization only into a
 single-row GEMV under 16 KiB of vector, so it read the weights once per row and left down_proj
@@ -15,102 +11,26 @@ of rows (the runner gives it the decode buckets up to GGUF_GEMV_MAX_ROWS).
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import importlib.metadata
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-logger = logging.getLogger(__name__)
+from jaxllm.model_executor.layers import cpu_ffi
 
-DISABLE_ENV_VAR = "JAXLLM_CPU_KERNELS"
-_SOURCE = Path(__file__).with_suffix(".cc")
+SOURCE = Path(__file__).with_suffix(".cc")
 _TARGET = "jaxllm_dequant_matmul"
-# Contraction off: the dequantization's multiply and add must round separately (gguf's float32
-# values exactly); the accumulation's FMAs are explicit intrinsics.
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared")
-
-
-class KernelBuildError(RuntimeError):
-    pass
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        path = shutil.which(name) if name else None
-        if path:
-            return path
-    raise KernelBuildError("no C++ compiler found (set $CXX, or install g++)")
-
-
-def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
-    return "\n".join(keep) or platform.machine()
-
-
-def build(cache_dir: Path | None = None) -> Path:
-    """The shared library, compiled unless a cached build for this source/CPU/jaxlib exists."""
-    from jaxllm.model_executor.model_loader.default_model import cache_dir as jaxllm_cache
-
-    cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([
-        _SOURCE.read_text(), " ".join(_FLAGS), cxx, version, importlib.metadata.version("jaxlib"),
-        _cpu_identity(),
-    ]).encode()).hexdigest()[:16]
-    out_dir = (cache_dir or jaxllm_cache() / "kernels")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"cpu_dequant_matmul-{key}.so"
-    if lib.exists():
-        return lib
-    # Compiled to a temporary name and renamed: processes building at once never load a
-    # half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        cmd = [cxx, *_FLAGS, "-I", include, str(_SOURCE), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            raise KernelBuildError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered (decided once per process); False with a
     warning when it cannot be built, silently when $JAXLLM_CPU_KERNELS=0."""
-    if os.environ.get(DISABLE_ENV_VAR, "1") == "0":
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build()))
-    except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
-        logger.warning("CPU dequant matmul kernel unavailable (%s): .gguf models load "
-                       "dequantized by default, and quantization='gguf' runs XLA's fused GEMVs "
-                       "(slower)", e)
-        return False
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxllmDequantMatmul),
-                                platform="cpu")
-    return True
+    return cpu_ffi.register(SOURCE, {_TARGET: "JaxllmDequantMatmul"},
+                            ".gguf models load dequantized by default, and quantization='gguf' "
+                            "runs XLA's fused GEMVs (slower)")
 
 
 def check_inputs(x: Any, qweight: Any, scale: Any, offset: Any | None) -> None:

@@ -1,0 +1,306 @@
+// Paged attention of decode-like tokens on CPU, an XLA FFI custom call (cpu_attention.py beside
+// it builds and registers it).
+//
+// Each token attends to its own sequence's keys 0..its position, read block by block through
+// the block table straight from the all-layer cache; online softmax in float32 (the running
+// max, the sum of exponentials, the weighted values), the query heads of one KV head together
+// so each key and value row is read once for all of them. Work is split into (token, KV head)
+// items over XLA's intra-op pool and the calling thread.
+//
+// Why a kernel: XLA's version of this (pallas_kernels/reference_attention.py) is a while loop
+// per layer whose iterations cost microseconds of dispatch each; at batch 1 and a few hundred
+// tokens of context it took longer than the arithmetic by several times (docs/perf/cpu-step.md).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 splat(float v) {
+  return f32x16{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
+}
+
+inline f32x16 load(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float lane_sum(f32x16 a) {  // a pairwise tree: 4 dependent adds, not 16
+  float s8[8], s4[4], s2[2];
+  for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
+  return s2[0] + s2[1];
+}
+
+inline float lane_max(f32x16 a) {
+  float m = a[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, a[l]);
+  return m;
+}
+
+inline i32x16 to_int_trunc(f32x16 v) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<i32x16>(_mm512_cvttps_epi32(reinterpret_cast<__m512>(v)));
+#else
+  i32x16 r;
+  for (int l = 0; l < kLanes; ++l) r[l] = static_cast<int32_t>(v[l]);
+  return r;
+#endif
+}
+
+inline f32x16 to_float(i32x16 v) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(reinterpret_cast<__m512i>(v)));
+#else
+  f32x16 r;
+  for (int l = 0; l < kLanes; ++l) r[l] = static_cast<float>(v[l]);
+  return r;
+#endif
+}
+
+// exp(x) per lane for x <= 0 (logits minus their running max): x = n ln2 + r with n an integer
+// and |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, times 2^n built in the exponent bits;
+// within a few ulp of expf. Below -87 (where expf < 2^-125) the result is 0.
+inline f32x16 exp16(f32x16 x) {
+  const i32x16 underflow = x < splat(-87.0f);
+  x = underflow ? splat(-87.0f) : x;
+  // n = round(x / ln2) for x <= 0: truncation of (y - 0.5) rounds toward +inf, i.e. to nearest.
+  const i32x16 n = to_int_trunc(x * splat(1.44269504088896341f) - splat(0.5f));
+  const f32x16 nf = to_float(n);
+  const f32x16 r = (x - nf * splat(0.693359375f)) + nf * splat(2.12194440e-4f);
+  f32x16 y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r) + r + splat(1.0f);
+  const f32x16 two_n = reinterpret_cast<f32x16>((n + 127) << 23);
+  return underflow ? splat(0.0f) : y * two_n;
+}
+
+struct Problem {
+  const float* q;          // [T, H, D]
+  const float* kv;         // [L, 2, KVH, NB, BS, D]
+  const int32_t* tables;   // [S, MB]
+  const int32_t* seq_lens; // [S]
+  const int32_t* qsl;      // [S + 1]
+  float* out;              // [T, H, D]
+  int64_t T, H, D, KVH, NB, BS, S, MB, layer;
+  float scale;
+};
+
+inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 acc) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                                  reinterpret_cast<__m512>(b),
+                                                  reinterpret_cast<__m512>(acc)));
+#else
+  return a * b + acc;
+#endif
+}
+
+constexpr int64_t kMaxHeadDim = 256;
+
+// Token t (of sequence s, at position pos) against its keys 0..pos for the query heads of KV
+// head h; C = head_dim / 16 vectors per row (a template constant, so a head's accumulators stay
+// in registers). Keys come in blocks of up to 16: each key row is loaded once for all query
+// heads; per head the block's logits go through one online-softmax step and the values are
+// weighted into its accumulator, C independent fma chains.
+template <int C>
+void attend(const Problem& p, int64_t t, int64_t s, int64_t pos, int64_t h) {
+  constexpr int64_t D = C * kLanes;
+  const int64_t G = p.H / p.KVH;
+  // Per query head: the scaled query, then the running max, sum and weighted values.
+  std::vector<f32x16> qs(G * C), acc(G * C, f32x16{});
+  std::vector<float> m(G, -INFINITY), l(G, 0.0f), logits(G * kLanes);
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      qs[g * C + c] = load(p.q + (t * p.H + h * G + g) * D + c * kLanes) * splat(p.scale);
+  const int64_t head_stride = p.NB * p.BS * D;
+  const float* k_head = p.kv + ((p.layer * 2 + 0) * p.KVH + h) * head_stride;
+  const float* v_head = p.kv + ((p.layer * 2 + 1) * p.KVH + h) * head_stride;
+  alignas(64) float pr[kLanes];
+  for (int64_t start = 0; start <= pos; start += p.BS) {
+    const int64_t blk = std::clamp<int64_t>(p.tables[s * p.MB + start / p.BS], 0, p.NB - 1);
+    const int64_t n = std::min<int64_t>(p.BS, pos + 1 - start);
+    const float* kb = k_head + blk * p.BS * D;
+    const float* vb = v_head + blk * p.BS * D;
+    if (start + p.BS <= pos) {
+      // The next block is elsewhere in the cache: ask for its rows now, so they arrive while
+      // this block computes (the hardware prefetcher starts over at every block).
+      const int64_t next =
+          std::clamp<int64_t>(p.tables[s * p.MB + start / p.BS + 1], 0, p.NB - 1);
+      const char* kn = reinterpret_cast<const char*>(k_head + next * p.BS * D);
+      const char* vn = reinterpret_cast<const char*>(v_head + next * p.BS * D);
+      for (int64_t off = 0; off < p.BS * D * 4; off += 64) {
+        __builtin_prefetch(kn + off);
+        __builtin_prefetch(vn + off);
+      }
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+      const int64_t nj = std::min<int64_t>(kLanes, n - j0);
+      for (int64_t j = 0; j < kLanes; ++j) {
+        if (j >= nj) {
+          for (int64_t g = 0; g < G; ++g) logits[g * kLanes + j] = -INFINITY;
+          continue;
+        }
+        f32x16 k[C];
+        for (int c = 0; c < C; ++c) k[c] = load(kb + (j0 + j) * D + c * kLanes);
+        for (int64_t g = 0; g < G; ++g) {
+          f32x16 dot = qs[g * C] * k[0];
+          for (int c = 1; c < C; ++c) dot = fma16(qs[g * C + c], k[c], dot);
+          logits[g * kLanes + j] = lane_sum(dot);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const f32x16 lv = load(logits.data() + g * kLanes);
+        const float m_new = std::max(m[g], lane_max(lv));
+        const float alpha = std::exp(m[g] - m_new);  // 0 on the first keys (m = -inf)
+        const f32x16 pv = exp16(lv - splat(m_new));  // masked keys: exp(-inf) = 0
+        store(pr, pv);
+        l[g] = l[g] * alpha + lane_sum(pv);
+        m[g] = m_new;
+        f32x16 a[C];
+        for (int c = 0; c < C; ++c) a[c] = acc[g * C + c] * splat(alpha);
+        for (int64_t j = 0; j < nj; ++j) {
+          const f32x16 pj = splat(pr[j]);
+          for (int c = 0; c < C; ++c) a[c] = fma16(pj, load(vb + (j0 + j) * D + c * kLanes), a[c]);
+        }
+        for (int c = 0; c < C; ++c) acc[g * C + c] = a[c];
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* o = p.out + (t * p.H + h * G + g) * D;
+    const f32x16 inv = splat(1.0f / l[g]);
+    for (int c = 0; c < C; ++c) store(o + c * kLanes, acc[g * C + c] * inv);
+  }
+}
+
+template <int C = 1>
+void attend_dispatch(const Problem& p, int64_t t, int64_t s, int64_t pos, int64_t h) {
+  if constexpr (C < kMaxHeadDim / kLanes) {
+    if (p.D != C * kLanes) return attend_dispatch<C + 1>(p, t, s, pos, h);
+  }
+  attend<C>(p, t, s, pos, h);
+}
+
+struct Shared {
+  std::function<void(int64_t)> body;
+  int64_t count;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void work(Shared& s) {
+  for (;;) {
+    const int64_t c = s.next.fetch_add(1, std::memory_order_relaxed);
+    if (c >= s.count) return;
+    s.body(c);
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+void parallel_for(ffi::ThreadPool& pool, int64_t count, std::function<void(int64_t)> body) {
+  auto shared = std::make_shared<Shared>();
+  shared->body = std::move(body);
+  shared->count = count;
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), count) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { work(*shared); });
+  work(*shared);
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < count;) {
+    if (++spins < 4096) {
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
+                     ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
+                     ffi::Buffer<ffi::S32> qsl, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
+                     float scale) {
+  auto qd = q.dimensions(), kd = kv.dimensions(), td = tables.dimensions();
+  auto sd = seq_lens.dimensions(), ld = qsl.dimensions(), od = out->dimensions();
+  if (qd.size() != 3 || kd.size() != 6 || td.size() != 2 || sd.size() != 1 || ld.size() != 1 ||
+      kd[1] != 2 || kd[5] != qd[2] || qd[2] % kLanes != 0 || qd[2] > kMaxHeadDim || kd[2] == 0 || qd[1] % kd[2] != 0 ||
+      td[0] != sd[0] || ld[0] != sd[0] + 1 || layer < 0 || layer >= kd[0] || kd[3] == 0 ||
+      td[1] == 0) {
+    return ffi::Error::InvalidArgument(
+        "cpu_paged_attention: expected q [T, H, D], kv [L, 2, KVH, NB, BS, D] with D a multiple "
+        "of 16 up to 256 and H a multiple of KVH, block tables [S, MB], seq_lens [S], query_start_loc "
+        "[S + 1], 0 <= layer < L");
+  }
+  if (od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2]) {
+    return ffi::Error::InvalidArgument("cpu_paged_attention: result must be q's shape");
+  }
+  const Problem p{q.typed_data(), kv.typed_data(), tables.typed_data(), seq_lens.typed_data(),
+                  qsl.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], kd[2], kd[3],
+                  kd[4], sd[0], td[1], layer, scale};
+  // Token -> (sequence, position); tokens past the last sequence's queries are padding.
+  std::vector<int64_t> seq_of(p.T, -1), pos_of(p.T, 0);
+  for (int64_t s = 0; s < p.S; ++s) {
+    const int64_t a = std::clamp<int64_t>(p.qsl[s], 0, p.T);
+    const int64_t b = std::clamp<int64_t>(p.qsl[s + 1], a, p.T);
+    const int64_t len = p.seq_lens[s];
+    for (int64_t t = a; t < b; ++t) {
+      const int64_t pos = len - (b - t);
+      // Keys past the table's width would read outside it: such a token is left at zeros.
+      if (pos >= 0 && pos < p.MB * p.BS) {
+        seq_of[t] = s;
+        pos_of[t] = pos;
+      }
+    }
+  }
+  std::memset(p.out, 0, sizeof(float) * p.T * p.H * p.D);
+  std::vector<int64_t> items;
+  for (int64_t t = 0; t < p.T; ++t)
+    if (seq_of[t] >= 0)
+      for (int64_t h = 0; h < p.KVH; ++h) items.push_back(t * p.KVH + h);
+  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const int64_t t = items[i] / p.KVH, h = items[i] % p.KVH;
+    attend_dispatch(p, t, seq_of[t], pos_of[t], h);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Attr<float>("scale"));

@@ -1,0 +1,99 @@
+"""The CPU paged attention kernel (jaxllm/model_executor/layers/cpu_attention.cc), which decode
+and verify steps run on XLA's CPU backend, against the naive float64 numpy model of
+test_paged_attention.py: ragged queries, padding rows and sequences, shuffled blocks, every
+Qwen2 head ratio, block sizes 16 and 32, head_dim 64 and 128, logits large enough to underflow
+exp. Also which steps the model gives it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.model_executor.layers import cpu_attention
+from tests.kernels.test_paged_attention import HEAD_CONFIGS, naive_attention
+
+if jax.default_backend() != "cpu":
+    pytest.skip("the CPU kernel runs on JAX's CPU backend", allow_module_level=True)
+if not cpu_attention.available():  # visible, never a silent pass: the suite's machines have g++
+    pytest.skip("no C++ compiler to build the CPU kernel", allow_module_level=True)
+
+_jitted = jax.jit(cpu_attention.paged_attention, static_argnums=(2,), static_argnames=("scale",))
+
+
+def _case(rng, heads, kv_heads, head_dim, block_size, q_lens, seq_lens, extra_rows=3,
+          q_scale=1.0, layers=2):
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 5
+    width = max(-(-n // block_size) for n in seq_lens) + 2
+    kv = rng.standard_normal((layers, 2, kv_heads, num_blocks, block_size, head_dim))
+    perm = rng.permutation(num_blocks)
+    tables = np.zeros((len(seq_lens), width), np.int32)
+    used = 0
+    for s, n in enumerate(seq_lens):
+        k = -(-n // block_size)
+        tables[s, :k] = perm[used:used + k]
+        tables[s, k:] = rng.integers(0, num_blocks, width - k)  # stale entries: never read
+        used += k
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(qsl[-1]) + extra_rows, heads, head_dim)) * q_scale
+    return (q.astype(np.float32), kv.astype(np.float32), tables,
+            np.asarray(seq_lens, np.int32), qsl)
+
+
+def _check(q, kv, tables, seq_lens, qsl, layer, scale):
+    got = np.asarray(_jitted(jnp.asarray(q), jnp.asarray(kv), layer, jnp.asarray(tables),
+                             jnp.asarray(seq_lens), jnp.asarray(qsl), scale=scale))
+    want = naive_attention(q, kv, layer, tables, seq_lens, qsl, scale)
+    assert got.dtype == np.float32 and got.shape == q.shape
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(got[int(qsl[-1]):], 0.0)  # padding rows
+
+
+@pytest.mark.parametrize("heads,kv_heads", HEAD_CONFIGS)
+def test_decode_matches_float64(heads, kv_heads, rng):
+    """One query per sequence (a decode step), contexts from 1 key to several blocks, a
+    padding sequence (no queries, length 0) among them."""
+    args = _case(rng, heads, kv_heads, 64, 16, [1, 1, 0, 1, 1], [1, 16, 0, 17, 150])
+    for layer in (0, 1):
+        _check(*args, layer, 64 ** -0.5)
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (128, 32), (32, 16)])
+def test_ragged_queries_head_dims_and_blocks(head_dim, block_size, rng):
+    """A verify-like step: several queries per sequence, each seeing keys up to its own
+    position; blocks of 32 keys are read 16 at a time."""
+    args = _case(rng, 12, 2, head_dim, block_size, [3, 1, 6, 2, 4], [5, 40, 100, 2, 67])
+    _check(*args, 1, head_dim ** -0.5)
+
+
+def test_large_logits_underflow_cleanly(rng):
+    """Logits spread over hundreds: most exponentials underflow to 0, the softmax stays a
+    weighted mean of the values (no inf or nan)."""
+    args = _case(rng, 14, 2, 64, 16, [1, 2, 1], [33, 90, 200], q_scale=40.0)
+    _check(*args, 0, 1.0)
+
+
+def test_bad_shapes_are_named(rng):
+    q, kv, tables, seq_lens, qsl = _case(rng, 14, 2, 64, 16, [1], [5])
+    with pytest.raises(ValueError, match="D a multiple of 16"):
+        cpu_attention.paged_attention(jnp.asarray(q[..., :40]), jnp.asarray(kv[..., :40]), 0,
+                                      tables, seq_lens, qsl, scale=1.0)
+    with pytest.raises(ValueError, match=r"layer 2 out of range \[0, 2\)"):
+        cpu_attention.paged_attention(jnp.asarray(q), jnp.asarray(kv), 2, tables, seq_lens, qsl,
+                                      scale=1.0)
+
+
+def test_which_steps_use_it():
+    """Few queries per sequence, a float32 cache and the reference backend: the kernel; prefill
+    buckets, a bfloat16 cache or a Pallas backend: not."""
+    q = jax.ShapeDtypeStruct((16, 14, 64), jnp.float32)
+    kv = jax.ShapeDtypeStruct((2, 2, 2, 8, 16, 64), jnp.float32)
+    assert cpu_attention.use_for(q, kv, 1, "reference")
+    assert cpu_attention.use_for(q, kv, cpu_attention.MAX_QUERY_LEN, "reference")
+    assert not cpu_attention.use_for(q, kv, cpu_attention.MAX_QUERY_LEN + 1, "reference")
+    assert not cpu_attention.use_for(q, kv, None, "reference")
+    assert not cpu_attention.use_for(q, kv, 1, "interpret")
+    kv16 = jax.ShapeDtypeStruct(kv.shape, jnp.bfloat16)
+    assert not cpu_attention.use_for(q, kv16, 1, "reference")
