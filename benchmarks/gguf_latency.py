@@ -1,8 +1,16 @@
-"""Batch-1 latency of several engine settings on the embedded model, in one process, taking
-turns (one 128/128 request each per round), so a shared machine's drift lands on all of them.
+"""Latency of several engine settings on the embedded model, in one process, taking turns (one
+batch of 128/128 requests each per round), so a shared machine's drift lands on all of them.
 
     PYTHONPATH=. .venv/bin/python benchmarks/gguf_latency.py --rounds 4 none gguf
     PYTHONPATH=. .venv/bin/python benchmarks/gguf_latency.py --rounds 4 none bfloat16
+    PYTHONPATH=.:<llama-cpp-python> .venv/bin/python benchmarks/gguf_latency.py --rounds 3 \
+        --batch-size 16 --output-len 64 gguf llama.cpp
+
+Batch 1: `max_num_seqs=1`, `max_num_batched_tokens` the prompt; TTFT and TPOT. A larger
+`--batch-size`: that many requests at once, the engine's default token budget and
+`max_num_seqs` the batch; output tok/s (batch x output tokens over the batch's wall time), and
+llama.cpp runs the same batch through its batch API (prompts in chunks of up to 512 tokens,
+then one token per sequence per step, greedy), as llama.cpp's batched-bench does.
 
 Settings: `none` (float32, dequantized), `gguf` (quantization="gguf"), `bfloat16`, and
 `llama.cpp`: llama-cpp-python on the same GGUF file, a thread per core the process may use
@@ -45,9 +53,6 @@ class LlamaCpp:
                                    verbose=False)
         self.output_len = output_len
 
-    def weight_bytes(self) -> int:
-        return self.llm.model_size() if hasattr(self.llm, "model_size") else 0
-
     def run(self, prompt: list[int]) -> dict[str, float]:
         start = time.perf_counter()
         first = None
@@ -63,22 +68,87 @@ class LlamaCpp:
         return {"ttft_mean": first - start, "tpot_mean": (end - first) / (n - 1)}
 
 
+class LlamaCppBatch:
+    """llama.cpp's batch API on `batch` sequences at once: the prompts' tokens in chunks of up
+    to CHUNK (the sequences' last prompt tokens asking for logits), then one token per sequence
+    per step; greedy (argmax of the returned logits)."""
+
+    CHUNK = 512
+
+    def __init__(self, batch: int, input_len: int, output_len: int):
+        import os
+
+        import llama_cpp
+
+        from jaxllm.model_executor.model_loader.default_model import default_model_path
+        self.lib = lib = llama_cpp
+        lib.llama_backend_init()
+        self.model = lib.llama_model_load_from_file(str(default_model_path()).encode(),
+                                                    lib.llama_model_default_params())
+        params = lib.llama_context_default_params()
+        threads = len(os.sched_getaffinity(0))
+        params.n_ctx = batch * (input_len + output_len + 16)
+        params.n_batch = params.n_ubatch = self.CHUNK
+        params.n_seq_max = batch
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = lib.llama_init_from_model(self.model, params)
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.batch = lib.llama_batch_init(self.CHUNK, 0, 1)
+        self.output_len = output_len
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """items: (token, position, sequence, wants logits); returns the argmax of each wanted
+        row, in order."""
+        b, lib = self.batch, self.lib
+        b.n_tokens = len(items)
+        for i, (tok, pos, seq, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = int(logits)
+        if lib.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        return [int(np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, i),
+                                          shape=(self.n_vocab,)).argmax())
+                for i, item in enumerate(items) if item[3]]
+
+    def run(self, prompts: list[list[int]]) -> dict[str, float]:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        start = time.perf_counter()
+        flat = [(tok, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts)
+                for pos, tok in enumerate(p)]
+        last: list[int] = []
+        for a in range(0, len(flat), self.CHUNK):
+            last += self._decode(flat[a:a + self.CHUNK])
+        first = time.perf_counter()
+        for step in range(self.output_len - 1):
+            last = self._decode([(tok, len(p) + step, s, True)
+                                 for s, (tok, p) in enumerate(zip(last, prompts, strict=True))])
+        end = time.perf_counter()
+        tokens = len(prompts) * self.output_len
+        return {"ttft_mean": first - start, "tpot_mean": (end - first) / (self.output_len - 1),
+                "avg_latency": end - start, "output_tokens_per_second": tokens / (end - start)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("settings", nargs="+", choices=list(SETTINGS))
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     args = ap.parse_args()
-    llms = {}
+    batch = args.batch_size
+    llms: dict = {}
     for name in args.settings:
         start = time.perf_counter()
         if SETTINGS[name] is None:
-            llms[name] = LlamaCpp(args.input_len, args.output_len)
+            llms[name] = (LlamaCpp(args.input_len, args.output_len) if batch == 1
+                          else LlamaCppBatch(batch, args.input_len, args.output_len))
             print(f"{name}: start-up {time.perf_counter() - start:.1f} s", flush=True)
             continue
-        llms[name] = LLM(max_num_seqs=1, max_num_batched_tokens=args.input_len,
-                         show_progress=False, **SETTINGS[name])
+        limits = (dict(max_num_seqs=1, max_num_batched_tokens=args.input_len) if batch == 1
+                  else dict(max_num_seqs=batch))
+        llms[name] = LLM(show_progress=False, **limits, **SETTINGS[name])
         weight_bytes = llms[name].collective_rpc("weight_bytes")
         print(f"{name}: start-up {time.perf_counter() - start:.1f} s, weights "
               f"{weight_bytes / 1e9:.3f} GB, peak RSS so far "
@@ -87,23 +157,35 @@ def main() -> None:
     if not engines:
         raise SystemExit("name at least one jaxllm setting: its tokenizer draws the prompts")
     sampler = token_sampler_for(engines[0])
-    results: dict[str, dict[str, list[float]]] = {n: {"ttft": [], "tpot": []} for n in llms}
+    keys = ("ttft_mean", "tpot_mean", "output_tokens_per_second")
+    results: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in llms}
     for r in range(args.rounds + 1):  # the first pass warms up
         for name, llm in llms.items():
-            if isinstance(llm, LlamaCpp):  # the prompt run_jaxllm_latency draws for this seed
-                m = llm.run(sampler.sample(np.random.default_rng(r), args.input_len))
-            else:
-                m = run_jaxllm_latency(llm, sampler, 1, args.input_len, args.output_len, 1, 0,
-                                       seed=r, use_tqdm=False)
+            if isinstance(llm, LLM):
+                m = run_jaxllm_latency(llm, sampler, batch, args.input_len, args.output_len, 1,
+                                       0, seed=r, use_tqdm=False)
+            else:  # the prompts run_jaxllm_latency draws for this seed
+                rng = np.random.default_rng(r)
+                prompts = [sampler.sample(rng, args.input_len) for _ in range(batch)]
+                m = llm.run(prompts[0]) if batch == 1 else llm.run(prompts)
             if r:
-                results[name]["ttft"].append(m["ttft_mean"])
-                results[name]["tpot"].append(m["tpot_mean"])
-                print(f"round {r} {name:>8}: TTFT {m['ttft_mean'] * 1e3:7.1f} ms, "
-                      f"TPOT {m['tpot_mean'] * 1e3:6.1f} ms", flush=True)
+                for k in keys:
+                    if k in m:
+                        results[name][k].append(m[k])
+                line = (f"TTFT {m['ttft_mean'] * 1e3:7.1f} ms, TPOT {m['tpot_mean'] * 1e3:6.1f} "
+                        f"ms")
+                if batch > 1:
+                    line += f", {m['output_tokens_per_second']:6.1f} output tok/s"
+                print(f"round {r} {name:>8}: {line}", flush=True)
     for name, res in results.items():
-        print(f"{name:>8}: median TTFT {np.median(res['ttft']) * 1e3:7.1f} ms, median TPOT "
-              f"{np.median(res['tpot']) * 1e3:6.1f} ms ({1 / np.median(res['tpot']):.1f} tok/s), "
-              f"best TPOT {min(res['tpot']) * 1e3:6.1f} ms")
+        line = (f"{name:>8}: median TTFT {np.median(res['ttft_mean']) * 1e3:7.1f} ms, median "
+                f"TPOT {np.median(res['tpot_mean']) * 1e3:6.1f} ms "
+                f"({1 / np.median(res['tpot_mean']):.1f} tok/s), best TPOT "
+                f"{min(res['tpot_mean']) * 1e3:6.1f} ms")
+        if batch > 1:
+            line += (f", median {np.median(res['output_tokens_per_second']):.1f} output tok/s "
+                     f"(rounds {' / '.join(f'{x:.1f}' for x in res['output_tokens_per_second'])})")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
