@@ -10,6 +10,7 @@ permutation of a 2048-block cache, as a long-running engine's are.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from pallas_kernels.paged_attention import paged_attention
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, WIDTH = 24, 2, 14, 64, 16, 2048, 128
 
 
-def step(kernel: bool):
+def step(kernel: bool) -> Callable[..., jax.Array]:
     @jax.jit
     def run(q, kv, tables, seq_lens, qsl):
         out = q

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from jaxllm.model_executor.layers import cpu_attention
-from tests.kernels.test_paged_attention import HEAD_CONFIGS, naive_attention
+from tests.kernels.test_paged_attention import HEAD_CONFIGS, cases, naive_attention, pad_case
 
 if jax.default_backend() != "cpu":
     pytest.skip("the CPU kernel runs on JAX's CPU backend", allow_module_level=True)
@@ -66,6 +67,17 @@ def test_ragged_queries_head_dims_and_blocks(head_dim, block_size, rng):
     position; blocks of 32 keys are read 16 at a time."""
     args = _case(rng, 12, 2, head_dim, block_size, [3, 1, 6, 2, 4], [5, 40, 100, 2, 67])
     _check(*args, 1, head_dim ** -0.5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(max_q=cpu_attention.MAX_QUERY_LEN))
+def test_engine_like_buckets_match_float64(case):
+    """Random steps of up to MAX_QUERY_LEN queries per sequence (decode, verify-like, short
+    prefills on cached context), inside an engine-like padded bucket: padding rows and
+    sequence slots, a wide table of stale block ids, stale blocks of large values."""
+    c = pad_case(case, num_tokens=case.q.shape[0] + 7, num_seqs=case.seq_lens.shape[0] + 3,
+                 width=64, num_blocks=case.kv.shape[3] + 9)
+    _check(c.q, c.kv, c.block_tables, c.seq_lens, c.qsl, c.layer, c.scale)
 
 
 def test_large_logits_underflow_cleanly(rng):

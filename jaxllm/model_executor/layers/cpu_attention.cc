@@ -12,19 +12,16 @@
 // tokens of context it took longer than the arithmetic by several times (docs/perf/cpu-step.md).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -113,11 +110,25 @@ struct Problem {
   float scale;
 };
 
+// acc + a * b, one rounding where the CPU has FMA (contraction is off for the whole file).
 inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 acc) {
 #if defined(__AVX512F__)
   return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
                                                   reinterpret_cast<__m512>(b),
                                                   reinterpret_cast<__m512>(acc)));
+#elif defined(__FMA__)
+  typedef float f32x8 __attribute__((vector_size(32)));
+  f32x8 x[2], y[2], z[2];
+  std::memcpy(x, &a, 64);
+  std::memcpy(y, &b, 64);
+  std::memcpy(z, &acc, 64);
+  for (int i = 0; i < 2; ++i)
+    z[i] = reinterpret_cast<f32x8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(x[i]),
+                                                   reinterpret_cast<__m256>(y[i]),
+                                                   reinterpret_cast<__m256>(z[i])));
+  f32x16 r;
+  std::memcpy(&r, z, 64);
+  return r;
 #else
   return a * b + acc;
 #endif
@@ -188,7 +199,8 @@ void attend(const Problem& p, int64_t t, int64_t s, int64_t pos, int64_t h) {
         for (int c = 0; c < C; ++c) a[c] = acc[g * C + c] * splat(alpha);
         for (int64_t j = 0; j < nj; ++j) {
           const f32x16 pj = splat(pr[j]);
-          for (int c = 0; c < C; ++c) a[c] = fma16(pj, load(vb + (j0 + j) * D + c * kLanes), a[c]);
+          const float* vj = vb + (j0 + j) * D;
+          for (int c = 0; c < C; ++c) a[c] = fma16(pj, load(vj + c * kLanes), a[c]);
         }
         for (int c = 0; c < C; ++c) acc[g * C + c] = a[c];
       }
@@ -209,40 +221,6 @@ void attend_dispatch(const Problem& p, int64_t t, int64_t s, int64_t pos, int64_
   attend<C>(p, t, s, pos, h);
 }
 
-struct Shared {
-  std::function<void(int64_t)> body;
-  int64_t count;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void work(Shared& s) {
-  for (;;) {
-    const int64_t c = s.next.fetch_add(1, std::memory_order_relaxed);
-    if (c >= s.count) return;
-    s.body(c);
-    s.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-void parallel_for(ffi::ThreadPool& pool, int64_t count, std::function<void(int64_t)> body) {
-  auto shared = std::make_shared<Shared>();
-  shared->body = std::move(body);
-  shared->count = count;
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), count) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { work(*shared); });
-  work(*shared);
-  for (int spins = 0; shared->done.load(std::memory_order_acquire) < count;) {
-    if (++spins < 4096) {
-#if defined(__x86_64__)
-      __builtin_ia32_pause();
-#endif
-    } else {
-      std::this_thread::yield();
-    }
-  }
-}
-
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
                      ffi::Buffer<ffi::S32> qsl, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
@@ -250,13 +228,13 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   auto qd = q.dimensions(), kd = kv.dimensions(), td = tables.dimensions();
   auto sd = seq_lens.dimensions(), ld = qsl.dimensions(), od = out->dimensions();
   if (qd.size() != 3 || kd.size() != 6 || td.size() != 2 || sd.size() != 1 || ld.size() != 1 ||
-      kd[1] != 2 || kd[5] != qd[2] || qd[2] % kLanes != 0 || qd[2] > kMaxHeadDim || kd[2] == 0 || qd[1] % kd[2] != 0 ||
-      td[0] != sd[0] || ld[0] != sd[0] + 1 || layer < 0 || layer >= kd[0] || kd[3] == 0 ||
+      kd[1] != 2 || kd[5] != qd[2] || qd[2] % kLanes != 0 || qd[2] > kMaxHeadDim ||
+      kd[2] == 0 || qd[1] % kd[2] != 0 || td[0] != sd[0] || ld[0] != sd[0] + 1 || layer < 0 || layer >= kd[0] || kd[3] == 0 ||
       td[1] == 0) {
     return ffi::Error::InvalidArgument(
         "cpu_paged_attention: expected q [T, H, D], kv [L, 2, KVH, NB, BS, D] with D a multiple "
-        "of 16 up to 256 and H a multiple of KVH, block tables [S, MB], seq_lens [S], query_start_loc "
-        "[S + 1], 0 <= layer < L");
+        "of 16 up to 256 and H a multiple of KVH, block tables [S, MB], seq_lens [S], "
+        "query_start_loc [S + 1], 0 <= layer < L");
   }
   if (od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2]) {
     return ffi::Error::InvalidArgument("cpu_paged_attention: result must be q's shape");
@@ -284,7 +262,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   for (int64_t t = 0; t < p.T; ++t)
     if (seq_of[t] >= 0)
       for (int64_t h = 0; h < p.KVH; ++h) items.push_back(t * p.KVH + h);
-  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+  jaxllm::parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const int64_t t = items[i] / p.KVH, h = items[i] % p.KVH;
     attend_dispatch(p, t, seq_of[t], pos_of[t], h);
   });

@@ -23,8 +23,10 @@ import jax
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV_VAR = "JAXLLM_CPU_KERNELS"
-# Contraction off: the dequantization's multiply and add must round separately (gguf's float32
-# values exactly); the accumulation's FMAs are explicit intrinsics.
+_HEADERS = Path(__file__).parent
+# One set of flags for every kernel. Contraction off: the dequantization's multiply and add must
+# round separately (gguf's float32 values exactly); the kernels' accumulations use explicit fma
+# intrinsics.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared")
 
 
@@ -58,9 +60,11 @@ def build(source: Path, cache_dir: Path | None = None) -> Path:
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     include = jax.ffi.include_dir()
+    # The kernels' shared headers sit beside this file: on the include path and in the key.
+    headers = [h.read_text() for h in sorted(_HEADERS.glob("*.h"))]
     key = hashlib.sha256("\0".join([
-        source.read_text(), " ".join(FLAGS), cxx, version, importlib.metadata.version("jaxlib"),
-        _cpu_identity(),
+        source.read_text(), *headers, " ".join(FLAGS), cxx, version,
+        importlib.metadata.version("jaxlib"), _cpu_identity(),
     ]).encode()).hexdigest()[:16]
     out_dir = (cache_dir or jaxllm_cache() / "kernels")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +76,7 @@ def build(source: Path, cache_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, "-I", include, str(source), "-o", tmp]
+        cmd = [cxx, *FLAGS, "-I", include, "-I", str(_HEADERS), str(source), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise KernelBuildError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")

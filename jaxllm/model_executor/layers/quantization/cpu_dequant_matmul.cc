@@ -18,16 +18,14 @@
 // waits only for chunks already claimed (so a busy or one-thread pool cannot deadlock it).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -201,23 +199,6 @@ void run_rows(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-struct Shared {
-  Problem p;
-  int64_t chunk_rows, num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void work(Shared& s) {
-  for (;;) {
-    const int64_t c = s.next.fetch_add(1, std::memory_order_relaxed);
-    if (c >= s.num_chunks) return;
-    const int64_t n0 = c * s.chunk_rows, n1 = std::min(s.p.N, n0 + s.chunk_rows);
-    run_rows(s.p, n0, n1);
-    s.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error DequantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
                          ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y,
@@ -236,31 +217,19 @@ ffi::Error DequantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != qd[0]) {
     return ffi::Error::InvalidArgument("dequant_matmul: result must be [T, N]");
   }
-  auto shared = std::make_shared<Shared>();
-  shared->p = Problem{x.typed_data(), q.typed_data(), scale.typed_data(),
-                      has_offset ? offset.typed_data() : nullptr, y->typed_data(),
-                      xd[0], qd[1], qd[0], qd[1] / sd[1]};
+  const Problem p{x.typed_data(), q.typed_data(), scale.typed_data(),
+                  has_offset ? offset.typed_data() : nullptr, y->typed_data(),
+                  xd[0], qd[1], qd[0], qd[1] / sd[1]};
   // Chunks of >= ~256 KiB of int8 weight (long sequential streams for the prefetchers), about
   // a multiple of the threads in number (near-equal shares when they run equally fast).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t chunks = std::max<int64_t>(1, qd[0] * qd[1] / (256 * 1024));
   chunks = (chunks + threads - 1) / threads * threads;
-  shared->chunk_rows = std::max<int64_t>(1, (qd[0] + chunks - 1) / chunks);
-  shared->num_chunks = (qd[0] + shared->chunk_rows - 1) / shared->chunk_rows;
-  const int64_t helpers = std::min<int64_t>(threads, shared->num_chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { work(*shared); });
-  work(*shared);
-  // Chunks claimed by helpers are being run: wait for them, spinning briefly (they end within
-  // microseconds), then yielding the core in case a helper needs it.
-  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->num_chunks;) {
-    if (++spins < 4096) {
-#if defined(__x86_64__)
-      __builtin_ia32_pause();
-#endif
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  const int64_t chunk_rows = std::max<int64_t>(1, (qd[0] + chunks - 1) / chunks);
+  const int64_t count = (qd[0] + chunk_rows - 1) / chunk_rows;
+  jaxllm::parallel_for(pool, count, [&p, chunk_rows](int64_t c) {
+    run_rows(p, c * chunk_rows, std::min(p.N, (c + 1) * chunk_rows));
+  });
   return ffi::Error::Success();
 }
 
