@@ -1,6 +1,7 @@
 """Paged attention in plain XLA ops: ``paged_attention(..., backend="reference")``, what the
 engine runs on CPU for prefill buckets (and every step where its C++ kernel is unavailable),
-and the oracle the Pallas kernels are tested against. Inputs and outputs are those of ``paged_attention`` (layout in paged_attention.py).
+and the oracle the Pallas kernels are tested against. Inputs and outputs are those of
+``paged_attention`` (layout in paged_attention.py).
 
 Its cost follows the real work, never the padded bucket shapes: loop trip counts are computed
 at run time from the real lengths, so padding tokens, padding sequences, the block table width
