@@ -30,7 +30,7 @@ def step(kernel: bool) -> Callable[..., jax.Array]:
         for layer in range(LAYERS):
             if kernel:
                 out = cpu_attention.paged_attention(out, kv, layer, tables, seq_lens, qsl,
-                                                    scale=HEAD_DIM ** -0.5)
+                                                    scale=HEAD_DIM ** -0.5, max_query_len=1)
             else:
                 out = paged_attention(out, kv, layer, tables, seq_lens, qsl,
                                       scale=HEAD_DIM ** -0.5, max_query_len=1)

@@ -1,5 +1,5 @@
-"""Benchmark of ``paged_attention_reference`` (the CPU engine's attention for prefill buckets) at
-Qwen2.5-0.5B shapes.
+"""Benchmark of ``paged_attention_reference`` (the CPU engine's attention, here with its own token
+pass) at Qwen2.5-0.5B shapes.
 
     python benchmarks/reference_attention.py [--runs N] [--old] [--cases a,b,...]
 

@@ -156,12 +156,11 @@ def pad_case(case, *, num_tokens=None, num_seqs=None, width=None, num_blocks=Non
                 case.scale, case.max_query_len)
 
 
-# The reference is what the engine runs on CPU for prefill buckets, always on padded bucket
-# shapes. The unit tests run it inside one engine-like bucket: 512 tokens, 64 sequence slots, a
-# table max_model_len wide (2048 blocks = 32k tokens of 16), 1024 physical blocks, and
-# max_query_len as the engine passes it (T, or 1 for pure decode). Besides checking that padding
-# costs nothing in correctness, the tests then share a few compilations instead of compiling one
-# per case.
+# The reference is what the engine runs on CPU, always on padded bucket shapes. The unit tests
+# run it inside one engine-like bucket: 512 tokens, 64 sequence slots, a table max_model_len
+# wide (2048 blocks = 32k tokens of 16), 1024 physical blocks, and max_query_len as the engine
+# passes it (T, or 1 for pure decode). Besides checking that padding costs nothing in
+# correctness, the tests then share a few compilations instead of compiling one per case.
 BUCKET = dict(num_tokens=512, num_seqs=64, width=2048, num_blocks=1024)
 
 

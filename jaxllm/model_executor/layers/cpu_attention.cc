@@ -1,8 +1,9 @@
-// Paged attention of decode-like tokens on CPU, an XLA FFI custom call (cpu_attention.py beside
-// it builds and registers it).
+// Paged attention of decode-like tokens on CPU (the token pass of the reference attention), an
+// XLA FFI custom call (cpu_attention.py beside it builds and registers it).
 //
-// Each token attends to its own sequence's keys 0..its position, read block by block through
-// the block table straight from the all-layer cache; online softmax in float32 (the running
+// Each token of a sequence with at most max_seq_queries queries this step attends to its own
+// sequence's keys 0..its position (other rows stay zero: the caller's other pass fills them),
+// read block by block through the block table straight from the all-layer cache; online softmax in float32 (the running
 // max, the sum of exponentials, the weighted values), the query heads of one KV head together
 // so each key and value row is read once for all of them. Work is split into (token, KV head)
 // items over XLA's intra-op pool and the calling thread.
@@ -224,7 +225,7 @@ void attend_dispatch(const Problem& p, int64_t t, int64_t s, int64_t pos, int64_
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
                      ffi::Buffer<ffi::S32> qsl, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
-                     float scale) {
+                     float scale, int64_t max_seq_queries) {
   auto qd = q.dimensions(), kd = kv.dimensions(), td = tables.dimensions();
   auto sd = seq_lens.dimensions(), ld = qsl.dimensions(), od = out->dimensions();
   if (qd.size() != 3 || kd.size() != 6 || td.size() != 2 || sd.size() != 1 || ld.size() != 1 ||
@@ -248,6 +249,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
     const int64_t a = std::clamp<int64_t>(p.qsl[s], 0, p.T);
     const int64_t b = std::clamp<int64_t>(p.qsl[s + 1], a, p.T);
     const int64_t len = p.seq_lens[s];
+    if (b - a > max_seq_queries) continue;  // another pass attends this sequence
     for (int64_t t = a; t < b; ++t) {
       const int64_t pos = len - (b - t);
       // Keys past the table's width would read outside it: such a token is left at zeros.
@@ -281,4 +283,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("layer")
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("max_seq_queries"));

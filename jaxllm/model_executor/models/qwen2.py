@@ -133,10 +133,11 @@ class Qwen2Attention(nn.Module):
         q, k = rope(q, k, positions, cos_sin_cache, backend=self.backend)
         kv_cache = write_kv(kv_cache, self.layer_idx, k, v, attn_metadata.slot_mapping,
                             backend=self.backend)
-        if cpu_attention.use_for(q, kv_cache, max_query_len, self.backend, self.tp_axis):
+        if cpu_attention.use_for(q, kv_cache, self.backend, self.tp_axis):
             out = cpu_attention.paged_attention(
                 q, kv_cache, self.layer_idx, attn_metadata.block_tables,
-                attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=hd ** -0.5)
+                attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=hd ** -0.5,
+                max_query_len=max_query_len)
         else:
             out = paged_attention(
                 q, kv_cache, self.layer_idx, attn_metadata.block_tables,
