@@ -1,7 +1,6 @@
 """Paged attention in plain XLA ops: ``paged_attention(..., backend="reference")``, what the
-engine runs on CPU at every layer of every step (its token pass there our C++ kernel where
-built), and the oracle the Pallas kernels are tested against. Inputs and outputs are those of
-``paged_attention`` (layout in paged_attention.py).
+engine runs on CPU at every layer of every step, and the oracle the Pallas kernels are tested
+against. Inputs and outputs are those of ``paged_attention`` (layout in paged_attention.py).
 
 Its cost follows the real work, never the padded bucket shapes: loop trip counts are computed
 at run time from the real lengths, so padding tokens, padding sequences, the block table width
@@ -13,8 +12,6 @@ softmax in float32 and gather K/V blocks straight from the all-layer cache.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -186,9 +183,7 @@ def _tile_pass(out, q, cache_rows, first_row, block_tables, seq_lens, qsl, tiled
 def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
                               block_tables: jax.Array, seq_lens: jax.Array,
                               query_start_loc: jax.Array, *, scale: float,
-                              max_query_len: int | None = None,
-                              token_pass: Callable[[int], jax.Array] | None = None
-                              ) -> jax.Array:
+                              max_query_len: int | None = None) -> jax.Array:
     """XLA version of ``paged_attention`` whose cost follows the real work, not the padding.
 
     Flash attention (online softmax, float32 throughout) in loops whose trip counts are
@@ -204,12 +199,6 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int | ja
 
     ``max_query_len`` (static) only prunes: below _REF_TILE_MIN_QUERIES (a pure decode step)
     the tile pass is not even compiled and every token takes the token pass.
-
-    ``token_pass`` (optional) computes the token pass in place of ``_token_pass``: called with
-    the most queries a sequence may have to take that pass, it returns [T, H, D] with those
-    sequences' tokens attended and every other row zero (the CPU engine passes its C++
-    kernel). The rule that picks a token's pass stays this function's, so a token gets the same
-    arithmetic in every step shape.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
@@ -247,12 +236,7 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int | ja
                 for h in range(num_kv_heads)]
 
     kw = dict(scale=scale, nb=nb, num_blocks=num_blocks)
-    if token_pass is None:
-        out = _token_pass(q4, cache_rows, first_row, block_tables, seq_of, pos, token_tiles,
-                          **kw)
-    else:
-        limit = _REF_TILE_MIN_QUERIES - 1 if use_tiles else num_tokens
-        out = token_pass(limit).astype(jnp.float32).reshape(q4.shape)
+    out = _token_pass(q4, cache_rows, first_row, block_tables, seq_of, pos, token_tiles, **kw)
     if use_tiles:
         out = _tile_pass(out, q4, cache_rows, first_row, block_tables, seq_lens, qsl, tiled_seq,
                          **kw)

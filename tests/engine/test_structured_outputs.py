@@ -182,9 +182,15 @@ def test_every_kind_is_enforced(results, mode, request):
 
 
 def test_modes_agree_and_seeds_repeat(results, mp):
-    # Top-K candidates against full rows, async against synchronous, preempted and chunked
-    # against not: the same tokens.
-    assert results["inproc"] == results["mp"]
+    # Greedy rows: top-K candidates against full rows, async against synchronous, preempted and
+    # chunked against not, the same tokens. Seeded rows draw by inverse CDF over the masked
+    # row, and a token's logits move at float32 rounding with the step's batch (XLA's CPU
+    # matmuls sum in another order for another row count), so a draw that falls within that
+    # of a boundary picks the neighbouring token: the sampler tests compare the two sampling
+    # paths on identical logits instead (tests/sample/test_grammar_mask.py).
+    greedy = [k for k in results["inproc"] if not k[1]]
+    assert len(greedy) == len(KINDS) * len(PROMPTS)
+    assert {k: results["inproc"][k] for k in greedy} == {k: results["mp"][k] for k in greedy}
     # Same seed, different batch: the same text.
     again = mp.generate(PROMPTS[:1], [kind_params(KINDS["regex"][0], {}, True)],
                         use_tqdm=False)

@@ -1,9 +1,9 @@
-"""The CPU paged attention kernel (jaxllm/model_executor/layers/cpu_attention.cc), the token pass
-of the CPU engine's attention, alone and inside the reference, against the naive float64 numpy
-model of test_paged_attention.py: ragged queries, padding rows and sequences, shuffled blocks,
-every Qwen2 head ratio, block sizes 16 and 32, head_dim 64 and 128, logits large enough to
-underflow exp. Also that a token's result does not depend on the step it is in, and which
-steps the model gives it.
+"""The CPU paged attention kernel (jaxllm/model_executor/layers/cpu_attention.cc), the CPU
+engine's attention, against the naive float64 numpy model of test_paged_attention.py: ragged
+queries, prefill chunks on cached context, padding rows and sequences, shuffled blocks, every
+Qwen2 head ratio, block sizes 16 and 32, head_dim 32 to 128, logits large enough to underflow
+exp. Also that a token's result does not depend on the step it is in, and which steps the model
+gives it.
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ if jax.default_backend() != "cpu":
 if not cpu_attention.available():  # visible, never a silent pass: the suite's machines have g++
     pytest.skip("no C++ compiler to build the CPU kernel", allow_module_level=True)
 
-_kernel = jax.jit(cpu_attention.token_attention, static_argnums=(2,),
-                  static_argnames=("scale", "max_seq_queries"))
-_combined = jax.jit(cpu_attention.paged_attention, static_argnums=(2,),
-                    static_argnames=("scale", "max_query_len"))
+_kernel = jax.jit(cpu_attention.paged_attention, static_argnums=(2,), static_argnames=("scale",))
 
 
 def _case(rng, heads, kv_heads, head_dim, block_size, q_lens, seq_lens, extra_rows=3,
@@ -48,18 +45,13 @@ def _case(rng, heads, kv_heads, head_dim, block_size, q_lens, seq_lens, extra_ro
 
 
 def _check(q, kv, tables, seq_lens, qsl, layer, scale):
-    """The kernel alone (every sequence in its pass) and inside the reference (its token pass,
-    the reference's query tiles for sequences of 4 or more queries) against float64."""
     args = (jnp.asarray(q), jnp.asarray(kv), layer, jnp.asarray(tables), jnp.asarray(seq_lens),
             jnp.asarray(qsl))
     want = naive_attention(q, kv, layer, tables, seq_lens, qsl, scale)
-    q_lens = np.diff(qsl)
-    for got in (_kernel(*args, scale=scale, max_seq_queries=q.shape[0]),
-                _combined(*args, scale=scale, max_query_len=max(int(q_lens.max()), 1))):
-        got = np.asarray(got)
-        assert got.dtype == np.float32 and got.shape == q.shape
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-        np.testing.assert_array_equal(got[int(qsl[-1]):], 0.0)  # padding rows
+    got = np.asarray(_kernel(*args, scale=scale))
+    assert got.dtype == np.float32 and got.shape == q.shape
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(got[int(qsl[-1]):], 0.0)  # padding rows
 
 
 @pytest.mark.parametrize("heads,kv_heads", HEAD_CONFIGS)
@@ -80,9 +72,9 @@ def test_ragged_queries_head_dims_and_blocks(head_dim, block_size, rng):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases(max_q=16))
+@given(cases())
 def test_engine_like_buckets_match_float64(case):
-    """Random steps of up to 16 queries per sequence (decode, verify-like, short prefills on
+    """Random steps of up to 40 queries per sequence (decode, verify-like, prefill chunks on
     cached context), inside an engine-like padded bucket: padding rows and
     sequence slots, a wide table of stale block ids, stale blocks of large values."""
     c = pad_case(case, num_tokens=case.q.shape[0] + 7, num_seqs=case.seq_lens.shape[0] + 3,
@@ -97,35 +89,51 @@ def test_large_logits_underflow_cleanly(rng):
     _check(*args, 0, 1.0)
 
 
-def test_a_token_does_not_depend_on_its_step(rng):
-    """A decoding sequence's token gives bit-identical attention alone (a decode step), beside
-    other decodes, and beside a 40-token prefill chunk (a prefill bucket, where the reference's
-    query tiles take the chunk): the engine's results must not depend on the batch."""
-    q, kv, tables, seq_lens, qsl = _case(rng, 14, 2, 64, 16, [1, 1, 40], [90, 33, 60])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_chunks_match_float64(block_size, rng):
+    """Prefill chunks longer than a query tile, one from position 0 and one on cached context
+    (a later chunk), beside decodes."""
+    args = _case(rng, 14, 2, 64, block_size, [70, 1, 37, 1], [70, 20, 37 + 45, 130])
+    _check(*args, 1, 64 ** -0.5)
 
-    def run(seqs, max_query_len):
-        lens = np.diff(qsl)[seqs]
-        sub_qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        rows = np.concatenate([np.arange(qsl[s], qsl[s + 1]) for s in seqs])
-        out = _combined(jnp.asarray(q[rows]), jnp.asarray(kv), 0, jnp.asarray(tables[seqs]),
-                        jnp.asarray(seq_lens[seqs]), jnp.asarray(sub_qsl), scale=0.125,
-                        max_query_len=max_query_len)
+
+def test_a_token_does_not_depend_on_its_step(rng):
+    """A token gives bit-identical attention alone (a decode step), beside other decodes, inside
+    a prefill chunk at any offset (a preempted request recomputed, a chunk split differently)
+    and beside a long prefill: the engine's results must not depend on the batch."""
+    q, kv, tables, seq_lens, _ = _case(rng, 14, 2, 64, 16, [40, 1], [90, 33])
+    pos = 70  # the token under test: sequence 0's query at position 70
+
+    def run(chunks):
+        """chunks: (sequence, first position, queries) per sequence of the step, each taking
+        sequence 0's query rows by position (so the token's q row is always the same)."""
+        rows, lens, qls = [], [], []
+        for s, first, n in chunks:
+            rows.append(q[np.arange(first, first + n) % q.shape[0]] if s == 0 else q[-1:])
+            lens.append(first + n)
+            qls.append(n)
+        qsl = np.concatenate([[0], np.cumsum(qls)]).astype(np.int32)
+        out = _kernel(jnp.asarray(np.concatenate(rows)), jnp.asarray(kv), 0,
+                      jnp.asarray(tables[[c[0] for c in chunks]]),
+                      jnp.asarray(np.asarray(lens, np.int32)), jnp.asarray(qsl), scale=0.125)
         return np.asarray(out)
 
-    alone = run([0], 1)[0]
-    np.testing.assert_array_equal(run([0, 1], 1)[0], alone)
-    np.testing.assert_array_equal(run([0, 1, 2], 40)[0], alone)
-    np.testing.assert_array_equal(run([2, 0], 40)[40], alone)
+    alone = run([(0, pos, 1)])[0]
+    np.testing.assert_array_equal(run([(1, 32, 1), (0, pos, 1)])[1], alone)
+    for first in (0, 3, 64, 69, 70):
+        n = pos + 5 - first
+        np.testing.assert_array_equal(run([(0, first, n)])[pos - first], alone)
+        np.testing.assert_array_equal(run([(1, 32, 1), (0, first, n)])[1 + pos - first], alone)
 
 
 def test_bad_shapes_are_named(rng):
     q, kv, tables, seq_lens, qsl = _case(rng, 14, 2, 64, 16, [1], [5])
     with pytest.raises(ValueError, match="D a multiple of 16"):
-        cpu_attention.token_attention(jnp.asarray(q[..., :40]), jnp.asarray(kv[..., :40]), 0,
-                                      tables, seq_lens, qsl, scale=1.0, max_seq_queries=1)
+        cpu_attention.paged_attention(jnp.asarray(q[..., :40]), jnp.asarray(kv[..., :40]), 0,
+                                      tables, seq_lens, qsl, scale=1.0)
     with pytest.raises(ValueError, match=r"layer 2 out of range \[0, 2\)"):
-        cpu_attention.token_attention(jnp.asarray(q), jnp.asarray(kv), 2, tables, seq_lens, qsl,
-                                      scale=1.0, max_seq_queries=1)
+        cpu_attention.paged_attention(jnp.asarray(q), jnp.asarray(kv), 2, tables, seq_lens, qsl,
+                                      scale=1.0)
 
 
 def test_which_steps_use_it():

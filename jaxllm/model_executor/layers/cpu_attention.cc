@@ -1,12 +1,15 @@
-// Paged attention of decode-like tokens on CPU (the token pass of the reference attention), an
-// XLA FFI custom call (cpu_attention.py beside it builds and registers it).
+// Paged attention on CPU, an XLA FFI custom call (cpu_attention.py beside it builds and
+// registers it).
 //
-// Each token of a sequence with at most max_seq_queries queries this step attends to its own
-// sequence's keys 0..its position (other rows stay zero: the caller's other pass fills them),
-// read block by block through the block table straight from the all-layer cache; online softmax in float32 (the running
-// max, the sum of exponentials, the weighted values), the query heads of one KV head together
-// so each key and value row is read once for all of them. Work is split into (token, KV head)
-// items over XLA's intra-op pool and the calling thread.
+// Each query token attends to its own sequence's keys 0..its position, read block by block
+// through the block table straight from the all-layer cache; online softmax in float32 (the
+// running max, the sum of exponentials, the weighted values). The query heads of one KV head
+// and up to kQueryTile consecutive queries of a sequence go together, so each key and value row
+// is read once for all of them. Work is split into (query tile, KV head) items over XLA's
+// intra-op pool and the calling thread.
+//
+// A token's arithmetic is the same whatever step it is in (decode, beside others, in a prefill
+// chunk, recomputed after preemption): the engine's results must not depend on the batch.
 //
 // Why a kernel: XLA's version of this (pallas_kernels/reference_attention.py) is a while loop
 // per layer whose iterations cost microseconds of dispatch each; at batch 1 and a few hundred
@@ -136,32 +139,63 @@ inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 acc) {
 }
 
 constexpr int64_t kMaxHeadDim = 256;
+// Consecutive queries of one sequence that share each key and value row read from the cache.
+constexpr int64_t kQueryTile = 8;
 
-// Token t (of sequence s, at position pos) against its keys 0..pos for the query heads of KV
-// head h; C = head_dim / 16 vectors per row (a template constant, so a head's accumulators stay
-// in registers). Keys come in blocks of up to 16: each key row is loaded once for all query
-// heads; per head the block's logits go through one online-softmax step and the values are
-// weighted into its accumulator, C independent fma chains.
+// Per-thread scratch for one item, kept between items and calls (no allocation per item).
+struct Scratch {
+  std::vector<f32x16> qs, acc;
+  std::vector<float> m, l, logits;
+  void resize(size_t rows, size_t c) {
+    if (qs.size() < rows * c) {
+      qs.resize(rows * c);
+      acc.resize(rows * c);
+    }
+    if (m.size() < rows) {
+      m.resize(rows);
+      l.resize(rows);
+      logits.resize(rows * kLanes);
+    }
+  }
+};
+
+// Queries t0 .. t0 + nq - 1 of sequence s (positions pos0 .. pos0 + nq - 1) against their keys
+// for the query heads of KV head h; C = head_dim / 16 vectors per row (a template constant, so
+// a row's accumulators stay in registers). Keys come in chunks of up to 16: each key row is
+// loaded once for every (query, head) row of the tile; per row the chunk's logits go through
+// one online-softmax step and the values are weighted into its accumulator. A row's arithmetic
+// (the chunks it visits, their order, every operation) does not depend on the other queries of
+// its tile, so a token gets bit-identical results however the step groups it.
 template <int C>
-void attend(const Problem& p, int64_t t, int64_t s, int64_t pos, int64_t h) {
+void attend(const Problem& p, int64_t s, int64_t t0, int64_t nq, int64_t pos0, int64_t h) {
   constexpr int64_t D = C * kLanes;
-  const int64_t G = p.H / p.KVH;
-  // Per query head: the scaled query, then the running max, sum and weighted values.
-  std::vector<f32x16> qs(G * C), acc(G * C, f32x16{});
-  std::vector<float> m(G, -INFINITY), l(G, 0.0f), logits(G * kLanes);
-  for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c)
-      qs[g * C + c] = load(p.q + (t * p.H + h * G + g) * D + c * kLanes) * splat(p.scale);
+  const int64_t G = p.H / p.KVH, R = nq * G;
+  thread_local Scratch w;
+  w.resize(static_cast<size_t>(R), C);
+  f32x16* qs = w.qs.data();
+  f32x16* acc = w.acc.data();
+  float *m = w.m.data(), *l = w.l.data(), *logits = w.logits.data();
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      m[r] = -INFINITY;
+      l[r] = 0.0f;
+      for (int c = 0; c < C; ++c) {
+        qs[r * C + c] = load(p.q + ((t0 + i) * p.H + h * G + g) * D + c * kLanes) *
+                        splat(p.scale);
+        acc[r * C + c] = f32x16{};
+      }
+    }
+  const int64_t last = pos0 + nq - 1;  // the tile's last query sees the most keys
   const int64_t head_stride = p.NB * p.BS * D;
   const float* k_head = p.kv + ((p.layer * 2 + 0) * p.KVH + h) * head_stride;
   const float* v_head = p.kv + ((p.layer * 2 + 1) * p.KVH + h) * head_stride;
   alignas(64) float pr[kLanes];
-  for (int64_t start = 0; start <= pos; start += p.BS) {
+  for (int64_t start = 0; start <= last; start += p.BS) {
     const int64_t blk = std::clamp<int64_t>(p.tables[s * p.MB + start / p.BS], 0, p.NB - 1);
-    const int64_t n = std::min<int64_t>(p.BS, pos + 1 - start);
     const float* kb = k_head + blk * p.BS * D;
     const float* vb = v_head + blk * p.BS * D;
-    if (start + p.BS <= pos) {
+    if (start + p.BS <= last) {
       // The next block is elsewhere in the cache: ask for its rows now, so they arrive while
       // this block computes (the hardware prefetcher starts over at every block).
       const int64_t next =
@@ -173,65 +207,91 @@ void attend(const Problem& p, int64_t t, int64_t s, int64_t pos, int64_t h) {
         __builtin_prefetch(vn + off);
       }
     }
-    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-      const int64_t nj = std::min<int64_t>(kLanes, n - j0);
+    const int64_t n_last = std::min<int64_t>(p.BS, last + 1 - start);
+    // Queries before `first` see no key of this block.
+    const int64_t first = std::max<int64_t>(0, start - pos0);
+    for (int64_t j0 = 0; j0 < n_last; j0 += kLanes) {
+      const int64_t i0 = std::max<int64_t>(first, start + j0 - pos0);  // first query seeing j0
+      // Keys of this chunk visible to query i: nj(i) = min(16, position + 1 - key j0), the
+      // rest are -inf (exp gives exactly 0, and nothing is weighted for them).
+      auto nj = [&](int64_t i) {
+        return std::min<int64_t>({kLanes, p.BS - j0, pos0 + i + 1 - start - j0});
+      };
       for (int64_t j = 0; j < kLanes; ++j) {
-        if (j >= nj) {
-          for (int64_t g = 0; g < G; ++g) logits[g * kLanes + j] = -INFINITY;
-          continue;
-        }
+        const bool row = j < std::min<int64_t>(kLanes, n_last - j0);
         f32x16 k[C];
-        for (int c = 0; c < C; ++c) k[c] = load(kb + (j0 + j) * D + c * kLanes);
-        for (int64_t g = 0; g < G; ++g) {
-          f32x16 dot = qs[g * C] * k[0];
-          for (int c = 1; c < C; ++c) dot = fma16(qs[g * C + c], k[c], dot);
-          logits[g * kLanes + j] = lane_sum(dot);
+        if (row)
+          for (int c = 0; c < C; ++c) k[c] = load(kb + (j0 + j) * D + c * kLanes);
+        for (int64_t i = i0; i < nq; ++i) {
+          const bool visible = row && j < nj(i);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = i * G + g;
+            if (!visible) {
+              logits[r * kLanes + j] = -INFINITY;
+              continue;
+            }
+            f32x16 dot = qs[r * C] * k[0];
+            for (int c = 1; c < C; ++c) dot = fma16(qs[r * C + c], k[c], dot);
+            logits[r * kLanes + j] = lane_sum(dot);
+          }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const f32x16 lv = load(logits.data() + g * kLanes);
-        const float m_new = std::max(m[g], lane_max(lv));
-        const float alpha = std::exp(m[g] - m_new);  // 0 on the first keys (m = -inf)
-        const f32x16 pv = exp16(lv - splat(m_new));  // masked keys: exp(-inf) = 0
-        store(pr, pv);
-        l[g] = l[g] * alpha + lane_sum(pv);
-        m[g] = m_new;
-        f32x16 a[C];
-        for (int c = 0; c < C; ++c) a[c] = acc[g * C + c] * splat(alpha);
-        for (int64_t j = 0; j < nj; ++j) {
-          const f32x16 pj = splat(pr[j]);
-          const float* vj = vb + (j0 + j) * D;
-          for (int c = 0; c < C; ++c) a[c] = fma16(pj, load(vj + c * kLanes), a[c]);
+      for (int64_t i = i0; i < nq; ++i) {
+        const int64_t n_i = nj(i);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          const f32x16 lv = load(logits + r * kLanes);
+          const float m_new = std::max(m[r], lane_max(lv));
+          const float alpha = std::exp(m[r] - m_new);  // 0 on the first keys (m = -inf)
+          const f32x16 pv = exp16(lv - splat(m_new));  // masked keys: exp(-inf) = 0
+          store(pr, pv);
+          l[r] = l[r] * alpha + lane_sum(pv);
+          m[r] = m_new;
+          f32x16 a[C];
+          for (int c = 0; c < C; ++c) a[c] = acc[r * C + c] * splat(alpha);
+          for (int64_t j = 0; j < n_i; ++j) {
+            const f32x16 pj = splat(pr[j]);
+            const float* vj = vb + (j0 + j) * D;
+            for (int c = 0; c < C; ++c) a[c] = fma16(pj, load(vj + c * kLanes), a[c]);
+          }
+          for (int c = 0; c < C; ++c) acc[r * C + c] = a[c];
         }
-        for (int c = 0; c < C; ++c) acc[g * C + c] = a[c];
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* o = p.out + (t * p.H + h * G + g) * D;
-    const f32x16 inv = splat(1.0f / l[g]);
-    for (int c = 0; c < C; ++c) store(o + c * kLanes, acc[g * C + c] * inv);
-  }
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      float* o = p.out + ((t0 + i) * p.H + h * G + g) * D;
+      const f32x16 inv = splat(1.0f / l[r]);
+      for (int c = 0; c < C; ++c) store(o + c * kLanes, acc[r * C + c] * inv);
+    }
 }
 
 template <int C = 1>
-void attend_dispatch(const Problem& p, int64_t t, int64_t s, int64_t pos, int64_t h) {
+void attend_dispatch(const Problem& p, int64_t s, int64_t t0, int64_t nq, int64_t pos0,
+                     int64_t h) {
   if constexpr (C < kMaxHeadDim / kLanes) {
-    if (p.D != C * kLanes) return attend_dispatch<C + 1>(p, t, s, pos, h);
+    if (p.D != C * kLanes) return attend_dispatch<C + 1>(p, s, t0, nq, pos0, h);
   }
-  attend<C>(p, t, s, pos, h);
+  attend<C>(p, s, t0, nq, pos0, h);
 }
+
+// One unit of work: a query tile of one sequence, for one KV head.
+struct Item {
+  int64_t s, t0, nq, pos0, h;
+};
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
                      ffi::Buffer<ffi::S32> qsl, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
-                     float scale, int64_t max_seq_queries) {
+                     float scale) {
   auto qd = q.dimensions(), kd = kv.dimensions(), td = tables.dimensions();
   auto sd = seq_lens.dimensions(), ld = qsl.dimensions(), od = out->dimensions();
   if (qd.size() != 3 || kd.size() != 6 || td.size() != 2 || sd.size() != 1 || ld.size() != 1 ||
       kd[1] != 2 || kd[5] != qd[2] || qd[2] % kLanes != 0 || qd[2] > kMaxHeadDim ||
-      kd[2] == 0 || qd[1] % kd[2] != 0 || td[0] != sd[0] || ld[0] != sd[0] + 1 || layer < 0 || layer >= kd[0] || kd[3] == 0 ||
-      td[1] == 0) {
+      kd[2] == 0 || qd[1] % kd[2] != 0 || td[0] != sd[0] || ld[0] != sd[0] + 1 || layer < 0 ||
+      layer >= kd[0] || kd[3] == 0 || td[1] == 0) {
     return ffi::Error::InvalidArgument(
         "cpu_paged_attention: expected q [T, H, D], kv [L, 2, KVH, NB, BS, D] with D a multiple "
         "of 16 up to 256 and H a multiple of KVH, block tables [S, MB], seq_lens [S], "
@@ -243,30 +303,29 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const Problem p{q.typed_data(), kv.typed_data(), tables.typed_data(), seq_lens.typed_data(),
                   qsl.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], kd[2], kd[3],
                   kd[4], sd[0], td[1], layer, scale};
-  // Token -> (sequence, position); tokens past the last sequence's queries are padding.
-  std::vector<int64_t> seq_of(p.T, -1), pos_of(p.T, 0);
+  std::memset(p.out, 0, sizeof(float) * p.T * p.H * p.D);
+  // A sequence's queries are its last b - a positions. Queries at negative positions (bad
+  // metadata) or past the block table's width (keys would be read outside it) stay zero, and
+  // rows past the last sequence's queries are padding.
+  std::vector<Item> items;
   for (int64_t s = 0; s < p.S; ++s) {
     const int64_t a = std::clamp<int64_t>(p.qsl[s], 0, p.T);
     const int64_t b = std::clamp<int64_t>(p.qsl[s + 1], a, p.T);
-    const int64_t len = p.seq_lens[s];
-    if (b - a > max_seq_queries) continue;  // another pass attends this sequence
-    for (int64_t t = a; t < b; ++t) {
-      const int64_t pos = len - (b - t);
-      // Keys past the table's width would read outside it: such a token is left at zeros.
-      if (pos >= 0 && pos < p.MB * p.BS) {
-        seq_of[t] = s;
-        pos_of[t] = pos;
-      }
-    }
+    const int64_t first_pos = p.seq_lens[s] - (b - a);
+    const int64_t lo = std::max<int64_t>(a, a - first_pos);
+    const int64_t hi = std::min<int64_t>(b, a + p.MB * p.BS - first_pos);
+    for (int64_t t0 = lo; t0 < hi; t0 += kQueryTile)
+      for (int64_t h = 0; h < p.KVH; ++h)
+        items.push_back({s, t0, std::min<int64_t>(kQueryTile, hi - t0), first_pos + t0 - a, h});
   }
-  std::memset(p.out, 0, sizeof(float) * p.T * p.H * p.D);
-  std::vector<int64_t> items;
-  for (int64_t t = 0; t < p.T; ++t)
-    if (seq_of[t] >= 0)
-      for (int64_t h = 0; h < p.KVH; ++h) items.push_back(t * p.KVH + h);
+  // Longest first: tiles deep into a long prefill take the most time, and the pool hands out
+  // items in order.
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+    return x.pos0 + x.nq > y.pos0 + y.nq;
+  });
   jaxllm::parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
-    const int64_t t = items[i] / p.KVH, h = items[i] % p.KVH;
-    attend_dispatch(p, t, seq_of[t], pos_of[t], h);
+    const Item& it = items[i];
+    attend_dispatch(p, it.s, it.t0, it.nq, it.pos0, it.h);
   });
   return ffi::Error::Success();
 }
@@ -283,5 +342,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("layer")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("max_seq_queries"));
+                                  .Attr<float>("scale"));

@@ -136,8 +136,7 @@ class Qwen2Attention(nn.Module):
         if cpu_attention.use_for(q, kv_cache, self.backend, self.tp_axis):
             out = cpu_attention.paged_attention(
                 q, kv_cache, self.layer_idx, attn_metadata.block_tables,
-                attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=hd ** -0.5,
-                max_query_len=max_query_len)
+                attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=hd ** -0.5)
         else:
             out = paged_attention(
                 q, kv_cache, self.layer_idx, attn_metadata.block_tables,
