@@ -33,10 +33,9 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 MP_ENV_VAR = "JAXLLM_ENABLE_V1_MULTIPROCESSING"
 # On CPU the frontend and the core share the same few cores (docs/perf/multiprocess.md).
 DEFAULT_CPU_MULTIPROCESS = False
-# quantization="gguf" on XLA: decode buckets of at most this many rows run on the quantized
-# weights, through our CPU kernel (int8 weights read once per step), or where it cannot be built
-# through XLA's fused GEMVs (read once per row); larger buckets run float32 GEMMs.
-GGUF_GEMV_MAX_ROWS = 16
+# quantization="gguf" on XLA without our CPU kernel: decode buckets of at most this many rows
+# run on the quantized weights through XLA's fused GEMVs (read once per row); larger buckets run
+# float32 GEMMs. (Our CPU kernel runs every bucket on the quantized weights.)
 GGUF_XLA_GEMV_MAX_ROWS = 8
 # jax.default_matmul_precision's names: "default" lets XLA on a GPU run float32 dots in TF32.
 MATMUL_PRECISIONS = ("default", "high", "highest")
@@ -228,9 +227,9 @@ def resolve_quantization(quantization: str | None, path: Path, dtype: str, kerne
 def resolve_gemv_max_rows(quantization: str, dtype: str, kernel_backend: str,
                           platform: str) -> int:
     """Decode buckets up to this many rows run on a second weight tree: GGUF blocks kept
-    quantized on XLA (the loader's GEMV tree; with a Pallas backend every bucket runs the fused
-    kernel on one tree), or float32 copies of bfloat16 weights on CPU, where a bfloat16 GEMV is
-    much slower than a float32 one (docs/perf/gguf-cpu.md)."""
+    quantized for XLA's fused GEMVs (the loader's GEMV tree; with our CPU kernel or a Pallas
+    backend every bucket runs a fused kernel on one tree), or float32 copies of bfloat16 weights
+    on CPU, where a bfloat16 GEMV is much slower than a float32 one (docs/perf/gguf-cpu.md)."""
     if quantization == "gguf":
         if kernel_backend != "reference":
             return 0
@@ -238,7 +237,7 @@ def resolve_gemv_max_rows(quantization: str, dtype: str, kernel_backend: str,
             return GGUF_XLA_GEMV_MAX_ROWS
         from jaxllm.model_executor.layers.quantization.gguf import use_cpu_kernel
 
-        return GGUF_GEMV_MAX_ROWS if use_cpu_kernel() else GGUF_XLA_GEMV_MAX_ROWS
+        return 0 if use_cpu_kernel() else GGUF_XLA_GEMV_MAX_ROWS
     if dtype == "bfloat16" and platform == "cpu":
         from jaxllm.worker.buckets import MIN_TOKEN_BUCKET
 

@@ -21,15 +21,15 @@ start-up, so serving never compiles:
     s * (1 + k), max_query_len = 1 + k, a logits row at every token (`step_sizes`); such
     buckets pick their weights like decode buckets of T rows.
 Weights are picked per bucket when it is compiled (`params_for`), between two trees of the same
-values: with quantization="gguf" the decode (and spec-decode) buckets up to `gemv_max_rows` rows
-run on
-`gemv_params` (GGUF blocks kept quantized, fused dequant GEMVs: fewer bytes per step), every
-other bucket on `params` (float32 copies, fastest for multi-row dots); with a Pallas kernel
+values: with quantization="gguf" where our CPU kernel cannot be built, the decode (and
+spec-decode) buckets up to `gemv_max_rows` rows run on `gemv_params` (GGUF blocks kept
+quantized, XLA's fused dequant GEMVs: fewer bytes per step), every other bucket on `params`
+(float32 copies, fastest for multi-row dots there); with our CPU kernel or a Pallas kernel
 backend the loader gives one tree, all quantized, and every bucket runs the fused dequant
-matmul kernel (pallas_kernels/dequant_matmul.py). With dtype bfloat16 on
-CPU, buckets under MIN_TOKEN_BUCKET rows run on float32 copies of the bfloat16 weights (a bf16
-GEMV is many times slower than a float32 one there), the others on the bfloat16 weights (bf16
-GEMMs outrun float32 ones on AVX512-BF16 cores; docs/perf/gguf-cpu.md).
+matmul kernel (layers/quantization/cpu_dequant_matmul.cc, pallas_kernels/dequant_matmul.py).
+With dtype bfloat16 on CPU, buckets under MIN_TOKEN_BUCKET rows run on float32 copies of the
+bfloat16 weights (a bf16 GEMV is many times slower than a float32 one there), the others on the
+bfloat16 weights (bf16 GEMMs outrun float32 ones on AVX512-BF16 cores; docs/perf/gguf-cpu.md).
 Block tables are always max_model_len wide; each running request keeps its row in the
 persistent InputBatch, updated from each SchedulerOutput's new block ids. The KV array is one
 preallocated buffer, sized from a memory budget (`initialize_kv_cache`, after

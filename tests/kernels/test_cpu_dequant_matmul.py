@@ -4,7 +4,8 @@ cpu_dequant_matmul.cc), the XLA FFI custom call quantization="gguf" runs on CPU.
 Against independent oracles: the weights it forms are bit-for-bit gguf's float32 values (a unit
 vector picks one weight column out exactly), its products agree with a float64 matmul of gguf's
 dequantized weights, and each row's result is bit-identical whatever other rows share the call.
-Also the build (cached, a compile error named) and the fallback to XLA's fused GEMVs.
+Also the panel layout (packing moves values only), the build (cached, a compile error named)
+and the fallback to XLA's fused GEMVs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from jaxllm.model_executor.layers import cpu_ffi
 from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul as kernel
-from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, gguf_linear
+from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, dequantize, gguf_linear
 from jaxllm.model_executor.model_loader import gguf_repack
 from tests.gguf_models import random_blocks
 
@@ -31,8 +32,8 @@ def _weight(rng, fmt: str, shape: tuple[int, int], signed_zeros: bool = False):
     raw = random_blocks(rng, fmt, *shape, signed_zeros=signed_zeros)
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(shape)
     r = gguf_repack.repack(raw, fmt, shape, "t")
-    w = GGUFWeight(jnp.asarray(r.qweight), jnp.asarray(r.scale),
-                   None if r.offset is None else jnp.asarray(r.offset))
+    w = GGUFWeight(*(None if a is None else jnp.asarray(a)
+                     for a in kernel.pack(r.qweight, r.scale, r.offset)))
     return w, want
 
 
@@ -58,56 +59,76 @@ def test_weights_are_ggufs_values_bit_for_bit(fmt, rng):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64, 65, 130])
 def test_matches_float64_matmul(fmt, rows, rng):
-    """Every tile path against float64 numpy: weight rows in pairs (6-row tiles + remainders
-    1-5) and the odd weight row of a chunk alone (8-row tiles + remainders 1-7); 41 and 73
-    output rows split into chunks of odd lengths."""
-    shape = (41, 4864) if fmt == "Q6_K" else (73, 512)  # down_proj's width
-    w, want = _weight(rng, fmt, shape)
-    x = rng.standard_normal((rows, shape[1])).astype(np.float32)
-    got = _call(jnp.asarray(x), w)
-    ref = x.astype(np.float64) @ want.astype(np.float64).T
-    bound = np.abs(x).astype(np.float64) @ np.abs(want).astype(np.float64).T
-    assert got.dtype == np.float32 and got.shape == (rows, shape[0])
-    assert np.all(np.abs(got - ref) <= 2e-6 * bound + 1e-30)
+    """Every register tile (6 rows and the remainders 1-5; four, two or one vectors of
+    features), blocks of rows past 64, and every panel width: 1008 output rows are panels of
+    16, 80 of 16, 96 of 32, 128 of 64."""
+    for shape in ((1008, 256), (80, 512), (96, 4864) if fmt == "Q6_K" else (96, 512),
+                  (128, 256)):
+        w, want = _weight(rng, fmt, shape)
+        x = rng.standard_normal((rows, shape[1])).astype(np.float32)
+        got = _call(jnp.asarray(x), w)
+        ref = x.astype(np.float64) @ want.astype(np.float64).T
+        bound = np.abs(x).astype(np.float64) @ np.abs(want).astype(np.float64).T
+        assert got.dtype == np.float32 and got.shape == (rows, shape[0])
+        assert np.all(np.abs(got - ref) <= 2e-6 * bound + 1e-30), shape
 
 
 def test_rows_do_not_depend_on_the_batch(rng):
-    """Row i's result is bit-identical alone, in any batch size, at any position, and across
-    runs (threads take chunks in any order)."""
-    w, _ = _weight(rng, "Q4_K", (1001, 1024))  # several chunks per call: both threads work
-    x = jnp.asarray(rng.standard_normal((17, 1024)).astype(np.float32))
+    """Row i's result is bit-identical alone, in any batch size, at any position (other
+    register tiles, other blocks of rows), and across runs (threads take items in any order)."""
+    w, _ = _weight(rng, "Q4_K", (1024, 1024))
+    x = jnp.asarray(rng.standard_normal((150, 1024)).astype(np.float32))
     full = _call(x, w)
     np.testing.assert_array_equal(_call(x, w), full)
-    for lo, hi in [(0, 1), (3, 4), (0, 2), (5, 13), (9, 17), (16, 17)]:
+    for lo, hi in [(0, 1), (3, 4), (0, 2), (5, 13), (9, 17), (63, 66), (60, 150), (149, 150)]:
         np.testing.assert_array_equal(_call(x[lo:hi], w), full[lo:hi])
-    # Fewer weight rows move each output between paired and single processing and across
-    # chunk boundaries: its value must not move.
-    for lo, hi in [(1, 1001), (0, 3), (500, 501), (7, 300)]:
-        part = GGUFWeight(w.qweight[lo:hi], w.scale[lo:hi], w.offset[lo:hi])
-        np.testing.assert_array_equal(_call(x[:5], part), full[:5, lo:hi])
+
+
+def test_packing_moves_values_only(rng):
+    """pack then unpack gives the rows back, and the packed weight dequantizes (whole, or a
+    gather of rows as the embedding does) to gguf's values; widths no panel divides are
+    refused by name."""
+    raw = random_blocks(rng, "Q4_K", 48, 256)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(48, 256)
+    r = gguf_repack.repack(raw, "Q4_K", (48, 256), "t")
+    packed = kernel.pack(r.qweight, r.scale, r.offset)
+    assert packed[0].shape == (3, 256, 16) and packed[1].shape == (3, 8, 16)
+    for a, b in zip(packed, (r.qweight, r.scale, r.offset), strict=True):
+        np.testing.assert_array_equal(kernel.unpack(a), b)
+    w = GGUFWeight(*map(jnp.asarray, packed))
+    assert w.packed and w.shape == (48, 256) and w.block_size == 32
+    np.testing.assert_array_equal(np.asarray(dequantize(w)), want)
+    rows = jnp.asarray([0, 17, 47, 17, 31])
+    np.testing.assert_array_equal(np.asarray(jax.jit(dequantize)(w, rows)), want[rows])
+    with pytest.raises(ValueError, match=r"out \(40\) must be a multiple of 16"):
+        kernel.pack(r.qweight[:40], r.scale[:40], r.offset[:40])
 
 
 def test_bad_shapes_are_named(rng):
     w, _ = _weight(rng, "Q8_0", (16, 64))
-    with pytest.raises(ValueError, match=r"dequant_matmul: x \[T, in\] has in=32, qweight "
-                                         r"\[out, in\] has in=64"):
+    with pytest.raises(ValueError, match=r"dequant_matmul: x \[T, in\] has in=32, qweight has "
+                                         r"in=64"):
         _call(jnp.ones((1, 32), jnp.float32), w)  # K mismatch, refused before the kernel
+    with pytest.raises(ValueError, match=r"must be 3-D; qweight has shape \(16, 64\)"):
+        _call(jnp.ones((1, 64), jnp.float32), GGUFWeight(kernel.unpack(w.qweight),
+                                                         kernel.unpack(w.scale), None))
 
 
-def test_gguf_linear_uses_the_kernel_and_falls_back_to_xla(rng, monkeypatch):
-    """gguf_linear runs the kernel on CPU (a custom call in the compiled HLO, bias-free) and,
-    where it is unavailable, XLA's fused GEMVs: the same values up to summation order."""
+def test_gguf_linear_uses_the_kernel_and_falls_back_to_xla(rng):
+    """gguf_linear runs the kernel on a packed weight (a custom call in the compiled HLO) and
+    XLA's fused GEMVs on rows (the layout loaded where the kernel is unavailable): the same
+    values up to summation order."""
     w, want = _weight(rng, "Q4_K", (64, 512))
     x = jnp.asarray(rng.standard_normal((4, 512)).astype(np.float32))
     text = jax.jit(gguf_linear).lower(x, w).as_text()
     assert "jaxllm_dequant_matmul" in text
     fast = np.asarray(jax.jit(gguf_linear)(x, w))
-    monkeypatch.setattr(kernel, "available", lambda: False)
-    xla = jax.jit(lambda x, w: gguf_linear(x, w))  # a new function: jit caches traces per one
-    assert "jaxllm_dequant_matmul" not in xla.lower(x, w).as_text()
-    slow = np.asarray(xla(x, w))
+    rows = GGUFWeight(*(None if a is None else kernel.unpack(a) for a in w))  # XLA's layout
+    xla = jax.jit(gguf_linear)
+    assert "jaxllm_dequant_matmul" not in xla.lower(x, rows).as_text()
+    slow = np.asarray(xla(x, rows))
     ref = np.asarray(x, np.float64) @ want.astype(np.float64).T
     for got in (fast, slow):
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())

@@ -2,7 +2,8 @@
 
 Exactness per format (no model): the repacked blocks dequantize, in numpy and in jitted JAX, to
 bit-for-bit the float32 values `gguf.quants.dequantize` gives, signed zeros included. Then the
-fused GEMV (one per row: each row's result does not depend on the other rows), and a tiny
+fused GEMV (one per row: each row's result does not depend on the other rows), the CPU kernel's
+panel layout (the kernel's own tests: tests/kernels/test_cpu_dequant_matmul.py), and a tiny
 2-layer Qwen2 GGUF using every supported format end to end against transformers holding gguf's
 dequantized weights: logits, greedy tokens, and the same tokens alone or in a batch.
 """
@@ -19,7 +20,6 @@ import pytest
 import torch
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.config import GGUF_GEMV_MAX_ROWS
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
 from jaxllm.model_executor.layers.quantization.gguf import (
@@ -41,9 +41,15 @@ def _bits(a) -> np.ndarray:
     return np.asarray(a, np.float32).view(np.uint32)
 
 
-def _device(r: gguf_repack.RepackedBlocks) -> GGUFWeight:
-    return GGUFWeight(jnp.asarray(r.qweight), jnp.asarray(r.scale),
-                      None if r.offset is None else jnp.asarray(r.offset))
+def _device(r: gguf_repack.RepackedBlocks, packed: bool = False) -> GGUFWeight:
+    arrays = cpu_dequant_matmul.pack(r.qweight, r.scale, r.offset) if packed \
+        else (r.qweight, r.scale, r.offset)
+    return GGUFWeight(*(None if a is None else jnp.asarray(a) for a in arrays))
+
+
+def _quantized(tree) -> list[GGUFWeight]:
+    return [w for w in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, GGUFWeight))
+            if isinstance(w, GGUFWeight)]
 
 
 def _check_exact(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> None:
@@ -52,10 +58,13 @@ def _check_exact(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> None:
     assert r.qweight.dtype == np.int8 and r.scale.dtype == np.float32
     assert r.block_size in (16, 32)
     np.testing.assert_array_equal(_bits(gguf_repack.dequantize(r)), _bits(want))
-    np.testing.assert_array_equal(_bits(jax.jit(dequantize)(_device(r))), _bits(want))
     rows = jnp.asarray([3, 0, 3, shape[0] - 1], jnp.int32)  # an embedding gather
-    np.testing.assert_array_equal(_bits(jax.jit(dequantize)(_device(r), rows)),
-                                  _bits(want[np.asarray(rows)]))
+    # Rows, and the CPU kernel's panels where the rows split into them.
+    for packed in (False, True) if cpu_dequant_matmul.panel_size(shape[0]) else (False,):
+        w = _device(r, packed)
+        np.testing.assert_array_equal(_bits(jax.jit(dequantize)(w)), _bits(want))
+        np.testing.assert_array_equal(_bits(jax.jit(dequantize)(w, rows)),
+                                      _bits(want[np.asarray(rows)]))
 
 
 @pytest.mark.parametrize("fmt", gguf_repack.SUPPORTED_TYPES)
@@ -130,24 +139,37 @@ def tiny_gguf(tmp_path_factory):
     return path, hf_model_from(write_tiny_gguf(path))
 
 
-def test_tiny_gguf_trees_match_hf(tiny_gguf):
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "xla-gemv"])
+def test_tiny_gguf_trees_match_hf(tiny_gguf, cpu_kernel, monkeypatch):
+    """With our CPU kernel one tree, every block weight packed for it; without, a GEMV tree
+    beside float32 copies. Every tree against transformers."""
+    if not cpu_kernel:
+        monkeypatch.setattr(cpu_dequant_matmul, "available", lambda: False)
+    elif not cpu_dequant_matmul.available():
+        pytest.skip("no C++ compiler to build the CPU kernel")
     path, hf = tiny_gguf
     loaded = load_model(path, progress=False, quantization="gguf")
-    gemv = loaded.gemv_params
-    # Every block weight is quantized in the GEMV tree (all are narrow enough here) but the
-    # float16 o_proj of layer 1; the LM head is quantized there, float32 in the other tree.
-    assert isinstance(gemv["layers_0"]["self_attn"]["o_proj"]["weight"], GGUFWeight)
-    assert isinstance(gemv["layers_1"]["mlp"]["down_proj"]["weight"], GGUFWeight)
-    assert not isinstance(gemv["layers_1"]["self_attn"]["o_proj"]["weight"], GGUFWeight)
-    assert isinstance(gemv["lm_head"], GGUFWeight)
-    assert not isinstance(loaded.params["lm_head"], GGUFWeight)
-    assert isinstance(loaded.params["embed_tokens"], GGUFWeight)  # untied: gathered quantized
-    prompts = [[1, 5, 9, 100, 200], list(range(30, 37))]  # few rows: one GEMV per row
+    if cpu_kernel:
+        assert loaded.gemv_params is None
+        quantized, trees = loaded.params, (loaded.params,)
+        assert all(w.packed for w in _quantized(quantized))
+        assert len(_quantized(quantized)) == 4 + 3 + 2  # embedding and LM head included
+    else:
+        quantized, trees = loaded.gemv_params, (loaded.params, loaded.gemv_params)
+        assert not isinstance(loaded.params["lm_head"], GGUFWeight)  # float32 for its GEMM
+        assert isinstance(loaded.params["embed_tokens"], GGUFWeight)  # untied: gathered
+    # Every block weight is quantized (all are narrow enough for XLA's GEMVs here) but the
+    # float16 o_proj of layer 1.
+    assert isinstance(quantized["layers_0"]["self_attn"]["o_proj"]["weight"], GGUFWeight)
+    assert isinstance(quantized["layers_1"]["mlp"]["down_proj"]["weight"], GGUFWeight)
+    assert not isinstance(quantized["layers_1"]["self_attn"]["o_proj"]["weight"], GGUFWeight)
+    assert isinstance(quantized["lm_head"], GGUFWeight)
+    prompts = [[1, 5, 9, 100, 200], list(range(30, 37))]
     ids, pos, kv, md = prefill_inputs(loaded.config, prompts)
     with torch.no_grad():
         want = np.concatenate([hf(torch.tensor([p])).logits[0].numpy() for p in prompts])
     model = Qwen2ForCausalLM(loaded.config)
-    for tree in (loaded.params, gemv):
+    for tree in trees:
         logits, _, _ = jax.jit(model.apply)({"params": tree, "rope": rope_variables(
             loaded.config)}, ids, pos, kv, md)
         np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-4)
@@ -167,13 +189,15 @@ def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng, cpu_kerne
               max_num_seqs=4, max_num_batched_tokens=32, show_progress=False,
               multiprocess_mode=False, **kv_budget_kwargs())
     runner = runner_of(llm)
-    assert runner.params_for(1, 1) is runner.gemv_params
-    assert runner.params_for(4, 1) is runner.gemv_params and GGUF_GEMV_MAX_ROWS >= 4
-    assert runner.params_for(16, 16) is runner.params
+    # The kernel: one quantized tree for every bucket; XLA: the GEMV tree for small decode
+    # buckets only.
+    gemv = runner.params if cpu_kernel else runner.gemv_params
+    assert runner.params_for(1, 1) is gemv and runner.params_for(4, 1) is gemv
+    assert runner.params_for(16, 16) is (gemv if cpu_kernel else runner.params)
     prompts = [rng.integers(0, 512, n).tolist() for n in (3, 17, 30, 9)]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     batched = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    assert runner.step_shape_counts[(4, 1)] > 0  # the batch decoded in the 4-row GEMV bucket
+    assert runner.step_shape_counts[(4, 1)] > 0  # the batch decoded in the 4-row bucket
     runner.step_shape_counts.clear()
     for prompt, out in zip(prompts, batched, strict=True):
         alone = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
@@ -185,31 +209,38 @@ def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng, cpu_kerne
     assert set(runner.step_shape_counts) <= {(1, 1), (16, 16), (32, 32)}
     # No dequantized weight materialised: the kernel's custom calls, or XLA fused every
     # dequantization into its GEMV (biases included: see Linear).
-    quantized = [w for w in jax.tree.leaves(runner.gemv_params,
-                                            is_leaf=lambda x: isinstance(x, GGUFWeight))
-                 if isinstance(w, GGUFWeight)]
+    quantized = _quantized(gemv)
     assert len(quantized) == 4 + 3 + 2  # 4 per layer (layer 1 o_proj: F16), embedding, head
-    for shape in ((1, 1), (4, 1)):
+    for shape in ((1, 1), (4, 1)) + (((16, 16), (32, 32)) if cpu_kernel else ()):
         text = runner.get_compiled_hlo(*shape)
         assert not _materialized(text, quantized)
         assert ("jaxllm_dequant_matmul" in text) == cpu_kernel
 
 
-def test_tied_gguf_head_is_the_quantized_table(tmp_path):
-    """Tied embeddings: the GEMV tree's LM head is the quantized table itself, the float32
-    tree keeps a float32 table for its GEMM; both give the same logits up to rounding."""
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "xla-gemv"])
+def test_tied_gguf_head_is_the_quantized_table(tmp_path, cpu_kernel, monkeypatch):
+    """Tied embeddings: the quantized tree's LM head is the quantized table itself (packed for
+    our CPU kernel); the same logits up to rounding as the dense float32 load, and the table
+    the same values bit for bit. Without the kernel the float32 tree beside the GEMV tree keeps
+    a float32 table for its GEMM."""
+    if not cpu_kernel:
+        monkeypatch.setattr(cpu_dequant_matmul, "available", lambda: False)
+    elif not cpu_dequant_matmul.available():
+        pytest.skip("no C++ compiler to build the CPU kernel")
     path = tmp_path / "tied.gguf"
     write_tiny_gguf(path, seed=3, tied=True)
     loaded = load_model(path, progress=False, quantization="gguf")
-    assert loaded.config.tie_word_embeddings and "lm_head" not in loaded.gemv_params
-    assert isinstance(loaded.gemv_params["embed_tokens"], GGUFWeight)
-    assert not isinstance(loaded.params["embed_tokens"], GGUFWeight)
-    np.testing.assert_array_equal(_bits(dequantize(loaded.gemv_params["embed_tokens"])),
-                                  _bits(loaded.params["embed_tokens"]))
+    dense = load_model(path, progress=False).params
+    quantized = loaded.params if cpu_kernel else loaded.gemv_params
+    assert loaded.config.tie_word_embeddings and "lm_head" not in quantized
+    table = quantized["embed_tokens"]
+    assert isinstance(table, GGUFWeight) and table.packed == cpu_kernel
+    assert cpu_kernel or not isinstance(loaded.params["embed_tokens"], GGUFWeight)
+    np.testing.assert_array_equal(_bits(dequantize(table)), _bits(dense["embed_tokens"]))
     ids, pos, kv, md = prefill_inputs(loaded.config, [[7, 8, 9]])
     model = Qwen2ForCausalLM(loaded.config)
     logits = [np.asarray(jax.jit(model.apply)({"params": tree, "rope": rope_variables(
-        loaded.config)}, ids, pos, kv, md)[0]) for tree in (loaded.params, loaded.gemv_params)]
+        loaded.config)}, ids, pos, kv, md)[0]) for tree in (dense, quantized)]
     np.testing.assert_allclose(logits[1], logits[0], rtol=0, atol=1e-4)
 
 
@@ -256,7 +287,7 @@ def test_default_quantization_is_gguf_for_gguf_models_on_cpu(tiny_gguf, tiny_mod
     want = "gguf" if use_cpu_kernel() else "none"
     assert llm.llm_engine.describe()["quantization"] == want
     runner = runner_of(llm)  # in process: its weight trees
-    assert (runner.gemv_params is not None) == (want == "gguf")
+    assert bool(_quantized((runner.params, runner.gemv_params))) == (want == "gguf")
 
 
 def test_unsupported_type_in_a_gguf_is_named(tmp_path):

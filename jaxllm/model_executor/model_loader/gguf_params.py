@@ -1,22 +1,25 @@
-"""quantization="gguf": the two param trees the runner picks from per bucket.
+"""quantization="gguf": the param trees the runner runs.
 
-- `gemv_params` (small decode buckets): GGUF block weights are `GGUFWeight`s (int8 + per-block
-  scale/offset) read by our CPU fused dequant matmul kernel; where it cannot be built, by XLA's
-  fused GEMVs, and then rows too wide for one fused GEMV (`single_chunk`: down_proj) stay
-  float32, which was faster; float tensors stay float32.
+Where a kernel reads GGUF blocks at every row count there is one tree, every GGUF block weight
+quantized (the LM head and down_proj included) for every bucket, so no float copy of a quantized
+weight exists:
+- on CPU our fused dequant matmul (layers/quantization/cpu_dequant_matmul.py), with the blocks
+  in its panel layout (`cpu_dequant_matmul.pack`; a weight whose rows no panel width divides
+  stays float32);
+- with a Pallas kernel backend (`fused_kernel`), pallas_kernels/dequant_matmul.py (GEMV for
+  decode, tiled GEMM for prefill), the blocks as rows.
+
+Otherwise (CPU without our kernel: no compiler, or $JAXLLM_CPU_KERNELS=0) two trees:
+- `gemv_params` (small decode buckets): GGUF block weights are `GGUFWeight`s read by XLA's
+  fused GEMVs; rows too wide for one fused GEMV (`single_chunk`: down_proj) stay float32, which
+  was faster; float tensors stay float32.
 - `params` (every other bucket, and prompt-logprob chunks): float32 copies of the same exact
-  values, since multi-row dots are fastest in float32 here; they share their arrays with
-  `gemv_params` wherever that tree is float32 too (norms, biases; down_proj on the XLA
-  fallback), so only the
+  values, since multi-row dots are fastest in float32 there; they share their arrays with
+  `gemv_params` wherever that tree is float32 too (norms, biases, down_proj), so only the
   quantized weights exist twice. The embedding table is gathered from its quantized form in both
   trees (a gather reads a few rows: nothing to gain from float32), unless the LM head is tied to
   it, where the float32 head needs it.
-Both trees hold the same values bit for bit: gguf_repack.py repacks each block format exactly.
-
-With a Pallas kernel backend (`fused_kernel`) there is one tree: every GGUF block weight,
-down_proj and the LM head included, stays quantized for every bucket, read by the fused
-dequant matmul kernel (pallas_kernels/dequant_matmul.py: GEMV for decode, tiled GEMM for
-prefill), so no float copy of a quantized weight exists.
+Every tree holds the same values bit for bit: gguf_repack.py repacks each block format exactly.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
 from jaxllm.model_executor.layers.quantization.gguf import (
     GGUFWeight,
     single_chunk,
@@ -51,15 +55,18 @@ _LAYER_WEIGHTS = {
 }
 
 
-def _device(r: RepackedBlocks) -> GGUFWeight:
-    return GGUFWeight(jnp.asarray(r.qweight), jnp.asarray(r.scale),
-                      None if r.offset is None else jnp.asarray(r.offset))
+def _device(r: RepackedBlocks, packed: bool) -> GGUFWeight:
+    q, scale, offset = cpu_dequant_matmul.pack(r.qweight, r.scale, r.offset) if packed \
+        else (r.qweight, r.scale, r.offset)
+    return GGUFWeight(jnp.asarray(q), jnp.asarray(scale),
+                      None if offset is None else jnp.asarray(offset))
 
 
 def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[str], Any],
                           path: Path, fused_kernel: bool = False) -> tuple[dict, dict | None]:
     """(params, gemv_params) from the dense float32 tree and `tensor(hf_name)`, the GGUF reader's
-    tensor of that name (None if absent); with `fused_kernel`, (the all-quantized tree, None)."""
+    tensor of that name (None if absent); with `fused_kernel` or our CPU kernel, (the
+    all-quantized tree, None)."""
     def quantized(hf_names: list[str], dense: Any) -> GGUFWeight | None:
         parts = []
         for name in hf_names:
@@ -78,11 +85,14 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         if shape != dense_shape or blocks.block_size not in (16, 32) or shape[1] % 32:
             raise ModelLoadError(f"{path}: {', '.join(hf_names)}: quantized blocks of shape "
                                  f"{shape} (block {blocks.block_size}) for weight {dense_shape}")
-        return _device(blocks)
+        if cpu_kernel and cpu_dequant_matmul.panel_size(shape[0]) is None:
+            return None  # rows the kernel's panels cannot split: the weight stays float32
+        return _device(blocks, packed=cpu_kernel)
 
+    cpu_kernel = not fused_kernel and use_cpu_kernel()
     gemv = {k: v for k, v in params.items()}
     # Our CPU kernel takes rows of any width; XLA's fused GEMV lost to float32 on down_proj's.
-    any_width = fused_kernel or use_cpu_kernel()
+    any_width = fused_kernel or cpu_kernel
     for i in range(config.num_hidden_layers):
         layer = {group: dict(mods) for group, mods in params[f"layers_{i}"].items()}
         for group in ("self_attn", "mlp"):
@@ -104,6 +114,6 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         head = quantized(["lm_head.weight"], params["lm_head"])
         if head is not None:
             gemv["lm_head"] = head
-    if fused_kernel:
+    if fused_kernel or cpu_kernel:
         return gemv, None
     return params, gemv

@@ -1,24 +1,28 @@
 // Fused dequant matmul for GGUF block weights on CPU, an XLA FFI custom call
-// (cpu_dequant_matmul.py beside it builds and registers it).
+// (cpu_dequant_matmul.py beside it builds and registers it, and packs the weights).
 //
 // y[t, n] = sum_k x[t, k] * w[n, k], where w[n, k] = q[n, k] * scale[n, k / B] (+ offset[n, k / B])
 // is formed in registers from the int8 value: exactly gguf's float32 weight (compiled with
 // -ffp-contract=off, so the multiply and the add round separately as numpy's do), never stored.
-// Each weight row is read from memory once per call, whatever the number of rows t: XLA's fused
-// GEMV reads the weight once per row and falls back to materialising the float32 weight for
-// any multi-row dot, which is why the quantized path needed this kernel.
 //
-// Numbers: per (t, n) the sum runs in two 16-lane accumulators (k mod 32 below / above 16; lane
-// l takes k = l mod 16 of its half, in order, one fma each), added lane-wise, then a fixed
-// pairwise tree over the lanes. That order depends on nothing but k, so a row's result is
-// bit-identical whatever other rows share the call (batch invariance) and
-// whichever thread computes it.
+// Layout: the weights come in panels of P output features (P = 64, 32 or 16), k-major inside a
+// panel: q [N / P, K, P] int8, scale and offset [N / P, K / B, P] float32. One k of a panel is
+// then P consecutive int8 values, 16 of them one vector of 16 output features, so the product is
+// an outer-product GEMM: per k, a broadcast x[t, k] times the formed weight vectors, into
+// accumulators of R rows x NV vectors held in registers. Each formed weight feeds R FMAs, and the
+// rows' x values are broadcast loads; the dot-product form over [N, K] rows (16 k per vector,
+// a lane sum per output) ran at about 60 % of this rate from a few rows on
+// (docs/perf/gguf-cpu.md).
 //
-// Threads: output rows go in chunks to XLA's intra-op thread pool plus the calling thread, which
-// waits only for chunks already claimed (so a busy or one-thread pool cannot deadlock it).
+// Numbers: each y[t, n] is one float32 FMA chain over k = 0, 1, ..., K - 1 in order, starting from
+// zero. That order depends on nothing but k, so a row's result is bit-identical whatever other
+// rows share the call (batch invariance: a token gets the same logits in a decode step, a
+// prefill chunk or a recompute) and whichever thread computes it.
+//
+// Threads: (panel, block of rows) items go to XLA's intra-op thread pool plus the calling thread,
+// which waits only for items already claimed (so a busy or one-thread pool cannot deadlock it).
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 
 #if defined(__x86_64__)
@@ -33,29 +37,23 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int kRowTile = 8;  // rows of x whose accumulators live in registers at once
-constexpr int kPairTile = 6;  // the same with two weight rows
+// Rows per register tile: with 4 weight vectors (64 features) 24 accumulators; the scales stay
+// in L1 when registers run out (tiles of 8 rows x 2 vectors ran ~12 % slower at 16 rows).
+constexpr int64_t kRowTile = 6;
+constexpr int64_t kRowBlock = 64;  // rows per work item: x's rows stay in L2 across the panel
 
 struct Problem {
   const float* x;       // [T, K]
-  const int8_t* q;      // [N, K]
-  const float* scale;   // [N, K / B]
-  const float* offset;  // [N, K / B] or nullptr
+  const int8_t* q;      // [N / P, K, P]
+  const float* scale;   // [N / P, K / B, P]
+  const float* offset;  // [N / P, K / B, P] or nullptr
   float* y;             // [T, N]
-  int64_t T, K, N, B;
+  int64_t T, K, N, P;
 };
 
 // GCC/Clang vector types: 16 lanes, compiled to whatever SIMD -march=native has (one zmm on
 // AVX-512, two ymm on AVX2), with the same per-lane arithmetic on every target.
 typedef float f32x16 __attribute__((vector_size(64)));
-
-inline float lane_sum(f32x16 a) {
-  float s8[8], s4[4], s2[2];
-  for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
-  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
-  for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
-  return s2[0] + s2[1];
-}
 
 // acc + a * b rounded once, where the CPU has FMA (the file is compiled with contraction off,
 // which keeps the dequantization's multiply and add rounding separately).
@@ -116,86 +114,88 @@ inline f32x16 load(const float* p) {
   return v;
 }
 
-// 16 weights from k = j on, formed exactly as gguf's float32 values.
-template <int B, bool kOffset>
-inline f32x16 weights(const int8_t* qn, const float* sn, const float* on, int64_t j) {
-  f32x16 w = load_q16(qn + j) * splat(sn[j / B]);
-  if (kOffset) w = w + splat(on[j / B]);
-  return w;
-}
-
-// Rows [t0, t0 + R) of x against the NR weight rows ns[]. R and NR are template constants so
-// the accumulators stay in registers; the arithmetic of each (row, weight row) pair is the same
-// for every R and NR. Two accumulators per pair (k mod 32 below or above 16) hide the FMA
-// latency of a single chain.
-template <int R, int NR, int B, bool kOffset>
-inline void tile(const Problem& p, const int64_t* ns, int64_t t0) {
-  f32x16 acc0[NR][R], acc1[NR][R];
-  const int8_t* qn[NR];
-  const float* sn[NR];
-  const float* on[NR];
-  const int64_t nb = p.K / B;
-  for (int i = 0; i < NR; ++i) {
-    for (int r = 0; r < R; ++r) acc0[i][r] = acc1[i][r] = f32x16{};
-    qn[i] = p.q + ns[i] * p.K;
-    sn[i] = p.scale + ns[i] * nb;
-    on[i] = kOffset ? p.offset + ns[i] * nb : nullptr;
-  }
-  for (int64_t j = 0; j < p.K; j += 2 * kLanes) {
-    for (int i = 0; i < NR; ++i) {
-      const f32x16 w0 = weights<B, kOffset>(qn[i], sn[i], on[i], j);
-      const f32x16 w1 = weights<B, kOffset>(qn[i], sn[i], on[i], j + kLanes);
+// Rows [t0, t0 + R) against output features [n0, n0 + 16 NV) of one panel (n0 a multiple of
+// 16 inside it). R and NV are template constants so the accumulators stay in registers; every
+// (row, feature) pair gets the same arithmetic for every R and NV.
+template <int R, int NV, int B, bool kOffset>
+void tile(const Problem& p, int64_t panel, int64_t n0, int64_t t0) {
+  f32x16 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = f32x16{};
+  const int64_t col = n0 - panel * p.P;  // first feature inside the panel
+  const int8_t* qp = p.q + panel * p.K * p.P + col;
+  const float* sp = p.scale + panel * (p.K / B) * p.P + col;
+  const float* op = kOffset ? p.offset + panel * (p.K / B) * p.P + col : nullptr;
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = p.x + (t0 + r) * p.K;
+  for (int64_t kb = 0; kb < p.K; kb += B) {
+    f32x16 sc[NV], of[NV];
+    for (int v = 0; v < NV; ++v) {
+      sc[v] = load(sp + (kb / B) * p.P + v * kLanes);
+      if (kOffset) of[v] = load(op + (kb / B) * p.P + v * kLanes);
+    }
+    for (int64_t k = kb; k < kb + B; ++k) {
+      f32x16 w[NV];
+      for (int v = 0; v < NV; ++v) {
+        w[v] = load_q16(qp + k * p.P + v * kLanes) * sc[v];
+        if (kOffset) w[v] = w[v] + of[v];
+      }
       for (int r = 0; r < R; ++r) {
-        const float* xr = p.x + (t0 + r) * p.K + j;
-        acc0[i][r] = fma16(load(xr), w0, acc0[i][r]);
-        acc1[i][r] = fma16(load(xr + kLanes), w1, acc1[i][r]);
+        const f32x16 xb = splat(xr[r][k]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = fma16(xb, w[v], acc[r][v]);
       }
     }
   }
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < R; ++r) p.y[(t0 + r) * p.N + ns[i]] = lane_sum(acc0[i][r] + acc1[i][r]);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      __builtin_memcpy(p.y + (t0 + r) * p.N + n0 + v * kLanes, &acc[r][v], sizeof(f32x16));
 }
 
-// Every row of x against the NR weight rows ns[], in tiles of up to kRowTile rows (kPairTile
-// with two weight rows: 24 accumulators and 2 weight vectors, within AVX-512's 32 zmm
-// registers). Each tile forms the weights again, so the fewer tiles the better; two weight
-// rows are preferred for their two prefetch streams (run_rows).
-template <int NR, int B, bool kOffset>
-void weight_rows(const Problem& p, const int64_t* ns) {
-  int64_t t = 0;
-  constexpr int kTile = NR == 1 ? kRowTile : kPairTile;
-  for (; t + kTile <= p.T; t += kTile) tile<kTile, NR, B, kOffset>(p, ns, t);
-  switch (p.T - t) {
-    case 7: tile<7, NR, B, kOffset>(p, ns, t); break;
-    case 6: tile<6, NR, B, kOffset>(p, ns, t); break;
-    case 5: tile<5, NR, B, kOffset>(p, ns, t); break;
-    case 4: tile<4, NR, B, kOffset>(p, ns, t); break;
-    case 3: tile<3, NR, B, kOffset>(p, ns, t); break;
-    case 2: tile<2, NR, B, kOffset>(p, ns, t); break;
-    case 1: tile<1, NR, B, kOffset>(p, ns, t); break;
-    default: break;
+// Rows [t0, t0 + R) against a whole panel, 4 vectors (64 features) at a time, fewer where the
+// panel is narrower.
+template <int R, int B, bool kOffset>
+void rows_by_panel(const Problem& p, int64_t panel, int64_t t0) {
+  const int64_t vectors = p.P / kLanes;
+  for (int64_t v = 0; v < vectors;) {
+    const int64_t n0 = panel * p.P + v * kLanes;
+    if (vectors - v >= 4) {
+      tile<R, 4, B, kOffset>(p, panel, n0, t0);
+      v += 4;
+    } else if (vectors - v >= 2) {
+      tile<R, 2, B, kOffset>(p, panel, n0, t0);
+      v += 2;
+    } else {
+      tile<R, 1, B, kOffset>(p, panel, n0, t0);
+      v += 1;
+    }
   }
 }
 
-// Weight rows [n0, n1), two at once from the range's two halves: two sequential streams, which
-// the CPU's prefetchers serve faster than one; two *adjacent* rows read slower still, the
-// interleaved addresses defeating the prefetcher (docs/perf/gguf-cpu.md).
+// Rows [t0, t1) of x against one panel, in register tiles of up to kRowTile rows, each forming
+// the weights it needs in registers. (Forming a panel's weights once into an L1/L2 buffer for
+// all row tiles instead, as a float32 GEMM packs its operand, ran slower at 16 to 512 rows:
+// docs/perf/gguf-cpu.md.)
 template <int B, bool kOffset>
-void run_rows(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t half = (n1 - n0 + 1) / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const int64_t ns[2] = {n0 + i, n0 + half + i};
-    if (ns[1] < n1) weight_rows<2, B, kOffset>(p, ns); else weight_rows<1, B, kOffset>(p, ns);
+void run_item(const Problem& p, int64_t panel, int64_t t0, int64_t t1) {
+  int64_t t = t0;
+  for (; t + kRowTile <= t1; t += kRowTile) rows_by_panel<kRowTile, B, kOffset>(p, panel, t);
+  switch (t1 - t) {
+    case 5: rows_by_panel<5, B, kOffset>(p, panel, t); break;
+    case 4: rows_by_panel<4, B, kOffset>(p, panel, t); break;
+    case 3: rows_by_panel<3, B, kOffset>(p, panel, t); break;
+    case 2: rows_by_panel<2, B, kOffset>(p, panel, t); break;
+    case 1: rows_by_panel<1, B, kOffset>(p, panel, t); break;
+    default: break;
   }
 }
 
 // The block size (a template constant: a runtime one cost an integer division per 16 weights)
 // and whether the format has offsets.
-void run_rows(const Problem& p, int64_t n0, int64_t n1) {
-  if (p.B == 32) {
-    if (p.offset) run_rows<32, true>(p, n0, n1); else run_rows<32, false>(p, n0, n1);
+void run_item(const Problem& p, int64_t B, int64_t panel, int64_t t0, int64_t t1) {
+  if (B == 32) {
+    if (p.offset) run_item<32, true>(p, panel, t0, t1); else run_item<32, false>(p, panel, t0, t1);
   } else {
-    if (p.offset) run_rows<16, true>(p, n0, n1); else run_rows<16, false>(p, n0, n1);
+    if (p.offset) run_item<16, true>(p, panel, t0, t1); else run_item<16, false>(p, panel, t0, t1);
   }
 }
 
@@ -204,31 +204,32 @@ ffi::Error DequantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y,
                          bool has_offset) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || xd[1] != qd[1] || sd[0] != qd[0] ||
-      sd[1] == 0 || qd[1] % sd[1] != 0 || (qd[1] / sd[1] != 16 && qd[1] / sd[1] != 32) ||
-      qd[1] % (2 * kLanes) != 0) {
-    return ffi::Error::InvalidArgument("dequant_matmul: expected x [T, K], q [N, K], scale "
-                                       "[N, K / B] with B 16 or 32 and K a multiple of 32");
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3 || xd[1] != qd[1] || sd[0] != qd[0] ||
+      sd[2] != qd[2] || (qd[2] != 16 && qd[2] != 32 && qd[2] != 64) || sd[1] == 0 ||
+      qd[1] % sd[1] != 0 || (qd[1] / sd[1] != 16 && qd[1] / sd[1] != 32)) {
+    return ffi::Error::InvalidArgument(
+        "dequant_matmul: expected x [T, K], q [N / P, K, P] with P 16, 32 or 64, scale "
+        "[N / P, K / B, P] with B 16 or 32");
   }
   auto od = offset.dimensions(), yd = y->dimensions();
-  if (has_offset && (od.size() != 2 || od[0] != sd[0] || od[1] != sd[1])) {
+  if (has_offset && (od.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2])) {
     return ffi::Error::InvalidArgument("dequant_matmul: offset must have scale's shape");
   }
-  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != qd[0]) {
+  const int64_t n = qd[0] * qd[2];
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != n) {
     return ffi::Error::InvalidArgument("dequant_matmul: result must be [T, N]");
   }
   const Problem p{x.typed_data(), q.typed_data(), scale.typed_data(),
                   has_offset ? offset.typed_data() : nullptr, y->typed_data(),
-                  xd[0], qd[1], qd[0], qd[1] / sd[1]};
-  // Chunks of >= ~256 KiB of int8 weight (long sequential streams for the prefetchers), about
-  // a multiple of the threads in number (near-equal shares when they run equally fast).
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t chunks = std::max<int64_t>(1, qd[0] * qd[1] / (256 * 1024));
-  chunks = (chunks + threads - 1) / threads * threads;
-  const int64_t chunk_rows = std::max<int64_t>(1, (qd[0] + chunks - 1) / chunks);
-  const int64_t count = (qd[0] + chunk_rows - 1) / chunk_rows;
-  jaxllm::parallel_for(pool, count, [&p, chunk_rows](int64_t c) {
-    run_rows(p, c * chunk_rows, std::min(p.N, (c + 1) * chunk_rows));
+                  xd[0], qd[1], n, qd[2]};
+  const int64_t block = qd[1] / sd[1];
+  const int64_t panels = qd[0];
+  const int64_t row_blocks = (p.T + kRowBlock - 1) / kRowBlock;
+  // Items in panel order, a panel's row blocks together (its weights stay in cache between
+  // them), and consecutive panels' weights are consecutive in memory.
+  jaxllm::parallel_for(pool, panels * row_blocks, [&p, block, row_blocks](int64_t i) {
+    const int64_t panel = i / row_blocks, rb = i % row_blocks;
+    run_item(p, block, panel, rb * kRowBlock, std::min(p.T, (rb + 1) * kRowBlock));
   });
   return ffi::Error::Success();
 }

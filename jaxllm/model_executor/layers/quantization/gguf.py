@@ -4,11 +4,12 @@ A weight is a `GGUFWeight`: int8 values [out, in] and one float32 scale (and off
 of 16 or 32 values along `in` (model_loader/gguf_repack.py), whose dequantization
 `q * scale + offset` is bit-for-bit what `gguf` dequantizes the file's blocks to.
 
-On CPU the matmul is our fused dequant kernel (cpu_dequant_matmul.py: the int8 weight read once
-for all rows of a decode bucket, each weight formed exactly in registers). Where that cannot be
-built it is a GEMV per row, `x[i] @ dequantize(w).T`: XLA's CPU backend fuses the
-dequantization into a matrix-vector dot (each weight element formed in registers from its int8
-value, the weight read once per row), under three conditions found by reading its compiled HLO:
+On CPU the matmul is our fused dequant kernel (cpu_dequant_matmul.py: the int8 weight, packed in
+its panel layout at load, read once for all rows of any bucket, each weight formed exactly in
+registers). Where that cannot be built it is a GEMV per row, `x[i] @ dequantize(w).T`: XLA's
+CPU backend fuses the dequantization into a matrix-vector dot (each weight element formed in
+registers from its int8 value, the weight read once per row), under three conditions found by
+reading its compiled HLO:
   - the vector is under 16 KiB (`kFusionThresholdBytes` in XLA's cpu_instruction_fusion.cc):
     wider rows (down_proj's 4864) are cut into chunks of whole blocks, whose partial GEMVs add up;
   - the dot's result is not fed straight into an add, which XLA fuses into the dot first (then
@@ -37,20 +38,30 @@ _XLA_CPU_GEMV_FUSION_BYTES = 16 * 1024
 
 
 class GGUFWeight(NamedTuple):
-    """A GGUF tensor kept quantized: a pytree, so it travels in the params like an array."""
+    """A GGUF tensor kept quantized: a pytree, so it travels in the params like an array. Either
+    rows ([out, in] int8, per-block scale/offset [out, in // block]: XLA's GEMVs and the Pallas
+    kernel read these) or, for our CPU kernel, its panels (`cpu_dequant_matmul.pack`: [out / P,
+    in, P] and [out / P, in // block, P]); the values are the same."""
 
-    qweight: jax.Array  # int8 [out, in]
-    scale: jax.Array  # float32 [out, in // block]
-    offset: jax.Array | None  # float32 [out, in // block]; None when the format has no mins
+    qweight: jax.Array  # int8 [out, in], or [out / P, in, P] packed
+    scale: jax.Array  # float32 [out, in // block], or [out / P, in // block, P] packed
+    offset: jax.Array | None  # as scale; None when the format has no mins
+
+    @property
+    def packed(self) -> bool:
+        return self.qweight.ndim == 3
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.packed:
+            panels, cols, p = self.qweight.shape
+            return panels * p, cols
         rows, cols = self.qweight.shape
         return rows, cols
 
     @property
     def block_size(self) -> int:
-        return self.qweight.shape[-1] // self.scale.shape[-1]
+        return self.qweight.shape[1] // self.scale.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -60,7 +71,18 @@ class GGUFWeight(NamedTuple):
 def dequantize(w: GGUFWeight, rows: jax.Array | None = None) -> jax.Array:
     """float32 [out, in] (or just `rows` of it, for an embedding gather), exactly gguf's values."""
     qweight, scale, offset = w.qweight, w.scale, w.offset
-    if rows is not None:
+    if rows is None and w.packed:
+        qweight, scale = cpu_dequant_matmul.unpack(qweight), cpu_dequant_matmul.unpack(scale)
+        offset = None if offset is None else cpu_dequant_matmul.unpack(offset)
+    elif rows is not None and w.packed:  # row r is column r % P of panel r // P
+        p = qweight.shape[2]
+
+        def take(a: jax.Array) -> jax.Array:
+            return a[rows // p, :, rows % p]
+
+        qweight, scale = take(qweight), take(scale)
+        offset = None if offset is None else take(offset)
+    elif rows is not None:
         qweight, scale = jnp.take(qweight, rows, axis=0), jnp.take(scale, rows, axis=0)
         offset = None if offset is None else jnp.take(offset, rows, axis=0)
     n, cols = qweight.shape
@@ -107,10 +129,11 @@ def use_cpu_kernel() -> bool:
 def gguf_linear(x: jax.Array, w: GGUFWeight) -> jax.Array:
     """x [T, in] times the dequantized weight [out, in] transposed -> [T, out] float32.
 
-    On CPU our fused dequant matmul kernel reads the int8 weight once for all T rows. Without it,
-    one fused XLA GEMV per row: reads the int8 weight T times, which beats the float32 GEMM only for
-    a few rows; the runner gives GGUFWeights to small decode buckets only. The vector-matrix
-    form `x[i] @ w.T` is the one XLA fuses (a dot_general of [1, in] by [out, in] is not)."""
-    if use_cpu_kernel():
+    A packed weight (the loader packs them where our CPU kernel runs) goes to that kernel,
+    which reads the int8 weight once for all T rows. Otherwise one fused XLA GEMV per row:
+    reads the int8 weight T times, which beats the float32 GEMM only for a few rows; the runner
+    then gives GGUFWeights to small decode buckets only. The vector-matrix form `x[i] @ w.T` is
+    the one XLA fuses (a dot_general of [1, in] by [out, in] is not)."""
+    if w.packed:
         return cpu_dequant_matmul.dequant_matmul(x, w.qweight, w.scale, w.offset)
     return jnp.stack([_gemv(x[i].astype(jnp.float32), w) for i in range(x.shape[0])])
