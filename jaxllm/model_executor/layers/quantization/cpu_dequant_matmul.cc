@@ -223,13 +223,23 @@ ffi::Error DequantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                   has_offset ? offset.typed_data() : nullptr, y->typed_data(),
                   xd[0], qd[1], n, qd[2]};
   const int64_t block = qd[1] / sd[1];
-  const int64_t panels = qd[0];
   const int64_t row_blocks = (p.T + kRowBlock - 1) / kRowBlock;
-  // Items in panel order, a panel's row blocks together (its weights stay in cache between
-  // them), and consecutive panels' weights are consecutive in memory.
-  jaxllm::parallel_for(pool, panels * row_blocks, [&p, block, row_blocks](int64_t i) {
-    const int64_t panel = i / row_blocks, rb = i % row_blocks;
-    run_item(p, block, panel, rb * kRowBlock, std::min(p.T, (rb + 1) * kRowBlock));
+  // Consecutive panels per item, so that each thread streams at least ~256 KiB of consecutive
+  // weights (the prefetchers ramp up over a long run; few rows read at memory speed), yet about
+  // a multiple of the threads in number (near-equal shares when they run equally fast).
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t panel_bytes = p.K * p.P;
+  int64_t groups = std::max<int64_t>(1, qd[0] * panel_bytes / (256 * 1024));
+  groups = (groups + threads - 1) / threads * threads;
+  const int64_t per_item = std::max<int64_t>(1, (qd[0] + groups - 1) / groups);
+  const int64_t items = (qd[0] + per_item - 1) / per_item;
+  // A group's row blocks together (its weights stay in cache between them).
+  jaxllm::parallel_for(pool, items * row_blocks, [&p, block, row_blocks, per_item](int64_t i) {
+    const int64_t group = i / row_blocks, rb = i % row_blocks;
+    const int64_t t0 = rb * kRowBlock, t1 = std::min(p.T, (rb + 1) * kRowBlock);
+    const int64_t last = std::min(p.N / p.P, (group + 1) * per_item);
+    for (int64_t panel = group * per_item; panel < last; ++panel)
+      run_item(p, block, panel, t0, t1);
   });
   return ffi::Error::Success();
 }
