@@ -26,27 +26,20 @@
 #endif
 
 #include "cpu_parallel.h"
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float f32x16 __attribute__((vector_size(64)));
+using jaxllm::f32x16;
+using jaxllm::fma16;
+using jaxllm::kLanes;
+using jaxllm::load;
+using jaxllm::splat;
+using jaxllm::store;
 typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-inline f32x16 splat(float v) {
-  return f32x16{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
-}
-
-inline f32x16 load(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline float lane_sum(f32x16 a) {  // a pairwise tree: 4 dependent adds, not 16
   float s8[8], s4[4], s2[2];
@@ -113,30 +106,6 @@ struct Problem {
   int64_t T, H, D, KVH, NB, BS, S, MB, layer;
   float scale;
 };
-
-// acc + a * b, one rounding where the CPU has FMA (contraction is off for the whole file).
-inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 acc) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
-                                                  reinterpret_cast<__m512>(b),
-                                                  reinterpret_cast<__m512>(acc)));
-#elif defined(__FMA__)
-  typedef float f32x8 __attribute__((vector_size(32)));
-  f32x8 x[2], y[2], z[2];
-  std::memcpy(x, &a, 64);
-  std::memcpy(y, &b, 64);
-  std::memcpy(z, &acc, 64);
-  for (int i = 0; i < 2; ++i)
-    z[i] = reinterpret_cast<f32x8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(x[i]),
-                                                   reinterpret_cast<__m256>(y[i]),
-                                                   reinterpret_cast<__m256>(z[i])));
-  f32x16 r;
-  std::memcpy(&r, z, 64);
-  return r;
-#else
-  return a * b + acc;
-#endif
-}
 
 constexpr int64_t kMaxHeadDim = 256;
 // Consecutive queries of one sequence that share each key and value row read from the cache.

@@ -30,13 +30,19 @@
 #endif
 
 #include "cpu_parallel.h"
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;
+using jaxllm::f32x16;
+using jaxllm::fma16;
+using jaxllm::kLanes;
+using jaxllm::load;
+using jaxllm::splat;
+
 // Rows per register tile: with 4 weight vectors (64 features) 24 accumulators; the scales stay
 // in L1 when registers run out (tiles of 8 rows x 2 vectors ran ~12 % slower at 16 rows).
 constexpr int64_t kRowTile = 6;
@@ -50,36 +56,6 @@ struct Problem {
   float* y;             // [T, N]
   int64_t T, K, N, P;
 };
-
-// GCC/Clang vector types: 16 lanes, compiled to whatever SIMD -march=native has (one zmm on
-// AVX-512, two ymm on AVX2), with the same per-lane arithmetic on every target.
-typedef float f32x16 __attribute__((vector_size(64)));
-
-// acc + a * b rounded once, where the CPU has FMA (the file is compiled with contraction off,
-// which keeps the dequantization's multiply and add rounding separately).
-inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 acc) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
-                                                  reinterpret_cast<__m512>(b),
-                                                  reinterpret_cast<__m512>(acc)));
-#elif defined(__FMA__)
-  typedef float f32x8 __attribute__((vector_size(32)));
-  f32x8 lo[3], hi[3];
-  __builtin_memcpy(lo, &a, 32); __builtin_memcpy(hi, reinterpret_cast<char*>(&a) + 32, 32);
-  __builtin_memcpy(lo + 1, &b, 32); __builtin_memcpy(hi + 1, reinterpret_cast<char*>(&b) + 32, 32);
-  __builtin_memcpy(lo + 2, &acc, 32);
-  __builtin_memcpy(hi + 2, reinterpret_cast<char*>(&acc) + 32, 32);
-  f32x8 rl = reinterpret_cast<f32x8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(lo[0]),
-      reinterpret_cast<__m256>(lo[1]), reinterpret_cast<__m256>(lo[2])));
-  f32x8 rh = reinterpret_cast<f32x8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(hi[0]),
-      reinterpret_cast<__m256>(hi[1]), reinterpret_cast<__m256>(hi[2])));
-  f32x16 r;
-  __builtin_memcpy(&r, &rl, 32); __builtin_memcpy(reinterpret_cast<char*>(&r) + 32, &rh, 32);
-  return r;
-#else
-  return a * b + acc;
-#endif
-}
 
 // 16 int8 values as floats (exact). GCC's __builtin_convertvector scalarises this conversion,
 // hence the intrinsics.
@@ -101,17 +77,6 @@ inline f32x16 load_q16(const int8_t* p) {
   for (int l = 0; l < kLanes; ++l) r[l] = static_cast<float>(p[l]);
   return r;
 #endif
-}
-
-// (Not `f32x16{} + v`: the compiler must then add +0.0f, which is not a no-op for -0.0f.)
-inline f32x16 splat(float v) {
-  return f32x16{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
-}
-
-inline f32x16 load(const float* p) {
-  f32x16 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
 }
 
 // Rows [t0, t0 + R) against output features [n0, n0 + 16 NV) of one panel (n0 a multiple of
@@ -148,7 +113,7 @@ void tile(const Problem& p, int64_t panel, int64_t n0, int64_t t0) {
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v)
-      __builtin_memcpy(p.y + (t0 + r) * p.N + n0 + v * kLanes, &acc[r][v], sizeof(f32x16));
+      jaxllm::store(p.y + (t0 + r) * p.N + n0 + v * kLanes, acc[r][v]);
 }
 
 // Rows [t0, t0 + R) against a whole panel, 4 vectors (64 features) at a time, fewer where the
