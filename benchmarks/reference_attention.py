@@ -1,5 +1,5 @@
-"""Benchmark of ``paged_attention_reference`` (the CPU engine's attention, here with its own token
-pass) at Qwen2.5-0.5B shapes.
+"""Benchmark of ``paged_attention_reference`` (XLA's attention: the CPU engine's where our C++
+kernel is not used, benchmarks/cpu_attention.py compares the two) at Qwen2.5-0.5B shapes.
 
     python benchmarks/reference_attention.py [--runs N] [--old] [--cases a,b,...]
 

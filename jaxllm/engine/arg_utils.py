@@ -53,11 +53,12 @@ class EngineArgs:
         None, "attention and norm kernels; not given: pallas on GPU, reference (XLA) on CPU")
     quantization: str | None = _arg(
         None, "gguf: keep a .gguf model's block weights quantized (int8 + per-block scales, "
-              "exactly its values): on CPU our fused dequant matmul kernel runs decode buckets "
-              "of up to 16 rows on them, float32 copies the rest; with a Pallas backend every "
-              "matmul runs the fused dequant kernel on them. none: dequantize to dtype. Not "
-              "given: gguf for a .gguf model on CPU (float32, reference backend, one device, "
-              "block formats kept exactly, our CPU kernel built), else none")
+              "exactly its values): on CPU our fused dequant matmul kernel runs every bucket on "
+              "them (packed at load in panels of up to 64 output features, no float32 copies); "
+              "with a Pallas backend every matmul runs the fused dequant kernel on them. none: "
+              "dequantize to dtype. Not given: gguf for a .gguf model on CPU (float32, "
+              "reference backend, one device, block formats kept exactly, our CPU kernel "
+              "built), else none")
     block_size: int = _arg(16, "tokens per KV block (16 or 32)")
     num_kv_blocks: int | None = _arg(
         None, "KV blocks, overriding the memory budget; not given: from the budget")

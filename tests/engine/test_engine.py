@@ -273,7 +273,7 @@ def test_no_step_shape_copies_the_kv_cache(tiny, dtype):
             (num_tokens, max_query_len, shape)
         copies = [line for line in hlo.splitlines() if f"= {shape}" in line and " copy(" in line]
         assert not copies, (num_tokens, max_query_len, copies[:2])
-        # Every step's token pass is our CPU attention kernel.
+        # Every step's attention is our CPU attention kernel.
         if cpu_attention.available():
             assert "jaxllm_paged_attention" in hlo, (num_tokens, max_query_len)
         # The step's outputs alias the donated KV array (and logits buffer) rather than take

@@ -175,6 +175,32 @@ def test_tiny_gguf_trees_match_hf(tiny_gguf, cpu_kernel, monkeypatch):
         np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-4)
 
 
+def test_rows_no_panel_splits_stay_float32(tiny_gguf, monkeypatch):
+    """With our CPU kernel, a weight whose rows no panel width divides stays float32 in the one
+    tree (here the vocabulary's: the embedding table and the LM head), the rest quantized, and
+    the model still matches transformers."""
+    if not cpu_dequant_matmul.available():
+        pytest.skip("no C++ compiler to build the CPU kernel")
+    path, hf = tiny_gguf
+    vocab, panel_size = hf.config.vocab_size, cpu_dequant_matmul.panel_size
+    monkeypatch.setattr(cpu_dequant_matmul, "panel_size",
+                        lambda rows: None if rows == vocab else panel_size(rows))
+    loaded = load_model(path, progress=False, quantization="gguf")
+    tree = loaded.params
+    assert loaded.gemv_params is None
+    assert not isinstance(tree["lm_head"], GGUFWeight)
+    assert not isinstance(tree["embed_tokens"], GGUFWeight)
+    quantized = _quantized(tree)
+    assert quantized and all(w.packed and w.shape[0] != vocab for w in quantized)
+    prompts = [[1, 5, 9, 100, 200]]
+    ids, pos, kv, md = prefill_inputs(loaded.config, prompts)
+    with torch.no_grad():
+        want = hf(torch.tensor(prompts)).logits[0].numpy()
+    logits, _, _ = jax.jit(Qwen2ForCausalLM(loaded.config).apply)(
+        {"params": tree, "rope": rope_variables(loaded.config)}, ids, pos, kv, md)
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "xla-gemv"])
 def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng, cpu_kernel, monkeypatch):
     """Both CPU paths: our kernel, and XLA's fused GEMVs where it cannot be built."""

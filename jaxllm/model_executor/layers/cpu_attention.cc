@@ -277,9 +277,11 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   // metadata) or past the block table's width (keys would be read outside it) stay zero, and
   // rows past the last sequence's queries are padding.
   std::vector<Item> items;
+  int64_t prev_end = 0;  // sequences' query rows never overlap, whatever query_start_loc says
   for (int64_t s = 0; s < p.S; ++s) {
-    const int64_t a = std::clamp<int64_t>(p.qsl[s], 0, p.T);
+    const int64_t a = std::clamp<int64_t>(p.qsl[s], prev_end, p.T);
     const int64_t b = std::clamp<int64_t>(p.qsl[s + 1], a, p.T);
+    prev_end = b;
     const int64_t first_pos = p.seq_lens[s] - (b - a);
     const int64_t lo = std::max<int64_t>(a, a - first_pos);
     const int64_t hi = std::min<int64_t>(b, a + p.MB * p.BS - first_pos);

@@ -50,8 +50,11 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables:
     if q.ndim != 3 or kv_cache.ndim != 6 or q.shape[-1] != kv_cache.shape[-1] \
             or q.shape[1] % kv_cache.shape[2] or q.shape[-1] % 16 or q.shape[-1] > 256:
         raise ValueError(f"cpu paged_attention: q [T, H, D] and kv_cache [L, 2, KVH, NB, BS, "
-                         f"D] with D a multiple of 16 up to 256 and H of KVH; got "
+                         f"D] with D a multiple of 16 up to 256 and H a multiple of KVH; got "
                          f"{tuple(q.shape)} and {tuple(kv_cache.shape)}")
+    if jnp.dtype(kv_cache.dtype) != jnp.float32:
+        raise ValueError(f"cpu paged_attention: the kernel reads a float32 cache, got "
+                         f"{jnp.dtype(kv_cache.dtype).name}")
     if not 0 <= int(layer) < kv_cache.shape[0]:
         raise ValueError(f"cpu paged_attention: layer {layer} out of range [0, "
                          f"{kv_cache.shape[0]})")

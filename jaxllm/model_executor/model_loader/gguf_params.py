@@ -65,9 +65,11 @@ def _device(r: RepackedBlocks, packed: bool) -> GGUFWeight:
 def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[str], Any],
                           path: Path, fused_kernel: bool = False) -> tuple[dict, dict | None]:
     """(params, gemv_params) from the dense float32 tree and `tensor(hf_name)`, the GGUF reader's
-    tensor of that name (None if absent); with `fused_kernel` or our CPU kernel, (the
-    all-quantized tree, None)."""
+    tensor of that name (None if absent); with `fused_kernel` or our CPU kernel, (one tree for
+    every bucket, every GGUF block weight the kernel can read quantized, None)."""
     def quantized(hf_names: list[str], dense: Any) -> GGUFWeight | None:
+        if cpu_kernel and cpu_dequant_matmul.panel_size(dense.shape[0]) is None:
+            return None  # rows the kernel's panels cannot split: the weight stays float32
         parts = []
         for name in hf_names:
             t = tensor(name)
@@ -85,8 +87,6 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         if shape != dense_shape or blocks.block_size not in (16, 32) or shape[1] % 32:
             raise ModelLoadError(f"{path}: {', '.join(hf_names)}: quantized blocks of shape "
                                  f"{shape} (block {blocks.block_size}) for weight {dense_shape}")
-        if cpu_kernel and cpu_dequant_matmul.panel_size(shape[0]) is None:
-            return None  # rows the kernel's panels cannot split: the weight stays float32
         return _device(blocks, packed=cpu_kernel)
 
     cpu_kernel = not fused_kernel and use_cpu_kernel()

@@ -34,8 +34,9 @@ class LoadedModel:
     params: dict
     path: Path  # the checkpoint directory or the GGUF file
     kind: str  # "hf" or "gguf"
-    # quantization="gguf": the params of the small decode buckets, GGUF blocks kept quantized
-    # (gguf_params.py); `params` then holds float32 copies for the larger buckets.
+    # quantization="gguf" where only XLA's fused GEMVs read the blocks: the params of the small
+    # decode buckets, GGUF blocks kept quantized, beside float32 copies in `params` for the
+    # larger buckets (gguf_params.py). None with one tree for every bucket.
     gemv_params: dict | None = None
 
 

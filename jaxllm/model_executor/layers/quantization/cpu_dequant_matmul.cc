@@ -19,8 +19,9 @@
 // rows share the call (batch invariance: a token gets the same logits in a decode step, a
 // prefill chunk or a recompute) and whichever thread computes it.
 //
-// Threads: (panel, block of rows) items go to XLA's intra-op thread pool plus the calling thread,
-// which waits only for items already claimed (so a busy or one-thread pool cannot deadlock it).
+// Threads: (group of consecutive panels, block of rows) items go to XLA's intra-op thread pool
+// plus the calling thread, which waits only for items already claimed (so a busy or one-thread
+// pool cannot deadlock it).
 
 #include <algorithm>
 #include <cstdint>
@@ -189,8 +190,8 @@ ffi::Error DequantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                   xd[0], qd[1], n, qd[2]};
   const int64_t block = qd[1] / sd[1];
   const int64_t row_blocks = (p.T + kRowBlock - 1) / kRowBlock;
-  // Consecutive panels per item, so that each thread streams at least ~256 KiB of consecutive
-  // weights (the prefetchers ramp up over a long run; few rows read at memory speed), yet about
+  // Consecutive panels per item, about 256 KiB of consecutive weights where the weight is large
+  // enough (the prefetchers ramp up over a long run; few rows read at memory speed), and about
   // a multiple of the threads in number (near-equal shares when they run equally fast).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t panel_bytes = p.K * p.P;

@@ -7,9 +7,9 @@ dequantized by default, and an explicit quantization="gguf" runs XLA's fused GEM
 Why a kernel of our own: XLA's CPU backend fuses an int8 weight's dequantization only into a
 single-row GEMV under 16 KiB of vector, so it read the weights once per row and left down_proj
 (rows of 4864) in float32, and any multi-row dot of a converted weight materialised it in
-float32. This kernel reads each quantized weight once per call and runs at the float32 GEMM's
-rate from a few rows on, so every step of the engine (decode, prefill, prompt logprobs) runs on
-the quantized weights and no float32 copy of them is kept.
+float32. This kernel reads each quantized weight once per call (per block of 64 rows) and runs
+at the float32 GEMM's rate from a few rows on, so every step of the engine (decode, prefill,
+prompt logprobs) runs on the quantized weights and no float32 copy of them is kept.
 """
 
 from __future__ import annotations
