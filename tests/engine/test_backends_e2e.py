@@ -88,6 +88,7 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
     import jax
     import jax.numpy as jnp
 
+    from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
     from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, dequantize
     from jaxllm.model_executor.models.qwen2 import (
         AttentionMetadata,
@@ -100,6 +101,11 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
 
     engine = llm.llm_engine
     cfg, params = engine.model_config, runner_of(llm).params
+    if backend != "reference":  # the Pallas kernels read GGUF blocks as rows, not as panels
+        params = jax.tree.map(
+            lambda w: GGUFWeight(*(None if a is None else cpu_dequant_matmul.unpack(a)
+                                   for a in w)) if isinstance(w, GGUFWeight) and w.packed else w,
+            params, is_leaf=lambda x: isinstance(x, GGUFWeight))
     layer = Qwen2DecoderLayer(cfg, 0, jnp.float32, backend)
     cos_sin = rope_variables(cfg)["cos_sin_cache"]
 

@@ -343,13 +343,14 @@ def test_damaged_json_is_named(tiny_hf, tmp_path, file, text, problem):
 
 
 @pytest.mark.parametrize("shapes,problem", [
-    (((2, 64), (8, 64), (8, 2), None), None),  # the well-formed call, for contrast
-    (((2, 64), (8, 64), (8, 3), None), "block"),
-    (((2, 48), (8, 48), (8, 3), None), "multiple of 32"),
-    (((2, 32), (8, 64), (8, 2), None), r"x \[T, in\]"),
-    (((2, 64), (8, 64), (7, 2), None), "scale"),
-    (((2, 64), (8, 64), (8, 2), (8, 4)), "offset"),
-    (((2, 64, 1), (8, 64), (8, 2), None), "x"),
+    (((2, 64), (2, 64, 16), (2, 2, 16), None), None),  # the well-formed call, for contrast
+    (((2, 64), (2, 64, 16), (2, 3, 16), None), "block"),
+    (((2, 64), (2, 64, 8), (2, 2, 8), None), "panels of 8 features"),
+    (((2, 32), (2, 64, 16), (2, 2, 16), None), r"x \[T, in\]"),
+    (((2, 64), (2, 64, 16), (1, 2, 16), None), "scale"),
+    (((2, 64), (2, 64, 16), (2, 2, 16), (2, 4, 16)), "offset"),
+    (((2, 64, 1), (2, 64, 16), (2, 2, 16), None), "x"),
+    (((2, 64), (32, 64), (32, 2), None), "must be 3-D; qweight"),  # rows, not panels
 ])
 def test_cpu_kernel_inputs_checked_before_the_call(shapes, problem):
     x_shape, q_shape, s_shape, o_shape = shapes

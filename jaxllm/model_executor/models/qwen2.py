@@ -59,6 +59,10 @@ def linear(x: jax.Array, weight: jax.Array | GGUFWeight, backend: str = "referen
     decode is bound by."""
     if isinstance(weight, GGUFWeight):
         if backend != "reference":
+            if weight.packed:
+                raise ValueError(f"a GGUF weight packed in panels for the CPU kernel reaches the "
+                                 f"{backend!r} kernel backend, which reads blocks as rows: load "
+                                 f"the model with that kernel_backend")
             return dequant_matmul(x, weight.qweight, weight.scale, weight.offset,
                                                  backend=backend)
         return gguf_linear(x, weight)
