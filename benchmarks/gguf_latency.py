@@ -12,9 +12,10 @@ Batch 1: `max_num_seqs=1`, `max_num_batched_tokens` the prompt; TTFT and TPOT. A
 llama.cpp runs the same batch through its batch API (prompts in chunks of up to 512 tokens,
 then one token per sequence per step, greedy), as llama.cpp's batched-bench does.
 
-Settings: `none` (float32, dequantized), `gguf` (quantization="gguf"), `bfloat16`, and
-`llama.cpp`: llama-cpp-python on the same GGUF file, a thread per core the process may use
-(`taskset` limits both engines alike), greedy, the same prompt token ids
+Settings: `none` (float32, dequantized), `gguf` (quantization="gguf"), `gguf-compact` (and
+gguf_compact=True), `bfloat16`, and `llama.cpp`: llama-cpp-python on the same GGUF file, a
+thread per core the process may use (`taskset` limits both engines alike), greedy, the same
+prompt token ids
 (needs the optional `bench` extra, `pip install -e '.[bench]'`, which builds llama.cpp from
 source in ~8 minutes; never a test dependency).
 """
@@ -32,6 +33,7 @@ from jaxllm.benchmarks.datasets import token_sampler_for
 from jaxllm.benchmarks.latency import run_jaxllm_latency
 
 SETTINGS = {"none": {"quantization": "none"}, "gguf": {"quantization": "gguf"},
+            "gguf-compact": {"quantization": "gguf", "gguf_compact": True},
             "bfloat16": {"dtype": "bfloat16"}, "llama.cpp": None}
 
 

@@ -1,7 +1,7 @@
 """quantization="gguf": one step's weight matmuls (24 layers + LM head on every row) on the
 embedded model, float32 weights (XLA's dots) against the GGUF blocks kept quantized (our CPU
-kernel), per row count from a decode step to a prefill chunk, in one run, with the rate in
-GFLOP/s (two per weight per row).
+kernel; int8 panels, and gguf_compact's 5-bit ones), per row count from a decode step to a
+prefill chunk, in one run, with the rate in GFLOP/s (two per weight per row).
 
     PYTHONPATH=. .venv/bin/python benchmarks/gguf_matmuls.py [ROWS ...]
 """
@@ -38,7 +38,9 @@ def main() -> None:
     quantized = load_model(path, progress=False, quantization="gguf")
     cfg = quantized.config
     trees = {"float32": load_model(path, progress=False, quantization="none").params,
-             "gguf": quantized.params}
+             "gguf": quantized.params,
+             "compact": load_model(path, progress=False, quantization="gguf",
+                                   gguf_compact=True).params}
     for name, tree in trees.items():
         size = sum(x.nbytes for x in jax.tree.leaves(tree))
         print(f"{name:>8}: weights {size / 2**20:7.1f} MiB in memory", flush=True)

@@ -117,6 +117,7 @@ class EngineConfig:
     activation_dtype: str  # hidden states between the GEMMs
     kernel_backend: str
     quantization: str  # "gguf" or "none"
+    gguf_compact: bool  # 4- and 5-bit GGUF values packed in 5 bits for our CPU kernel
     # Decode buckets up to this many rows run on the runner's GEMV weight tree (GGUF blocks kept
     # quantized, or float32 copies of bfloat16 weights on CPU); 0: one tree for every bucket.
     gemv_max_rows: int

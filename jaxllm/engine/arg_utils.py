@@ -59,6 +59,11 @@ class EngineArgs:
               "dequantize to dtype. Not given: gguf for a .gguf model on CPU (float32, "
               "reference backend, one device, block formats kept exactly, our CPU kernel "
               "built), else none")
+    gguf_compact: bool = _arg(
+        False, "with quantization gguf on CPU: pack the values of 4- and 5-bit formats (Q4_0, "
+               "Q5_0, Q4_K) in 5 bits instead of a byte each: weights in memory 6-7 bits per "
+               "weight instead of 9-10, the same tokens; decode at one sequence as fast, "
+               "batches of 2 to 16 rows 10-20 percent slower (docs/perf/gguf-cpu.md)")
     block_size: int = _arg(16, "tokens per KV block (16 or 32)")
     num_kv_blocks: int | None = _arg(
         None, "KV blocks, overriding the memory budget; not given: from the budget")
@@ -252,6 +257,10 @@ class EngineArgs:
         quantization = resolve_quantization(self.quantization, path, dtype, backend,
                                             self.tensor_parallel_size, platform)
         kv_cache_dtype = resolve_kv_cache_dtype(dtype, platform)
+        if self.gguf_compact and (quantization != "gguf" or platform != "cpu"):
+            raise ValueError(f"gguf_compact packs the GGUF blocks our CPU kernel reads: it needs "
+                             f"quantization 'gguf' on CPU, this engine has quantization "
+                             f"{quantization!r} on {platform}")
         if self.model is None:
             from jaxllm.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
 
@@ -261,7 +270,7 @@ class EngineArgs:
         return EngineConfig(
             model=name, model_path=str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
             activation_dtype=resolve_activation_dtype(dtype, kv_cache_dtype, backend),
-            kernel_backend=backend, quantization=quantization,
+            kernel_backend=backend, quantization=quantization, gguf_compact=self.gguf_compact,
             gemv_max_rows=resolve_gemv_max_rows(quantization, dtype, backend, platform),
             topk_sampling=platform != "cpu" if self.topk_sampling is None
             else self.topk_sampling,

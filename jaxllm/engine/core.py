@@ -103,7 +103,8 @@ class EngineCore:
         config = self.config = engine_args.create_engine_config()
         loaded = load_model(Path(config.model_path), dtype=jnp.dtype(config.dtype),
                             progress=config.show_progress, quantization=config.quantization,
-                            kernel_backend=config.kernel_backend)
+                            kernel_backend=config.kernel_backend,
+                            gguf_compact=config.gguf_compact)
         model_config = loaded.config
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:

@@ -10,6 +10,8 @@ and the fallback to XLA's fused GEMVs.
 
 from __future__ import annotations
 
+import ctypes
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -28,12 +30,13 @@ if not kernel.available():  # visible, never a silent pass: the suite's machines
     pytest.skip("no C++ compiler to build the CPU kernel", allow_module_level=True)
 
 
-def _weight(rng, fmt: str, shape: tuple[int, int], signed_zeros: bool = False):
+def _weight(rng, fmt: str, shape: tuple[int, int], signed_zeros: bool = False,
+            compact: bool = False):
     raw = random_blocks(rng, fmt, *shape, signed_zeros=signed_zeros)
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(shape)
     r = gguf_repack.repack(raw, fmt, shape, "t")
     w = GGUFWeight(*(None if a is None else jnp.asarray(a)
-                     for a in kernel.pack(r.qweight, r.scale, r.offset)))
+                     for a in kernel.pack(r.qweight, r.scale, r.offset, compact)))
     return w, want
 
 
@@ -41,16 +44,21 @@ def _call(x, w: GGUFWeight):
     return np.asarray(jax.jit(kernel.dequant_matmul)(x, w.qweight, w.scale, w.offset))
 
 
-# Q4_K / Q5_K: 32-value blocks with offsets; Q6_K: 16-value blocks; Q8_0 / Q4_0: no offsets.
-FORMATS = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"]
+# Q4_K / Q5_K: 32-value blocks with offsets; Q6_K: 16-value blocks; Q8_0 / Q5_0 / Q4_0: no
+# offsets. Q5_0 / Q4_0 / Q4_K values fit 5 bits: in panels of 64 they pack as 5-bit panels.
+FORMATS = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"]
+FIVE_BIT = {"Q4_K", "Q5_0", "Q4_0"}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_weights_are_ggufs_values_bit_for_bit(fmt, rng):
-    """x = unit vectors: row k of the result is column k of the weight, formed in registers
-    from the int8 value and the block's scale/offset; it must be gguf's float32 value exactly
-    (signed zeros of zero scales aside, which a sum cannot tell apart)."""
-    w, want = _weight(rng, fmt, (48, 256), signed_zeros=True)
+@pytest.mark.parametrize("out,compact", [(48, False), (128, False), (128, True)])
+def test_weights_are_ggufs_values_bit_for_bit(fmt, out, compact, rng):
+    """x = unit vectors: row k of the result is column k of the weight times 1 (the block's
+    scale times the integer value, plus the offset times 1); it must be gguf's float32 value
+    exactly (signed zeros of zero scales aside, which a sum cannot tell apart). 48 rows are
+    int8 panels of 16; 128 rows panels of 64, compact: 5-bit ones where the values fit."""
+    w, want = _weight(rng, fmt, (out, 256), signed_zeros=True, compact=compact)
+    assert kernel.is_q5(w.qweight) == (compact and fmt in FIVE_BIT)
     cols = np.array([0, 1, 15, 16, 17, 31, 32, 100, 255])
     x = np.zeros((len(cols), 256), np.float32)
     x[np.arange(len(cols)), cols] = 1.0
@@ -63,10 +71,11 @@ def test_weights_are_ggufs_values_bit_for_bit(fmt, rng):
 def test_matches_float64_matmul(fmt, rows, rng):
     """Every register tile (6 rows and the remainders 1-5; four, two or one vectors of
     features), blocks of rows past 64, and every panel width: 1008 output rows are panels of
-    16, 80 of 16, 96 of 32, 128 of 64."""
-    for shape in ((1008, 256), (80, 512), (96, 4864) if fmt == "Q6_K" else (96, 512),
-                  (128, 256)):
-        w, want = _weight(rng, fmt, shape)
+    16, 80 of 16, 96 of 32, 128 of 64 (and compact: 5-bit where the values fit)."""
+    for shape, compact in (((1008, 256), False), ((80, 512), False),
+                           ((96, 4864) if fmt == "Q6_K" else (96, 512), False),
+                           ((128, 256), False), ((128, 256), True)):
+        w, want = _weight(rng, fmt, shape, compact=compact)
         x = rng.standard_normal((rows, shape[1])).astype(np.float32)
         got = _call(jnp.asarray(x), w)
         ref = x.astype(np.float64) @ want.astype(np.float64).T
@@ -75,15 +84,26 @@ def test_matches_float64_matmul(fmt, rows, rng):
         assert np.all(np.abs(got - ref) <= 2e-6 * bound + 1e-30), shape
 
 
-def test_rows_do_not_depend_on_the_batch(rng):
+@pytest.mark.parametrize("compact", [False, True], ids=["int8", "compact"])
+def test_rows_do_not_depend_on_the_batch(compact, rng):
     """Row i's result is bit-identical alone, in any batch size, at any position (other
-    register tiles, other blocks of rows), and across runs (threads take items in any order)."""
-    w, _ = _weight(rng, "Q4_K", (1024, 1024))
+    register tiles, other blocks of rows), and across runs (threads take items in any order);
+    5-bit panels (unpacked in registers up to 6 rows, per item past that) give the int8
+    panels' bits."""
+    w, _ = _weight(rng, "Q4_K", (1024, 1024), compact=compact)
+    assert kernel.is_q5(w.qweight) == compact
     x = jnp.asarray(rng.standard_normal((150, 1024)).astype(np.float32))
     full = _call(x, w)
     np.testing.assert_array_equal(_call(x, w), full)
     for lo, hi in [(0, 1), (3, 4), (0, 2), (5, 13), (9, 17), (63, 66), (60, 150), (149, 150)]:
         np.testing.assert_array_equal(_call(x[lo:hi], w), full[lo:hi])
+    if compact:
+        rows = GGUFWeight(*(None if a is None else kernel.unpack(a) for a in w))
+        int8 = GGUFWeight(*(None if a is None else jnp.asarray(b) for a, b in zip(
+            w, kernel.pack(*(None if a is None else np.asarray(a) for a in rows)), strict=True)))
+        assert not kernel.is_q5(int8.qweight)
+        for lo, hi in [(0, 1), (0, 6), (0, 7), (0, 150)]:
+            np.testing.assert_array_equal(_call(x[lo:hi], int8), full[lo:hi])
 
 
 def test_packing_moves_values_only(rng):
@@ -104,6 +124,48 @@ def test_packing_moves_values_only(rng):
     np.testing.assert_array_equal(np.asarray(jax.jit(dequantize)(w, rows)), want[rows])
     with pytest.raises(ValueError, match=r"out \(40\) must be a multiple of 16"):
         kernel.pack(r.qweight[:40], r.scale[:40], r.offset[:40])
+
+
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q8_0"])
+def test_five_bit_panels_move_values_only(fmt, rng):
+    """Values in -16..15 in panels of 64 pack into 5-bit panels (40 bytes per k for 64
+    weights) and come back exactly, whole or as gathered rows; Q8_0's do not fit and stay
+    int8."""
+    raw = random_blocks(rng, fmt, 192, 256)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(192, 256)
+    r = gguf_repack.repack(raw, fmt, (192, 256), "t")
+    packed = kernel.pack(r.qweight, r.scale, r.offset, compact=True)
+    if fmt == "Q8_0":
+        assert packed[0].dtype == np.int8 and packed[0].shape == (3, 256, 64)
+        return
+    assert packed[0].dtype == np.uint8 and packed[0].shape == (3, 256, kernel.Q5_BYTES)
+    assert packed[0].nbytes * 64 == r.qweight.nbytes * kernel.Q5_BYTES
+    np.testing.assert_array_equal(kernel.unpack(packed[0]), r.qweight)
+    np.testing.assert_array_equal(np.asarray(kernel.unpack(jnp.asarray(packed[0]))), r.qweight)
+    w = GGUFWeight(*(None if a is None else jnp.asarray(a) for a in packed))
+    assert w.packed and w.shape == (192, 256)
+    np.testing.assert_array_equal(np.asarray(dequantize(w)), want)
+    rows = jnp.asarray([0, 1, 31, 32, 33, 63, 64, 127, 128, 191, 32])
+    np.testing.assert_array_equal(np.asarray(jax.jit(dequantize)(w, rows)), want[rows])
+
+
+def test_five_bit_panels_without_avx512_vbmi(rng, tmp_path):
+    """The kernel built without AVX-512 VBMI unpacks 5-bit panels with its portable code: the
+    same results bit for bit as the build for this CPU (a portable build registered under a
+    name of its own)."""
+    lib = ctypes.cdll.LoadLibrary(str(cpu_ffi.build(
+        kernel.SOURCE, tmp_path, extra_flags=("-mno-avx512vbmi",))))
+    jax.ffi.register_ffi_target("test_dequant_matmul_q5_portable",
+                                jax.ffi.pycapsule(lib.JaxllmDequantMatmulQ5), platform="cpu")
+    for fmt in ("Q5_0", "Q4_K"):
+        w, _ = _weight(rng, fmt, (128, 512), compact=True)
+        assert kernel.is_q5(w.qweight)
+        x = jnp.asarray(rng.standard_normal((9, 512)).astype(np.float32))
+        offset = jnp.zeros((0, 0, 0), jnp.float32) if w.offset is None else w.offset
+        portable = jax.ffi.ffi_call("test_dequant_matmul_q5_portable",
+                                    jax.ShapeDtypeStruct((9, 128), jnp.float32))(
+            x, w.qweight, w.scale, offset, has_offset=w.offset is not None)
+        np.testing.assert_array_equal(np.asarray(portable), _call(x, w))
 
 
 def test_bad_shapes_are_named(rng):

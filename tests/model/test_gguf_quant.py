@@ -201,6 +201,42 @@ def test_rows_no_panel_splits_stay_float32(tiny_gguf, monkeypatch):
     np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-4)
 
 
+def test_gguf_compact_same_logits_in_fewer_bytes(tiny_gguf, rng):
+    """gguf_compact packs the Q4_0 / Q5_0 / Q4_K values in 5 bits: fewer bytes, the logits bit
+    for bit those of the int8 panels (one row, unpacked in registers; many, unpacked per item),
+    the embedding's gathers included; the engine loads it and decodes transformers' tokens."""
+    if not cpu_dequant_matmul.available():
+        pytest.skip("no C++ compiler to build the CPU kernel")
+    path, hf = tiny_gguf
+    int8 = load_model(path, progress=False, quantization="gguf")
+    compact = load_model(path, progress=False, quantization="gguf", gguf_compact=True)
+    five = [w for w in _quantized(compact.params) if cpu_dequant_matmul.is_q5(w.qweight)]
+    assert five and not any(cpu_dequant_matmul.is_q5(w.qweight) for w in _quantized(int8.params))
+    assert cpu_dequant_matmul.is_q5(compact.params["embed_tokens"].qweight)  # Q5_0
+    assert all(w.qweight.nbytes * 64 == w.shape[0] * w.shape[1] * 40 for w in five)
+    size = [sum(w.nbytes for w in _quantized(t.params)) for t in (int8, compact)]
+    assert size[1] < size[0]
+    model = Qwen2ForCausalLM(int8.config)
+    for prompts in ([[7]], [[1, 5, 9, 100, 200], list(range(30, 37))]):
+        ids, pos, kv, md = prefill_inputs(int8.config, prompts)
+        logits = [np.asarray(jax.jit(model.apply)(
+            {"params": t.params, "rope": rope_variables(t.config)}, ids, pos, kv, md)[0])
+            for t in (int8, compact)]
+        np.testing.assert_array_equal(logits[1], logits[0])
+    llm = LLM(model=str(path), quantization="gguf", gguf_compact=True, skip_tokenizer_init=True,
+              max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, show_progress=False,
+              multiprocess_mode=False, **kv_budget_kwargs())
+    assert any(cpu_dequant_matmul.is_q5(w.qweight) for w in _quantized(runner_of(llm).params))
+    prompts = [rng.integers(0, 512, n).tolist() for n in (5, 19)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                              min_new_tokens=12, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "xla-gemv"])
 def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng, cpu_kernel, monkeypatch):
     """Both CPU paths: our kernel, and XLA's fused GEMVs where it cannot be built."""
@@ -282,6 +318,11 @@ def test_quantization_arg_and_its_errors(tiny_gguf, tiny_models):
         load_model(tiny_models["tied"][0], progress=False, quantization="gguf")
     with pytest.raises(ModelLoadError, match="float32"):
         load_model(tiny_gguf[0], dtype=jnp.bfloat16, progress=False, quantization="gguf")
+    assert EngineArgs.from_cli_args(parser.parse_args(["--gguf-compact"])).gguf_compact is True
+    for kw in ({"quantization": "none"}, {"dtype": "bfloat16"}):
+        with pytest.raises(ValueError, match=r"gguf_compact .* needs quantization 'gguf' on CPU, "
+                                             r"this engine has quantization 'none'"):
+            EngineArgs(model=str(tiny_gguf[0]), gguf_compact=True, **kw).create_engine_config("cpu")
 
 
 def test_default_quantization_is_gguf_for_gguf_models_on_cpu(tiny_gguf, tiny_models):

@@ -52,9 +52,9 @@ def _cpu_identity() -> str:
     return "\n".join(keep) or platform.machine()
 
 
-def build(source: Path, cache_dir: Path | None = None) -> Path:
+def build(source: Path, cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """The shared library of `source`, compiled unless a cached build for this source/CPU/jaxlib
-    exists."""
+    (and `extra_flags`, e.g. a test's build without some instruction set) exists."""
     from jaxllm.model_executor.model_loader.default_model import cache_dir as jaxllm_cache
 
     cxx = _compiler()
@@ -63,7 +63,7 @@ def build(source: Path, cache_dir: Path | None = None) -> Path:
     # The kernels' shared headers sit beside this file: on the include path and in the key.
     headers = [h.read_text() for h in sorted(_HEADERS.glob("*.h"))]
     key = hashlib.sha256("\0".join([
-        source.read_text(), *headers, " ".join(FLAGS), cxx, version,
+        source.read_text(), *headers, " ".join(FLAGS + extra_flags), cxx, version,
         importlib.metadata.version("jaxlib"), _cpu_identity(),
     ]).encode()).hexdigest()[:16]
     out_dir = (cache_dir or jaxllm_cache() / "kernels")
@@ -76,7 +76,8 @@ def build(source: Path, cache_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, "-I", include, "-I", str(_HEADERS), str(source), "-o", tmp]
+        cmd = [cxx, *FLAGS, *extra_flags, "-I", include, "-I", str(_HEADERS), str(source),
+               "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise KernelBuildError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")

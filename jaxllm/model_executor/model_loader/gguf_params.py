@@ -55,18 +55,20 @@ _LAYER_WEIGHTS = {
 }
 
 
-def _device(r: RepackedBlocks, packed: bool) -> GGUFWeight:
-    q, scale, offset = cpu_dequant_matmul.pack(r.qweight, r.scale, r.offset) if packed \
-        else (r.qweight, r.scale, r.offset)
+def _device(r: RepackedBlocks, packed: bool, compact: bool) -> GGUFWeight:
+    q, scale, offset = cpu_dequant_matmul.pack(r.qweight, r.scale, r.offset, compact) \
+        if packed else (r.qweight, r.scale, r.offset)
     return GGUFWeight(jnp.asarray(q), jnp.asarray(scale),
                       None if offset is None else jnp.asarray(offset))
 
 
 def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[str], Any],
-                          path: Path, fused_kernel: bool = False) -> tuple[dict, dict | None]:
+                          path: Path, fused_kernel: bool = False, compact: bool = False
+                          ) -> tuple[dict, dict | None]:
     """(params, gemv_params) from the dense float32 tree and `tensor(hf_name)`, the GGUF reader's
     tensor of that name (None if absent); with `fused_kernel` or our CPU kernel, (one tree for
-    every bucket, every GGUF block weight the kernel can read quantized, None)."""
+    every bucket, every GGUF block weight the kernel can read quantized, None). `compact`: the
+    CPU kernel's 4- and 5-bit values in 5-bit panels."""
     def quantized(hf_names: list[str], dense: Any) -> GGUFWeight | None:
         if cpu_kernel and cpu_dequant_matmul.panel_size(dense.shape[0]) is None:
             return None  # rows the kernel's panels cannot split: the weight stays float32
@@ -87,9 +89,12 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         if shape != dense_shape or blocks.block_size not in (16, 32) or shape[1] % 32:
             raise ModelLoadError(f"{path}: {', '.join(hf_names)}: quantized blocks of shape "
                                  f"{shape} (block {blocks.block_size}) for weight {dense_shape}")
-        return _device(blocks, packed=cpu_kernel)
+        return _device(blocks, packed=cpu_kernel, compact=compact)
 
     cpu_kernel = not fused_kernel and use_cpu_kernel()
+    if compact and not cpu_kernel:
+        raise ModelLoadError(f"{path}: gguf_compact packs blocks for our CPU kernel, which this "
+                             f"load does not run (kernel backend, platform or no compiler)")
     gemv = {k: v for k, v in params.items()}
     # Our CPU kernel takes rows of any width; XLA's fused GEMV lost to float32 on down_proj's.
     any_width = fused_kernel or cpu_kernel

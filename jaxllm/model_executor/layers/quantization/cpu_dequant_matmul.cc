@@ -6,7 +6,12 @@
 // -ffp-contract=off, so the multiply and the add round separately as numpy's do), never stored.
 //
 // Layout: the weights come in panels of P output features (P = 64, 32 or 16), k-major inside a
-// panel: q [N / P, K, P] int8, scale and offset [N / P, K / B, P] float32. One k of a panel is
+// panel: q [N / P, K, P] int8, scale and offset [N / P, K / B, P] float32. Values that fit 5
+// bits (Q5_0, Q4_0, Q4_K: -16..15) in panels of 64 come packed instead: q5 [N / 64, K, 40]
+// uint8, per k 32 bytes of low nibbles (byte j: feature j in its low half, j + 32 in its high
+// half) and 8 bytes with feature f's sign in bit f, value = nibble - 16 * sign. A decode step
+// reads its weights once, so fewer bytes per weight is time saved where the loop keeps up
+// with memory. One k of a panel is
 // then P consecutive int8 values, 16 of them one vector of 16 output features, so the product is
 // an outer-product GEMM: per k, a broadcast x[t, k] times the formed weight vectors, into
 // accumulators of R rows x NV vectors held in registers. Each formed weight feeds R FMAs, and the
@@ -25,6 +30,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -48,10 +56,14 @@ using jaxllm::splat;
 // in L1 when registers run out (tiles of 8 rows x 2 vectors ran ~12 % slower at 16 rows).
 constexpr int64_t kRowTile = 6;
 constexpr int64_t kRowBlock = 64;  // rows per work item: x's rows stay in L2 across the panel
+// Rows up to which a 5-bit panel is unpacked in registers (one tile) rather than once per item
+// into a buffer (docs/perf/gguf-cpu.md has both at 1 to 16 rows).
+constexpr int64_t kQ5InRegisters = kRowTile;
 
 struct Problem {
   const float* x;       // [T, K]
-  const int8_t* q;      // [N / P, K, P]
+  const int8_t* q;      // [N / P, K, P], or nullptr with q5
+  const uint8_t* q5;    // [N / 64, K, 40] (P = 64), or nullptr
   const float* scale;   // [N / P, K / B, P]
   const float* offset;  // [N / P, K / B, P] or nullptr
   float* y;             // [T, N]
@@ -80,9 +92,75 @@ inline f32x16 load_q16(const int8_t* p) {
 #endif
 }
 
-// Rows [t0, t0 + R) against output features [n0, n0 + 16 NV) of one panel (n0 a multiple of
-// 16 inside it). R and NV are template constants so the accumulators stay in registers; every
-// (row, feature) pair gets the same arithmetic for every R and NV.
+// How a tile reads a panel's values. kQ5 unpacks a 5-bit panel in registers for every tile (a
+// few rows: the panel is read once), as value * 2^24; kQ5Bytes reads one unpacked once per
+// item into a buffer of int8 (many rows: unpacking per tile of rows cost more than it saved),
+// against rows of x times 2^24. Either way every product is x * value * 2^24, exactly, and
+// `kQ5Unit` in the scale undoes the power of two exactly, so a row gets the same bits from both.
+enum class Values { kInt8, kQ5, kQ5Bytes };
+constexpr float kQ5Unit = 1.0f / 16777216.0f;
+
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+// One k of a 5-bit panel as 64 int8 values in feature order: both halves' nibbles, the signs
+// added as -16.
+inline __m512i q5_bytes(const uint8_t* p) {
+  __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  b = _mm512_and_si512(_mm512_mask_srli_epi16(b, 0xFFFF0000u, b, 4), _mm512_set1_epi8(15));
+  uint64_t sign;
+  std::memcpy(&sign, p + 32, 8);
+  return _mm512_mask_add_epi8(b, sign, b, _mm512_set1_epi8(-16));
+}
+#endif
+
+inline int q5_value(const uint8_t* p, int f) {
+  return ((p[f % 32] >> (f / 32 * 4)) & 15) - 16 * ((p[32 + f / 8] >> (f % 8)) & 1);
+}
+
+struct Q5Lanes {
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  __m512i top[4];  // vector v, lane l <- byte 16 v + l, into bits 24..31
+  Q5Lanes() {
+    for (int v = 0; v < 4; ++v) {
+      alignas(64) int32_t idx[kLanes];
+      for (int l = 0; l < kLanes; ++l) idx[l] = (16 * v + l) << 24;
+      top[v] = _mm512_load_si512(idx);
+    }
+  }
+#endif
+};
+
+// One k of a 5-bit panel as value * 2^24 in w[0..3]. With AVX-512 VBMI each value byte goes to
+// the top of its 32-bit lane, where the conversion reads it times 2^24 with no sign extension.
+inline void load_q5(const Q5Lanes& lanes, const uint8_t* p, f32x16 w[4]) {
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  const __m512i b = q5_bytes(p);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i lane = _mm512_maskz_permutexvar_epi8(0x8888888888888888ull, lanes.top[v], b);
+    w[v] = reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(lane));
+  }
+#else
+  (void)lanes;
+  for (int f = 0; f < 64; ++f)
+    w[f / kLanes][f % kLanes] = static_cast<float>(q5_value(p, f)) * 16777216.0f;
+#endif
+}
+
+// A 5-bit panel [K, 40] -> int8 values [K, 64].
+inline void unpack_q5(const uint8_t* p, int64_t K, int8_t* out) {
+  for (int64_t k = 0; k < K; ++k, p += 40, out += 64) {
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    _mm512_storeu_si512(out, q5_bytes(p));
+#else
+    for (int f = 0; f < 64; ++f) out[f] = static_cast<int8_t>(q5_value(p, f));
+#endif
+  }
+}
+
+// Rows [t0, t0 + R) (x: those rows) against features [col, col + 16 NV) of one panel, whose
+// values start at `values` (kInt8: P per k; kQ5Bytes: 64 per k; kQ5: 40 bytes per k, col 0,
+// NV 4). R and NV
+// are template constants so the accumulators stay in registers; every (row, feature) pair
+// gets the same arithmetic for every R and NV.
 //
 // Per block of B k, the integers go into a partial sum (x * q, exact integers as floats) and the
 // block's scale multiplies that sum once, instead of every weight: one multiply per 16 weights
@@ -90,31 +168,40 @@ inline f32x16 load_q16(const int8_t* p) {
 // sum applies is still exactly gguf's (a unit vector x gives round(q * scale) + offset, as gguf
 // rounds); only where the float32 roundings of the sum fall moves, as in any float32 GEMM's
 // summation order.
-template <int R, int NV, int B, bool kOffset>
-void tile(const Problem& p, int64_t panel, int64_t n0, int64_t t0) {
+template <int R, int NV, int B, bool kOffset, Values kV>
+void tile(const Problem& p, const void* values, const float* x, int64_t panel, int64_t col,
+          int64_t t0) {
+  static_assert(kV != Values::kQ5 || NV == 4, "a 5-bit panel is 64 features, one tile wide");
+  const Q5Lanes lanes;
+  const int64_t stride = kV == Values::kInt8 ? p.P : 64;
   f32x16 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = f32x16{};
-  const int64_t col = n0 - panel * p.P;  // first feature inside the panel
-  const int8_t* qp = p.q + panel * p.K * p.P + col;
+  const int8_t* qp = static_cast<const int8_t*>(values) + col;
+  const uint8_t* q5 = static_cast<const uint8_t*>(values);
   const float* sp = p.scale + panel * (p.K / B) * p.P + col;
   const float* op = kOffset ? p.offset + panel * (p.K / B) * p.P + col : nullptr;
   const float* xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = p.x + (t0 + r) * p.K;
+  for (int r = 0; r < R; ++r) xr[r] = x + r * p.K;
   for (int64_t kb = 0; kb < p.K; kb += B) {
     f32x16 part[R][NV];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) part[r][v] = f32x16{};
     for (int64_t k = kb; k < kb + B; ++k) {
       f32x16 w[NV];
-      for (int v = 0; v < NV; ++v) w[v] = load_q16(qp + k * p.P + v * kLanes);
+      if constexpr (kV == Values::kQ5) {
+        load_q5(lanes, q5 + k * 40, w);
+      } else {
+        for (int v = 0; v < NV; ++v) w[v] = load_q16(qp + k * stride + v * kLanes);
+      }
       for (int r = 0; r < R; ++r) {
         const f32x16 xb = splat(xr[r][k]);
         for (int v = 0; v < NV; ++v) part[r][v] = fma16(xb, w[v], part[r][v]);
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const f32x16 sc = load(sp + (kb / B) * p.P + v * kLanes);
+      f32x16 sc = load(sp + (kb / B) * p.P + v * kLanes);
+      if (kV != Values::kInt8) sc = sc * splat(kQ5Unit);
       for (int r = 0; r < R; ++r) acc[r][v] = fma16(part[r][v], sc, acc[r][v]);
     }
     if (kOffset) {
@@ -124,6 +211,7 @@ void tile(const Problem& p, int64_t panel, int64_t n0, int64_t t0) {
       for (int r = 0; r < R; ++r) {
         float sum = 0.0f;
         for (int64_t k = kb; k < kb + B; ++k) sum += xr[r][k];
+        if (kV == Values::kQ5Bytes) sum *= kQ5Unit;  // x came scaled: exactly undone
         const f32x16 sb = splat(sum);
         for (int v = 0; v < NV; ++v) acc[r][v] = fma16(sb, of[v], acc[r][v]);
       }
@@ -131,25 +219,27 @@ void tile(const Problem& p, int64_t panel, int64_t n0, int64_t t0) {
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v)
-      jaxllm::store(p.y + (t0 + r) * p.N + n0 + v * kLanes, acc[r][v]);
+      jaxllm::store(p.y + (t0 + r) * p.N + panel * p.P + col + v * kLanes, acc[r][v]);
 }
 
 // Rows [t0, t0 + R) against a whole panel, 4 vectors (64 features) at a time, fewer where the
 // panel is narrower.
-template <int R, int B, bool kOffset>
-void rows_by_panel(const Problem& p, int64_t panel, int64_t t0) {
+template <int R, int B, bool kOffset, Values kV>
+void rows_by_panel(const Problem& p, const void* values, const float* x, int64_t panel,
+                   int64_t t0) {
   const int64_t vectors = p.P / kLanes;
   for (int64_t v = 0; v < vectors;) {
-    const int64_t n0 = panel * p.P + v * kLanes;
     if (vectors - v >= 4) {
-      tile<R, 4, B, kOffset>(p, panel, n0, t0);
+      tile<R, 4, B, kOffset, kV>(p, values, x, panel, v * kLanes, t0);
       v += 4;
-    } else if (vectors - v >= 2) {
-      tile<R, 2, B, kOffset>(p, panel, n0, t0);
-      v += 2;
-    } else {
-      tile<R, 1, B, kOffset>(p, panel, n0, t0);
-      v += 1;
+    } else if constexpr (kV != Values::kQ5) {
+      if (vectors - v >= 2) {
+        tile<R, 2, B, kOffset, kV>(p, values, x, panel, v * kLanes, t0);
+        v += 2;
+      } else {
+        tile<R, 1, B, kOffset, kV>(p, values, x, panel, v * kLanes, t0);
+        v += 1;
+      }
     }
   }
 }
@@ -158,72 +248,138 @@ void rows_by_panel(const Problem& p, int64_t panel, int64_t t0) {
 // the weights it needs in registers. (Forming a panel's weights once into an L1/L2 buffer for
 // all row tiles instead, as a float32 GEMM packs its operand, ran slower at 16 to 512 rows:
 // docs/perf/gguf-cpu.md.)
-template <int B, bool kOffset>
-void run_item(const Problem& p, int64_t panel, int64_t t0, int64_t t1) {
+// x: rows [t0, t1).
+template <int B, bool kOffset, Values kV>
+void run_tiles(const Problem& p, const void* values, const float* x, int64_t panel, int64_t t0,
+               int64_t t1) {
   int64_t t = t0;
-  for (; t + kRowTile <= t1; t += kRowTile) rows_by_panel<kRowTile, B, kOffset>(p, panel, t);
+  for (; t + kRowTile <= t1; t += kRowTile)
+    rows_by_panel<kRowTile, B, kOffset, kV>(p, values, x + (t - t0) * p.K, panel, t);
+  const float* xt = x + (t - t0) * p.K;
   switch (t1 - t) {
-    case 5: rows_by_panel<5, B, kOffset>(p, panel, t); break;
-    case 4: rows_by_panel<4, B, kOffset>(p, panel, t); break;
-    case 3: rows_by_panel<3, B, kOffset>(p, panel, t); break;
-    case 2: rows_by_panel<2, B, kOffset>(p, panel, t); break;
-    case 1: rows_by_panel<1, B, kOffset>(p, panel, t); break;
+    case 5: rows_by_panel<5, B, kOffset, kV>(p, values, xt, panel, t); break;
+    case 4: rows_by_panel<4, B, kOffset, kV>(p, values, xt, panel, t); break;
+    case 3: rows_by_panel<3, B, kOffset, kV>(p, values, xt, panel, t); break;
+    case 2: rows_by_panel<2, B, kOffset, kV>(p, values, xt, panel, t); break;
+    case 1: rows_by_panel<1, B, kOffset, kV>(p, values, xt, panel, t); break;
     default: break;
   }
 }
 
-// The block size (a template constant: a runtime one cost an integer division per 16 weights)
-// and whether the format has offsets.
-void run_item(const Problem& p, int64_t B, int64_t panel, int64_t t0, int64_t t1) {
-  if (B == 32) {
-    if (p.offset) run_item<32, true>(p, panel, t0, t1); else run_item<32, false>(p, panel, t0, t1);
+// Rows [t0, t1) against panels [first, last). A 5-bit panel is unpacked in registers for up to
+// one tile of rows; for more, once into an int8 buffer that the rows' tiles read as int8
+// panels are read, against rows of x times 2^24 (`Values`).
+template <int B, bool kOffset, bool kQ5>
+void run_item(const Problem& p, int64_t first, int64_t last, int64_t t0, int64_t t1) {
+  const float* x = p.x + t0 * p.K;
+  if constexpr (!kQ5) {
+    for (int64_t panel = first; panel < last; ++panel)
+      run_tiles<B, kOffset, Values::kInt8>(p, p.q + panel * p.K * p.P, x, panel, t0, t1);
+  } else if (t1 - t0 <= kQ5InRegisters) {
+    for (int64_t panel = first; panel < last; ++panel)
+      run_tiles<B, kOffset, Values::kQ5>(p, p.q5 + panel * p.K * 40, x, panel, t0, t1);
   } else {
-    if (p.offset) run_item<16, true>(p, panel, t0, t1); else run_item<16, false>(p, panel, t0, t1);
+    thread_local std::vector<int8_t> values;
+    thread_local std::vector<float> scaled;
+    values.resize(p.K * 64);
+    scaled.resize((t1 - t0) * p.K);
+    for (int64_t i = 0; i < (t1 - t0) * p.K; ++i) scaled[i] = x[i] * 16777216.0f;
+    for (int64_t panel = first; panel < last; ++panel) {
+      unpack_q5(p.q5 + panel * p.K * 40, p.K, values.data());
+      run_tiles<B, kOffset, Values::kQ5Bytes>(p, values.data(), scaled.data(), panel, t0, t1);
+    }
   }
+}
+
+// The block size (a template constant: a runtime one cost an integer division per 16 weights),
+// whether the format has offsets, and the layout.
+template <bool kQ5>
+void run_item(const Problem& p, int64_t B, int64_t first, int64_t last, int64_t t0,
+              int64_t t1) {
+  if (B == 32) {
+    if (p.offset) run_item<32, true, kQ5>(p, first, last, t0, t1);
+    else run_item<32, false, kQ5>(p, first, last, t0, t1);
+  } else {
+    if (p.offset) run_item<16, true, kQ5>(p, first, last, t0, t1);
+    else run_item<16, false, kQ5>(p, first, last, t0, t1);
+  }
+}
+
+// Items of (consecutive panels, block of rows) on the pool and the caller.
+template <bool kQ5>
+void run(ffi::ThreadPool& pool, const Problem& p, int64_t block, int64_t panel_bytes) {
+  const int64_t panels = p.N / p.P;
+  const int64_t row_blocks = (p.T + kRowBlock - 1) / kRowBlock;
+  // Consecutive panels per item, about 256 KiB of consecutive weights where the weight is large
+  // enough (the prefetchers ramp up over a long run; few rows read at memory speed), and about
+  // a multiple of the threads in number (near-equal shares when they run equally fast).
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t groups = std::max<int64_t>(1, panels * panel_bytes / (256 * 1024));
+  groups = (groups + threads - 1) / threads * threads;
+  const int64_t per_item = std::max<int64_t>(1, (panels + groups - 1) / groups);
+  const int64_t items = (panels + per_item - 1) / per_item;
+  // A group's row blocks together (its weights stay in cache between them).
+  jaxllm::parallel_for(pool, items * row_blocks,
+                       [&p, block, row_blocks, per_item, panels](int64_t i) {
+    const int64_t group = i / row_blocks, rb = i % row_blocks;
+    const int64_t t0 = rb * kRowBlock, t1 = std::min(p.T, (rb + 1) * kRowBlock);
+    run_item<kQ5>(p, block, group * per_item, std::min(panels, (group + 1) * per_item), t0, t1);
+  });
+}
+
+// The shapes both layouts share: x [T, K], scale (and offset) [N / P, K / B, P] with B 16 or 32;
+// an empty string when they hold.
+const char* check_scales(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& scale,
+                         const ffi::Buffer<ffi::F32>& offset, bool has_offset, int64_t K) {
+  auto xd = x.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
+  if (xd.size() != 2 || xd[1] != K) return "x must be [T, K] with the weight's K";
+  if (sd.size() != 3 || sd[1] == 0 || K % sd[1] != 0 || (K / sd[1] != 16 && K / sd[1] != 32) ||
+      (sd[2] != 16 && sd[2] != 32 && sd[2] != 64)) {
+    return "scale must be [N / P, K / B, P] with P 16, 32 or 64 and B 16 or 32";
+  }
+  if (has_offset && (od.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2]))
+    return "offset must have scale's shape";
+  return "";
 }
 
 ffi::Error DequantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
                          ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y,
                          bool has_offset) {
-  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3 || xd[1] != qd[1] || sd[0] != qd[0] ||
-      sd[2] != qd[2] || (qd[2] != 16 && qd[2] != 32 && qd[2] != 64) || sd[1] == 0 ||
-      qd[1] % sd[1] != 0 || (qd[1] / sd[1] != 16 && qd[1] / sd[1] != 32)) {
-    return ffi::Error::InvalidArgument(
-        "dequant_matmul: expected x [T, K], q [N / P, K, P] with P 16, 32 or 64, scale "
-        "[N / P, K / B, P] with B 16 or 32");
-  }
-  auto od = offset.dimensions(), yd = y->dimensions();
-  if (has_offset && (od.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2])) {
-    return ffi::Error::InvalidArgument("dequant_matmul: offset must have scale's shape");
-  }
+  auto qd = q.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (qd.size() != 3) return ffi::Error::InvalidArgument("dequant_matmul: q must be [N / P, K, P]");
+  if (const char* e = check_scales(x, scale, offset, has_offset, qd[1]); *e)
+    return ffi::Error::InvalidArgument(std::string("dequant_matmul: ") + e);
+  if (sd[0] != qd[0] || sd[2] != qd[2])
+    return ffi::Error::InvalidArgument("dequant_matmul: scale's panels must be q's");
   const int64_t n = qd[0] * qd[2];
-  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != n) {
+  if (yd.size() != 2 || yd[0] != x.dimensions()[0] || yd[1] != n)
     return ffi::Error::InvalidArgument("dequant_matmul: result must be [T, N]");
-  }
-  const Problem p{x.typed_data(), q.typed_data(), scale.typed_data(),
+  const Problem p{x.typed_data(), q.typed_data(), nullptr, scale.typed_data(),
                   has_offset ? offset.typed_data() : nullptr, y->typed_data(),
-                  xd[0], qd[1], n, qd[2]};
-  const int64_t block = qd[1] / sd[1];
-  const int64_t row_blocks = (p.T + kRowBlock - 1) / kRowBlock;
-  // Consecutive panels per item, about 256 KiB of consecutive weights where the weight is large
-  // enough (the prefetchers ramp up over a long run; few rows read at memory speed), and about
-  // a multiple of the threads in number (near-equal shares when they run equally fast).
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t panel_bytes = p.K * p.P;
-  int64_t groups = std::max<int64_t>(1, qd[0] * panel_bytes / (256 * 1024));
-  groups = (groups + threads - 1) / threads * threads;
-  const int64_t per_item = std::max<int64_t>(1, (qd[0] + groups - 1) / groups);
-  const int64_t items = (qd[0] + per_item - 1) / per_item;
-  // A group's row blocks together (its weights stay in cache between them).
-  jaxllm::parallel_for(pool, items * row_blocks, [&p, block, row_blocks, per_item](int64_t i) {
-    const int64_t group = i / row_blocks, rb = i % row_blocks;
-    const int64_t t0 = rb * kRowBlock, t1 = std::min(p.T, (rb + 1) * kRowBlock);
-    const int64_t last = std::min(p.N / p.P, (group + 1) * per_item);
-    for (int64_t panel = group * per_item; panel < last; ++panel)
-      run_item(p, block, panel, t0, t1);
-  });
+                  x.dimensions()[0], qd[1], n, qd[2]};
+  run<false>(pool, p, qd[1] / sd[1], p.K * p.P);
+  return ffi::Error::Success();
+}
+
+ffi::Error DequantMatmulQ5(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::U8> q5, ffi::Buffer<ffi::F32> scale,
+                           ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y,
+                           bool has_offset) {
+  auto qd = q5.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (qd.size() != 3 || qd[2] != 40)
+    return ffi::Error::InvalidArgument("dequant_matmul: q5 must be [N / 64, K, 40]");
+  if (const char* e = check_scales(x, scale, offset, has_offset, qd[1]); *e)
+    return ffi::Error::InvalidArgument(std::string("dequant_matmul: ") + e);
+  if (sd[0] != qd[0] || sd[2] != 64)
+    return ffi::Error::InvalidArgument("dequant_matmul: q5's scale must be [N / 64, K / B, 64]");
+  const int64_t n = qd[0] * 64;
+  if (yd.size() != 2 || yd[0] != x.dimensions()[0] || yd[1] != n)
+    return ffi::Error::InvalidArgument("dequant_matmul: result must be [T, N]");
+  const Problem p{x.typed_data(), nullptr, q5.typed_data(), scale.typed_data(),
+                  has_offset ? offset.typed_data() : nullptr, y->typed_data(),
+                  x.dimensions()[0], qd[1], n, 64};
+  run<true>(pool, p, qd[1] / sd[1], p.K * 40);
   return ffi::Error::Success();
 }
 
@@ -234,6 +390,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDequantMatmul, DequantMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("has_offset"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDequantMatmulQ5, DequantMatmulQ5,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -26,13 +26,15 @@ from jaxllm.model_executor.layers import cpu_ffi
 
 SOURCE = Path(__file__).with_suffix(".cc")
 _TARGET = "jaxllm_dequant_matmul"
+_TARGET_Q5 = "jaxllm_dequant_matmul_q5"
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered (decided once per process); False with a
     warning when it cannot be built, silently when $JAXLLM_CPU_KERNELS=0."""
-    return cpu_ffi.register(SOURCE, {_TARGET: "JaxllmDequantMatmul"},
+    return cpu_ffi.register(SOURCE, {_TARGET: "JaxllmDequantMatmul",
+                                     _TARGET_Q5: "JaxllmDequantMatmulQ5"},
                             ".gguf models load dequantized by default, and quantization='gguf' "
                             "runs XLA's fused GEMVs (slower)")
 
@@ -46,12 +48,18 @@ def panel_size(out_features: int) -> int | None:
     return next((p for p in PANEL_SIZES if out_features % p == 0), None)
 
 
-def pack(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None
-         ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+Q5_PANEL = 64  # output features per 5-bit panel
+Q5_BYTES = 40  # bytes per k of a 5-bit panel: 32 of nibbles, 8 of signs
+
+
+def pack(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None,
+         compact: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The kernel's layout of a repacked GGUF weight (int8 [out, in], per-block scale/offset
-    [out, in // block]): panels of P output features, k-major inside, q [out / P, in, P] and
-    scale/offset [out / P, in // block, P] (cpu_dequant_matmul.cc says why). The same values,
-    moved."""
+    [out, in // block]): panels of P output features, k-major inside, scale/offset [out / P,
+    in // block, P], and the values int8 [out / P, in, P]; with `compact`, where they fit 5 bits
+    (-16..15: Q5_0, Q4_0, Q4_K) and the panels are 64 wide, 5-bit panels uint8 [out / 64, in,
+    40] instead (`pack_q5`: fewer bytes, more work per weight; cpu_dequant_matmul.cc). The same
+    values, moved."""
     out = qweight.shape[0]
     p = panel_size(out)
     if p is None:
@@ -60,13 +68,54 @@ def pack(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None
     def panels(a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(a.reshape(out // p, p, a.shape[1]).transpose(0, 2, 1))
 
-    return panels(qweight), panels(scale), None if offset is None else panels(offset)
+    values = panels(qweight)
+    if compact and p == Q5_PANEL and qweight.size and qweight.min() >= -16 \
+            and qweight.max() <= 15:
+        values = pack_q5(values)
+    return values, panels(scale), None if offset is None else panels(offset)
+
+
+def pack_q5(values: np.ndarray) -> np.ndarray:
+    """int8 panels [out / 64, in, 64] of values in -16..15 -> uint8 [out / 64, in, 40]: per k,
+    byte j holds feature j's low nibble and feature j + 32's in its high half, then 64 sign
+    bits (feature f's in bit f % 8 of byte 32 + f // 8); a value is nibble - 16 * sign."""
+    nibbles = (values & 15).astype(np.uint8)
+    packed = nibbles[..., :32] | (nibbles[..., 32:] << 4)
+    signs = np.packbits(values < 0, axis=-1, bitorder="little")
+    return np.ascontiguousarray(np.concatenate([packed, signs], axis=-1))
+
+
+def is_q5(a: Any) -> bool:
+    return jnp.dtype(a.dtype) == jnp.uint8 and len(a.shape) == 3 and a.shape[2] == Q5_BYTES
+
+
+def _q5_values(a: Any) -> Any:
+    """uint8 [..., 40] 5-bit panel bytes -> int8 [..., 64] values (numpy or jax)."""
+    xp = np if isinstance(a, np.ndarray) else jnp
+    nib = xp.concatenate([a[..., :32] & 15, a[..., :32] >> 4], axis=-1).astype(xp.int8)
+    signs = xp.unpackbits(a[..., 32:], axis=-1, bitorder="little").astype(xp.int8)
+    return nib - signs * xp.int8(16)
 
 
 def unpack(a: Any) -> Any:
-    """[out / P, cols, P] -> [out, cols]: `pack`'s inverse for one array (numpy or jax)."""
+    """[out / P, cols, P] (or a 5-bit panel's [out / 64, cols, 40]) -> [out, cols]: `pack`'s
+    inverse for one array (numpy or jax)."""
+    if is_q5(a):
+        a = _q5_values(a)
     panels, cols, p = a.shape
     return a.transpose(0, 2, 1).reshape(panels * p, cols)
+
+
+def take_rows(a: Any, rows: jax.Array) -> jax.Array:
+    """Rows [len(rows), cols] of a packed array without unpacking the rest (the embedding's
+    gather): row r is feature r % P of panel r // P."""
+    if not is_q5(a):
+        p = a.shape[2]
+        return a[rows // p, :, rows % p]
+    panel, f = rows // Q5_PANEL, rows % Q5_PANEL
+    nib = (a[panel, :, f % 32] >> (4 * (f // 32)).astype(jnp.uint8)[:, None]) & 15
+    sign = (a[panel, :, 32 + f // 8] >> (f % 8).astype(jnp.uint8)[:, None]) & 1
+    return nib.astype(jnp.int8) - sign.astype(jnp.int8) * jnp.int8(16)
 
 
 def check_inputs(x: Any, qweight: Any, scale: Any, offset: Any | None) -> None:
@@ -83,12 +132,17 @@ def check_inputs(x: Any, qweight: Any, scale: Any, offset: Any | None) -> None:
             raise ValueError(f"dequant_matmul: qweight [out / P, in, P], scale and offset "
                              f"[out / P, in // block, P] (cpu_dequant_matmul.pack) must be 3-D; "
                              f"{name} has shape {tuple(shape)}")
-    if jnp.dtype(qweight.dtype) != jnp.int8:
-        raise ValueError(f"dequant_matmul: qweight must be int8, got {qweight.dtype}")
+    q5 = is_q5(qweight)
+    if jnp.dtype(qweight.dtype) != jnp.int8 and not q5:
+        raise ValueError(f"dequant_matmul: qweight must be int8 panels [out / P, in, P] or "
+                         f"5-bit panels uint8 [out / 64, in, {Q5_BYTES}], got "
+                         f"{qweight.dtype} {tuple(qweight.shape)}")
     for name, arr in (("scale", scale), ("offset", offset)):
         if arr is not None and jnp.dtype(arr.dtype) != jnp.float32:
             raise ValueError(f"dequant_matmul: {name} must be float32, got {arr.dtype}")
     (panels, cols, p), (spanels, blocks, sp) = qweight.shape, scale.shape
+    if q5:
+        p = Q5_PANEL
     if p not in PANEL_SIZES:
         raise ValueError(f"dequant_matmul: panels of {p} features; the kernel takes "
                          f"{' / '.join(map(str, PANEL_SIZES))}")
@@ -113,9 +167,10 @@ def dequant_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array,
     check_inputs(x, qweight, scale, offset)
     if not available():
         raise RuntimeError("the CPU dequant matmul kernel is not available (see the warning)")
-    t, n = x.shape[0], qweight.shape[0] * qweight.shape[2]
+    t, n = x.shape[0], scale.shape[0] * scale.shape[2]
     has_offset = offset is not None
     if offset is None:
         offset = jnp.zeros((0, 0, 0), jnp.float32)  # the FFI signature wants a buffer
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((t, n), jnp.float32))
+    target = _TARGET_Q5 if is_q5(qweight) else _TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((t, n), jnp.float32))
     return call(x.astype(jnp.float32), qweight, scale, offset, has_offset=has_offset)

@@ -43,7 +43,7 @@ class GGUFWeight(NamedTuple):
     kernel read these) or, for our CPU kernel, its panels (`cpu_dequant_matmul.pack`: [out / P,
     in, P] and [out / P, in // block, P]); the values are the same."""
 
-    qweight: jax.Array  # int8 [out, in], or [out / P, in, P] packed
+    qweight: jax.Array  # int8 [out, in]; packed int8 [out / P, in, P] or uint8 [out / 64, in, 40]
     scale: jax.Array  # float32 [out, in // block], or [out / P, in // block, P] packed
     offset: jax.Array | None  # as scale; None when the format has no mins
 
@@ -53,9 +53,9 @@ class GGUFWeight(NamedTuple):
 
     @property
     def shape(self) -> tuple[int, int]:
-        if self.packed:
-            panels, cols, p = self.qweight.shape
-            return panels * p, cols
+        if self.packed:  # the scales' panels give P (a 5-bit panel's values are 40 bytes wide)
+            panels, _, p = self.scale.shape
+            return panels * p, self.qweight.shape[1]
         rows, cols = self.qweight.shape
         return rows, cols
 
@@ -74,14 +74,10 @@ def dequantize(w: GGUFWeight, rows: jax.Array | None = None) -> jax.Array:
     if rows is None and w.packed:
         qweight, scale = cpu_dequant_matmul.unpack(qweight), cpu_dequant_matmul.unpack(scale)
         offset = None if offset is None else cpu_dequant_matmul.unpack(offset)
-    elif rows is not None and w.packed:  # row r is column r % P of panel r // P
-        p = qweight.shape[2]
-
-        def take(a: jax.Array) -> jax.Array:
-            return a[rows // p, :, rows % p]
-
-        qweight, scale = take(qweight), take(scale)
-        offset = None if offset is None else take(offset)
+    elif rows is not None and w.packed:
+        take = cpu_dequant_matmul.take_rows
+        qweight, scale = take(qweight, rows), take(scale, rows)
+        offset = None if offset is None else take(offset, rows)
     elif rows is not None:
         qweight, scale = jnp.take(qweight, rows, axis=0), jnp.take(scale, rows, axis=0)
         offset = None if offset is None else jnp.take(offset, rows, axis=0)
