@@ -61,9 +61,9 @@ class EngineArgs:
               "built), else none")
     gguf_compact: bool = _arg(
         False, "with quantization gguf on CPU: pack the values of 4- and 5-bit formats (Q4_0, "
-               "Q5_0, Q4_K) in 5 bits instead of a byte each: weights in memory 6-7 bits per "
-               "weight instead of 9-10, the same tokens; decode at one sequence as fast, "
-               "batches of 2 to 16 rows 10-20 percent slower (docs/perf/gguf-cpu.md)")
+               "Q5_0, Q4_K) in 5 bits instead of a byte each, for less memory and the same "
+               "logits bit for bit; more work per weight: as fast for one sequence, slower for "
+               "batches on a CPU with few cores (docs/perf/gguf-cpu.md)")
     block_size: int = _arg(16, "tokens per KV block (16 or 32)")
     num_kv_blocks: int | None = _arg(
         None, "KV blocks, overriding the memory budget; not given: from the budget")

@@ -9,6 +9,7 @@ inside jit. With quantization="gguf" a GGUF's block weights are also kept quanti
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -223,7 +224,18 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
     params, gemv_params = quantized_param_trees(
         config, params, lambda hf_name: by_name.get(_gguf_name(hf_name)), path, fused_kernel,
         compact)
+    _release_freed_memory()
     return LoadedModel(config, params, path, "gguf", gemv_params)
+
+
+def _release_freed_memory() -> None:
+    """Hand the float32 weights the quantized blocks replaced back to the OS: glibc keeps freed
+    heap memory mapped (the process's resident memory stays as if they were alive). A no-op
+    where the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 _GGUF_LAYER_NAMES = {

@@ -1,28 +1,32 @@
 // Fused dequant matmul for GGUF block weights on CPU, an XLA FFI custom call
 // (cpu_dequant_matmul.py beside it builds and registers it, and packs the weights).
 //
-// y[t, n] = sum_k x[t, k] * w[n, k], where w[n, k] = q[n, k] * scale[n, k / B] (+ offset[n, k / B])
-// is formed in registers from the int8 value: exactly gguf's float32 weight (compiled with
-// -ffp-contract=off, so the multiply and the add round separately as numpy's do), never stored.
+// y[t, n] = sum_k x[t, k] * w[n, k], where w[n, k] = q[n, k] * scale[n, k / B] + offset[n, k / B]
+// (no offset for most formats) is gguf's float32 weight: per block of B k the integer values q
+// (exact as floats) go into a partial sum of x * q, which the block's scale then multiplies
+// once (and the offset the block's sum of x). The weight each sum applies is exactly gguf's (a
+// unit vector x gives round(q * scale), + offset rounded again, as numpy computes gguf's values;
+// compiled with -ffp-contract=off so nothing else fuses); the roundings of the sum fall where a
+// blocked float32 GEMM's would.
 //
 // Layout: the weights come in panels of P output features (P = 64, 32 or 16), k-major inside a
-// panel: q [N / P, K, P] int8, scale and offset [N / P, K / B, P] float32. Values that fit 5
-// bits (Q5_0, Q4_0, Q4_K: -16..15) in panels of 64 come packed instead: q5 [N / 64, K, 40]
-// uint8, per k 32 bytes of low nibbles (byte j: feature j in its low half, j + 32 in its high
-// half) and 8 bytes with feature f's sign in bit f, value = nibble - 16 * sign. A decode step
-// reads its weights once, so fewer bytes per weight is time saved where the loop keeps up
-// with memory. One k of a panel is
+// panel: q [N / P, K, P] int8, scale and offset [N / P, K / B, P] float32. One k of a panel is
 // then P consecutive int8 values, 16 of them one vector of 16 output features, so the product is
-// an outer-product GEMM: per k, a broadcast x[t, k] times the formed weight vectors, into
-// accumulators of R rows x NV vectors held in registers. Each formed weight feeds R FMAs, and the
-// rows' x values are broadcast loads; the dot-product form over [N, K] rows (16 k per vector,
-// a lane sum per output) ran at about 60 % of this rate from a few rows on
-// (docs/perf/gguf-cpu.md).
+// an outer-product GEMM: per k, a broadcast x[t, k] times the weight vectors, into accumulators
+// of R rows x NV vectors held in registers. Each converted vector feeds R FMAs, and the rows' x
+// values are broadcast loads; the dot-product form over [N, K] rows (16 k per vector, a lane
+// sum per output) ran at about 60 % of this rate from a few rows on (docs/perf/gguf-cpu.md).
 //
-// Numbers: each y[t, n] is one float32 FMA chain over k = 0, 1, ..., K - 1 in order, starting from
-// zero. That order depends on nothing but k, so a row's result is bit-identical whatever other
-// rows share the call (batch invariance: a token gets the same logits in a decode step, a
-// prefill chunk or a recompute) and whichever thread computes it.
+// 5-bit panels (gguf_compact): values in -16..15 (Q5_0, Q4_0, Q4_K) in panels of 64 may come
+// packed as q5 [N / 64, K, 40] uint8 instead, per k 32 bytes of low nibbles (byte j: feature j
+// in its low half, j + 32 in its high half) and 8 bytes with feature f's sign in bit f, value =
+// nibble - 16 * sign: 5 bits a weight instead of 8, for a few more vector operations per weight
+// (on a 2-core AVX-512 VM as fast at one row, slower from two: docs/perf/gguf-cpu.md).
+//
+// Numbers: each y[t, n] depends only on row t of x and on k's order, never on which other rows
+// share the call or how they are tiled, so a row's result is bit-identical whatever else is in
+// the batch (batch invariance: a token gets the same logits in a decode step, a prefill chunk
+// or a recompute) and whichever thread computes it; 5-bit panels give the int8 panels' bits.
 //
 // Threads: (group of consecutive panels, block of rows) items go to XLA's intra-op thread pool
 // plus the calling thread, which waits only for items already claimed (so a busy or one-thread

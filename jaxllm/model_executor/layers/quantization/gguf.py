@@ -5,11 +5,11 @@ of 16 or 32 values along `in` (model_loader/gguf_repack.py), whose dequantizatio
 `q * scale + offset` is bit-for-bit what `gguf` dequantizes the file's blocks to.
 
 On CPU the matmul is our fused dequant kernel (cpu_dequant_matmul.py: the int8 weight, packed in
-its panel layout at load, read once per block of 64 rows in any bucket, each weight formed
-exactly in registers). Where that cannot be built it is a GEMV per row,
-`x[i] @ dequantize(w).T`: XLA's CPU backend fuses the dequantization into a matrix-vector dot
-(each weight element formed in registers from its int8 value, the weight read once per row),
-under three conditions found by reading its compiled HLO:
+its panel layout at load (with gguf_compact, 4- and 5-bit values in 5-bit panels), read once per
+block of 64 rows in any bucket, each block's scale applied to its partial sums). Where that
+cannot be built it is a GEMV per row, `x[i] @ dequantize(w).T`: XLA's CPU backend fuses the
+dequantization into a matrix-vector dot (each weight element formed in registers from its int8
+value, the weight read once per row), under three conditions found by reading its compiled HLO:
   - the vector is under 16 KiB (`kFusionThresholdBytes` in XLA's cpu_instruction_fusion.cc):
     wider rows (down_proj's 4864) are cut into chunks of whole blocks, whose partial GEMVs add up;
   - the dot's result is not fed straight into an add, which XLA fuses into the dot first (then
