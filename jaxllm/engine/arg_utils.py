@@ -61,9 +61,10 @@ class EngineArgs:
               "built), else none")
     gguf_compact: bool = _arg(
         False, "with quantization gguf on CPU: pack the values of 4- and 5-bit formats (Q4_0, "
-               "Q5_0, Q4_K) in 5 bits instead of a byte each, for less memory and the same "
-               "logits bit for bit; more work per weight: as fast for one sequence, slower for "
-               "batches on a CPU with few cores (docs/perf/gguf-cpu.md)")
+               "Q5_0, Q4_K; a GGUF draft model's too) in 5 bits instead of a byte each, for "
+               "less memory and the same logits bit for bit; more work per weight: as fast for "
+               "one sequence, slower for batches on a CPU with few cores "
+               "(docs/perf/gguf-cpu.md)")
     block_size: int = _arg(16, "tokens per KV block (16 or 32)")
     num_kv_blocks: int | None = _arg(
         None, "KV blocks, overriding the memory budget; not given: from the budget")
@@ -257,10 +258,12 @@ class EngineArgs:
         quantization = resolve_quantization(self.quantization, path, dtype, backend,
                                             self.tensor_parallel_size, platform)
         kv_cache_dtype = resolve_kv_cache_dtype(dtype, platform)
-        if self.gguf_compact and (quantization != "gguf" or platform != "cpu"):
+        if self.gguf_compact and (quantization != "gguf" or platform != "cpu"
+                                  or backend != "reference"):
             raise ValueError(f"gguf_compact packs the GGUF blocks our CPU kernel reads: it needs "
-                             f"quantization 'gguf' on CPU, this engine has quantization "
-                             f"{quantization!r} on {platform}")
+                             f"quantization 'gguf' on CPU with the reference kernel backend, "
+                             f"this engine has quantization {quantization!r} on {platform} with "
+                             f"{backend!r}")
         if self.model is None:
             from jaxllm.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
 

@@ -57,7 +57,8 @@ class DraftModelProposer:
             try:
                 loaded = load_model(path, dtype=jnp.dtype(config.dtype),
                                     progress=config.show_progress, quantization=quantization,
-                                    kernel_backend=config.kernel_backend)
+                                    kernel_backend=config.kernel_backend,
+                                    gguf_compact=config.gguf_compact and quantization == "gguf")
             except ModelLoadError as e:  # the message names the path, not the setting
                 raise ModelLoadError(f"speculative_config.model {spec.model!r}: {e}") from e
         draft = loaded.config

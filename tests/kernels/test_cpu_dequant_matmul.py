@@ -1,9 +1,10 @@
 """The CPU fused dequant matmul kernel (jaxllm/model_executor/layers/quantization/
 cpu_dequant_matmul.cc), the XLA FFI custom call quantization="gguf" runs on CPU.
 
-Against independent oracles: the weights it forms are bit-for-bit gguf's float32 values (a unit
-vector picks one weight column out exactly), its products agree with a float64 matmul of gguf's
-dequantized weights, and each row's result is bit-identical whatever other rows share the call.
+Against independent oracles: the weights its block sums apply are bit-for-bit gguf's float32
+values (a unit vector picks one weight column out exactly), its products agree with a float64
+matmul of gguf's dequantized weights, and each row's result is bit-identical whatever other
+rows share the call.
 Also the panel layout (packing moves values only), the build (cached, a compile error named)
 and the fallback to XLA's fused GEMVs.
 """
@@ -11,6 +12,7 @@ and the fallback to XLA's fused GEMVs.
 from __future__ import annotations
 
 import ctypes
+import platform
 
 import gguf
 import jax
@@ -138,6 +140,8 @@ def test_five_bit_panels_move_values_only(fmt, rng):
     if fmt == "Q8_0":
         assert packed[0].dtype == np.int8 and packed[0].shape == (3, 256, 64)
         return
+    narrow = kernel.pack(r.qweight[:48], r.scale[:48], r.offset, compact=True)  # panels of 16
+    assert narrow[0].dtype == np.int8 and narrow[0].shape == (3, 256, 16)
     assert packed[0].dtype == np.uint8 and packed[0].shape == (3, 256, kernel.Q5_BYTES)
     assert packed[0].nbytes * 64 == r.qweight.nbytes * kernel.Q5_BYTES
     np.testing.assert_array_equal(kernel.unpack(packed[0]), r.qweight)
@@ -149,23 +153,29 @@ def test_five_bit_panels_move_values_only(fmt, rng):
     np.testing.assert_array_equal(np.asarray(jax.jit(dequantize)(w, rows)), want[rows])
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="-mno-avx512vbmi is an x86 flag")
 def test_five_bit_panels_without_avx512_vbmi(rng, tmp_path):
-    """The kernel built without AVX-512 VBMI unpacks 5-bit panels with its portable code: the
-    same results bit for bit as the build for this CPU (a portable build registered under a
-    name of its own)."""
+    """The kernel built without AVX-512 VBMI unpacks 5-bit panels with its portable code (in
+    registers for a few rows, into the buffer for more): the same results bit for bit as the
+    int8 panels of the same values (a portable build registered under a name of its own)."""
     lib = ctypes.cdll.LoadLibrary(str(cpu_ffi.build(
         kernel.SOURCE, tmp_path, extra_flags=("-mno-avx512vbmi",))))
     jax.ffi.register_ffi_target("test_dequant_matmul_q5_portable",
                                 jax.ffi.pycapsule(lib.JaxllmDequantMatmulQ5), platform="cpu")
     for fmt in ("Q5_0", "Q4_K"):
-        w, _ = _weight(rng, fmt, (128, 512), compact=True)
-        assert kernel.is_q5(w.qweight)
-        x = jnp.asarray(rng.standard_normal((9, 512)).astype(np.float32))
+        raw = random_blocks(rng, fmt, 128, 512)
+        r = gguf_repack.repack(raw, fmt, (128, 512), "t")
+        w, int8 = (GGUFWeight(*(None if a is None else jnp.asarray(a)
+                                for a in kernel.pack(r.qweight, r.scale, r.offset, compact)))
+                   for compact in (True, False))
+        assert kernel.is_q5(w.qweight) and not kernel.is_q5(int8.qweight)
         offset = jnp.zeros((0, 0, 0), jnp.float32) if w.offset is None else w.offset
-        portable = jax.ffi.ffi_call("test_dequant_matmul_q5_portable",
-                                    jax.ShapeDtypeStruct((9, 128), jnp.float32))(
-            x, w.qweight, w.scale, offset, has_offset=w.offset is not None)
-        np.testing.assert_array_equal(np.asarray(portable), _call(x, w))
+        for rows in (1, 6, 9):
+            x = jnp.asarray(rng.standard_normal((rows, 512)).astype(np.float32))
+            portable = jax.ffi.ffi_call("test_dequant_matmul_q5_portable",
+                                        jax.ShapeDtypeStruct((rows, 128), jnp.float32))(
+                x, w.qweight, w.scale, offset, has_offset=w.offset is not None)
+            np.testing.assert_array_equal(np.asarray(portable), _call(x, int8))
 
 
 def test_bad_shapes_are_named(rng):

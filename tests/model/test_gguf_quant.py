@@ -319,10 +319,18 @@ def test_quantization_arg_and_its_errors(tiny_gguf, tiny_models):
     with pytest.raises(ModelLoadError, match="float32"):
         load_model(tiny_gguf[0], dtype=jnp.bfloat16, progress=False, quantization="gguf")
     assert EngineArgs.from_cli_args(parser.parse_args(["--gguf-compact"])).gguf_compact is True
-    for kw in ({"quantization": "none"}, {"dtype": "bfloat16"}):
-        with pytest.raises(ValueError, match=r"gguf_compact .* needs quantization 'gguf' on CPU, "
-                                             r"this engine has quantization 'none'"):
-            EngineArgs(model=str(tiny_gguf[0]), gguf_compact=True, **kw).create_engine_config("cpu")
+    for kw, platform, has in (({"quantization": "none"}, "cpu", "'none' on cpu"),
+                              ({"dtype": "bfloat16"}, "cpu", "'none' on cpu"),
+                              ({"quantization": "gguf"}, "gpu", "'gguf' on gpu"),
+                              ({"quantization": "gguf", "kernel_backend": "interpret"}, "cpu",
+                               "'gguf' on cpu with 'interpret'")):
+        with pytest.raises(ValueError, match=rf"gguf_compact .* needs quantization 'gguf' on CPU "
+                                             rf"with the reference kernel backend, this engine "
+                                             rf"has quantization {has}"):
+            EngineArgs(model=str(tiny_gguf[0]), gguf_compact=True, **kw) \
+                .create_engine_config(platform)
+    assert EngineArgs(model=str(tiny_gguf[0]), quantization="gguf", gguf_compact=True) \
+        .create_engine_config("cpu").gguf_compact
 
 
 def test_default_quantization_is_gguf_for_gguf_models_on_cpu(tiny_gguf, tiny_models):

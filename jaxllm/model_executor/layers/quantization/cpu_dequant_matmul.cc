@@ -21,7 +21,7 @@
 // packed as q5 [N / 64, K, 40] uint8 instead, per k 32 bytes of low nibbles (byte j: feature j
 // in its low half, j + 32 in its high half) and 8 bytes with feature f's sign in bit f, value =
 // nibble - 16 * sign: 5 bits a weight instead of 8, for a few more vector operations per weight
-// (on a 2-core AVX-512 VM as fast at one row, slower from two: docs/perf/gguf-cpu.md).
+// (docs/perf/gguf-cpu.md has what that costs).
 //
 // Numbers: each y[t, n] depends only on row t of x and on k's order, never on which other rows
 // share the call or how they are tiled, so a row's result is bit-identical whatever else is in
@@ -56,12 +56,13 @@ using jaxllm::kLanes;
 using jaxllm::load;
 using jaxllm::splat;
 
-// Rows per register tile: with 4 weight vectors (64 features) 24 accumulators; the scales stay
-// in L1 when registers run out (tiles of 8 rows x 2 vectors ran ~12 % slower at 16 rows).
+// Rows per register tile: with 4 weight vectors (64 features) 24 partial sums in registers; the
+// accumulators they go into once per block, and constants, live in L1 when registers run out
+// (tiles of 8 rows x 2 vectors ran slower at 16 rows: docs/perf/gguf-cpu.md).
 constexpr int64_t kRowTile = 6;
 constexpr int64_t kRowBlock = 64;  // rows per work item: x's rows stay in L2 across the panel
 // Rows up to which a 5-bit panel is unpacked in registers (one tile) rather than once per item
-// into a buffer (docs/perf/gguf-cpu.md has both at 1 to 16 rows).
+// into a buffer: past one tile, unpacking per tile repeats the unpacking.
 constexpr int64_t kQ5InRegisters = kRowTile;
 
 struct Problem {
@@ -100,7 +101,8 @@ inline f32x16 load_q16(const int8_t* p) {
 // few rows: the panel is read once), as value * 2^24; kQ5Bytes reads one unpacked once per
 // item into a buffer of int8 (many rows: unpacking per tile of rows cost more than it saved),
 // against rows of x times 2^24. Either way every product is x * value * 2^24, exactly, and
-// `kQ5Unit` in the scale undoes the power of two exactly, so a row gets the same bits from both.
+// `kQ5Unit` in the scale undoes the power of two exactly, so a row gets the same bits from both
+// (and from int8 panels; short of x near float32's range limits, subnormal or past 2^104).
 enum class Values { kInt8, kQ5, kQ5Bytes };
 constexpr float kQ5Unit = 1.0f / 16777216.0f;
 
@@ -162,9 +164,8 @@ inline void unpack_q5(const uint8_t* p, int64_t K, int8_t* out) {
 
 // Rows [t0, t0 + R) (x: those rows) against features [col, col + 16 NV) of one panel, whose
 // values start at `values` (kInt8: P per k; kQ5Bytes: 64 per k; kQ5: 40 bytes per k, col 0,
-// NV 4). R and NV
-// are template constants so the accumulators stay in registers; every (row, feature) pair
-// gets the same arithmetic for every R and NV.
+// NV 4). R and NV are template constants so the partial sums stay in registers; every (row,
+// feature) pair gets the same arithmetic for every R and NV.
 //
 // Per block of B k, the integers go into a partial sum (x * q, exact integers as floats) and the
 // block's scale multiplies that sum once, instead of every weight: one multiply per 16 weights
@@ -248,11 +249,10 @@ void rows_by_panel(const Problem& p, const void* values, const float* x, int64_t
   }
 }
 
-// Rows [t0, t1) of x against one panel, in register tiles of up to kRowTile rows, each forming
-// the weights it needs in registers. (Forming a panel's weights once into an L1/L2 buffer for
-// all row tiles instead, as a float32 GEMM packs its operand, ran slower at 16 to 512 rows:
-// docs/perf/gguf-cpu.md.)
-// x: rows [t0, t1).
+// Rows [t0, t1) of x (`x`: those rows) against one panel, in register tiles of up to kRowTile
+// rows, each converting the integer values it needs in registers. (Forming a panel's float32
+// weights once into an L1/L2 buffer for all row tiles instead, as a float32 GEMM packs its
+// operand, ran slower at 16 to 512 rows: docs/perf/gguf-cpu.md.)
 template <int B, bool kOffset, Values kV>
 void run_tiles(const Problem& p, const void* values, const float* x, int64_t panel, int64_t t0,
                int64_t t1) {
@@ -283,6 +283,7 @@ void run_item(const Problem& p, int64_t first, int64_t last, int64_t t0, int64_t
     for (int64_t panel = first; panel < last; ++panel)
       run_tiles<B, kOffset, Values::kQ5>(p, p.q5 + panel * p.K * 40, x, panel, t0, t1);
   } else {
+    // Per worker thread, kept for its next item: a panel's values and the item's rows of x.
     thread_local std::vector<int8_t> values;
     thread_local std::vector<float> scaled;
     values.resize(p.K * 64);

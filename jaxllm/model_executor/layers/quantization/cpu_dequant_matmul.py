@@ -57,9 +57,9 @@ def pack(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None,
     """The kernel's layout of a repacked GGUF weight (int8 [out, in], per-block scale/offset
     [out, in // block]): panels of P output features, k-major inside, scale/offset [out / P,
     in // block, P], and the values int8 [out / P, in, P]; with `compact`, where they fit 5 bits
-    (-16..15: Q5_0, Q4_0, Q4_K) and the panels are 64 wide, 5-bit panels uint8 [out / 64, in,
-    40] instead (`pack_q5`: fewer bytes, more work per weight; cpu_dequant_matmul.cc). The same
-    values, moved."""
+    (-16..15: Q5_0, Q4_0, Q4_K, or any tensor whose values happen to) and the panels are 64
+    wide, 5-bit panels uint8 [out / 64, in, 40] instead (`pack_q5`: fewer bytes, more work per
+    weight; cpu_dequant_matmul.cc). The same values, moved."""
     out = qweight.shape[0]
     p = panel_size(out)
     if p is None:
