@@ -162,8 +162,8 @@ inline void unpack_q5(const uint8_t* p, int64_t K, int8_t* out) {
   }
 }
 
-// Rows [t0, t0 + R) (x: those rows) against features [col, col + 16 NV) of one panel, whose
-// values start at `values` (kInt8: P per k; kQ5Bytes: 64 per k; kQ5: 40 bytes per k, col 0,
+// Rows [t0, t0 + R) (x: those rows; xsum: their blocks' sums of x, with offsets) against
+// features [col, col + 16 NV) of one panel, whose values start at `values` (kInt8: P per k; kQ5Bytes: 64 per k; kQ5: 40 bytes per k, col 0,
 // NV 4). R and NV are template constants so the partial sums stay in registers; every (row,
 // feature) pair gets the same arithmetic for every R and NV.
 //
@@ -174,8 +174,8 @@ inline void unpack_q5(const uint8_t* p, int64_t K, int8_t* out) {
 // rounds); only where the float32 roundings of the sum fall moves, as in any float32 GEMM's
 // summation order.
 template <int R, int NV, int B, bool kOffset, Values kV>
-void tile(const Problem& p, const void* values, const float* x, int64_t panel, int64_t col,
-          int64_t t0) {
+void tile(const Problem& p, const void* values, const float* x, const float* xsum,
+          int64_t panel, int64_t col, int64_t t0) {
   static_assert(kV != Values::kQ5 || NV == 4, "a 5-bit panel is 64 features, one tile wide");
   const Q5Lanes lanes;
   const int64_t stride = kV == Values::kInt8 ? p.P : 64;
@@ -214,10 +214,7 @@ void tile(const Problem& p, const void* values, const float* x, int64_t panel, i
       f32x16 of[NV];
       for (int v = 0; v < NV; ++v) of[v] = load(op + (kb / B) * p.P + v * kLanes);
       for (int r = 0; r < R; ++r) {
-        float sum = 0.0f;
-        for (int64_t k = kb; k < kb + B; ++k) sum += xr[r][k];
-        if (kV == Values::kQ5Bytes) sum *= kQ5Unit;  // x came scaled: exactly undone
-        const f32x16 sb = splat(sum);
+        const f32x16 sb = splat(xsum[r * (p.K / B) + kb / B]);
         for (int v = 0; v < NV; ++v) acc[r][v] = fma16(sb, of[v], acc[r][v]);
       }
     }
@@ -230,19 +227,19 @@ void tile(const Problem& p, const void* values, const float* x, int64_t panel, i
 // Rows [t0, t0 + R) against a whole panel, 4 vectors (64 features) at a time, fewer where the
 // panel is narrower.
 template <int R, int B, bool kOffset, Values kV>
-void rows_by_panel(const Problem& p, const void* values, const float* x, int64_t panel,
-                   int64_t t0) {
+void rows_by_panel(const Problem& p, const void* values, const float* x, const float* xsum,
+                   int64_t panel, int64_t t0) {
   const int64_t vectors = p.P / kLanes;
   for (int64_t v = 0; v < vectors;) {
     if (vectors - v >= 4) {
-      tile<R, 4, B, kOffset, kV>(p, values, x, panel, v * kLanes, t0);
+      tile<R, 4, B, kOffset, kV>(p, values, x, xsum, panel, v * kLanes, t0);
       v += 4;
     } else if constexpr (kV != Values::kQ5) {
       if (vectors - v >= 2) {
-        tile<R, 2, B, kOffset, kV>(p, values, x, panel, v * kLanes, t0);
+        tile<R, 2, B, kOffset, kV>(p, values, x, xsum, panel, v * kLanes, t0);
         v += 2;
       } else {
-        tile<R, 1, B, kOffset, kV>(p, values, x, panel, v * kLanes, t0);
+        tile<R, 1, B, kOffset, kV>(p, values, x, xsum, panel, v * kLanes, t0);
         v += 1;
       }
     }
@@ -254,18 +251,22 @@ void rows_by_panel(const Problem& p, const void* values, const float* x, int64_t
 // weights once into an L1/L2 buffer for all row tiles instead, as a float32 GEMM packs its
 // operand, ran slower at 16 to 512 rows: docs/perf/gguf-cpu.md.)
 template <int B, bool kOffset, Values kV>
-void run_tiles(const Problem& p, const void* values, const float* x, int64_t panel, int64_t t0,
-               int64_t t1) {
+void run_tiles(const Problem& p, const void* values, const float* x, const float* xsum,
+               int64_t panel, int64_t t0, int64_t t1) {
+  const int64_t blocks = p.K / B;
   int64_t t = t0;
-  for (; t + kRowTile <= t1; t += kRowTile)
-    rows_by_panel<kRowTile, B, kOffset, kV>(p, values, x + (t - t0) * p.K, panel, t);
+  for (; t + kRowTile <= t1; t += kRowTile) {
+    rows_by_panel<kRowTile, B, kOffset, kV>(p, values, x + (t - t0) * p.K,
+                                            xsum + (t - t0) * blocks, panel, t);
+  }
   const float* xt = x + (t - t0) * p.K;
+  const float* st = xsum + (t - t0) * blocks;
   switch (t1 - t) {
-    case 5: rows_by_panel<5, B, kOffset, kV>(p, values, xt, panel, t); break;
-    case 4: rows_by_panel<4, B, kOffset, kV>(p, values, xt, panel, t); break;
-    case 3: rows_by_panel<3, B, kOffset, kV>(p, values, xt, panel, t); break;
-    case 2: rows_by_panel<2, B, kOffset, kV>(p, values, xt, panel, t); break;
-    case 1: rows_by_panel<1, B, kOffset, kV>(p, values, xt, panel, t); break;
+    case 5: rows_by_panel<5, B, kOffset, kV>(p, values, xt, st, panel, t); break;
+    case 4: rows_by_panel<4, B, kOffset, kV>(p, values, xt, st, panel, t); break;
+    case 3: rows_by_panel<3, B, kOffset, kV>(p, values, xt, st, panel, t); break;
+    case 2: rows_by_panel<2, B, kOffset, kV>(p, values, xt, st, panel, t); break;
+    case 1: rows_by_panel<1, B, kOffset, kV>(p, values, xt, st, panel, t); break;
     default: break;
   }
 }
@@ -276,12 +277,27 @@ void run_tiles(const Problem& p, const void* values, const float* x, int64_t pan
 template <int B, bool kOffset, bool kQ5>
 void run_item(const Problem& p, int64_t first, int64_t last, int64_t t0, int64_t t1) {
   const float* x = p.x + t0 * p.K;
+  // With offsets: each row's sum of x per block, once per item for all its panels (in k order,
+  // from x as given).
+  thread_local std::vector<float> sums;
+  if constexpr (kOffset) {
+    const int64_t blocks = p.K / B;
+    sums.resize((t1 - t0) * blocks);
+    for (int64_t r = 0; r < t1 - t0; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        float sum = 0.0f;
+        for (int64_t k = b * B; k < (b + 1) * B; ++k) sum += x[r * p.K + k];
+        sums[r * blocks + b] = sum;
+      }
+    }
+  }
+  const float* xsum = sums.data();
   if constexpr (!kQ5) {
     for (int64_t panel = first; panel < last; ++panel)
-      run_tiles<B, kOffset, Values::kInt8>(p, p.q + panel * p.K * p.P, x, panel, t0, t1);
+      run_tiles<B, kOffset, Values::kInt8>(p, p.q + panel * p.K * p.P, x, xsum, panel, t0, t1);
   } else if (t1 - t0 <= kQ5InRegisters) {
     for (int64_t panel = first; panel < last; ++panel)
-      run_tiles<B, kOffset, Values::kQ5>(p, p.q5 + panel * p.K * 40, x, panel, t0, t1);
+      run_tiles<B, kOffset, Values::kQ5>(p, p.q5 + panel * p.K * 40, x, xsum, panel, t0, t1);
   } else {
     // Per worker thread, kept for its next item: a panel's values and the item's rows of x.
     thread_local std::vector<int8_t> values;
@@ -291,7 +307,8 @@ void run_item(const Problem& p, int64_t first, int64_t last, int64_t t0, int64_t
     for (int64_t i = 0; i < (t1 - t0) * p.K; ++i) scaled[i] = x[i] * 16777216.0f;
     for (int64_t panel = first; panel < last; ++panel) {
       unpack_q5(p.q5 + panel * p.K * 40, p.K, values.data());
-      run_tiles<B, kOffset, Values::kQ5Bytes>(p, values.data(), scaled.data(), panel, t0, t1);
+      run_tiles<B, kOffset, Values::kQ5Bytes>(p, values.data(), scaled.data(), xsum, panel, t0,
+                                              t1);
     }
   }
 }
