@@ -18,7 +18,6 @@ frontend in another process sees as EngineDeadError.
 from __future__ import annotations
 
 import atexit
-import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -84,12 +83,8 @@ def _broadcast(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(x))
 
 
-def input_shapes(runner: ModelRunner, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
-    return DeviceInputs.shapes(shape[0], *runner.step_sizes(shape), runner.max_blocks_per_seq)
-
-
 def input_size(runner: ModelRunner, shape: tuple[int, int]) -> int:
-    return sum(math.prod(s) for s in input_shapes(runner, shape).values())
+    return DeviceInputs.packed_size(runner.input_shapes(shape))
 
 
 class Leader:
@@ -100,9 +95,10 @@ class Leader:
         self.shapes = runner.bucket_shapes()
         self.stopped = False
 
-    def step(self, shape: tuple[int, int], inputs: DeviceInputs) -> None:
+    def step(self, shape: tuple[int, int], packed: np.ndarray) -> None:
+        """`packed`: the step's inputs as `DeviceInputs.pack` gives them."""
         _broadcast(np.array([STEP, self.shapes.index(shape), 0], np.int32))
-        _broadcast(inputs.pack())
+        _broadcast(packed)
 
     def prompt(self, rows: np.ndarray, targets: np.ndarray) -> None:
         _broadcast(np.array([PROMPT, 0, 0], np.int32))
@@ -152,8 +148,7 @@ def follow(runner: ModelRunner, prompt_rows: int) -> int:
         if command == STEP:
             shape = shapes[index]
             flat = _broadcast(np.zeros(input_size(runner, shape), np.int32))
-            *_, logits, hidden = runner.launch(
-                shape, DeviceInputs.unpack(flat, input_shapes(runner, shape)))
+            *_, logits, hidden = runner.launch(shape, flat)
             recent[runner.launches] = logits
             old = recent.pop(runner.launches - RECENT_STEPS, None)
             if old is not None:  # as process 0's release(): no fresh buffer every step

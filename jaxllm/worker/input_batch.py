@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import numpy as np
 
@@ -21,9 +22,10 @@ from scheduler import SchedulerOutput
 
 @dataclass
 class DeviceInputs:
-    """The arrays one step sends to the device, padded to its bucket (T tokens, S sequences):
-    `ModelRunner.launch`'s inputs, and what process 0 of a multi-host engine broadcasts to the
-    others as one vector (`pack` / `unpack`, field by field)."""
+    """The arrays one step sends to the device, padded to its bucket (T tokens, S sequences).
+    They travel as one int32 vector (`pack`): one host-to-device transfer and one argument per
+    step, split again inside the step (`unpack`, static slices); the same vector is what process
+    0 of a multi-host engine broadcasts to the others."""
 
     input_ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int32
@@ -48,14 +50,24 @@ class DeviceInputs:
         return np.concatenate([getattr(self, f.name).ravel()
                                for f in dataclasses.fields(DeviceInputs)]).astype(np.int32)
 
-    @classmethod
-    def unpack(cls, flat: np.ndarray, shapes: dict[str, tuple[int, ...]]) -> DeviceInputs:
-        """`pack`'s vector back into arrays of `shapes` (`DeviceInputs.shapes` of its bucket)."""
-        names = [f.name for f in dataclasses.fields(DeviceInputs)]
-        sizes = [math.prod(shapes[name]) for name in names]
-        parts = np.split(flat, np.cumsum(sizes)[:-1])
-        return DeviceInputs(**{name: part.reshape(shapes[name])
-                               for name, part in zip(names, parts, strict=True)})
+    @staticmethod
+    def unpack(flat: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        """`pack`'s vector (numpy, or a traced jax array inside the step) back into the fields'
+        arrays of `shapes` (`DeviceInputs.shapes` of its bucket), by name."""
+        need = DeviceInputs.packed_size(shapes)
+        if flat.shape != (need,):
+            raise ValueError(f"packed step inputs hold {flat.shape} values; the bucket's "
+                             f"fields take ({need},)")
+        out, start = {}, 0
+        for f in dataclasses.fields(DeviceInputs):
+            size = math.prod(shapes[f.name])
+            out[f.name] = flat[start:start + size].reshape(shapes[f.name])
+            start += size
+        return out
+
+    @staticmethod
+    def packed_size(shapes: dict[str, tuple[int, ...]]) -> int:
+        return sum(math.prod(s) for s in shapes.values())
 
 
 @dataclass

@@ -92,6 +92,7 @@ from jaxllm.worker.outputs import (  # re-exported: the engine core imports them
     to_host,
 )
 from jaxllm.worker.step import StepOutputs, forward_step, prompt_stats
+from jaxllm.worker.step_call import StepCall
 from pallas_kernels.attention_common import decode_num_splits
 from scheduler import SchedulerOutput
 
@@ -161,7 +162,7 @@ class ModelRunner:
                  gemv_params: dict | None = None, gemv_max_rows: int = 0,
                  kv_cache_dtype: Any = None, activation_dtype: Any = None,
                  tensor_parallel_size: int = 1, matmul_precision: str = "default",
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, fast_dispatch: bool = True) -> None:
         """`gemv_max_rows`, `kv_cache_dtype`, `activation_dtype` and `matmul_precision` as
         EngineConfig resolved them (None: `dtype`); with `gemv_max_rows` and no `gemv_params`,
         the GEMV buckets run on float32 copies of `params`."""
@@ -228,9 +229,14 @@ class ModelRunner:
         self.top_k = min(TOPK, config.vocab_size) if topk_sampling else 0
         # The logits output reuses the previous step's buffer of its shape (donated): no
         # vocabulary-sized allocation and release per step (docs/perf/host-path.md).
-        self._step = jax.jit(self._forward, static_argnames=("max_query_len", "num_splits"),
+        self._step = jax.jit(self._forward,
+                             static_argnames=("num_tokens", "max_query_len", "num_splits"),
                              donate_argnames=("kv_cache", "logits_buf"), keep_unused=True)
         self._compiled: dict[tuple[int, int], Any] = {}
+        # Each compiled step with its weights bound, called through its executable
+        # (jaxllm/worker/step_call.py); False: through `Compiled.__call__` (also with a mesh).
+        self.fast_dispatch = fast_dispatch
+        self._calls: dict[tuple[int, int], StepCall] = {}
         # Prompt logprobs: one small executable per hidden-state row count, reading the step's
         # hidden states where they are (see `add_prompt_logprobs`).
         self._prompt_fn = jax.jit(self._prompt_stats)
@@ -262,12 +268,15 @@ class ModelRunner:
             num_speculative_tokens=num_speculative_tokens)
 
     def _forward(self, params: dict, rope: dict, kv_cache: jax.Array, logits_buf: jax.Array,
-                 input_ids: jax.Array, positions: jax.Array,
-                 attn_metadata: AttentionMetadata[jax.Array], max_query_len: int,
+                 packed: jax.Array, num_tokens: int, max_query_len: int,
                  num_splits: int) -> StepOutputs:
         del logits_buf  # only its buffer is wanted, for the logits output
+        fields = DeviceInputs.unpack(packed, self.input_shapes((num_tokens, max_query_len)))
+        attn_metadata = AttentionMetadata(**{name: fields[name]
+                                             for name in AttentionMetadata._fields})
         return forward_step(self.model, self.top_k, self.mesh, params, rope, kv_cache,
-                            input_ids, positions, attn_metadata, max_query_len, num_splits)
+                            fields["input_ids"], fields["positions"], attn_metadata,
+                            max_query_len, num_splits)
 
     def _prompt_stats(self, params: dict, hidden: jax.Array, rows: jax.Array, targets: jax.Array
                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -307,6 +316,10 @@ class ModelRunner:
         seqs = min(shape[0], self.max_num_seqs)
         return seqs, seqs
 
+    def input_shapes(self, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+        """Each step input's shape in a bucket (`DeviceInputs.shapes`)."""
+        return DeviceInputs.shapes(shape[0], *self.step_sizes(shape), self.max_blocks_per_seq)
+
     def bucket_table(self) -> list[tuple[int, int, int]]:
         """(num_tokens, max_query_len, attention split count) of every compiled step."""
         return [(num_tokens, max_query_len, self.decode_splits[num_tokens] if max_query_len == 1
@@ -319,30 +332,21 @@ class ModelRunner:
             return self.gemv_params
         return self.params
 
-    def _abstract_inputs(self, shape: tuple[int, int]):
-        num_tokens = shape[0]
-        s, rows = self.step_sizes(shape)
-        i32 = jnp.int32
-
-        def spec(*shape):
-            return jax.ShapeDtypeStruct(shape, i32, sharding=self._replicated())
-
-        attn_metadata = AttentionMetadata(spec(num_tokens), spec(s, self.max_blocks_per_seq),
-                                          spec(s), spec(s + 1), spec(rows))
-        return spec(num_tokens), spec(num_tokens), attn_metadata
+    def _packed_spec(self, shape: tuple[int, int]) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((DeviceInputs.packed_size(self.input_shapes(shape)),),
+                                    jnp.int32, sharding=self._replicated())
 
     def lower_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int) -> Any:
         """The step of one bucket lowered (at the runner's matmul precision), not compiled."""
         kv_spec = jax.ShapeDtypeStruct(self.kv_shape(num_kv_blocks), self.kv_cache_dtype,
                                        sharding=self._sharding(KV_SPEC))
-        ids, pos, attn_metadata = self._abstract_inputs((num_tokens, max_query_len))
         splits = self.decode_splits[num_tokens] if max_query_len == 1 else 1
         with jax.default_matmul_precision(self.matmul_precision):
             return self._step.lower(self.params_for(num_tokens, max_query_len), self.rope,
                                     kv_spec, self._logits_spec(
                                         self.step_sizes((num_tokens, max_query_len))[1]),
-                                    ids, pos,
-                                    attn_metadata, max_query_len=max_query_len,
+                                    self._packed_spec((num_tokens, max_query_len)),
+                                    num_tokens=num_tokens, max_query_len=max_query_len,
                                     num_splits=splits)
 
     def _compile_step(self, num_tokens: int, max_query_len: int, num_kv_blocks: int):
@@ -387,6 +391,7 @@ class ModelRunner:
         self.kv_cache = jnp.zeros(self.kv_shape(num_blocks), self.kv_cache_dtype,
                                   device=self._sharding(KV_SPEC))
         self._compiled.clear()
+        self._calls.clear()
 
     def compile(self, progress: bool = True) -> float:
         """Compile every bucket ahead of time; returns the seconds it took."""
@@ -430,6 +435,7 @@ class ModelRunner:
                 self._compiled[key[1:]] = compiled
             else:
                 self._compiled_prompt[key[1]] = compiled
+        self.set_fast_dispatch(self.fast_dispatch)
         self._logits_bufs.clear()
         self._row_slices.clear()
         self._gathers.clear()
@@ -446,6 +452,18 @@ class ModelRunner:
                     self._row_slices[spec.shape[0]] = jax.jit(row_slice).lower(spec,
                                                                                row).compile()
         return time.perf_counter() - start
+
+    def set_fast_dispatch(self, enabled: bool) -> None:
+        """Call the compiled steps through `StepCall` (True; only without a mesh and where this
+        JAX has what it needs) or through `Compiled.__call__`; both run the same executables."""
+        self.fast_dispatch = enabled
+        self._calls = {shape: StepCall(compiled, (self.params_for(*shape), self.rope))
+                       for shape, compiled in self._compiled.items()
+                       if enabled and self.mesh is None and StepCall.supported(compiled)}
+
+    def uses_fast_dispatch(self) -> bool:
+        """Whether every compiled step is called through `StepCall`."""
+        return bool(self._compiled) and set(self._calls) == set(self._compiled)
 
     def bucket_for(self, num_tokens: int, decode_only: bool = False) -> int:
         for t in self.decode_buckets if decode_only else self.buckets:
@@ -508,22 +526,22 @@ class ModelRunner:
             inputs.input_ids[prepared.placeholder_index] = (
                 0 if placeholder_tokens is None else placeholder_tokens)
         self.step_shape_counts[prepared.shape] += 1
-        if self.leader is not None:  # several hosts: the followers launch the same step
-            self.leader.step(prepared.shape, inputs)
         t = time.perf_counter()
-        values, token_ids, lse, logits, hidden = self.launch(prepared.shape, inputs)
+        packed = inputs.pack()
+        if self.leader is not None:  # several hosts: the followers launch the same step
+            self.leader.step(prepared.shape, packed)
+        values, token_ids, lse, logits, hidden = self.launch(prepared.shape, packed)
         if logits.is_fully_addressable:
             for x in (values, token_ids, lse) if self.top_k else (logits,):
                 x.copy_to_host_async()
         return StepHandle(prepared, values, token_ids, lse, logits, hidden, t,
                           time.perf_counter(), self.launches)
 
-    def launch(self, shape: tuple[int, int], inputs: DeviceInputs) -> tuple:
-        """Run a compiled step on padded inputs; returns (top-K values, ids, log-sum-exp,
-        logits, hidden states)."""
-        attn_metadata = AttentionMetadata(**{name: getattr(inputs, name)
-                                             for name in AttentionMetadata._fields})
-        num_rows = inputs.logits_indices.shape[0]
+    def launch(self, shape: tuple[int, int], packed: np.ndarray) -> tuple:
+        """Run a compiled step on its padded inputs packed into one vector
+        (`DeviceInputs.pack`); returns (top-K values, ids, log-sum-exp, logits, hidden
+        states)."""
+        num_rows = self.step_sizes(shape)[1]
         buf = self._logits_bufs.pop(num_rows, None)
         if buf is None:  # first step of this shape (a transfer, not a compile)
             zeros = np.zeros((num_rows, self.config.vocab_size), np.float32)
@@ -532,9 +550,12 @@ class ModelRunner:
             else:  # per shard: device_put would compare the value across processes
                 buf = jax.make_array_from_callback(
                     zeros.shape, NamedSharding(self.mesh, LOGITS_SPEC), lambda index: zeros[index])
-        *out, self.kv_cache = self._compiled[shape](
-            self.params_for(*shape), self.rope, self.kv_cache, buf, inputs.input_ids,
-            inputs.positions, attn_metadata)
+        call = self._calls.get(shape)
+        if call is not None and self.kv_cache is not None:
+            *out, self.kv_cache = call(self.kv_cache, buf, packed)
+        else:
+            *out, self.kv_cache = self._compiled[shape](
+                self.params_for(*shape), self.rope, self.kv_cache, buf, packed)
         self.launches += 1
         return tuple(out)
 

@@ -419,6 +419,64 @@ def decode_step(cfg: Qwen2Shape, batch: int, context: int, dtype: str = "bfloat1
         kernels=cfg.num_layers * 10 + 3)
 
 
+# The first run on an H100 (BENCHMARKS.md, GPU section) measured what the roofline above leaves
+# out: XLA's weight GEMMs at 1-128 rows read at ~625 GB/s (1.58 ms a 0.5B decode step for 0.99
+# GB of weights), not at HBM speed (measured at 0.5B's shapes only); the host's call of the
+# compiled step took 1.69-1.82 ms, its kernels launched one at a time from the host (XLA's
+# thunks, no effective CUDA graph).
+MEASURED_MATMUL_BYTES_PER_S = 625e9
+# Host cost per kernel launch and per executable argument (jit's C++ path, ~0.5 us each:
+# benchmarks/dispatch.py); device time of a tiny kernel with its launch gap.
+LAUNCH_US = 4.5
+ARG_US = 0.5
+TINY_KERNEL_US = 3.0
+# Kernels a decode step launches besides the weight GEMMs (benchmarks/step_ops.py counts the
+# lowered step): per layer the Pallas RMSNorm x 2, RoPE, KV write, split-K attention and its
+# combine, plus the element-wise ops XLA fuses into about four kernels (bias, SiLU-and-mul, casts);
+# outside the layers the embedding gather, final norm, top-K and a few casts.
+PALLAS_PER_LAYER = 6
+FUSIONS_PER_LAYER = 4
+KERNELS_OUTSIDE = 8
+ARRAYS_PER_LAYER = 7  # weight arrays: QKV weight and bias, O, gate-up, down, two norms
+
+
+@dataclass(frozen=True)
+class LaunchBoundStep:
+    """A decode step as the first GPU run behaved: the device runs the step's kernels (GEMMs at
+    the measured rate, each other kernel at least TINY_KERNEL_US) while the host launches them
+    one by one; the step takes the longer of the two."""
+
+    model: str
+    batch: int
+    kernels: int
+    arguments: int
+    device_s: float
+    host_s: float
+
+    @property
+    def step_s(self) -> float:
+        return max(self.device_s, self.host_s)
+
+
+def launch_bound_step(cfg: Qwen2Shape, batch: int, context: int, dtype: str = "bfloat16",
+                      launch_us: float = LAUNCH_US, arg_us: float = ARG_US,
+                      arguments: int | None = None) -> LaunchBoundStep:
+    """`decode_step`'s step with the launch and dispatch terms: `arguments` arrays passed to
+    the executable (None: the weight tree's, as `Compiled.__call__` takes them)."""
+    est = decode_step(cfg, batch, context, dtype, floor_us=TINY_KERNEL_US)
+    gemms = 4 * cfg.num_layers + 1
+    others = (PALLAS_PER_LAYER + FUSIONS_PER_LAYER) * cfg.num_layers + KERNELS_OUTSIDE
+    matmul_s = max(est.weight_bytes / MEASURED_MATMUL_BYTES_PER_S, est.matmul_s)
+    # Each non-GEMM kernel at its roofline time or the tiny-kernel floor; attention as modelled.
+    device_s = (matmul_s + est.attention_split_s
+                + max(est.other_s, (others - 2 * cfg.num_layers) * TINY_KERNEL_US * 1e-6))
+    if arguments is None:
+        arguments = ARRAYS_PER_LAYER * cfg.num_layers + (2 if cfg.tied_embeddings else 3) + 4
+    kernels = gemms + others
+    host_s = (kernels * launch_us + arguments * arg_us) * 1e-6
+    return LaunchBoundStep(cfg.name, batch, kernels, arguments, device_s, host_s)
+
+
 def _us(seconds: float) -> str:
     return f"{seconds * 1e6:,.0f}"
 
@@ -456,6 +514,16 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(HBM {HBM_BYTES_PER_S / 1e12:.2f} TB/s, {BF16_TENSOR_FLOPS / 1e12:.0f} TFLOP/s bf16, "
           f"{NUM_SMS} SMs, {ns.floor_us:g} us per kernel at least)")
     print(format_steps(default_steps(ns.floor_us)))
+    print("\nLaunch-bound, calibrated to the first H100 run (GEMMs at "
+          f"{MEASURED_MATMUL_BYTES_PER_S / 1e9:.0f} GB/s, {LAUNCH_US:g} us a kernel launched "
+          f"from the host, {ARG_US:g} us an argument):")
+    print("| model | batch | kernels | arguments | device us | host us | step us |")
+    print("|---|---|---|---|---|---|---|")
+    # The GEMM rate was measured at 0.5B's shapes only; larger models need their own.
+    for b in (1, 64):
+        e = launch_bound_step(QWEN2_SHAPES["qwen2.5-0.5b"], b, 256)
+        print(f"| {e.model} | {b} | {e.kernels} | {e.arguments} | {_us(e.device_s)} | "
+              f"{_us(e.host_s)} | {_us(e.step_s)} |")
     return 0
 
 

@@ -228,23 +228,16 @@ def test_prompt_logprobs_survive_chunking(tiny, prompts):
 def test_decode_steps_use_small_buckets(tiny):
     # A pure-decode step pads only to the next power of two of its sequences (on CPU a GEMM's
     # time grows with its rows); mixed steps keep the token buckets from 16 up.
-    # In process: it watches which compiled step each launch picks.
+    # In process: it reads which step shape each launch ran.
     llm = make_llm(tiny[0], max_num_seqs=6, multiprocess_mode=False)
     runner = runner_of(llm)
     assert runner.bucket_shapes() == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 16), (32, 32),
                                       (64, 64)]
     assert [runner.bucket_for(n, decode_only=True) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 8, 8]
     assert [runner.bucket_for(n) for n in (1, 16, 17, 64)] == [16, 16, 32, 64]
-    shapes = []
-
-    class Recording(dict):
-        def __getitem__(self, key):
-            shapes.append(key)
-            return super().__getitem__(key)
-
-    runner._compiled = Recording(runner._compiled)
+    runner.reset_step_shape_counts()
     greedy([[5, 6, 7]], llm)
-    assert shapes == [(16, 16)] + [(1, 1)] * (MAX_NEW - 1)
+    assert runner.get_step_shape_counts() == [(1, 1, MAX_NEW - 1), (16, 16, 1)]
 
 
 # XLA's HLO spelling of the KV array's element type.

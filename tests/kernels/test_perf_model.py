@@ -193,3 +193,17 @@ def test_model_rows_and_main_model_time(monkeypatch, tmp_path, capsys) -> None:
     assert len(data["model"]) == 6 and data["model"][0]["model_us"] >= pm.FLOOR_US
     assert pm.main([]) == 0
     assert "unsplit / split-K" in capsys.readouterr().out
+
+
+def test_launch_bound_step_matches_the_first_gpu_run():
+    # BENCHMARKS.md's GPU section: the 0.5B-shaped bfloat16 decode step at batch 1 took
+    # 2.55-2.77 ms from dispatch to its candidates on the host, of which 1.69-1.82 ms was the
+    # host's call of the step. The calibrated model must land within 25 % of both.
+    est = pm.launch_bound_step(QWEN2_SHAPES["qwen2.5-0.5b"], 1, 256)
+    assert 0.75 * 2.55e-3 <= est.step_s <= 1.25 * 2.77e-3
+    assert 0.75 * 1.69e-3 <= est.host_s <= 1.25 * 1.82e-3
+    assert est.arguments == 174  # the runner's weight tree, RoPE table, KV, logits, inputs
+    # Fewer arguments (the step's weights bound once) cut only the dispatch term.
+    bound = pm.launch_bound_step(QWEN2_SHAPES["qwen2.5-0.5b"], 1, 256, arguments=3)
+    assert est.host_s - bound.host_s == pytest.approx(171 * pm.ARG_US * 1e-6)
+    assert bound.device_s == est.device_s
