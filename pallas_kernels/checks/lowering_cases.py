@@ -25,6 +25,7 @@ from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.rms_norm import rms_norm
 from pallas_kernels.rope import rope
+from pallas_kernels.rope_write_kv import rope_write_kv
 
 Case = tuple[str, Callable, tuple]
 
@@ -107,6 +108,27 @@ def kv_write_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
     return [(f"write_kv{suffix}", fn,
              (jax.ShapeDtypeStruct(cache, dtype), jax.ShapeDtypeStruct(kv, dtype),
               jax.ShapeDtypeStruct(kv, dtype), jax.ShapeDtypeStruct((num_tokens,), jnp.int32)))
+            for suffix, cache in kv_arrays(model, dtype, 16)]
+
+
+def rope_write_kv_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
+    """The QKV epilogue (bias, RoPE, the KV write) of the phase's tokens into the last layer
+    of the KV array (``kv_arrays``, as ``kv_write_cases``)."""
+    num_tokens = _tokens(phase)
+    layer = model.num_layers - 1
+    heads, kv_heads = model.num_heads, model.num_kv_heads
+    width = (heads + 2 * kv_heads) * model.head_dim
+
+    def fn(qkv, bias, pos, cos_sin, kv_cache, slot_mapping):
+        return rope_write_kv(qkv, bias, pos, cos_sin, kv_cache, layer, slot_mapping,
+                             num_heads=heads, num_kv_heads=kv_heads, backend="pallas")
+
+    return [(f"rope_write_kv{suffix}", fn,
+             (jax.ShapeDtypeStruct((num_tokens, width), dtype),
+              jax.ShapeDtypeStruct((width,), dtype),
+              jax.ShapeDtypeStruct((num_tokens,), jnp.int32),
+              jax.ShapeDtypeStruct((32768, model.head_dim), jnp.float32),
+              jax.ShapeDtypeStruct(cache, dtype), jax.ShapeDtypeStruct((num_tokens,), jnp.int32)))
             for suffix, cache in kv_arrays(model, dtype, 16)]
 
 
@@ -206,5 +228,6 @@ LOWERING_CASES: dict[str, Callable[[Qwen2Shape, object, str], list[Case]]] = {
     "rope": rope_cases,
     "paged_attention": paged_attention_cases,
     "kv_write": kv_write_cases,
+    "rope_write_kv": rope_write_kv_cases,
     "dequant_matmul": dequant_matmul_cases,
 }

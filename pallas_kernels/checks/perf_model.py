@@ -135,6 +135,19 @@ def write_kv_cost(tokens: int, num_kv_heads: int, head_dim: int, dtype: str) -> 
     return Cost(bytes=4 * n * itemsize(dtype) + 4 * tokens, flops=0, peak=FP32_FLOPS)
 
 
+def rope_write_kv_cost(tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                       dtype: str) -> Cost:
+    """Reads q, k, v and the bias, positions, slots and a cos/sin row per token; writes the
+    rotated q and, into the cache, k and v. FLOPs: the bias add on every element, the rotation's
+    2 multiplies and an add on q and k."""
+    qk = tokens * (num_heads + num_kv_heads) * head_dim
+    v = tokens * num_kv_heads * head_dim
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    size = itemsize(dtype)
+    return Cost(bytes=(2 * qk + 2 * v + width) * size + tokens * (8 + head_dim * 4),
+                flops=4 * qk + v, peak=FP32_FLOPS)
+
+
 def attention_peak(dtype: str) -> float:
     return BF16_TENSOR_FLOPS if dtype == "bfloat16" else FP32_FLOPS
 
@@ -279,6 +292,9 @@ def case_cost(kernel: str, model, dtype: str, phase: str, grid: Sequence[int]) -
         cost = rope_cost(tokens, model.num_heads, model.num_kv_heads, model.head_dim, dtype)
     elif base == "write_kv":
         cost = write_kv_cost(tokens, model.num_kv_heads, model.head_dim, dtype)
+    elif base == "rope_write_kv":
+        cost = rope_write_kv_cost(tokens, model.num_heads, model.num_kv_heads, model.head_dim,
+                                  dtype)
     elif base.startswith("dequant_"):
         layer, rows = base.split("_", 2)[2].rsplit("_m", 1)
         group, offsets = {name: (g, o) for name, g, o in DEQUANT_LAYERS}[layer]

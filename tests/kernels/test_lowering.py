@@ -85,10 +85,10 @@ def test_missing_module_is_reported_not_raised() -> None:
 
 
 # The kernel kinds of a bf16 step of the model: the norms (the first layer's input norm alone,
-# then fused with the residual add), RoPE, the KV write and attention (split-K decode: split
-# and combine kernels; a prefill bucket or a speculative-decoding verify bucket: the one-pass
-# kernel).
-NORMS_ROPE_WRITE = {"rms_norm", "rms_norm_residual", "rope", "write_kv"}
+# then fused with the residual add), the QKV epilogue (bias, RoPE and the KV write in one
+# kernel) and attention (split-K decode: split and combine kernels; a prefill bucket or a
+# speculative-decoding verify bucket: the one-pass kernel).
+NORMS_ROPE_WRITE = {"rms_norm", "rms_norm_residual", "rope_write_kv"}
 STEP_KERNELS = {
     "decode": NORMS_ROPE_WRITE | {"paged_attention_split", "paged_attention_combine"},
     "prefill": NORMS_ROPE_WRITE | {"paged_attention"},
@@ -106,9 +106,9 @@ def _step_config(num_layers: int) -> ModelConfig:
 @pytest.mark.parametrize("phase, num_tokens", [("decode", 8), ("prefill", 64),
                                                ("spec", 8 * SPEC_QUERY_LEN)])
 def test_model_step_has_one_triton_module_per_kernel_kind(phase, num_tokens) -> None:
-    # 3 layers at Qwen2.5-0.5B widths: each layer calls write_kv and attention, yet XLA gets
-    # one distinct Triton module per kernel kind to compile (with the layer a constant of the
-    # kernels, write_kv and attention would be 3 modules each).
+    # 3 layers at Qwen2.5-0.5B widths: each layer calls rope_write_kv and attention, yet XLA
+    # gets one distinct Triton module per kernel kind to compile (with the layer a constant of
+    # the kernels, they would be 3 modules each).
     num_layers = 3
     config = _step_config(num_layers)
     lowered = lower_step_for_cuda(config, num_tokens, phase != "prefill",
@@ -116,7 +116,7 @@ def test_model_step_has_one_triton_module_per_kernel_kind(phase, num_tokens) -> 
     counts = triton_modules(lowered)
     assert counts.modules == dict.fromkeys(STEP_KERNELS[phase], 1)
     attention = "paged_attention_split" if phase == "decode" else "paged_attention"
-    assert counts.ops["write_kv"] == counts.ops[attention] == num_layers
+    assert counts.ops["rope_write_kv"] == counts.ops[attention] == num_layers
     if phase == "spec":
         # 8 sequences of 6 tokens at max_query_len 6: the attention grid (sequences, query
         # tiles, KV heads) has one tile of 8 tokens x 8 (padded) heads per sequence on 4 warps

@@ -24,10 +24,10 @@ from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers import cpu_attention
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, dequantize, gguf_linear
 from pallas_kernels.dequant_matmul import dequant_matmul
-from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.rms_norm import rms_norm
-from pallas_kernels.rope import rope, rope_cos_sin_cache
+from pallas_kernels.rope import rope_cos_sin_cache
+from pallas_kernels.rope_write_kv import rope_write_kv
 
 # Arrays when a step runs; their shapes, dtypes and shardings when a step is traced ahead of time.
 ArrayOrSpec = TypeVar("ArrayOrSpec", jax.Array, jax.ShapeDtypeStruct)
@@ -94,12 +94,14 @@ def _weight_param(module: nn.Module, name: str, shape: tuple[int, ...], dtype: A
 
 
 class Linear(nn.Module):
-    """vLLM's Linear: params `weight` [out, in] and optional `bias` [out]."""
+    """vLLM's Linear: params `weight` [out, in] and optional `bias` [out]. With `defer_bias`
+    it returns (x W^T, bias) and leaves the add to the kernel that reads the output next."""
 
     features: int
     use_bias: bool
     dtype: Any
     backend: str = "reference"
+    defer_bias: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -108,6 +110,8 @@ class Linear(nn.Module):
         y = linear(x, weight, self.backend)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+            if self.defer_bias:
+                return y, bias
             # XLA on CPU fuses `dot + bias` into the dot, which then cannot take the
             # dequantization in and materialises the float32 weight; y - (-b) is bit-for-bit
             # y + b and is left alone.
@@ -129,14 +133,15 @@ class Qwen2Attention(nn.Module):
         cfg = self.config
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # One fused GEMM for q, k and v (vLLM's QKVParallelLinear): fewer, larger matmuls.
-        qkv = Linear((nh + 2 * nkv) * hd, True, self.dtype, self.backend, name="qkv_proj")(x)
-        q, k, v = jnp.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
-        q = q.reshape(-1, nh, hd)
-        k = k.reshape(-1, nkv, hd)
-        v = v.reshape(-1, nkv, hd)
-        q, k = rope(q, k, positions, cos_sin_cache, backend=self.backend)
-        kv_cache = write_kv(kv_cache, self.layer_idx, k, v, attn_metadata.slot_mapping,
-                            backend=self.backend)
+        # Its epilogue (bias, RoPE, the KV write) is one kernel with a Pallas backend; on the
+        # reference backend the bias stays with the GEMM, where XLA fuses it.
+        fused_bias = self.backend != "reference"
+        qkv = Linear((nh + 2 * nkv) * hd, True, self.dtype, self.backend, fused_bias,
+                     name="qkv_proj")(x)
+        qkv, bias = qkv if fused_bias else (qkv, None)
+        q, kv_cache = rope_write_kv(qkv, bias, positions, cos_sin_cache, kv_cache,
+                                    self.layer_idx, attn_metadata.slot_mapping, num_heads=nh,
+                                    num_kv_heads=nkv, backend=self.backend)
         if cpu_attention.use_for(q, kv_cache, self.backend, self.tp_axis):
             out = cpu_attention.paged_attention(
                 q, kv_cache, self.layer_idx, attn_metadata.block_tables,
