@@ -1,7 +1,7 @@
 """The GPU check suite: stages of sub-checks, each with pass/fail and numbers.
 
     python benchmarks/gpu_checks.py STAGE [STAGE ...] [--dry-run] [--out DIR] [--time-box S]
-    python benchmarks/gpu_checks.py lease [--dry-run] [--out DIR] [--deadline S]
+    python benchmarks/gpu_checks.py lease [--dry-run] [--out DIR] [--deadline S] [--parts P,..]
 
 Stages: probe, kernels, tiny, realshape, parity, bench, or `all` of them in that order
 (docs/gpu.md says what each measures; the code is in benchmarks/gpu/). Several stages run one
@@ -42,7 +42,12 @@ from benchmarks.gpu.harness import (  # noqa: E402
     run_recorded,
     sizes_for,
 )
-from benchmarks.gpu.lease import DEFAULT_DEADLINE_S, DRY_RUN_DEADLINE_S, run_lease  # noqa: E402
+from benchmarks.gpu.lease import (  # noqa: E402
+    DEFAULT_DEADLINE_S,
+    DRY_RUN_DEADLINE_S,
+    PART_BY_NAME,
+    run_lease,
+)
 from benchmarks.gpu.probe import stage_kernels, stage_probe  # noqa: E402
 from benchmarks.gpu.realshape import stage_realshape  # noqa: E402
 
@@ -70,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=None,
                         help=f"lease: seconds for the whole plan (default "
                              f"{DEFAULT_DEADLINE_S:.0f}, {DRY_RUN_DEADLINE_S:.0f} with --dry-run)")
+    parser.add_argument("--parts", default=None,
+                        help=f"lease: only these parts, comma-separated, in the plan's order "
+                             f"({','.join(PART_BY_NAME)}); a part whose checkpoint another "
+                             f"part writes writes it itself")
     ns = parser.parse_args(argv)
     if ns.time_box is not None and ns.time_box <= 0:
         parser.error(f"--time-box must be > 0, got {ns.time_box}")
@@ -77,13 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--deadline must be > 0, got {ns.deadline}")
     if "lease" in ns.stages and (len(ns.stages) > 1 or ns.time_box is not None):
         parser.error("lease runs alone and sets its parts' limits itself (--deadline)")
+    if "lease" not in ns.stages and (ns.deadline is not None or ns.parts is not None):
+        parser.error("--deadline and --parts are the lease plan's")
+    only = tuple(x for x in (ns.parts or "").split(",") if x)
+    if set(only) - set(PART_BY_NAME):
+        parser.error(f"unknown --parts {sorted(set(only) - set(PART_BY_NAME))}")
     stages = STAGES if "all" in ns.stages else tuple(dict.fromkeys(ns.stages))
     # Engine cores in their own process and the bench and kernel-test children share the GPU
     # with this process: none may take most of its memory up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     out = Path(ns.out or os.environ.get("OUT") or "gpu_checks_out")
     if "lease" in ns.stages:
-        return run_lease(out, ns.dry_run, ns.deadline)
+        return run_lease(out, ns.dry_run, ns.deadline, only)
     failed = {stage: run_stage(stage, out, ns.dry_run, ns.time_box) for stage in stages}
     return 1 if any(failed.values()) else 0
 

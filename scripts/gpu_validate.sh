@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_validate.sh STAGE [STAGE ...] [gpu_checks.py options]
 #       # STAGE: probe | kernels | tiny | realshape | parity | bench | all; several run in turn
-#   bash scripts/gpu_validate.sh lease [--deadline S]
+#   bash scripts/gpu_validate.sh lease [--deadline S] [--parts P,..]
 #       # the one-command plan for a short lease (benchmarks/gpu/lease.py, docs/gpu.md)
 #   bash scripts/gpu_validate.sh --assemble-only
 #

@@ -1,6 +1,6 @@
 """The lease plan: everything one command on a lent GPU should measure, inside one deadline.
 
-    python benchmarks/gpu_checks.py lease [--dry-run] [--out DIR] [--deadline S]
+    python benchmarks/gpu_checks.py lease [--dry-run] [--out DIR] [--deadline S] [--parts P,..]
 
 Parts run one after another, each in its own process group under its own time limit (cut to
 what is left of the deadline), so a hung compile or a slow part costs that part only and the
@@ -382,12 +382,19 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> int:
     return proc.wait()
 
 
-def run_lease(out: Path, dry_run: bool, deadline_s: float | None = None) -> int:
-    """Every part in turn within the deadline; 1 if any part failed or was killed."""
+def run_lease(out: Path, dry_run: bool, deadline_s: float | None = None,
+              only: tuple[str, ...] = ()) -> int:
+    """Every part in turn (or those named in `only`) within the deadline; 1 if any part failed
+    or was killed."""
+    unknown = set(only) - set(PART_BY_NAME)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}; the parts: {list(PART_BY_NAME)}")
     plan = Plan(out, dry_run, deadline_s or (DRY_RUN_DEADLINE_S if dry_run
                                              else DEFAULT_DEADLINE_S))
     try:
         for part in PARTS:
+            if only and part.name not in only:
+                continue
             left = plan.left() - RESERVE_S
             limit = DRY_RUN_TIME_BOX_S if dry_run else part.limit_s
             # A dry run starts every part it can: it rehearses them all.

@@ -230,22 +230,26 @@ def test_lease_plan_dry_run(lease):
 
 
 def test_lease_deadline_kills_and_skips(tmp_path):
-    """A deadline too short for the plan: the part running at its end is killed (its record so
-    far kept), the rest skipped, and the command ends within the deadline and the kill's grace."""
+    """A deadline too short for the parts asked for: the part running at its end is killed (its
+    record so far kept), the rest skipped, and the command ends within the deadline and the
+    kill's grace."""
     import time
 
-    from benchmarks.gpu.lease import PARTS
+    from benchmarks import gpu_checks
 
+    with pytest.raises(SystemExit):
+        gpu_checks.main(["lease", "--parts", "probe,nosuchpart"])
     start = time.monotonic()
-    proc, doc = run_stage("lease", tmp_path, "--dry-run", "--deadline", "25")
+    proc, doc = run_stage("lease", tmp_path, "--dry-run", "--deadline", "25", "--parts",
+                          "probe,tiny,trace")
     elapsed = time.monotonic() - start
     assert proc.returncode == 1 and doc is not None, (proc.stdout + proc.stderr)[-3000:]
     assert elapsed < 25 + 15
     parts = {p["part"]: p for p in doc["parts"]}
-    assert list(parts) == [p.name for p in PARTS]
+    assert list(parts) == ["probe", "tiny", "trace"]
     assert any(p.get("timed_out") for p in parts.values())
-    assert parts["latency-7b"] == {"part": "latency-7b", "ok": None, "skipped": "deadline",
-                                   "left_s": parts["latency-7b"]["left_s"]}
+    assert parts["trace"] == {"part": "trace", "ok": None, "skipped": "deadline",
+                              "left_s": parts["trace"]["left_s"]}
     for p in parts.values():
         if "limit_s" in p:
             assert p["seconds"] <= p["limit_s"] + 12  # the kill's grace
