@@ -4,6 +4,8 @@
 #
 #   bash scripts/gpu_validate.sh STAGE [STAGE ...] [gpu_checks.py options]
 #       # STAGE: probe | kernels | tiny | realshape | parity | bench | all; several run in turn
+#   bash scripts/gpu_validate.sh lease [--deadline S] [--parts P,..]
+#       # the one-command plan for a short lease (benchmarks/gpu/lease.py, docs/gpu.md)
 #   bash scripts/gpu_validate.sh --assemble-only
 #
 # GPU_DIR (default .gpu/ in the repository) holds what this call brought: wheels/,
@@ -21,7 +23,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 GPU_DIR="${GPU_DIR:-$ROOT/.gpu}"
 GPU_CACHE="${GPU_CACHE:-/tmp/jaxllm-gpu}"
 PYTHON="${PYTHON:-python3}"
-STAGES=" probe kernels tiny realshape parity bench all "
+STAGES=" probe kernels tiny realshape parity bench all lease "
 
 die() { echo "gpu_validate.sh: $*" >&2; exit 2; }
 

@@ -23,9 +23,11 @@ def step_ms(doc: dict[str, Any]) -> float | None:
     return measured[0] if measured else None
 
 
-def write_random_checkpoint(shape, path: Path, seed: int = 0) -> None:
+def write_random_checkpoint(shape, path: Path, seed: int = 0, same_layers: bool = False) -> None:
     """A Hugging Face Qwen2 checkpoint of random bfloat16 weights at `shape`, written a tensor
-    at a time (the bench CLI and HF load it like a real one)."""
+    at a time (the bench CLI and HF load it like a real one). `same_layers`: every layer gets
+    layer 0's tensors, so a 7B-shaped checkpoint costs one layer's random numbers (the step's
+    time does not depend on the values)."""
     import ml_dtypes
     import numpy as np
     from safetensors.numpy import save_file
@@ -54,19 +56,19 @@ def write_random_checkpoint(shape, path: Path, seed: int = 0) -> None:
                   "model.norm.weight": "model-embed.safetensors"}
     if not shape.tied_embeddings:
         weight_map["lm_head.weight"] = "model-embed.safetensors"
+    layer: dict[str, np.ndarray] = {}
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
-        save_file({p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.q_proj.bias": rand(q),
-                   p + "self_attn.k_proj.weight": rand(kv, h),
-                   p + "self_attn.k_proj.bias": rand(kv),
-                   p + "self_attn.v_proj.weight": rand(kv, h),
-                   p + "self_attn.v_proj.bias": rand(kv),
-                   p + "self_attn.o_proj.weight": rand(h, q),
-                   p + "mlp.gate_proj.weight": rand(shape.intermediate_size, h),
-                   p + "mlp.up_proj.weight": rand(shape.intermediate_size, h),
-                   p + "mlp.down_proj.weight": rand(h, shape.intermediate_size),
-                   p + "input_layernorm.weight": ones(h),
-                   p + "post_attention_layernorm.weight": ones(h)},
+        if not (same_layers and layer):
+            layer = {"self_attn.q_proj.weight": rand(q, h), "self_attn.q_proj.bias": rand(q),
+                     "self_attn.k_proj.weight": rand(kv, h), "self_attn.k_proj.bias": rand(kv),
+                     "self_attn.v_proj.weight": rand(kv, h), "self_attn.v_proj.bias": rand(kv),
+                     "self_attn.o_proj.weight": rand(h, q),
+                     "mlp.gate_proj.weight": rand(shape.intermediate_size, h),
+                     "mlp.up_proj.weight": rand(shape.intermediate_size, h),
+                     "mlp.down_proj.weight": rand(h, shape.intermediate_size),
+                     "input_layernorm.weight": ones(h), "post_attention_layernorm.weight": ones(h)}
+        save_file({p + k: v for k, v in layer.items()},
                   str(path / f"model-layer{i:03d}.safetensors"))
         for key in ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
                     "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
@@ -77,6 +79,18 @@ def write_random_checkpoint(shape, path: Path, seed: int = 0) -> None:
     # The index names each tensor's file: Hugging Face reads several files through it.
     (path / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": weight_map}, indent=1))
+
+
+def bench_cli(run: StageRun, out: Path, args: list[str]) -> tuple[int, dict[str, Any], str]:
+    """`jaxllm bench ARGS --output-json OUT` in a child process, given the stage's time left
+    (at least 30 s); returns its exit status, its JSON ({} if none) and its output's tail."""
+    cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli.main", "bench", *args,
+           "--output-json", str(out)]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=max(30.0, run.seconds_left()))
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    return proc.returncode, doc, (proc.stdout + proc.stderr)[-1500:]
 
 
 def stage_bench(run: StageRun) -> None:
@@ -93,14 +107,8 @@ def stage_bench(run: StageRun) -> None:
               "--max-num-batched-tokens", str(sizes.bench_tokens)]
 
     def cli(name: str, model: Path, *args: str) -> tuple[int, dict[str, Any], str]:
-        out = run.out_dir / f"bench_{name}.json"
-        cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli.main", "bench", *args,
-               "--model", str(model), *engine, "--output-json", str(out)]
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=max(30.0, run.seconds_left()))
-        doc = json.loads(out.read_text()) if out.exists() else {}
-        return proc.returncode, doc, (proc.stdout + proc.stderr)[-1500:]
+        return bench_cli(run, run.out_dir / f"bench_{name}.json", [*args, "--model", str(model),
+                                                                   *engine])
 
     for name in sizes.bench_models:
         shape = shape_named(name)

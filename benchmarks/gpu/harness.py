@@ -146,6 +146,33 @@ class StageRun:
         os.replace(tmp, self.path)
 
 
+def run_recorded(stage: str, fn: Callable[[StageRun], None], out: Path, sizes: Sizes) -> list[str]:
+    """Run `fn` as stage `stage`, writing out/STAGE.json; returns its failed sub-checks' names.
+    A raise outside any sub-check is recorded as the failed check `stage_error`."""
+    import sys
+    from dataclasses import asdict
+
+    run = StageRun(stage, out, sizes)
+    run.info = {"argv": sys.argv, "sizes": asdict(sizes), "started_utc": time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    run.write()
+    try:
+        fn(run)
+    except Exception as exc:
+        # Outside any sub-check: record it, and let the stages after this one run.
+        run.checks.append({"name": "stage_error", "ok": False,
+                           "error": f"{type(exc).__name__}: {exc}"[:2000],
+                           "traceback": traceback.format_exc()[-4000:]})
+        print(run.checks[-1]["traceback"], flush=True)
+    run.write()
+    failed = run.failed()
+    skipped = [c["name"] for c in run.checks if c["ok"] is None]
+    print(f"[{stage}] {len(run.checks) - len(failed) - len(skipped)} passed, "
+          f"{len(failed)} failed {failed}, {len(skipped)} skipped (time box) -> {run.path}",
+          flush=True)
+    return failed
+
+
 # --------------------------------------------------------------------------- helpers
 
 

@@ -1,6 +1,7 @@
 """The GPU check suite on CPU: every stage of benchmarks/gpu_checks.py end to end with --dry-run
-in one invocation (the same code as on a GPU, tiny shapes, interpret-mode kernels), each
-stage's JSON holding passing checks with real numbers; and scripts/gpu_prepare.sh /
+(the same code as on a GPU, tiny shapes, interpret-mode kernels), each stage's JSON holding
+passing checks with real numbers; the lease plan's dry run (probe and tiny come from it), its
+deadline and its trace summary; and scripts/gpu_prepare.sh /
 gpu_validate.sh cutting a model file into sha256-listed chunks under a carry limit and putting
 it back together."""
 
@@ -19,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_checks.py"
 
 
-def run_stage(stage: str, out: Path, *extra: str, timeout: int = 600):
+def run_stage(stage: str, out: Path, *extra: str, timeout: int = 1000):
     """gpu_checks.py on CPU; `stage` may name several, space-separated (the JSON returned is
-    the first one's)."""
+    the first one's; for `lease`, lease.json)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("OUT", None)
     stages = stage.split()
@@ -33,15 +34,26 @@ def run_stage(stage: str, out: Path, *extra: str, timeout: int = 600):
 
 @pytest.fixture(scope="module")
 def all_stages(tmp_path_factory) -> Path:
-    """Every stage, dry run, one process (JAX and the engines' imports start once); without
-    torch (the Hugging Face oracle) only the stages that need none."""
+    """Every stage but probe and tiny (the lease plan's dry run below runs those), dry run, one
+    process (JAX and the engines' imports start once); without torch (the Hugging Face oracle)
+    only the stages that need none."""
     import importlib.util
 
     out = tmp_path_factory.mktemp("gpu_checks")
     if importlib.util.find_spec("torch") is None:
-        proc, _ = run_stage("probe kernels realshape", out, "--dry-run")
+        proc, _ = run_stage("kernels realshape", out, "--dry-run")
     else:
-        proc, _ = run_stage("all", out, "--dry-run")
+        proc, _ = run_stage("kernels realshape parity bench", out, "--dry-run")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def lease(tmp_path_factory) -> Path:
+    """The lease plan's dry run: the command a lent GPU gets, on CPU at the dry run's sizes."""
+    pytest.importorskip("torch", reason="the tiny part's Hugging Face oracle needs torch")
+    out = tmp_path_factory.mktemp("lease")
+    proc, _ = run_stage("lease", out, "--dry-run")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return out
 
@@ -56,10 +68,10 @@ def dry_run(stage: str, out: Path) -> dict[str, dict]:
     return checks
 
 
-def test_probe_and_kernels(all_stages):
+def test_probe_and_kernels(lease, all_stages):
     import jax
 
-    checks = dry_run("probe", all_stages)
+    checks = dry_run("probe", lease)
     assert checks["versions"]["jax"] == jax.__version__
     assert checks["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     go = checks["pallas_go_no_go"]
@@ -79,11 +91,10 @@ def test_probe_and_kernels(all_stages):
                                                                rel=1e-3)
 
 
-def test_tiny(all_stages):
-    pytest.importorskip("torch", reason="the Hugging Face oracle needs torch")
+def test_tiny(lease):
     from benchmarks.gpu.harness import sizes_for
 
-    checks = dry_run("tiny", all_stages)
+    checks = dry_run("tiny", lease)
     f32 = checks["f32_pallas_eq_reference_eq_hf"]
     assert f32["mismatched_prompts"] == [] and f32["prompts"] == 8
     assert f32["tokens_per_prompt"] == sizes_for(True, None).tiny_new_tokens
@@ -152,6 +163,138 @@ def test_bench(all_stages):
                                           / ab["decode_step_ms_cuda_graph_on"])
     tput = checks["dry-run-tiny_throughput_ragged"]["result"]
     assert tput["hf"] and tput["output_tokens_per_second"] > 0
+
+
+def checks_of(doc: dict) -> dict[str, dict]:
+    assert doc["failed"] == [], doc["failed"]
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert all(c["ok"] is True for c in checks.values()), checks
+    return checks
+
+
+def test_lease_plan_dry_run(lease):
+    from benchmarks.gpu.lease import PARTS, TRACE_STEPS
+    from benchmarks.gpu.trace import API_GROUPS
+
+    # At most 8 files come back from a lent GPU: the plan leaves 6.
+    files = sorted(p.name for p in lease.iterdir())
+    assert files == ["bench.json", "lease.json", "lease.log", "probe.json", "tiny.json",
+                     "trace.json"]
+    doc = json.loads((lease / "lease.json").read_text())
+    assert doc["dry_run"] and doc["elapsed_s"] < doc["deadline_s"]
+    assert [p["part"] for p in doc["parts"]] == [p.name for p in PARTS]
+    for st in doc["parts"]:
+        assert st["ok"] and not st["timed_out"] and st["returncode"] == 0, st
+        assert st["seconds"] <= st["limit_s"]
+    assert sorted(doc["files"]) == files
+    log = (lease / "lease.log").read_text()
+    assert all(f"==== {p.name} ====" in log for p in PARTS)
+
+    bench = json.loads((lease / "bench.json").read_text())
+    assert set(bench["parts"]) == {"bench-0.5b", "latency-1.5b", "latency-7b"}
+    assert not bench["failed"]
+    head = doc["headline"]
+    for part, batches in (("bench-0.5b", (1, 2)), ("latency-1.5b", (1,)), ("latency-7b", (1,))):
+        checks = checks_of(bench["parts"][part])
+        for bs in batches:
+            c = checks[f"dry-run-tiny_latency_batch{bs}"]
+            # The CLI's JSON, embedded: no file of its own comes back.
+            assert c["result"]["command"] == "latency" and c["tpot_ms"] > 0
+            assert c["step_profile"][str(bs)]["step_ms"] > 0
+            assert head[f"{part}_batch{bs}"]["step_ms"] == c["step_profile"][str(bs)]["step_ms"]
+    # The batch-1 run carries the roofline and the matmul floor; the batch-2 run none.
+    b1 = checks_of(bench["parts"]["bench-0.5b"])["dry-run-tiny_latency_batch1"]["result"]
+    assert b1["matmul_floor"] and "roofline" not in checks_of(bench["parts"]["bench-0.5b"])[
+        "dry-run-tiny_latency_batch2"]["result"]
+
+    trace = json.loads((lease / "trace.json").read_text())
+    assert set(trace["parts"]) == {"trace", "trace-cuda-graph"} and not trace["failed"]
+    for part in ("trace", "trace-cuda-graph"):
+        checks = checks_of(trace["parts"][part])
+        assert checks["engine"]["cuda_graph_triton"] == (part == "trace-cuda-graph")
+        for bs in (1, 2):
+            c = checks[f"batch{bs}"]
+            t = c["trace"]
+            assert c["step_profile"]["step_ms"] > 0 and t["steps"] == TRACE_STEPS
+            # On CPU the kernels are XLA's CPU thunks, on the host plane.
+            assert "hlo_op" in t["kernel_source"] and "/host:CPU" in t["planes"]
+            assert t["kernels_per_step"] > 0 and t["device_busy_us_per_step"] > 0
+            assert 0 < t["device_busy_percent"] <= 100
+            assert 0 < len(t["longest_kernels"]) <= 10
+            k = t["longest_kernels"][0]
+            assert k["count"] > 0 and k["total_us"] >= k["mean_us"] > 0
+            assert set(t["host_api_calls_per_step"]) == set(API_GROUPS)
+            assert head[f"{part}_batch{bs}"]["kernels_per_step"] == t["kernels_per_step"]
+    ab = head["cuda_graph_ab_batch1"]
+    assert ab["speedup"] == pytest.approx(ab["step_ms_off"] / ab["step_ms_on"])
+
+
+def test_lease_deadline_kills_and_skips(tmp_path):
+    """A deadline too short for the parts asked for: the part running at its end is killed (its
+    record so far kept), the rest skipped, and the command ends within the deadline and the
+    kill's grace."""
+    import time
+
+    from benchmarks import gpu_checks
+
+    with pytest.raises(SystemExit):
+        gpu_checks.main(["lease", "--parts", "probe,nosuchpart"])
+    start = time.monotonic()
+    proc, doc = run_stage("lease", tmp_path, "--dry-run", "--deadline", "25", "--parts",
+                          "probe,tiny,trace")
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1 and doc is not None, (proc.stdout + proc.stderr)[-3000:]
+    assert elapsed < 25 + 15
+    parts = {p["part"]: p for p in doc["parts"]}
+    assert list(parts) == ["probe", "tiny", "trace"]
+    assert any(p.get("timed_out") for p in parts.values())
+    assert parts["trace"] == {"part": "trace", "ok": None, "skipped": "deadline",
+                              "left_s": parts["trace"]["left_s"]}
+    for p in parts.values():
+        if "limit_s" in p:
+            assert p["seconds"] <= p["limit_s"] + 12  # the kill's grace
+    killed = next(p["part"] for p in parts.values() if p.get("timed_out"))
+    if (tmp_path / f"{killed}.json").exists():  # what it had written came back, whole
+        assert json.loads((tmp_path / f"{killed}.json").read_text())["stage"] == killed
+
+
+def test_trace_summary_of_a_gpu_shaped_xspace():
+    """The parser on planes shaped like a GPU trace: kernels from the device plane's stream
+    lines only, copies apart, busy time as the union over streams, the host's CUDA API calls
+    grouped per step."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.gpu.trace import summarize_xspace
+
+    def ev(name, start, dur, **stats):
+        return NS(name=name, start_ns=start, duration_ns=dur, stats=list(stats.items()))
+
+    stream7 = NS(name="Stream #7(Compute)", events=[
+        ev("gemv_fusion", 0, 10_000, graph_id=3), ev("gemv_fusion", 20_000, 10_000, graph_id=3),
+        ev("MemcpyHtoD", 40_000, 2_000, memcpy_details="x")])
+    stream8 = NS(name="Stream #8", events=[ev("rms_norm", 5_000, 10_000)])  # overlaps 7
+    derived = NS(name="XLA Ops", events=[ev("gemv_fusion", 0, 10_000)])
+    device = NS(name="/device:GPU:0", lines=[stream7, stream8, derived], stats=[])
+    cupti = NS(name="/host:CUPTI", stats=[], lines=[NS(name="tid 1", events=[
+        ev("cuLaunchKernelEx", 0, 1), ev("cuLaunchKernel", 0, 1), ev("cuGraphLaunch", 0, 1),
+        ev("cuGraphExecUpdate_v2", 0, 1), ev("cuGraphInstantiateWithFlags", 0, 1),
+        ev("cuMemcpyHtoDAsync_v2", 0, 1), ev("cuStreamSynchronize", 0, 1)])])
+    cpu = NS(name="/host:CPU", stats=[], lines=[NS(name="python", events=[
+        ev("CommandBufferThunk::ExecuteOnStream", 0, 1), ev("PjitFunction(step)", 0, 1)])])
+    s = summarize_xspace(NS(planes=[device, cupti, cpu]), steps=2)
+    assert s["kernel_source"] == "/device:GPU:0 (stream lines)"
+    assert (s["kernels"], s["kernels_per_step"], s["copies_per_step"]) == (3, 1.5, 0.5)
+    assert s["graph_launched_kernels_per_step"] == 1.0
+    # Busy: [0, 15) + [20, 30) + [40, 42) us of a 42 us span.
+    assert s["device_busy_us"] == pytest.approx(27.0) and s["device_span_us"] == 42.0
+    assert s["device_busy_percent"] == pytest.approx(100 * 27 / 42)
+    assert s["longest_kernels"][0] == {"name": "gemv_fusion", "count": 2, "total_us": 20.0,
+                                       "mean_us": 10.0}
+    assert s["host_api_calls_per_step"] == {"launch_kernel": 1.0, "graph_launch": 0.5,
+                                            "graph_update": 0.5, "graph_instantiate": 0.5,
+                                            "memcpy": 0.5}
+    assert s["host_api_calls_by_name_per_step"]["cuStreamSynchronize"] == 0.5
+    assert s["command_buffer_events_per_step"] == {"CommandBufferThunk::ExecuteOnStream": 0.5}
 
 
 def test_time_box_skips_and_cpu_refused(tmp_path):
