@@ -126,6 +126,9 @@ class EngineConfig:
     multiprocess_mode: bool
     matmul_precision: str  # jax.default_matmul_precision while the steps are lowered
     cuda_graph_triton: bool  # CUDA_GRAPH_TRITON_XLA_FLAGS in the core process's XLA_FLAGS
+    # Steps of up to this many tokens run their dense weight matmuls through the Pallas GEMV
+    # kernel (a Pallas backend only); 0: XLA's dots everywhere.
+    pallas_gemv_max_rows: int
     block_size: int
     # KV budget (num_kv_blocks_for): num_kv_blocks when given, else kv_cache_memory_bytes when
     # given, else gpu_memory_utilization of the device less the memory in use (weights included)
@@ -281,6 +284,22 @@ def resolve_matmul_precision(matmul_precision: str | None, dtype: str, platform:
     if matmul_precision is not None:
         return matmul_precision
     return "highest" if platform == "gpu" and dtype == "float32" else "default"
+
+
+def resolve_pallas_gemv_max_rows(rows: int | None, kernel_backend: str) -> int:
+    """None -> 0: XLA's dots, until the Pallas GEMV is measured faster on a GPU (the lease
+    plan's A/B, docs/gpu.md). A kernel for 1-16 rows, on a Pallas backend only."""
+    from pallas_kernels.skinny_matmul import MAX_ROWS
+
+    if rows is None or rows == 0:
+        return 0
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_ROWS:
+        raise ValueError(f"pallas_gemv_max_rows must be an integer from 0 to {MAX_ROWS}, got "
+                         f"{rows!r}")
+    if kernel_backend == "reference":
+        raise ValueError(f"pallas_gemv_max_rows={rows} needs a Pallas kernel backend (pallas, "
+                         f"or interpret on CPU); this engine's is 'reference'")
+    return rows
 
 
 def resolve_cuda_graph_triton(cuda_graph_triton: bool | None) -> bool:

@@ -154,9 +154,11 @@ def latency_part(name: str, batches: tuple[str, ...], roofline: bool) -> Callabl
     return part
 
 
-def trace_part(cuda_graph: bool) -> Callable[[StageRun, Path], None]:
+def trace_part(cuda_graph: bool, pallas_gemv: bool = False) -> Callable[[StageRun, Path], None]:
     """The 0.5B-shaped engine in this process: the bench's step profile, then a jax.profiler
-    trace of TRACE_STEPS steady decode steps, at batch 1 and then the big batch."""
+    trace of TRACE_STEPS steady decode steps, at batch 1 and then the big batch. `pallas_gemv`:
+    decode buckets of up to 16 rows run their weight matmuls through the Pallas GEMV (a Pallas
+    backend only; the dry run's reference engines keep XLA's)."""
 
     def part(run: StageRun, work: Path) -> None:
         sizes = run.sizes
@@ -172,15 +174,18 @@ def trace_part(cuda_graph: bool) -> Callable[[StageRun, Path], None]:
         from jaxllm.benchmarks.profile import profile_steps
 
         state: dict[str, Any] = {}
+        gemv_rows = 16 if pallas_gemv and sizes.engine_backend != "reference" else 0
 
         def engine() -> dict[str, Any]:
             start = time.perf_counter()
             # In this process: the profiler traces only the process it runs in.
             state["llm"] = LLM(model=str(model), skip_tokenizer_init=True, show_progress=False,
                                multiprocess_mode=False, cuda_graph_triton=cuda_graph,
+                               pallas_gemv_max_rows=gemv_rows,
                                **engine_config(sizes, big_batch(sizes)))
             return {"ok": True, "model": model_name, "cuda_graph_triton": cuda_graph,
-                    "multiprocess_mode": False, "start_s": time.perf_counter() - start}
+                    "pallas_gemv_max_rows": gemv_rows, "multiprocess_mode": False,
+                    "start_s": time.perf_counter() - start}
 
         if run.check("engine", engine) is None:
             return
@@ -213,6 +218,7 @@ PARTS: tuple[Part, ...] = (
     Part("bench-0.5b", "bench", 150, 90, latency_part("qwen2.5-0.5b", ("1", "big"), True)),
     Part("trace", "trace", 110, 70, trace_part(False)),
     Part("trace-cuda-graph", "trace", 110, 70, trace_part(True), cuda_graph=True),
+    Part("trace-pallas-gemv", "trace", 110, 70, trace_part(False, pallas_gemv=True)),
     Part("latency-1.5b", "bench", 110, 80, latency_part("qwen2.5-1.5b", ("1",), True)),
     Part("latency-7b", "bench", 170, 120, latency_part("qwen2.5-7b", ("1",), True)),
 )
@@ -250,7 +256,7 @@ def headline(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                     "output_tokens_per_second": check.get("output_tokens_per_second"),
                     **(check.get("step_profile") or {}).get(str(bs), {})}
     steps: dict[str, Any] = {}
-    for part in ("trace", "trace-cuda-graph"):
+    for part in ("trace", "trace-cuda-graph", "trace-pallas-gemv"):
         for name, check in _checks(docs.get(part)).items():
             if name.startswith("batch") and check.get("ok"):
                 t = check["trace"]
@@ -266,6 +272,9 @@ def headline(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     off, on = steps.get("trace_batch1"), steps.get("trace-cuda-graph_batch1")
     out["cuda_graph_ab_batch1"] = {"step_ms_off": off, "step_ms_on": on,
                                    "speedup": off / on if off and on else None}
+    gemv = steps.get("trace-pallas-gemv_batch1")
+    out["pallas_gemv_ab_batch1"] = {"step_ms_xla": off, "step_ms_pallas_gemv": gemv,
+                                    "speedup": off / gemv if off and gemv else None}
     return out
 
 

@@ -29,6 +29,7 @@ from jaxllm.config import (
     resolve_matmul_precision,
     resolve_model,
     resolve_multiprocess_mode,
+    resolve_pallas_gemv_max_rows,
     resolve_quantization,
     set_cuda_graph_xla_flags,
 )
@@ -102,6 +103,10 @@ class EngineArgs:
               "its CUDA graphs (XLA_FLAGS --xla_gpu_enable_command_buffer=+CUSTOM_CALL, set "
               "before the core process starts JAX; in-process only if JAX has not started "
               "yet); not given: off")
+    pallas_gemv_max_rows: int | None = _arg(
+        None, "with a Pallas kernel backend, steps of up to this many tokens (1-16) run their "
+              "dense weight matmuls and LM head through the Pallas weight-streaming GEMV "
+              "(pallas_kernels/skinny_matmul.py) instead of XLA's dots; not given: 0 (XLA's)")
     tensor_parallel_size: int = _arg(
         1, "devices the model is split over (Megatron-style tensor parallelism on a JAX mesh; "
            "must divide the query heads, intermediate size and vocabulary)")
@@ -281,6 +286,8 @@ class EngineArgs:
             multiprocess_mode=resolve_multiprocess_mode(self.multiprocess_mode),
             matmul_precision=resolve_matmul_precision(self.matmul_precision, dtype, platform),
             cuda_graph_triton=resolve_cuda_graph_triton(self.cuda_graph_triton),
+            pallas_gemv_max_rows=resolve_pallas_gemv_max_rows(self.pallas_gemv_max_rows,
+                                                              backend),
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -32,7 +32,7 @@ def best_seconds(fn: Callable[[], Any], reps: int) -> float:
 
 
 def decoder_matmuls(params: dict, config: ModelConfig, x: jax.Array,
-                    backend: str = "reference") -> jax.Array:
+                    backend: str = "reference", gemv_rows: int = 0) -> jax.Array:
     """The decoder layers with everything but their weight matmuls removed: per layer qkv, o,
     gate_up and down, with the SiLU gate and residual adds that chain them as in the model.
     `params` needs only `layers_{i}` in the model's naming; `config` only the sizes used."""
@@ -40,25 +40,26 @@ def decoder_matmuls(params: dict, config: ModelConfig, x: jax.Array,
     inter = config.intermediate_size
     for i in range(config.num_hidden_layers):
         attn, mlp = params[f"layers_{i}"]["self_attn"], params[f"layers_{i}"]["mlp"]
-        qkv = linear(x, attn["qkv_proj"]["weight"], backend)
-        x = x + linear(qkv[:, :q_width], attn["o_proj"]["weight"], backend)
-        gate_up = linear(x, mlp["gate_up_proj"]["weight"], backend)
+        qkv = linear(x, attn["qkv_proj"]["weight"], backend, gemv_rows)
+        x = x + linear(qkv[:, :q_width], attn["o_proj"]["weight"], backend, gemv_rows)
+        gate_up = linear(x, mlp["gate_up_proj"]["weight"], backend, gemv_rows)
         x = x + linear(jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:],
-                       mlp["down_proj"]["weight"], backend)
+                       mlp["down_proj"]["weight"], backend, gemv_rows)
     return x
 
 
 def weight_matmuls(params: dict, config: ModelConfig, x: jax.Array,
-                   logits_rows: int, backend: str = "reference") -> jax.Array:
+                   logits_rows: int, backend: str = "reference", gemv_rows: int = 0
+                   ) -> jax.Array:
     """`decoder_matmuls`, then the LM head on the first `logits_rows` rows, as the engine's
     step runs it: the model's forward pass with nothing but its weight matmuls."""
-    hidden = decoder_matmuls(params, config, x, backend)[:logits_rows]
-    return compute_logits(params, config, hidden, backend)
+    hidden = decoder_matmuls(params, config, x, backend, gemv_rows)[:logits_rows]
+    return compute_logits(params, config, hidden, backend, gemv_rows)
 
 
 def time_weight_matmuls(params: dict, config: ModelConfig, dtype: Any, max_num_seqs: int,
                         num_tokens: list[int], reps: int,
-                        backend: str = "reference") -> dict[int, float]:
+                        backend: str = "reference", gemv_rows: int = 0) -> dict[int, float]:
     """Best-of-`reps` seconds of one jitted `weight_matmuls` step at each token count (its
     logits rows min(num_tokens, max_num_seqs), as the engine's step computes them), on
     activations of `dtype`. Pure: the caller passes the weights and sizes."""
@@ -67,7 +68,8 @@ def time_weight_matmuls(params: dict, config: ModelConfig, dtype: Any, max_num_s
         if n in out:
             continue
         rows = min(n, max_num_seqs)
-        fn = jax.jit(lambda p, x, _rows=rows: weight_matmuls(p, config, x, _rows, backend))
+        fn = jax.jit(lambda p, x, _rows=rows: weight_matmuls(p, config, x, _rows, backend,
+                                                             gemv_rows))
         x = jnp.full((n, config.hidden_size), 0.01, dtype)
         out[n] = best_seconds(lambda _fn=fn, _x=x: _fn(params, _x).block_until_ready(), reps)
     return out
@@ -100,5 +102,6 @@ def time_runner_matmuls(runner: Any, num_tokens: list[int], reps: int = 3) -> di
         with jax.default_matmul_precision(runner.matmul_precision):
             out.update(time_weight_matmuls(tree, runner.config, runner.activation_dtype,
                                            runner.max_num_seqs,
-                                           [n], reps, runner.model.kernel_backend))
+                                           [n], reps, runner.model.kernel_backend,
+                                           runner.model.gemv_kernel_rows))
     return out

@@ -162,7 +162,8 @@ class ModelRunner:
                  gemv_params: dict | None = None, gemv_max_rows: int = 0,
                  kv_cache_dtype: Any = None, activation_dtype: Any = None,
                  tensor_parallel_size: int = 1, matmul_precision: str = "default",
-                 num_speculative_tokens: int = 0, fast_dispatch: bool = True) -> None:
+                 num_speculative_tokens: int = 0, fast_dispatch: bool = True,
+                 pallas_gemv_max_rows: int = 0) -> None:
         """`gemv_max_rows`, `kv_cache_dtype`, `activation_dtype` and `matmul_precision` as
         EngineConfig resolved them (None: `dtype`); with `gemv_max_rows` and no `gemv_params`,
         the GEMV buckets run on float32 copies of `params`."""
@@ -211,7 +212,8 @@ class ModelRunner:
         self.model = Qwen2ForCausalLM(self.local_config, dtype=dtype,
                                       kernel_backend=kernel_backend,
                                       activation_dtype=self.activation_dtype,
-                                      tp_axis=None if self.mesh is None else TP_AXIS)
+                                      tp_axis=None if self.mesh is None else TP_AXIS,
+                                      gemv_kernel_rows=pallas_gemv_max_rows)
         # Split-K decode (flash-decoding) per decode bucket: static, sized from max_model_len
         # and the bucket's sequences against the GPU's SM count. The reference backend (CPU)
         # has one XLA attention for every split count: 1 keeps its executables as they were.
@@ -265,7 +267,8 @@ class ModelRunner:
             activation_dtype=jnp.dtype(config.activation_dtype),
             tensor_parallel_size=tensor_parallel_size,
             matmul_precision=config.matmul_precision,
-            num_speculative_tokens=num_speculative_tokens)
+            num_speculative_tokens=num_speculative_tokens,
+            pallas_gemv_max_rows=config.pallas_gemv_max_rows)
 
     def _forward(self, params: dict, rope: dict, kv_cache: jax.Array, logits_buf: jax.Array,
                  packed: jax.Array, num_tokens: int, max_query_len: int,

@@ -60,7 +60,7 @@ def prompt_stats(model: Qwen2ForCausalLM, num_top: int, mesh: Any, params: dict,
     values and ids, log-sum-exp)."""
     def body(params, hidden, rows, targets):
         logits = compute_logits(params, model.config, jnp.take(hidden, rows, axis=0),
-                                model.kernel_backend)
+                                model.kernel_backend, model.gemv_kernel_rows)
         if mesh is None:
             target = jnp.take_along_axis(logits, targets[:, None], axis=1)[:, 0]
             rank = 1 + jnp.sum(logits > target[:, None], axis=1, dtype=jnp.int32)

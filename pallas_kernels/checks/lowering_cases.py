@@ -26,6 +26,7 @@ from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.rms_norm import rms_norm
 from pallas_kernels.rope import rope
 from pallas_kernels.rope_write_kv import rope_write_kv
+from pallas_kernels.skinny_matmul import skinny_matmul
 
 Case = tuple[str, Callable, tuple]
 
@@ -222,6 +223,29 @@ def dequant_matmul_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
     return cases
 
 
+# Rows per phase of the weight-streaming GEMV: a decode bucket of 8 sequences, batch-1 decode
+# (prefill chunks are GEMMs).
+SKINNY_ROWS = {"decode": (8,), "decode1": (1,), "prefill": ()}
+
+
+def skinny_matmul_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
+    """Every layer matmul and the LM head at the phase's decode rows, the weight in `dtype`."""
+    if phase not in SKINNY_ROWS:
+        raise ValueError(f"unknown phase {phase!r}")
+    shapes = [(layer, *matmul_shape(model, layer)) for layer, _, _ in DEQUANT_LAYERS]
+    shapes.append(("lm_head", model.vocab_size, model.hidden_size))
+    cases = []
+    for layer, n, k in shapes:
+        for rows in SKINNY_ROWS[phase]:
+            def fn(x, w):
+                return skinny_matmul(x, w, backend="pallas")
+
+            cases.append((f"skinny_{layer}_m{rows}", fn,
+                          (jax.ShapeDtypeStruct((rows, k), dtype),
+                           jax.ShapeDtypeStruct((n, k), dtype))))
+    return cases
+
+
 # By kernel module name (check_lowering's --modules).
 LOWERING_CASES: dict[str, Callable[[Qwen2Shape, object, str], list[Case]]] = {
     "rms_norm": rms_norm_cases,
@@ -230,4 +254,5 @@ LOWERING_CASES: dict[str, Callable[[Qwen2Shape, object, str], list[Case]]] = {
     "kv_write": kv_write_cases,
     "rope_write_kv": rope_write_kv_cases,
     "dequant_matmul": dequant_matmul_cases,
+    "skinny_matmul": skinny_matmul_cases,
 }

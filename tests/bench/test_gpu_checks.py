@@ -208,10 +208,13 @@ def test_lease_plan_dry_run(lease):
         "dry-run-tiny_latency_batch2"]["result"]
 
     trace = json.loads((lease / "trace.json").read_text())
-    assert set(trace["parts"]) == {"trace", "trace-cuda-graph"} and not trace["failed"]
-    for part in ("trace", "trace-cuda-graph"):
+    parts = ("trace", "trace-cuda-graph", "trace-pallas-gemv")
+    assert set(trace["parts"]) == set(parts) and not trace["failed"]
+    for part in parts:
         checks = checks_of(trace["parts"][part])
         assert checks["engine"]["cuda_graph_triton"] == (part == "trace-cuda-graph")
+        # The dry run's engines are on the reference backend, which has no Pallas GEMV.
+        assert checks["engine"]["pallas_gemv_max_rows"] == 0
         for bs in (1, 2):
             c = checks[f"batch{bs}"]
             t = c["trace"]
@@ -227,6 +230,8 @@ def test_lease_plan_dry_run(lease):
             assert head[f"{part}_batch{bs}"]["kernels_per_step"] == t["kernels_per_step"]
     ab = head["cuda_graph_ab_batch1"]
     assert ab["speedup"] == pytest.approx(ab["step_ms_off"] / ab["step_ms_on"])
+    ab = head["pallas_gemv_ab_batch1"]
+    assert ab["speedup"] == pytest.approx(ab["step_ms_xla"] / ab["step_ms_pallas_gemv"])
 
 
 def test_lease_deadline_kills_and_skips(tmp_path):

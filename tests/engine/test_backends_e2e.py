@@ -162,3 +162,17 @@ def test_real_model_same_tokens_in_engine_on_gpu(real_model_path, real_llm, kv_b
     llm = LLM(model=str(real_model_path), kernel_backend=backend, dtype="float32",
               max_num_seqs=4, max_num_batched_tokens=64, show_progress=False, **kv_budget)
     assert _greedy(llm, prompts, 16) == _greedy(real_llm, prompts, 16)
+
+
+def test_pallas_gemv_gives_the_same_tokens(tiny_case, kv_budget):
+    # Decode buckets of up to 4 rows (all of them here) run every dense weight matmul and the
+    # LM head through the Pallas GEMV kernel, in interpret mode: still HF's tokens.
+    path, prompts, ref, want = tiny_case
+    llm = LLM(model=str(path), kernel_backend="interpret", multiprocess_mode=False,
+              pallas_gemv_max_rows=4, **TINY_ENGINE, **kv_budget)
+    assert llm.llm_engine.engine_config.pallas_gemv_max_rows == 4
+    hlo = runner_of(llm).get_compiled_hlo(4, 1)
+    got = _greedy(llm, prompts, MAX_NEW)
+    llm.shutdown()
+    assert "skinny_matmul" in hlo
+    assert got == ref == want

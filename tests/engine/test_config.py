@@ -54,6 +54,16 @@ def test_per_platform_defaults_resolve_in_one_config():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cpu.dtype = "bfloat16"  # type: ignore[misc]
 
+    # The Pallas GEMV for small buckets: off unless asked, on a Pallas backend only.
+    assert cpu.pallas_gemv_max_rows == gpu.pallas_gemv_max_rows == 0
+    assert EngineArgs(model=path, pallas_gemv_max_rows=8).create_engine_config(
+        "gpu").pallas_gemv_max_rows == 8
+    with pytest.raises(ValueError, match="pallas_gemv_max_rows=8 needs a Pallas kernel "
+                                         "backend"):
+        EngineArgs(model=path, pallas_gemv_max_rows=8).create_engine_config("cpu")
+    with pytest.raises(ValueError, match="from 0 to 16, got 17"):
+        EngineArgs(model=path, pallas_gemv_max_rows=17).create_engine_config("gpu")
+
 
 def test_model_names_resolve_in_one_function(tmp_path):
     from jaxllm.model_executor.model_loader.default_model import default_model_path

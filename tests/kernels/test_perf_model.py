@@ -118,7 +118,7 @@ def test_split_k_never_costs_more() -> None:
 def test_case_shapes_match_the_lowering_cases() -> None:
     """perf_model's idea of each case (tokens, sequences, context) is check_lowering's."""
     for case in iter_cases(models=MODEL_SHAPES[:1], dtypes=(jnp.bfloat16,)):
-        if case.module in ("rms_norm", "rope", "kv_write"):
+        if case.module in ("rms_norm", "rope", "kv_write", "rope_write_kv"):
             q = case.args[1] if case.module == "kv_write" else case.args[0]
             assert q.shape[0] == pm.CASE_TOKENS[case.phase], case
         elif case.module == "dequant_matmul":  # rows and layer are in the case name
@@ -127,6 +127,12 @@ def test_case_shapes_match_the_lowering_cases() -> None:
             assert x.shape[0] == int(rows) and qweight.shape[1] == x.shape[1]
             cost = pm.case_cost(case.kernel, MODEL_SHAPES[0], "bfloat16", case.phase, (1, 1, 1))
             assert cost.flops == 2 * x.shape[0] * qweight.shape[0] * qweight.shape[1]
+        elif case.module == "skinny_matmul":  # rows and layer are in the case name
+            x, w = case.args
+            rows = int(case.kernel.rsplit("_m", 1)[1])
+            assert x.shape[0] == rows and w.shape[1] == x.shape[1]
+            cost = pm.case_cost(case.kernel, MODEL_SHAPES[0], "bfloat16", case.phase, (1,))
+            assert cost.flops == 2 * rows * w.shape[0] * w.shape[1]
         elif case.kernel.startswith("paged_attention_verify"):
             q, cache, tables = case.args[:3]
             assert tables.shape[0] == pm.VERIFY_SEQS and case.phase == "decode"
@@ -199,11 +205,18 @@ def test_launch_bound_step_matches_the_first_gpu_run():
     # BENCHMARKS.md's GPU section: the 0.5B-shaped bfloat16 decode step at batch 1 took
     # 2.55-2.77 ms from dispatch to its candidates on the host, of which 1.69-1.82 ms was the
     # host's call of the step. The calibrated model must land within 25 % of both.
-    est = pm.launch_bound_step(QWEN2_SHAPES["qwen2.5-0.5b"], 1, 256)
+    pallas, fusions = pm.MEASURED_RUN_KERNELS  # the kernels that run launched
+    est = pm.launch_bound_step(QWEN2_SHAPES["qwen2.5-0.5b"], 1, 256, pallas_per_layer=pallas,
+                               fusions_per_layer=fusions)
     assert 0.75 * 2.55e-3 <= est.step_s <= 1.25 * 2.77e-3
     assert 0.75 * 1.69e-3 <= est.host_s <= 1.25 * 1.82e-3
     assert est.arguments == 174  # the runner's weight tree, RoPE table, KV, logits, inputs
     # Fewer arguments (the step's weights bound once) cut only the dispatch term.
-    bound = pm.launch_bound_step(QWEN2_SHAPES["qwen2.5-0.5b"], 1, 256, arguments=3)
+    bound = pm.launch_bound_step(QWEN2_SHAPES["qwen2.5-0.5b"], 1, 256, arguments=3,
+                                 pallas_per_layer=pallas, fusions_per_layer=fusions)
     assert est.host_s - bound.host_s == pytest.approx(171 * pm.ARG_US * 1e-6)
     assert bound.device_s == est.device_s
+    # Two kernels a layer fewer (the QKV epilogue fused) take their launches off the host.
+    now = pm.launch_bound_step(QWEN2_SHAPES["qwen2.5-0.5b"], 1, 256, arguments=3)
+    assert bound.kernels - now.kernels == 2 * 24
+    assert bound.host_s - now.host_s == pytest.approx(48 * pm.LAUNCH_US * 1e-6)

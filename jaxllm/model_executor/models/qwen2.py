@@ -28,6 +28,7 @@ from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.rms_norm import rms_norm
 from pallas_kernels.rope import rope_cos_sin_cache
 from pallas_kernels.rope_write_kv import rope_write_kv
+from pallas_kernels.skinny_matmul import skinny_matmul
 
 # Arrays when a step runs; their shapes, dtypes and shardings when a step is traced ahead of time.
 ArrayOrSpec = TypeVar("ArrayOrSpec", jax.Array, jax.ShapeDtypeStruct)
@@ -49,10 +50,12 @@ def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tup
             config.head_dim)
 
 
-def linear(x: jax.Array, weight: jax.Array | GGUFWeight, backend: str = "reference") -> jax.Array:
+def linear(x: jax.Array, weight: jax.Array | GGUFWeight, backend: str = "reference",
+           gemv_rows: int = 0) -> jax.Array:
     """x [T, in] times weight [out, in] transposed, with the weight kept in PyTorch's layout
     (or kept quantized: `gguf_linear` on XLA, the fused dequant matmul kernel with a Pallas
-    `backend`).
+    `backend`). With a Pallas backend and T <= `gemv_rows`, a dense weight goes through the
+    weight-streaming GEMV kernel (pallas_kernels/skinny_matmul.py) instead of XLA's dot.
 
     [out, in] is what checkpoints store, and on CPU XLA streams it faster than [in, out] at
     small T (each output is a dot over a contiguous row; docs/perf/cpu-step.md), which is what
@@ -66,6 +69,8 @@ def linear(x: jax.Array, weight: jax.Array | GGUFWeight, backend: str = "referen
             return dequant_matmul(x, weight.qweight, weight.scale, weight.offset,
                                                  backend=backend)
         return gguf_linear(x, weight)
+    if backend != "reference" and x.ndim == 2 and 1 <= x.shape[0] <= gemv_rows:
+        return skinny_matmul(x, weight, backend=backend)
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     if weight.dtype == jnp.bfloat16 and x.dtype == jnp.float32:
         # A bfloat16 model on CPU keeps float32 activations (Qwen2ForCausalLM.activation_dtype):
@@ -94,24 +99,21 @@ def _weight_param(module: nn.Module, name: str, shape: tuple[int, ...], dtype: A
 
 
 class Linear(nn.Module):
-    """vLLM's Linear: params `weight` [out, in] and optional `bias` [out]. With `defer_bias`
-    it returns (x W^T, bias) and leaves the add to the kernel that reads the output next."""
+    """vLLM's Linear: params `weight` [out, in] and optional `bias` [out]."""
 
     features: int
     use_bias: bool
     dtype: Any
     backend: str = "reference"
-    defer_bias: bool = False
+    gemv_rows: int = 0  # see `linear`
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         weight = _weight_param(self, "weight", (self.features, x.shape[-1]), self.dtype,
                                nn.initializers.normal(0.02))
-        y = linear(x, weight, self.backend)
+        y = linear(x, weight, self.backend, self.gemv_rows)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-            if self.defer_bias:
-                return y, bias
             # XLA on CPU fuses `dot + bias` into the dot, which then cannot take the
             # dequantization in and materialises the float32 weight; y - (-b) is bit-for-bit
             # y + b and is left alone.
@@ -120,12 +122,30 @@ class Linear(nn.Module):
         return y
 
 
+class LinearDeferredBias(nn.Module):
+    """`Linear` with a bias whose add is left to the kernel that reads the output next: returns
+    (x W^T, bias), the params as Linear's."""
+
+    features: int
+    dtype: Any
+    backend: str = "reference"
+    gemv_rows: int = 0
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        weight = _weight_param(self, "weight", (self.features, x.shape[-1]), self.dtype,
+                               nn.initializers.normal(0.02))
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return linear(x, weight, self.backend, self.gemv_rows), bias
+
+
 class Qwen2Attention(nn.Module):
     config: ModelConfig
     layer_idx: int
     dtype: Any
     backend: str
     tp_axis: str | None = None
+    gemv_rows: int = 0
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, attn_metadata: AttentionMetadata[jax.Array],
@@ -135,10 +155,14 @@ class Qwen2Attention(nn.Module):
         # One fused GEMM for q, k and v (vLLM's QKVParallelLinear): fewer, larger matmuls.
         # Its epilogue (bias, RoPE, the KV write) is one kernel with a Pallas backend; on the
         # reference backend the bias stays with the GEMM, where XLA fuses it.
-        fused_bias = self.backend != "reference"
-        qkv = Linear((nh + 2 * nkv) * hd, True, self.dtype, self.backend, fused_bias,
-                     name="qkv_proj")(x)
-        qkv, bias = qkv if fused_bias else (qkv, None)
+        width = (nh + 2 * nkv) * hd
+        bias = None
+        if self.backend == "reference":
+            qkv = Linear(width, True, self.dtype, self.backend, self.gemv_rows,
+                         name="qkv_proj")(x)
+        else:
+            qkv, bias = LinearDeferredBias(width, self.dtype, self.backend, self.gemv_rows,
+                                           name="qkv_proj")(x)
         q, kv_cache = rope_write_kv(qkv, bias, positions, cos_sin_cache, kv_cache,
                                     self.layer_idx, attn_metadata.slot_mapping, num_heads=nh,
                                     num_kv_heads=nkv, backend=self.backend)
@@ -151,7 +175,8 @@ class Qwen2Attention(nn.Module):
                 q, kv_cache, self.layer_idx, attn_metadata.block_tables,
                 attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=hd ** -0.5,
                 max_query_len=max_query_len, backend=self.backend, num_splits=num_splits)
-        out = Linear(cfg.hidden_size, False, self.dtype, self.backend, name="o_proj")(
+        out = Linear(cfg.hidden_size, False, self.dtype, self.backend,
+                     gemv_rows=self.gemv_rows, name="o_proj")(
             out.reshape(-1, nh * hd))
         return all_reduce(out, self.tp_axis), kv_cache
 
@@ -161,13 +186,16 @@ class Qwen2MLP(nn.Module):
     dtype: Any
     backend: str = "reference"
     tp_axis: str | None = None
+    gemv_rows: int = 0
 
     @nn.compact
     def __call__(self, x):
         inter = self.config.intermediate_size
-        gate_up = Linear(2 * inter, False, self.dtype, self.backend, name="gate_up_proj")(x)
+        gate_up = Linear(2 * inter, False, self.dtype, self.backend, gemv_rows=self.gemv_rows,
+                         name="gate_up_proj")(x)
         gate, up = jnp.split(gate_up, 2, axis=-1)
-        down = Linear(self.config.hidden_size, False, self.dtype, self.backend, name="down_proj")
+        down = Linear(self.config.hidden_size, False, self.dtype, self.backend,
+                      gemv_rows=self.gemv_rows, name="down_proj")
         return all_reduce(down(nn.silu(gate) * up), self.tp_axis)
 
 
@@ -188,6 +216,7 @@ class Qwen2DecoderLayer(nn.Module):
     dtype: Any
     backend: str
     tp_axis: str | None = None
+    gemv_rows: int = 0
 
     @nn.compact
     def __call__(self, h, residual, positions, kv_cache, attn_metadata, cos_sin_cache,
@@ -201,11 +230,11 @@ class Qwen2DecoderLayer(nn.Module):
             h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
                                   name="input_layernorm")(h, residual)
         h, kv_cache = Qwen2Attention(cfg, self.layer_idx, self.dtype, self.backend,
-                                     self.tp_axis, name="self_attn")(
+                                     self.tp_axis, self.gemv_rows, name="self_attn")(
             h, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len, num_splits)
         h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
                               name="post_attention_layernorm")(h, residual)
-        h = Qwen2MLP(cfg, self.dtype, self.backend, self.tp_axis, name="mlp")(h)
+        h = Qwen2MLP(cfg, self.dtype, self.backend, self.tp_axis, self.gemv_rows, name="mlp")(h)
         return h, residual, kv_cache
 
 
@@ -220,6 +249,9 @@ class Qwen2ForCausalLM(nn.Module):
     # The hidden states' dtype; None: `dtype`. float32 for a bfloat16 model on CPU (the runner),
     # where XLA runs bfloat16 elementwise ops, norms and attention slower than float32 ones.
     activation_dtype: Any = None
+    # Steps of up to this many tokens run their dense weight matmuls (the LM head's rows too)
+    # through the Pallas GEMV kernel, with a Pallas backend (`linear`); 0: XLA's dots.
+    gemv_kernel_rows: int = 0
 
     @nn.compact
     def __call__(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata[jax.Array],
@@ -245,7 +277,8 @@ class Qwen2ForCausalLM(nn.Module):
         # on CPU (docs/perf/cpu-step.md).
         for i in range(cfg.num_hidden_layers):
             h, residual, kv_cache = Qwen2DecoderLayer(
-                cfg, i, self.dtype, self.kernel_backend, self.tp_axis, name=f"layers_{i}")(
+                cfg, i, self.dtype, self.kernel_backend, self.tp_axis, self.gemv_kernel_rows,
+                name=f"layers_{i}")(
                     h, residual, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len,
                     num_splits)
         hidden_states, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend,
@@ -256,16 +289,17 @@ class Qwen2ForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             _weight_param(self, "lm_head", (cfg.vocab_size, cfg.hidden_size), self.dtype,
                           nn.initializers.normal(0.02))
-        logits = compute_logits(self.variables["params"], cfg, rows, self.kernel_backend)
+        logits = compute_logits(self.variables["params"], cfg, rows, self.kernel_backend,
+                                self.gemv_kernel_rows)
         return logits, hidden_states, kv_cache
 
 
 def compute_logits(params: Mapping[str, Any], config: ModelConfig, hidden_states: jax.Array,
-                   backend: str = "reference") -> jax.Array:
+                   backend: str = "reference", gemv_rows: int = 0) -> jax.Array:
     """LM head on already-normed hidden states: the model's last step, also used alone for
     prompt logprobs. The head is the embedding table when tied; [vocab, hidden] either way."""
     head = params["embed_tokens"] if config.tie_word_embeddings else params["lm_head"]
-    return linear(hidden_states, head, backend).astype(jnp.float32)
+    return linear(hidden_states, head, backend, gemv_rows).astype(jnp.float32)
 
 
 def abstract_params(model: Qwen2ForCausalLM) -> dict:
