@@ -154,6 +154,41 @@ def latency_part(name: str, batches: tuple[str, ...], roofline: bool) -> Callabl
     return part
 
 
+# XLA's matmul paths the gemv-rates part compares, as XLA_FLAGS added to the environment's:
+# its default (autotuned cuBLAS and Triton GEMMs), cuBLAS only.
+GEMV_XLA_VARIANTS = (("default", ""), ("cublas", "--xla_gpu_enable_triton_gemm=false"))
+
+
+def gemv_rates_part(run: StageRun, work: Path) -> None:
+    """`benchmarks/gemv_rates.py` at 0.5B shapes: a decode step's weight matmuls at 1-64 rows
+    against the copy bandwidth, XLA's dots under each of GEMV_XLA_VARIANTS (each a process of
+    its own: XLA reads its flags when it starts) and the Pallas GEMV (in the first)."""
+    sizes = run.sizes
+    if run.check("platform", lambda: platform_check(sizes)) is None:
+        return
+    model_name = lease_model(sizes, "qwen2.5-0.5b")
+    for i, (variant, flags) in enumerate(GEMV_XLA_VARIANTS):
+        def rates(variant: str = variant, flags: str = flags, first: bool = i == 0
+                  ) -> dict[str, Any]:
+            out = work / f"gemv_rates_{variant}.json"
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "gemv_rates.py"), "--shape",
+                   model_name, "--output-json", str(out), "--paths", "xla",
+                   *(["pallas-gemv"] if first else [])]
+            if sizes.dry_run:
+                cmd += ["--dtype", "float32", "--rows", "1", "8", "--interpret", "--reps", "1",
+                        "--copy-mib", "8"]
+            env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}"
+                   .strip(), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=max(30.0, run.seconds_left()))
+            doc = json.loads(out.read_text()) if out.exists() else {}
+            return {"ok": proc.returncode == 0 and bool(doc.get("results")),
+                    "variant": variant, "xla_flags": flags, "result": doc,
+                    "tail": (proc.stdout + proc.stderr)[-1500:]}
+
+        run.check(f"gemv_rates_{variant}", rates)
+
+
 def trace_part(cuda_graph: bool, pallas_gemv: bool = False) -> Callable[[StageRun, Path], None]:
     """The 0.5B-shaped engine in this process: the bench's step profile, then a jax.profiler
     trace of TRACE_STEPS steady decode steps, at batch 1 and then the big batch. `pallas_gemv`:
@@ -216,6 +251,7 @@ PARTS: tuple[Part, ...] = (
     Part("probe", "probe", 60, 30, _stage(stage_probe)),
     Part("tiny", "tiny", 150, 60, _stage(stage_tiny)),
     Part("bench-0.5b", "bench", 150, 90, latency_part("qwen2.5-0.5b", ("1", "big"), True)),
+    Part("gemv-rates", "bench", 90, 40, gemv_rates_part),
     Part("trace", "trace", 110, 70, trace_part(False)),
     Part("trace-cuda-graph", "trace", 110, 70, trace_part(True), cuda_graph=True),
     Part("trace-pallas-gemv", "trace", 110, 70, trace_part(False, pallas_gemv=True)),
@@ -272,6 +308,11 @@ def headline(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     off, on = steps.get("trace_batch1"), steps.get("trace-cuda-graph_batch1")
     out["cuda_graph_ab_batch1"] = {"step_ms_off": off, "step_ms_on": on,
                                    "speedup": off / on if off and on else None}
+    for name, check in _checks(docs.get("gemv-rates")).items():
+        if name.startswith("gemv_rates_") and check.get("ok"):
+            out[name] = {f"{r['path']}_rows{r['rows']}": {
+                "ms": r["ms"], "percent_of_copy": r["percent_of_copy"]}
+                for r in check["result"]["results"]}
     gemv = steps.get("trace-pallas-gemv_batch1")
     out["pallas_gemv_ab_batch1"] = {"step_ms_xla": off, "step_ms_pallas_gemv": gemv,
                                     "speedup": off / gemv if off and gemv else None}

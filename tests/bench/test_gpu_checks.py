@@ -173,7 +173,7 @@ def checks_of(doc: dict) -> dict[str, dict]:
 
 
 def test_lease_plan_dry_run(lease):
-    from benchmarks.gpu.lease import PARTS, TRACE_STEPS
+    from benchmarks.gpu.lease import GEMV_XLA_VARIANTS, PARTS, TRACE_STEPS
     from benchmarks.gpu.trace import API_GROUPS
 
     # At most 8 files come back from a lent GPU: the plan leaves 6.
@@ -191,7 +191,19 @@ def test_lease_plan_dry_run(lease):
     assert all(f"==== {p.name} ====" in log for p in PARTS)
 
     bench = json.loads((lease / "bench.json").read_text())
-    assert set(bench["parts"]) == {"bench-0.5b", "latency-1.5b", "latency-7b"}
+    assert set(bench["parts"]) == {"bench-0.5b", "gemv-rates", "latency-1.5b", "latency-7b"}
+    # The decode step's weight matmuls per path: XLA's under each variant, the Pallas GEMV
+    # (interpret mode in the dry run) in the first.
+    rates = checks_of(bench["parts"]["gemv-rates"])
+    for variant, _ in GEMV_XLA_VARIANTS:
+        result = rates[f"gemv_rates_{variant}"]["result"]
+        paths = {(r["path"], r["rows"]) for r in result["results"]}
+        want = {("xla", 1), ("xla", 8)}
+        if variant == GEMV_XLA_VARIANTS[0][0]:
+            want |= {("pallas-gemv", 1), ("pallas-gemv", 8)}
+        assert paths == want and all(r["ms"] > 0 and r["percent_of_copy"] > 0
+                                     for r in result["results"])
+        assert doc["headline"][f"gemv_rates_{variant}"]["xla_rows1"]["ms"] > 0
     assert not bench["failed"]
     head = doc["headline"]
     for part, batches in (("bench-0.5b", (1, 2)), ("latency-1.5b", (1,)), ("latency-7b", (1,))):
