@@ -42,7 +42,8 @@ from jaxllm.entrypoints.openai.protocol import (
 )
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxllm.entrypoints.openai.serving_engine import StructuredOutputsConfig
+from jaxllm.entrypoints.openai.serving_engine import ServerLimits, StructuredOutputsConfig
+from jaxllm.structured_output.validator import GrammarValidator
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -428,12 +429,18 @@ def header_timeout_protocol(timeout: float) -> type:
 def make_state(engine: AsyncLLM, model_name: str, model_root: str,
                metrics: ServerMetrics, max_request_bytes: int,
                structured_outputs_config: StructuredOutputsConfig | None = None,
-               trust_request_chat_template: bool = False) -> ServerState:
+               trust_request_chat_template: bool = False,
+               limits: ServerLimits | None = None) -> ServerState:
+    limits = limits or ServerLimits()
+    # One pool of validator workers for both routes.
+    validator = GrammarValidator(timeout_s=limits.structured_output_timeout,
+                                 memory_mib=limits.structured_output_memory_mib)
     return ServerState(engine, model_name, model_root,
                        OpenAIServingCompletion(engine, model_name, metrics,
-                                               structured_outputs_config),
+                                               structured_outputs_config, limits=limits,
+                                               validator=validator),
                        OpenAIServingChat(engine, model_name, metrics,
                                          structured_outputs_config,
-                                         trust_request_chat_template), metrics,
-                       max_request_bytes, int(time.time()))
+                                         trust_request_chat_template, limits, validator),
+                       metrics, max_request_bytes, int(time.time()))
 

@@ -163,6 +163,9 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, f"tool_choice names the function {choice.function.name!r}, "
                                     f"which is not among the tools {names}", "tool_choice")
             functions = [f for f in functions if f["name"] == choice.function.name]
+        for f in functions:
+            self.check_schema_depth(f.get("parameters", {}), "tools",
+                                    f"the parameters of tool {f['name']!r:.100}")
         tag_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in (TOOL_CALL_START,
                                                                       TOOL_CALL_END)]
         tags = all(i is not None and i != self.tokenizer.unk_token_id for i in tag_ids)
@@ -274,9 +277,12 @@ class OpenAIServingChat(OpenAIServing):
         if req.max_completion_tokens is not None:
             max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"
         num_top = (req.top_logprobs or 0) if req.logprobs else None
+        constraint = constraint or tool_use.constraint
         params = self.sampling_params(req, max_tokens, len(prompt.token_ids), num_top,
-                                      req.stream, constraint or tool_use.constraint,
-                                      max_tokens_field=max_tokens_field)
+                                      req.stream, constraint,
+                                      max_tokens_field=max_tokens_field,
+                                      structured_outputs=await self.structured_outputs(
+                                          constraint))
         request_id = random_id("chatcmpl")
         gen = self.generate(prompt, params, request_id)
         if req.stream:

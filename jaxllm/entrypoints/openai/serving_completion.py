@@ -96,8 +96,10 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = req.logprobs
         prompts = self._prompts(req.prompt)
         tokenized = [await self.tokenize(p) for p in prompts]
+        structured_outputs = await self.structured_outputs(constraint)  # once for all prompts
         params = [self.sampling_params(req, req.max_tokens, len(t.token_ids), req.logprobs,
-                                       req.stream, constraint, prompt_logprobs)
+                                       req.stream, constraint, prompt_logprobs,
+                                       structured_outputs=structured_outputs)
                   for t in tokenized]
         request_id = random_id("cmpl")
         created = now()
