@@ -151,6 +151,22 @@ def test_children_of_the_largest_seed_get_valid_seeds(server):
     assert_serving(server)
 
 
+# --- stop strings --------------------------------------------------------------------------------
+
+def test_stop_strings_are_bounded_in_count_and_size(server):
+    base = {"prompt": "hi", "max_tokens": 4, "n": 2, "seed": 0}
+    status, out = post(server, {**base, "stop": [f"s{i}" for i in range(10_000)]})
+    assert status == 400 and out["error"]["param"] == "stop", out
+    assert "10000 strings" in out["error"]["message"], out
+    assert "--max-stop-strings 64" in out["error"]["message"], out
+    status, out = post(server, {**base, "stop": ["x" * 5000, "y" * 5000]})
+    assert status == 400 and out["error"]["param"] == "stop", out
+    assert "10000 bytes" in out["error"]["message"], out
+    assert "--max-stop-bytes 8192" in out["error"]["message"], out
+    status, out = post(server, {**base, "stop": [f"never-{i}" for i in range(64)]})
+    assert status == 200, out
+
+
 # --- in process --------------------------------------------------------------------------------
 
 def test_the_validator_replaces_a_worker_that_ran_out_of_time():

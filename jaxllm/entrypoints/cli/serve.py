@@ -66,6 +66,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     limits.add_argument("--structured-output-memory-mib", type=int, default=1024,
                         help="address space of a constraint validation worker in MiB "
                              "(default: 1024)")
+    limits.add_argument("--max-stop-strings", type=int, default=64,
+                        help="most stop strings per request (default: 64)")
+    limits.add_argument("--max-stop-bytes", type=int, default=8192,
+                        help="largest total size of a request's stop strings in UTF-8 bytes "
+                             "(default: 8192)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (chat_template, "
                         "chat_template_kwargs.chat_template): it runs the client's code in the "
@@ -121,7 +126,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for flag in ("max_request_bytes", "request_body_timeout", "request_header_timeout",
                  "limit_concurrency", "timeout_keep_alive", "h11_max_incomplete_event_size",
                  "max_structured_output_bytes", "max_structured_output_depth",
-                 "structured_output_timeout", "structured_output_memory_mib"):
+                 "structured_output_timeout", "structured_output_memory_mib",
+                 "max_stop_strings", "max_stop_bytes"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got "
                              f"{getattr(args, flag)}")
@@ -144,7 +150,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_structured_output_bytes=args.max_structured_output_bytes,
         max_structured_output_depth=args.max_structured_output_depth,
         structured_output_timeout=args.structured_output_timeout,
-        structured_output_memory_mib=args.structured_output_memory_mib)
+        structured_output_memory_mib=args.structured_output_memory_mib,
+        max_stop_strings=args.max_stop_strings, max_stop_bytes=args.max_stop_bytes)
     state = make_state(engine, name,
                        engine_config.model if tag is None else engine_config.model_path,
                        metrics, args.max_request_bytes, so_config,

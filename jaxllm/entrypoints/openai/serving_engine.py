@@ -59,6 +59,10 @@ class ServerLimits:
     max_structured_output_depth: int = 128
     structured_output_timeout: float = 10.0
     structured_output_memory_mib: int = 1024
+    # Stop strings per request, and their total UTF-8 size (each child of n > 1 and of every
+    # prompt carries them).
+    max_stop_strings: int = 64
+    max_stop_bytes: int = 8192
 
 
 @dataclass
@@ -230,6 +234,19 @@ class OpenAIServing:
                                 f"followed), more than this server allows "
                                 f"(--max-structured-output-depth {limit})", param)
 
+    def check_stop(self, stop: str | list[str] | None) -> None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        limit = self.limits.max_stop_strings
+        if len(stops) > limit:
+            raise APIError(400, f"stop has {len(stops)} strings, more than this server allows "
+                                f"(--max-stop-strings {limit})", "stop")
+        size = sum(len(s.encode("utf-8", "surrogatepass")) for s in stops
+                   if isinstance(s, str))
+        limit = self.limits.max_stop_bytes
+        if size > limit:
+            raise APIError(400, f"stop has {size} bytes of strings, more than this server "
+                                f"allows (--max-stop-bytes {limit})", "stop")
+
     async def structured_outputs(self, constraint: Constraint | None
                                  ) -> StructuredOutputsParams | None:
         """The constraint with the server's defaults for the fields it leaves out, validated
@@ -287,6 +304,7 @@ class OpenAIServing:
                                 f"({num_prompt_tokens} in the prompt, {max_tokens} for the "
                                 f"completion). Please reduce the prompt or "
                                 f"{max_tokens_field}.", max_tokens_field)
+        self.check_stop(req.stop)
         kw: dict[str, Any] = dict(
             n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed,
             max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
