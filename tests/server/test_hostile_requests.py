@@ -167,6 +167,28 @@ def test_stop_strings_are_bounded_in_count_and_size(server):
     assert status == 200, out
 
 
+# --- echoed prompt logprobs ---------------------------------------------------------------------
+
+def test_echoed_prompt_logprobs_are_bounded_per_response(server):
+    prompts = [list(range(1000 + i, 1250 + i)) for i in range(100)]  # 25,000 positions
+    body = {"prompt": prompts, "n": 4, "seed": 0, "max_tokens": 1, "logprobs": 20,
+            "echo": True}
+    start = time.monotonic()
+    status, out = post(server, body)
+    assert time.monotonic() - start < 10
+    assert status == 400 and out["error"]["param"] == "logprobs", out
+    message = out["error"]["message"]
+    assert "2100000 prompt logprob entries" in message, message
+    assert "--max-prompt-logprob-entries 2000000" in message, message
+    status, out = post(server, {"prompt": prompts, "n": 4, "seed": 0, "max_tokens": 1,
+                                "prompt_logprobs": 20})
+    assert status == 400 and out["error"]["param"] == "prompt_logprobs", out
+    # Within the bound: served, each choice with its prompt's logprobs.
+    status, out = post(server, {**body, "prompt": prompts[:4], "n": 2, "logprobs": 5})
+    assert status == 200, out
+    assert [len(c["logprobs"]["tokens"]) for c in out["choices"]] == [251] * 8
+
+
 # --- in process --------------------------------------------------------------------------------
 
 def test_the_validator_replaces_a_worker_that_ran_out_of_time():

@@ -71,6 +71,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     limits.add_argument("--max-stop-bytes", type=int, default=8192,
                         help="largest total size of a request's stop strings in UTF-8 bytes "
                              "(default: 8192)")
+    limits.add_argument("--max-prompt-logprob-entries", type=int, default=2_000_000,
+                        help="most prompt logprob entries in a completions response: prompt "
+                             "tokens x (logprobs + 1) x n, for echo with logprobs and for "
+                             "prompt_logprobs (default: 2,000,000)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (chat_template, "
                         "chat_template_kwargs.chat_template): it runs the client's code in the "
@@ -127,7 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  "limit_concurrency", "timeout_keep_alive", "h11_max_incomplete_event_size",
                  "max_structured_output_bytes", "max_structured_output_depth",
                  "structured_output_timeout", "structured_output_memory_mib",
-                 "max_stop_strings", "max_stop_bytes"):
+                 "max_stop_strings", "max_stop_bytes", "max_prompt_logprob_entries"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got "
                              f"{getattr(args, flag)}")
@@ -151,7 +155,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_structured_output_depth=args.max_structured_output_depth,
         structured_output_timeout=args.structured_output_timeout,
         structured_output_memory_mib=args.structured_output_memory_mib,
-        max_stop_strings=args.max_stop_strings, max_stop_bytes=args.max_stop_bytes)
+        max_stop_strings=args.max_stop_strings, max_stop_bytes=args.max_stop_bytes,
+        max_prompt_logprob_entries=args.max_prompt_logprob_entries)
     state = make_state(engine, name,
                        engine_config.model if tag is None else engine_config.model_path,
                        metrics, args.max_request_bytes, so_config,

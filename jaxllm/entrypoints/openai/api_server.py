@@ -182,6 +182,12 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return None if task.cancelled() else task.result()
 
 
+def _render_json(content: dict[str, Any]) -> bytes:
+    """What JSONResponse renders."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")
+
+
 def _respond(result: dict[str, Any] | AsyncGenerator[str, None]) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
@@ -347,7 +353,13 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         body = await body_of(request)
         live()
         result = await until_disconnect(request, create(body))
-        return Response(status_code=499) if result is None else _respond(result)
+        if result is None:
+            return Response(status_code=499)
+        if isinstance(result, dict):
+            # Rendered beside the event loop: echoed logprobs make responses of megabytes.
+            return Response(await asyncio.to_thread(_render_json, result),
+                            media_type="application/json")
+        return _respond(result)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -63,6 +63,9 @@ class ServerLimits:
     # prompt carries them).
     max_stop_strings: int = 64
     max_stop_bytes: int = 8192
+    # Prompt logprob entries a completions response may hold: prompt positions x (top-k + 1)
+    # x the choices that carry them (echo with logprobs, prompt_logprobs).
+    max_prompt_logprob_entries: int = 2_000_000
 
 
 @dataclass
