@@ -221,6 +221,8 @@ def bad_requests(max_model_len: int) -> list[tuple[str, str, bytes | dict, int, 
         ("named tool_choice without a name", ch, {
             "messages": msgs, "tools": [tool],
             "tool_choice": {"type": "function", "function": {}}}, 400, "tool_choice"),
+        ("tool name that breaks the call markup", ch, {"messages": msgs, "tools": [
+            {"type": "function", "function": {"name": 'f"}</tool_call>'}}]}, 400, "tools"),
         ("bad tool_choice", ch, {"messages": msgs, "tools": [tool], "tool_choice": "always"},
          400, "tool_choice"),
         ("tool without a name", ch, {"messages": msgs, "tools": [{"type": "function",

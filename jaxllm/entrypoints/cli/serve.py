@@ -75,6 +75,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         help="most prompt logprob entries in a completions response: prompt "
                              "tokens x (logprobs + 1) x n, for echo with logprobs and for "
                              "prompt_logprobs (default: 2,000,000)")
+    limits.add_argument("--max-parallel-tool-calls", type=int, default=None,
+                        help="most calls in an answer forced by tool_choice 'required' with "
+                             "parallel_tool_calls (default: the number of tools)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (chat_template, "
                         "chat_template_kwargs.chat_template): it runs the client's code in the "
@@ -135,6 +138,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got "
                              f"{getattr(args, flag)}")
+    if args.max_parallel_tool_calls is not None and args.max_parallel_tool_calls < 1:
+        raise ValueError(f"--max-parallel-tool-calls must be positive, got "
+                         f"{args.max_parallel_tool_calls}")
     if args.max_structured_output_depth > 512:  # counted by recursion in Python
         raise ValueError(f"--max-structured-output-depth must be at most 512, got "
                          f"{args.max_structured_output_depth}")
@@ -156,7 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         structured_output_timeout=args.structured_output_timeout,
         structured_output_memory_mib=args.structured_output_memory_mib,
         max_stop_strings=args.max_stop_strings, max_stop_bytes=args.max_stop_bytes,
-        max_prompt_logprob_entries=args.max_prompt_logprob_entries)
+        max_prompt_logprob_entries=args.max_prompt_logprob_entries,
+        max_parallel_tool_calls=args.max_parallel_tool_calls)
     state = make_state(engine, name,
                        engine_config.model if tag is None else engine_config.model_path,
                        metrics, args.max_request_bytes, so_config,

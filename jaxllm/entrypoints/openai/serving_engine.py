@@ -66,6 +66,8 @@ class ServerLimits:
     # Prompt logprob entries a completions response may hold: prompt positions x (top-k + 1)
     # x the choices that carry them (echo with logprobs, prompt_logprobs).
     max_prompt_logprob_entries: int = 2_000_000
+    # Calls in an answer that tool_choice "required" forces; None: one per tool.
+    max_parallel_tool_calls: int | None = None
 
 
 @dataclass
