@@ -19,6 +19,7 @@ a StructuredOutputsParams' fields, the answer `{"grammar": text}` or `{"error": 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -227,16 +228,52 @@ def schema_depth(schema: Any, limit: int) -> int:
 
 # --- the worker process -------------------------------------------------------------------------
 
+class _ByteTokenizer:
+    """One token per byte and an EOS: enough for llguidance to tell whether a grammar can
+    start at all, without the model's vocabulary."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b"</s>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+
+@functools.cache
+def _byte_tokenizer() -> Any:
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()), slices=[])
+
+
+def _matches_nothing(grammar: str) -> bool:
+    """No text (not even the empty one) is a sentence of `grammar`: its first mask is a
+    dead end (a regex such as `[^\\x00-\\x{10FFFF}]`)."""
+    import llguidance
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    if not matcher.is_error():
+        fill_next_token_bitmask(matcher, allocate_token_bitmask(1, 257), 0)
+    return matcher.is_error()
+
+
 def _validate(spec: dict[str, Any]) -> dict[str, Any]:
     from jaxllm.sampling_params import StructuredOutputsParams
 
     try:
         params = StructuredOutputsParams.from_dict(spec)
+        grammar = params.llguidance_grammar()
+        if _matches_nothing(grammar):
+            return {"error": f"SamplingParams.structured_outputs.{params.kind} matches no "
+                             f"text at all"}
     except (ValueError, TypeError) as e:
         return {"error": str(e)}
     except MemoryError:
         return {"error": "its validation ran out of memory (--structured-output-memory-mib)"}
-    return {"grammar": params.llguidance_grammar()}
+    return {"grammar": grammar}
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:
@@ -253,6 +290,7 @@ def _worker_main(memory_bytes: int) -> None:
     import resource
 
     import llguidance  # noqa: F401 - loaded before the memory limit applies
+    import llguidance.numpy  # noqa: F401
 
     from jaxllm.sampling_params import StructuredOutputsParams  # noqa: F401
 

@@ -161,6 +161,13 @@ def test_structured_outputs_and_guided_fields(client):
     jsonschema.validate(json.loads(spaced), PERSON)
 
 
+def test_a_stop_string_inside_the_constrained_answer_is_the_stop_reason(client):
+    out = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=8,
+                                    extra_body={"guided_choice": ["yes"], "stop": ["y"]})
+    c = out.choices[0]
+    assert (c.text, c.finish_reason, c.model_extra.get("stop_reason")) == ("", "stop", "y")
+
+
 def test_invalid_constraints_name_the_field(server):
     c, ch = server.url + "/v1/completions", server.url + "/v1/chat/completions"
     cases = [
