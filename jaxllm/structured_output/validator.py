@@ -250,7 +250,8 @@ def _byte_tokenizer() -> Any:
 
 def _matches_nothing(grammar: str) -> bool:
     """No text (not even the empty one) is a sentence of `grammar`: its first mask is a
-    dead end (a regex such as `[^\\x00-\\x{10FFFF}]`)."""
+    dead end (a regex such as `[^\\x00-\\x{10FFFF}]`). For grammars of text only: one that
+    names special tokens has none here."""
     import llguidance
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
@@ -266,7 +267,9 @@ def _validate(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         params = StructuredOutputsParams.from_dict(spec)
         grammar = params.llguidance_grammar()
-        if _matches_nothing(grammar):
+        # Not a Lark/GBNF grammar: it may name the model's special tokens (`<tool_call>`),
+        # which the byte vocabulary lacks.
+        if params.kind != "grammar" and _matches_nothing(grammar):
             return {"error": f"SamplingParams.structured_outputs.{params.kind} matches no "
                              f"text at all"}
     except (ValueError, TypeError) as e:
