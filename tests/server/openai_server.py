@@ -207,6 +207,8 @@ def bad_requests(max_model_len: int) -> list[tuple[str, str, bytes | dict, int, 
         ("unknown structured_outputs key", c, {**ok, "structured_outputs": {"regex": "a",
                                                                             "foo": 1}},
          400, "structured_outputs"),
+        ("the validated grammar from the client", c, {**ok, "structured_outputs": {
+            "regex": "a", "_grammar": "start: /[^a]*/"}}, 400, "structured_outputs"),
         ("two constraints", c, {**ok, "guided_regex": "a+", "guided_choice": ["a"]}, 400,
          "guided_choice"),
         ("whitespace pattern alone", c, {**ok, "guided_whitespace_pattern": " "}, 400,

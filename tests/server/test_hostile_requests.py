@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import threading
 import time
 
@@ -86,8 +87,9 @@ def test_a_grammar_that_crashes_llguidance_costs_only_its_request(server):
         assert status == 400 and out["error"]["param"] == field, out
         assert "crashed" in out["error"]["message"], out
         assert_serving(server)
-    # A chain that fits is served.
-    status, out = post(server, {"prompt": "x", "max_tokens": 4, "guided_grammar": deep_lark(500)})
+    # A chain that fits the validator is served: the core compiles it on a larger stack.
+    status, out = post(server, {"prompt": "x", "max_tokens": 4,
+                                "guided_grammar": deep_lark(2000)})
     assert status == 200, out
 
 
@@ -207,6 +209,10 @@ def test_the_validator_replaces_a_worker_that_ran_out_of_time():
             with pytest.raises(GrammarRefused, match="did not finish"):
                 await validator.validate({"grammar": deep_lark(500)})
             assert validator.num_crashed == 1
+            # The worker runs under its address-space limit.
+            (worker,) = validator._idle
+            limits = open(f"/proc/{worker.proc.pid}/limits").read()
+            assert re.search(rf"Max address space\s+{validator.memory_bytes}\s", limits)
         finally:
             validator.close()
 

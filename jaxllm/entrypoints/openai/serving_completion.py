@@ -219,7 +219,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         echo_pending.discard(index)
                         text = self.prompt_text(tokenized[i]) + text
                         if logprobs is not None:
-                            echoed = logprobs[index].add(tokenized[i].token_ids, prompt_rows[i])
+                            echoed = await asyncio.to_thread(logprobs[index].add,
+                                                             tokenized[i].token_ids,
+                                                             prompt_rows[i])
                     lp = None if logprobs is None else logprobs[index].add(c.token_ids,
                                                                            c.logprobs, echoed)
                     chunk = {**base, "choices": [{
