@@ -38,7 +38,8 @@ VALIDATION_STACK_BYTES = 8 << 20
 # recursion.
 COMPILE_STACK_BYTES = 64 << 20
 # Validation answers kept (by a hash of the constraint), refusals included: a request repeated
-# with the same schema does not go to a worker again, nor a grammar that crashed one.
+# with the same schema does not go to a worker again, nor a grammar that crashed one. A timeout
+# is not kept: under load a valid constraint may take longer once.
 CACHE_SIZE = 512
 
 
@@ -128,10 +129,11 @@ class GrammarValidator:
             if self._slots is None:
                 self._slots = asyncio.Semaphore(self.num_workers)
             async with self._slots:
-                hit = await asyncio.to_thread(self._validate_in_worker, spec)
-            self._cache[key] = hit
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+                hit, keep = await asyncio.to_thread(self._validate_in_worker, spec)
+            if keep:
+                self._cache[key] = hit
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
         ok, text = hit
@@ -139,7 +141,8 @@ class GrammarValidator:
             raise GrammarRefused(text)
         return text
 
-    def _validate_in_worker(self, spec: dict[str, Any]) -> tuple[bool, str]:
+    def _validate_in_worker(self, spec: dict[str, Any]) -> tuple[tuple[bool, str], bool]:
+        """((valid, grammar or why not), whether the answer may be kept)."""
         with self._lock:
             worker = self._idle.pop() if self._idle else None
         if worker is None or worker.proc.poll() is not None:
@@ -149,20 +152,20 @@ class GrammarValidator:
         except TimeoutError:
             worker.kill()
             self.num_crashed += 1
-            return False, (f"its validation did not finish in {self.timeout_s:g} s "
-                           f"(--structured-output-timeout)")
+            return (False, f"its validation did not finish in {self.timeout_s:g} s "
+                           f"(--structured-output-timeout)"), False
         except EOFError:
             code = worker.kill()
             self.num_crashed += 1
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            return False, (f"its validation crashed ({how}): it is too deeply nested or too "
+            return (False, f"its validation crashed ({how}): it is too deeply nested or too "
                            f"large (the validator has {self.memory_bytes >> 20} MiB, "
-                           f"--structured-output-memory-mib)")
+                           f"--structured-output-memory-mib)"), True
         with self._lock:
             self._idle.append(worker)
         if "grammar" in answer:
-            return True, answer["grammar"]
-        return False, answer["error"]
+            return (True, answer["grammar"]), True
+        return (False, answer["error"]), True
 
     def close(self) -> None:
         with self._lock:

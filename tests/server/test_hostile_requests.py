@@ -193,7 +193,7 @@ def test_echoed_prompt_logprobs_are_bounded_per_response(server):
 
 # --- in process --------------------------------------------------------------------------------
 
-def test_the_validator_replaces_a_worker_that_ran_out_of_time():
+def test_the_validator_replaces_a_worker_that_crashed_or_ran_out_of_time():
     import asyncio
 
     from jaxllm.structured_output.validator import GrammarRefused, GrammarValidator
@@ -203,12 +203,16 @@ def test_the_validator_replaces_a_worker_that_ran_out_of_time():
         try:
             with pytest.raises(GrammarRefused, match="did not finish in 0.0001 s"):
                 await validator.validate({"grammar": deep_lark(500)})
-            validator.timeout_s = 30.0
-            assert "t0" in await validator.validate({"grammar": deep_lark(50)})
-            # Refusals are remembered: the slow one is not tried again.
-            with pytest.raises(GrammarRefused, match="did not finish"):
-                await validator.validate({"grammar": deep_lark(500)})
             assert validator.num_crashed == 1
+            # A timeout is not remembered: with time, the same grammar is valid.
+            validator.timeout_s = 30.0
+            assert "t499" in await validator.validate({"grammar": deep_lark(500)})
+            # A crash is, and costs one worker only once.
+            for _ in range(2):
+                with pytest.raises(GrammarRefused, match="crashed"):
+                    await validator.validate({"grammar": deep_lark(3000)})
+            assert validator.num_crashed == 2
+            assert "t0" in await validator.validate({"grammar": deep_lark(50)})
             # The worker runs under its address-space limit.
             (worker,) = validator._idle
             limits = open(f"/proc/{worker.proc.pid}/limits").read()
