@@ -309,5 +309,8 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     def clone(self) -> SamplingParams:
-        """A deep copy (lists and the logit_bias dict are not shared)."""
-        return copy.deepcopy(self)
+        """A deep copy (lists and the logit_bias dict are not shared), but for the
+        structured-output constraint: its grammar text is fixed once it is validated, and a
+        large schema would cost a deep copy per request (n > 1 children, every prompt)."""
+        so = self.structured_outputs
+        return copy.deepcopy(self, None if so is None else {id(so): so})
