@@ -7,7 +7,7 @@ import enum
 import math
 import numbers
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # Most top logprobs a request may ask for per position (vLLM's default `max_logprobs`).
@@ -61,6 +61,10 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    # The llguidance grammar of the constraint once validated (vLLM keeps its backend choice in
+    # private fields too): it travels with the request, so the engine core compiles this text
+    # instead of converting and validating the client's constraint again.
+    _grammar: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.json_object is False:
@@ -89,9 +93,18 @@ class StructuredOutputsParams:
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise self._bad(name, "must be a bool")
-        from jaxllm.structured_output.grammar import validate_grammar
+        if self._grammar is None:
+            from jaxllm.structured_output.grammar import validate_grammar
 
-        validate_grammar(self)
+            self._grammar = validate_grammar(self)
+
+    def llguidance_grammar(self) -> str:
+        """The constraint's llguidance grammar (validated when these params were built)."""
+        if self._grammar is None:
+            from jaxllm.structured_output.grammar import build_grammar
+
+            self._grammar = build_grammar(self)
+        return self._grammar
 
     def _bad(self, name: str, why: str) -> ValueError:
         return ValueError(f"SamplingParams.structured_outputs.{name} {why}, "
@@ -109,7 +122,7 @@ class StructuredOutputsParams:
         if not isinstance(spec, dict):
             raise ValueError(f"SamplingParams.structured_outputs must be an object, got "
                              f"{type(spec).__name__}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if not f.name.startswith("_")}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"SamplingParams.structured_outputs has unknown fields {unknown}; "
@@ -296,5 +309,8 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     def clone(self) -> SamplingParams:
-        """A deep copy (lists and the logit_bias dict are not shared)."""
-        return copy.deepcopy(self)
+        """A deep copy (lists and the logit_bias dict are not shared), but for the
+        structured-output constraint: its grammar text is fixed once it is validated, and a
+        large schema would cost a deep copy per request (n > 1 children, every prompt)."""
+        so = self.structured_outputs
+        return copy.deepcopy(self, None if so is None else {id(so): so})

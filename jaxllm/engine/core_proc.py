@@ -43,6 +43,7 @@ from jaxllm.engine.serial_utils import (
     UtilityOutput,
     UtilityRequest,
 )
+from jaxllm.structured_output.validator import COMPILE_STACK_BYTES
 
 logger = logging.getLogger("jaxllm.engine.core_proc")
 
@@ -155,12 +156,36 @@ class EngineCoreProc:
                 if kind is RequestType.SHUTDOWN:
                     self.input_queue.put((kind, None))
                     break
-                self.input_queue.put((kind, REQUEST_DECODERS[kind].decode(payload.buffer)))
+                try:
+                    request = REQUEST_DECODERS[kind].decode(payload.buffer)
+                except msgspec.DecodeError as e:  # ValidationError included
+                    self._refuse_undecodable(kind, payload.buffer, e)
+                    continue
+                self.input_queue.put((kind, request))
         except Exception as e:
             # A core that cannot hear its frontend must die (the frontend then reports
             # EngineDeadError) rather than idle forever.
             self.input_queue.put((None, e))
         sock.close(linger=0)
+
+    def _refuse_undecodable(self, kind: RequestType, payload: memoryview,
+                            error: Exception) -> None:
+        """A message the decoder refused (the frontend validates requests, so a bug, or a
+        value the two sides check differently) fails that request alone: an ADD whose id can
+        still be read finishes with "error"; anything else is logged and dropped."""
+        logger.error("engine core could not decode a %s message: %s", kind.name, error)
+        if kind is not RequestType.ADD:
+            return
+        try:
+            request_id = msgspec.msgpack.decode(payload)[0]  # an array-like struct
+        except Exception:
+            return
+        if isinstance(request_id, str):
+            self.output_queue.put((OutputType.OUTPUTS, EngineCoreOutputs(outputs=[
+                EngineCoreOutput(request_id=request_id, new_token_ids=[],
+                                 finish_reason="error",
+                                 stop_reason=f"the engine core could not decode the request: "
+                                             f"{error}")])))
 
     def _process_output_socket(self, address: str) -> None:
         sock = self.ctx.socket(zmq.PUSH)
@@ -214,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     # Ctrl-C in a terminal reaches the whole process group: the user means the frontend (whose
     # generate() then aborts its requests), not the core; it ends with its parent.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Grammar compilations recurse as deep as the grammar nests: this process's threads get a
+    # stack well beyond the one the server's validator accepted the grammar with.
+    threading.stack_size(COMPILE_STACK_BYTES)
     threading.Thread(target=_watch_parent, args=(a.death_fd, _ipc_dir(a.input_address)),
                      daemon=True,
                      name="ParentWatch").start()

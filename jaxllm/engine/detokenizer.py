@@ -42,10 +42,12 @@ continuation bytes as U+FFFD instead).
 
 Stop strings
 ------------
-After each update, every stop string is searched in the newly committed text plus
-``len(stop) - 1`` characters before it. Among the matches, the one that ends first wins (ties:
-the one that starts first); this is the one token-by-token decoding would have seen first, so the
-result does not depend on how many tokens arrive per step. The output is cut before the match
+After each update, the newly committed text goes through one Aho-Corasick automaton of all the
+stop strings (built once per list and shared by the requests that use it), whose state carries
+over from the previous update: the cost is per new character, whatever the number of stop
+strings. Among the matches, the one that ends first wins (ties: the one that starts first, the
+longest); this is the one token-by-token decoding would have seen first, so the result does not
+depend on how many tokens arrive per step. The output is cut before the match
 (or right after it with ``include_stop_str_in_output``). Unlike vLLM, stop strings are also
 checked on the text before a terminating EOS / stop token of the same step (a stop string that
 completed before the stop token is the earlier event).
@@ -57,6 +59,7 @@ spanning steps is never streamed and then retracted.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 _FFFD = "\ufffd"
@@ -72,6 +75,60 @@ _MAX_CUT_TRIES = 8
 _FOLD_AT = 1024
 # More held tokens than this are committed as decoded (pathological output only).
 _MAX_PENDING = 64
+
+
+class StopMatcher:
+    """An Aho-Corasick automaton of stop strings: fed text a character at a time, it reports
+    the longest stop string ending at each character, in time independent of how many there
+    are."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        # State 0 is the empty string; goto[s][ch] the state of s's string + ch.
+        self.goto: list[dict[str, int]] = [{}]
+        longest = [0]  # length of the stop string spelled by each state, 0 if none
+        for stop in stops:
+            state = 0
+            for ch in stop:
+                nxt = self.goto[state].get(ch)
+                if nxt is None:
+                    nxt = self.goto[state][ch] = len(self.goto)
+                    self.goto.append({})
+                    longest.append(0)
+                state = nxt
+            longest[state] = len(stop)
+        # fail[s]: the state of the longest proper suffix of s's string that is a prefix of a
+        # stop string; best[s]: the longest stop string that is a suffix of s's string.
+        self.fail = [0] * len(self.goto)
+        self.best = list(longest)
+        order = list(self.goto[0].values())
+        for state in order:  # breadth first: a state's fail state is done before it
+            for ch, nxt in self.goto[state].items():
+                f = self.fail[state]
+                while f and ch not in self.goto[f]:
+                    f = self.fail[f]
+                target = self.goto[f].get(ch, 0)
+                self.fail[nxt] = target if target != nxt else 0
+                self.best[nxt] = longest[nxt] or self.best[self.fail[nxt]]
+                order.append(nxt)
+
+    def feed(self, state: int, text: str) -> tuple[int, int, int]:
+        """Consume `text` from `state`: (the state after it, 0) when no stop string ends in
+        it, else (the state at the first character that ends one, where that character is in
+        `text` + 1, the longest stop string's length ending there)."""
+        goto, fail, best = self.goto, self.fail, self.best
+        for i, ch in enumerate(text):
+            while state and ch not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(ch, 0)
+            if best[state]:
+                return state, i + 1, best[state]
+        return state, 0, 0
+
+
+@functools.lru_cache(maxsize=64)
+def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
+    """One automaton per stop list, shared by the requests (n > 1 children) that use it."""
+    return StopMatcher(stops)
 
 
 def _make_decode(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
@@ -99,6 +156,8 @@ class IncrementalDetokenizer:
                                    if self.stop and not include_stop_str_in_output else 0)
         # The stop string that ended the text (None while none has).
         self.stop_reason: str | None = None
+        self._stop_matcher = stop_matcher(tuple(self.stop)) if self.stop else None
+        self._stop_state = 0  # the automaton's state after the text so far
 
         self._token_ids: list[int] = []
         # output_text == _head + _recent. New text is appended to the short _recent, which is
@@ -231,23 +290,21 @@ class IncrementalDetokenizer:
             self._commit(len(self._ids), self._decode(self._ids))
 
     def _check_stop(self, start: int) -> str | None:
-        """Search the text added since ``start`` (plus len(stop) - 1 characters before it)."""
-        if not self.stop or self._len == start:
+        """Feed the text added since ``start`` to the stop automaton (committed text only
+        grows until a stop string cuts it, so the automaton's state carries over)."""
+        if self._stop_matcher is None or self._len == start:
             return None
-        base = max(start - self.stop_max_len + 1, 0)
-        region = self._tail(base)
-        best: tuple[int, int, str] | None = None  # (end, begin, stop), absolute positions
-        for s in self.stop:
-            i = region.find(s, max(start - len(s) + 1 - base, 0))
-            if i >= 0 and (best is None or (base + i + len(s), base + i) < best[:2]):
-                best = (base + i + len(s), base + i, s)
-        if best is None:
+        self._stop_state, at, length = self._stop_matcher.feed(self._stop_state,
+                                                               self._tail(start))
+        if not at:
             return None
-        end, begin, s = best
+        end = start + at
+        begin = end - length
         keep = self.output_text[:end if self.include_stop_str_in_output else begin]
+        stop = self.output_text[begin:end]
         self._head, self._recent, self._len = keep, "", len(keep)
-        self.stop_reason = s
-        return s
+        self.stop_reason = stop
+        return stop
 
     def _tail(self, pos: int) -> str:
         """output_text[pos:], without joining the whole text."""

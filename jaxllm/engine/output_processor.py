@@ -209,9 +209,11 @@ class OutputProcessor:
                 if state.cumulative_logprob is not None and out.new_sampled_logprobs:
                     state.cumulative_logprob += sum(out.new_sampled_logprobs[:n])
             # A stop string inside several tokens ends the request there, whatever ended it
-            # at the last of them in the core.
+            # at the last of them in the core; one completed by the token that also ended it
+            # (a complete grammar, max_tokens, a stop token after it) is the reason it stopped.
             cut = len(new_ids) < len(out.new_token_ids)
-            if stop_string is not None and (out.finish_reason is None or cut):
+            if stop_string is not None and (out.finish_reason in (None, "stop", "length")
+                                            or cut):
                 state.finish_reason, state.stop_reason = "stop", stop_string
                 if out.finish_reason is None:
                     to_abort.append(state.request_id)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jaxllm.engine import EngineCoreInfo, EngineCoreRequest
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import INT64_MAX, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -125,7 +125,9 @@ class Processor:
             sp = params.clone()
             if params.n > 1:
                 sp.n = 1
-                sp.seed = None if params.seed is None else params.seed + i
+                # Child i's seed is the request's + i, wrapped into the seeds' range [0,
+                # INT64_MAX] (which the core's decoder checks again).
+                sp.seed = None if params.seed is None else (params.seed + i) & INT64_MAX
                 if i > 0:
                     # Only the first sequence reports prompt logprobs; the others then take
                     # its prompt blocks from the prefix cache instead of recomputing them.

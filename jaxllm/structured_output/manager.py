@@ -31,7 +31,6 @@ import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from jaxllm.sampling_params import StructuredOutputsParams
-from jaxllm.structured_output.grammar import build_grammar
 from jaxllm.structured_output.request import StructuredOutputRequest, error_summary
 
 # Compiled grammars kept; the oldest is dropped past this (requests hold their own copies).
@@ -66,7 +65,7 @@ class StructuredOutputManager:
         if self._tokenizer is None:
             self._tokenizer = self._pool.submit(self._load_tokenizer, list(eos_token_ids))
         try:
-            grammar = build_grammar(params)
+            grammar = params.llguidance_grammar()
         except ValueError as e:
             failed: Future[llguidance.LLMatcher] = Future()
             failed.set_exception(e)

@@ -401,3 +401,57 @@ def test_per_token_cost(tok, chat_prompt):
     deltas.append(d.get_next_output_text(finished=True, delta=True))
     assert "".join(deltas) == d.output_text == tok.decode(ids)
     assert per_token < 500e-6  # loose: a shared 2-core CPU; typical is ~10 us
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, int] | None:
+    """(begin, end) of the stop string token-by-token decoding sees first: the earliest end,
+    then the earliest begin."""
+    found = [(i + len(s), i) for s in stops for i in range(len(text)) if text.startswith(s, i)]
+    if not found:
+        return None
+    end, begin = min(found)
+    return begin, end
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_many_stop_strings_cut_where_the_first_one_ends(tok, seed):
+    rng = random.Random(seed)
+    text = "".join(rng.choice("ab c\n") for _ in range(rng.randint(5, 80)))
+    stops = list({"".join(rng.choice("ab c\n") for _ in range(rng.randint(1, 6)))
+                  for _ in range(rng.randint(1, 30))})
+    ids = tok.encode(text)
+    include = rng.random() < 0.5
+    d = IncrementalDetokenizer(tok, [], stop=stops, include_stop_str_in_output=include)
+    reason = None
+    for piece in chunks(ids, "random", seed):
+        reason = d.update(piece, False) or reason
+        if reason is not None:
+            break
+    d.finish()
+    full = tok.decode(ids)
+    want = _first_stop(full, stops)
+    if want is None:
+        assert d.stop_reason is None and d.output_text == full
+    else:
+        begin, end = want
+        assert d.stop_reason == full[begin:end], (full, stops)
+        assert d.output_text == full[:end if include else begin]
+
+
+def test_stop_matching_costs_the_same_for_10000_strings(tok):
+    """One automaton over the new text, not a search per string: 10,000 stop strings (none of
+    which occurs) cost about what one does, per token."""
+    text = "the quick brown fox jumps over the lazy dog, " * 40
+    ids = tok.encode(text)
+    many = [f"never-{i:05d}" for i in range(10_000)]
+
+    def per_token_updates(stops: list[str]) -> float:
+        d = IncrementalDetokenizer(tok, [], stop=stops)  # builds the automaton
+        start = time.perf_counter()
+        for t in ids:
+            assert d.update([t], False) is None
+        return time.perf_counter() - start
+
+    one = min(per_token_updates(["never"]) for _ in range(3))
+    lots = min(per_token_updates(many) for _ in range(3))
+    assert lots < 3 * one + 0.05, (lots, one)

@@ -24,6 +24,8 @@ def test_soak_30_seconds(hardened_server):
     done = sum(s["completed"] for s in report["stages"])
     assert done == sum(s["num_prompts"] for s in report["stages"])
     assert all(s["p99_ttft_ms"] > 0 for s in report["stages"])
+    # Mixed constrained, tool and hostile requests beside the ladder: no 5xx, no /health stall.
+    assert sum(sum(c.values()) for c in report["mixed"]["statuses"].values()) > 0
     assert problems(report, RSS_GROWTH_BOUND_MIB) == []
     assert report["at_rest"] == {"jaxllm:num_requests_running": 0,
                                  "jaxllm:num_requests_waiting": 0,

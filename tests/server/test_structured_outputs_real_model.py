@@ -71,3 +71,36 @@ def test_tool_call_round_trip(client):
     assert c.finish_reason == "stop" and not c.message.tool_calls
     # The answer reads the tool's result.
     assert "31" in c.message.content, c.message.content
+
+
+THREE_CITIES = [{"role": "user", "content": "What is the weather in Paris, Tokyo and Lima?"}]
+
+
+def test_a_named_tool_choice_is_one_call_finishing_stop(client):
+    out = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=THREE_CITIES, tools=[WEATHER], temperature=0,
+        max_tokens=200, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    c = out.choices[0]
+    assert c.finish_reason == "stop" and c.message.content is None, c
+    assert [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+    json.loads(c.message.tool_calls[0].function.arguments)
+
+
+def test_required_calls_end_and_a_cut_one_leaks_nothing(client):
+    # One tool: at most one call by default, so the answer ends instead of repeating it.
+    out = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=THREE_CITIES, tools=[WEATHER], temperature=0,
+        max_tokens=200, tool_choice="required")
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    assert len(c.message.tool_calls) == 1
+    # Two tools, cut inside the second call: the first one, without markup.
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    out = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=THREE_CITIES, tools=[WEATHER, clock],
+        temperature=0, max_tokens=35, tool_choice="required", seed=0)
+    c = out.choices[0]
+    assert c.message.content is None, c
+    for call in c.message.tool_calls or []:
+        json.loads(call.function.arguments)

@@ -161,6 +161,13 @@ def test_structured_outputs_and_guided_fields(client):
     jsonschema.validate(json.loads(spaced), PERSON)
 
 
+def test_a_stop_string_inside_the_constrained_answer_is_the_stop_reason(client):
+    out = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=8,
+                                    extra_body={"guided_choice": ["yes"], "stop": ["y"]})
+    c = out.choices[0]
+    assert (c.text, c.finish_reason, c.model_extra.get("stop_reason")) == ("", "stop", "y")
+
+
 def test_invalid_constraints_name_the_field(server):
     c, ch = server.url + "/v1/completions", server.url + "/v1/chat/completions"
     cases = [
@@ -273,6 +280,40 @@ def _reassemble(chunks) -> tuple[str | None, list[tuple[str, str]], str | None]:
                     calls[d.index][1] += d.function.arguments
             finish = ch.finish_reason or finish
     return content or None, [(n, a) for _, (n, a) in sorted(calls.items())], finish
+
+
+def test_a_named_tool_choice_is_exactly_one_call(client):
+    # parallel_tool_calls is true by default: still one call, finishing "stop" (OpenAI's).
+    for seed in range(4):
+        c = _chat(client, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=300,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}
+                  ).choices[0]
+        assert c.finish_reason == "stop" and c.message.content is None, c
+        assert len(c.message.tool_calls) == 1, c.message.tool_calls
+        _check_call(c.message.tool_calls[0], "get_weather")
+
+
+def test_required_tool_calls_are_bounded_and_never_leak_markup(client):
+    # At most one call per tool: the answer ends instead of running to max_tokens.
+    for seed in range(4):
+        c = _chat(client, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed,
+                  tool_choice="required", max_tokens=400).choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        assert 1 <= len(c.message.tool_calls) <= len(TOOLS)
+        for call in c.message.tool_calls:
+            _check_call(call)
+    # Cut by max_tokens anywhere: the complete calls, never a cut one or its markup, and a
+    # stream sends exactly those.
+    for max_tokens in (12, 20, 27, 35, 45, 60):
+        kw = {"tool_choice": "required", "seed": 0, "max_tokens": max_tokens,
+              "temperature": 1.0}
+        c = _chat(client, messages=ASK, tools=TOOLS, **kw).choices[0]
+        assert c.message.content is None, (max_tokens, c)
+        for call in c.message.tool_calls or []:
+            _check_call(call)
+        want = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        got = _reassemble(_chat(client, messages=ASK, tools=TOOLS, stream=True, **kw))
+        assert got == (None, want, c.finish_reason), max_tokens
 
 
 def test_streamed_tool_calls_equal_the_non_streamed(client):

@@ -169,3 +169,32 @@ def test_tool_call_grammar(ll_tokenizer):
     text_tags = tool_call_grammar(fns, parallel=False, whitespace_flexible=False,
                                   tags_are_tokens=False)
     assert '"<tool_call>"' in text_tags
+
+
+def test_tool_call_grammar_bounds_parallel_calls(ll_tokenizer):
+    fns = [{"name": "get_weather", "parameters": WEATHER}, {"name": "noop"}]
+    two = tool_call_grammar(fns, parallel=True, whitespace_flexible=False,
+                            tags_are_tokens=True, max_calls=2)
+    calls = [_call("noop", "{}")] * 3
+    assert _accepts(ll_tokenizer, two, calls[0])
+    assert _accepts(ll_tokenizer, two, "\n".join(calls[:2]))
+    assert not _accepts(ll_tokenizer, two, "\n".join(calls))
+
+
+def test_complete_calls_only_drops_a_cut_call_and_its_markup():
+    whole = _call("noop", "{}") + "\n" + _call("get_weather", '{"city":"Oslo","unit":"f"}')
+    cut = whole[:len(whole) - 20]
+    found = extract_tool_calls(cut, complete_calls_only=True)
+    assert [(c.name, c.arguments) for c in found.tool_calls] == [("noop", "{}")]
+    assert found.content is None
+    # Streamed in any chunking: the same single call, sent whole once its tag closed.
+    for size in (1, 3, 7):
+        parser = HermesToolParser(complete_calls_only=True)
+        deltas = [d for i in range(0, len(cut), size) for d in parser.feed(cut[i:i + size])
+                  .tool_calls]
+        end = parser.finish()
+        assert end.content == "" and not end.tool_calls
+        assert [(d.index, d.name, d.arguments) for d in deltas] == [
+            (0, "noop", ""), (0, None, "{}")]
+    # Without the option (tool_choice "auto"), a cut call's arguments are not JSON: all text.
+    assert extract_tool_calls(cut).content == cut

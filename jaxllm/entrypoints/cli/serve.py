@@ -52,6 +52,32 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         '\'{"disable_any_whitespace": true}\' (no whitespace between JSON '
                         'tokens: small or untrained models need it to close objects); keys: '
                         'disable_any_whitespace, disable_additional_properties')
+    limits = p.add_argument_group("request limits", "what one request may ask; past a "
+                                  "limit, a 400 naming it")
+    limits.add_argument("--max-structured-output-bytes", type=int, default=128 << 10,
+                        help="largest output constraint (schema, regex, grammar, choices, "
+                             "the tools of tool_choice) as JSON text (default: 128 KiB)")
+    limits.add_argument("--max-structured-output-depth", type=int, default=128,
+                        help="deepest nesting of a JSON schema, its local $refs followed "
+                             "(default: 128, at most 512)")
+    limits.add_argument("--structured-output-timeout", type=float, default=10.0,
+                        help="seconds a constraint's validation (in a worker process) may "
+                             "take (default: 10)")
+    limits.add_argument("--structured-output-memory-mib", type=int, default=1024,
+                        help="address space of a constraint validation worker in MiB "
+                             "(default: 1024)")
+    limits.add_argument("--max-stop-strings", type=int, default=64,
+                        help="most stop strings per request (default: 64)")
+    limits.add_argument("--max-stop-bytes", type=int, default=8192,
+                        help="largest total size of a request's stop strings in UTF-8 bytes "
+                             "(default: 8192)")
+    limits.add_argument("--max-prompt-logprob-entries", type=int, default=2_000_000,
+                        help="most prompt logprob entries in a completions response: prompt "
+                             "tokens x (logprobs + 1) x n, for echo with logprobs and for "
+                             "prompt_logprobs (default: 2,000,000)")
+    limits.add_argument("--max-parallel-tool-calls", type=int, default=None,
+                        help="most calls in an answer forced by tool_choice 'required' with "
+                             "parallel_tool_calls (default: the number of tools)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (chat_template, "
                         "chat_template_kwargs.chat_template): it runs the client's code in the "
@@ -93,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         make_state,
     )
     from jaxllm.entrypoints.openai.metrics import ServerMetrics
-    from jaxllm.entrypoints.openai.serving_engine import StructuredOutputsConfig
+    from jaxllm.entrypoints.openai.serving_engine import ServerLimits, StructuredOutputsConfig
     from jaxllm.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -105,10 +131,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.skip_tokenizer_init:
         raise ValueError("the server needs the tokenizer (drop --skip-tokenizer-init)")
     for flag in ("max_request_bytes", "request_body_timeout", "request_header_timeout",
-                 "limit_concurrency", "timeout_keep_alive", "h11_max_incomplete_event_size"):
+                 "limit_concurrency", "timeout_keep_alive", "h11_max_incomplete_event_size",
+                 "max_structured_output_bytes", "max_structured_output_depth",
+                 "structured_output_timeout", "structured_output_memory_mib",
+                 "max_stop_strings", "max_stop_bytes", "max_prompt_logprob_entries"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got "
                              f"{getattr(args, flag)}")
+    if args.max_parallel_tool_calls is not None and args.max_parallel_tool_calls < 1:
+        raise ValueError(f"--max-parallel-tool-calls must be positive, got "
+                         f"{args.max_parallel_tool_calls}")
+    if args.max_structured_output_depth > 512:  # counted by recursion in Python
+        raise ValueError(f"--max-structured-output-depth must be at most 512, got "
+                         f"{args.max_structured_output_depth}")
     raise_open_file_limit(args.limit_concurrency, log)
     so_config = StructuredOutputsConfig() if args.structured_outputs_config is None \
         else StructuredOutputsConfig.from_json(args.structured_outputs_config)
@@ -121,10 +156,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if pid is not None:
         log.info("engine core process pid %d", pid)
     engine_config = engine.engine_config
+    limits = ServerLimits(
+        max_structured_output_bytes=args.max_structured_output_bytes,
+        max_structured_output_depth=args.max_structured_output_depth,
+        structured_output_timeout=args.structured_output_timeout,
+        structured_output_memory_mib=args.structured_output_memory_mib,
+        max_stop_strings=args.max_stop_strings, max_stop_bytes=args.max_stop_bytes,
+        max_prompt_logprob_entries=args.max_prompt_logprob_entries,
+        max_parallel_tool_calls=args.max_parallel_tool_calls)
     state = make_state(engine, name,
                        engine_config.model if tag is None else engine_config.model_path,
                        metrics, args.max_request_bytes, so_config,
-                       args.trust_request_chat_template)
+                       args.trust_request_chat_template, limits)
     state.body_timeout = args.request_body_timeout
     app = build_app(state, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port,
@@ -141,6 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         uvicorn.Server(config).run()
     finally:
+        state.completion.validator.close()
         engine.shutdown()
     log.info("server stopped")
     return 0

@@ -42,7 +42,8 @@ from jaxllm.entrypoints.openai.protocol import (
 )
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxllm.entrypoints.openai.serving_engine import StructuredOutputsConfig
+from jaxllm.entrypoints.openai.serving_engine import ServerLimits, StructuredOutputsConfig
+from jaxllm.structured_output.validator import GrammarValidator
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -179,6 +180,12 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     return None if task.cancelled() else task.result()
+
+
+def _render_json(content: dict[str, Any]) -> bytes:
+    """What JSONResponse renders."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def _respond(result: dict[str, Any] | AsyncGenerator[str, None]) -> Response:
@@ -346,7 +353,13 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         body = await body_of(request)
         live()
         result = await until_disconnect(request, create(body))
-        return Response(status_code=499) if result is None else _respond(result)
+        if result is None:
+            return Response(status_code=499)
+        if isinstance(result, dict):
+            # Rendered beside the event loop: echoed logprobs make responses of megabytes.
+            return Response(await asyncio.to_thread(_render_json, result),
+                            media_type="application/json")
+        return _respond(result)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -428,12 +441,18 @@ def header_timeout_protocol(timeout: float) -> type:
 def make_state(engine: AsyncLLM, model_name: str, model_root: str,
                metrics: ServerMetrics, max_request_bytes: int,
                structured_outputs_config: StructuredOutputsConfig | None = None,
-               trust_request_chat_template: bool = False) -> ServerState:
+               trust_request_chat_template: bool = False,
+               limits: ServerLimits | None = None) -> ServerState:
+    limits = limits or ServerLimits()
+    # One pool of validator workers for both routes.
+    validator = GrammarValidator(timeout_s=limits.structured_output_timeout,
+                                 memory_mib=limits.structured_output_memory_mib)
     return ServerState(engine, model_name, model_root,
                        OpenAIServingCompletion(engine, model_name, metrics,
-                                               structured_outputs_config),
+                                               structured_outputs_config, limits=limits,
+                                               validator=validator),
                        OpenAIServingChat(engine, model_name, metrics,
                                          structured_outputs_config,
-                                         trust_request_chat_template), metrics,
-                       max_request_bytes, int(time.time()))
+                                         trust_request_chat_template, limits, validator),
+                       metrics, max_request_bytes, int(time.time()))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ _SERVER_SET_KWARGS = frozenset({
 # renders in time linear in the messages; only a template from the request (allowed by
 # --trust-request-chat-template) can run for longer.
 _RENDER_TIMEOUT_S = 10.0
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _in_daemon_thread(fn: Callable[[], str]) -> asyncio.Future[str]:
@@ -149,6 +151,11 @@ class OpenAIServingChat(OpenAIServing):
             return ToolUse(None, False, None)
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
         functions = [t["function"] for t in tools]
+        for f in functions:
+            # OpenAI's rule (and '.'): a name is written into the calls' markup and JSON.
+            if not _TOOL_NAME.fullmatch(f["name"]):
+                raise APIError(400, f"tool names must be 1 to 64 letters, digits, '_', '-' or "
+                                    f"'.', got {f['name']!r:.100}", "tools")
         if choice is None:
             choice = "auto"
         if choice == "none":
@@ -163,12 +170,20 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, f"tool_choice names the function {choice.function.name!r}, "
                                     f"which is not among the tools {names}", "tool_choice")
             functions = [f for f in functions if f["name"] == choice.function.name]
+        for f in functions:
+            self.check_schema_depth(f.get("parameters", {}), "tools",
+                                    f"the parameters of tool {f['name']!r:.100}")
         tag_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in (TOOL_CALL_START,
                                                                       TOOL_CALL_END)]
         tags = all(i is not None and i != self.tokenizer.unk_token_id for i in tag_ids)
+        # A call forced by name is one call (OpenAI's); "required" allows parallel calls, at
+        # most --max-parallel-tool-calls (default: one per tool), so that a model that
+        # repeats itself ends instead of running to max_tokens.
+        named = isinstance(choice, NamedToolChoice)
+        max_calls = self.limits.max_parallel_tool_calls or len(functions)
         grammar = tool_call_grammar(
-            functions, req.parallel_tool_calls,
-            not self.structured_outputs_config.disable_any_whitespace, tags)
+            functions, req.parallel_tool_calls and not named,
+            not self.structured_outputs_config.disable_any_whitespace, tags, max_calls)
         return ToolUse(tools, True, Constraint({"grammar": grammar}, "tool_choice"))
 
     def template_kwargs(self, chat_template: str | None,
@@ -274,9 +289,12 @@ class OpenAIServingChat(OpenAIServing):
         if req.max_completion_tokens is not None:
             max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"
         num_top = (req.top_logprobs or 0) if req.logprobs else None
+        constraint = constraint or tool_use.constraint
         params = self.sampling_params(req, max_tokens, len(prompt.token_ids), num_top,
-                                      req.stream, constraint or tool_use.constraint,
-                                      max_tokens_field=max_tokens_field)
+                                      req.stream, constraint,
+                                      max_tokens_field=max_tokens_field,
+                                      structured_outputs=await self.structured_outputs(
+                                          constraint))
         request_id = random_id("chatcmpl")
         gen = self.generate(prompt, params, request_id)
         if req.stream:
@@ -301,6 +319,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _full(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
                     gen: AsyncGenerator, parse_tools: bool) -> dict[str, Any]:
+        forced = _calls_forced(req.tool_choice)
         choices: list[dict[str, Any] | None] = [None] * req.n
         num_completion = 0
         async for out in gen:
@@ -313,7 +332,9 @@ class OpenAIServingChat(OpenAIServing):
                 message: dict[str, Any] = {"role": "assistant", "content": c.text}
                 finish_reason = c.finish_reason
                 if parse_tools:
-                    found = extract_tool_calls(c.text)
+                    found = extract_tool_calls(c.text, complete_calls_only=forced)
+                    if forced:  # the calls that were completed, and never their markup
+                        message["content"] = found.content
                     if found.tools_called:
                         message["content"] = found.content
                         message["tool_calls"] = [t.to_dict() for t in found.tool_calls]
@@ -327,12 +348,14 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
                       gen: AsyncGenerator, parse_tools: bool) -> AsyncGenerator[str, None]:
+        forced = _calls_forced(req.tool_choice)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         base = {"id": request_id, "object": "chat.completion.chunk", "created": now(),
                 "model": self.model_name}
         extra = {"usage": None} if include_usage else {}
         num_completion = 0
-        parsers = [HermesToolParser() for _ in range(req.n)] if parse_tools else None
+        parsers = [HermesToolParser(complete_calls_only=forced) for _ in range(req.n)] \
+            if parse_tools else None
         try:
             # The first chunk of every choice carries the role, as OpenAI's do.
             for i in range(req.n):
@@ -378,6 +401,12 @@ class OpenAIServingChat(OpenAIServing):
         except APIError as e:
             yield sse(e.body())
         yield sse("[DONE]")
+
+
+def _calls_forced(tool_choice: Any) -> bool:
+    """A grammar forces the answer to be calls ("required" or a named function): a call cut
+    by max_tokens is dropped rather than returned as text."""
+    return tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
 
 
 def _tool_finish_reason(finish_reason: str | None, tool_choice: Any) -> str | None:

@@ -8,6 +8,7 @@ what lm-evaluation-harness's loglikelihood requests read."""
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 from collections.abc import AsyncGenerator
 from typing import Any, cast
@@ -96,8 +97,11 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = req.logprobs
         prompts = self._prompts(req.prompt)
         tokenized = [await self.tokenize(p) for p in prompts]
+        self.check_prompt_logprob_work(req, tokenized, prompt_logprobs)
+        structured_outputs = await self.structured_outputs(constraint)  # once for all prompts
         params = [self.sampling_params(req, req.max_tokens, len(t.token_ids), req.logprobs,
-                                       req.stream, constraint, prompt_logprobs)
+                                       req.stream, constraint, prompt_logprobs,
+                                       structured_outputs=structured_outputs)
                   for t in tokenized]
         request_id = random_id("cmpl")
         created = now()
@@ -106,6 +110,27 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             return self._stream(req, request_id, created, tokenized, gens)
         return await self._full(req, request_id, created, tokenized, gens)
+
+    def check_prompt_logprob_work(self, req: CompletionRequest,
+                                  tokenized: list[TokenizedPrompt],
+                                  prompt_logprobs: int | None) -> None:
+        """A 400 when the response would hold more prompt logprob entries than the server
+        allows: each choice repeats its prompt's (echo with logprobs, prompt_logprobs), so
+        long prompts x top-k x n build a response of hundreds of megabytes."""
+        if prompt_logprobs is None:
+            return
+        copies = int(bool(req.echo and req.logprobs is not None)) \
+            + int(req.prompt_logprobs is not None)
+        positions = sum(len(t.token_ids) for t in tokenized)
+        entries = positions * (prompt_logprobs + 1) * req.n * copies
+        limit = self.limits.max_prompt_logprob_entries
+        if entries > limit:
+            field = "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs"
+            raise APIError(400, f"the response would hold {entries} prompt logprob entries "
+                                f"({positions} prompt tokens x {prompt_logprobs + 1} logprobs "
+                                f"x n {req.n}{' x 2' if copies == 2 else ''}), more than "
+                                f"this server allows (--max-prompt-logprob-entries {limit}); "
+                                f"ask for fewer prompts, tokens, choices or logprobs", field)
 
     def prompt_text(self, prompt: TokenizedPrompt) -> str:
         """The prompt as text (a token-id prompt decoded), for echo."""
@@ -147,15 +172,19 @@ class OpenAIServingCompletion(OpenAIServing):
                     text = self.prompt_text(tokenized[i]) + text
                 if req.logprobs is not None:
                     lp = CompletionLogprobs(self, req.logprobs)
-                    echoed = lp.add(tokenized[i].token_ids, out.prompt_logprobs) \
-                        if req.echo else None
+                    echoed = None
+                    if req.echo:
+                        # A prompt of thousands of positions: built beside the event loop.
+                        echoed = await asyncio.to_thread(lp.add, tokenized[i].token_ids,
+                                                         out.prompt_logprobs)
                     logprobs = lp.add(c.token_ids, c.logprobs, echoed)
                 num_completion += len(c.token_ids)
                 choice = {
                     "index": i * n + c.index, "text": text, "logprobs": logprobs,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self.prompt_logprobs_json(out.prompt_logprobs)
+                    choice["prompt_logprobs"] = await asyncio.to_thread(
+                        self.prompt_logprobs_json, out.prompt_logprobs)
                 choices[i * n + c.index] = choice
         num_prompt = sum(len(t.token_ids) for t in tokenized)
         return {"id": request_id, "object": "text_completion", "created": created,
@@ -190,7 +219,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         echo_pending.discard(index)
                         text = self.prompt_text(tokenized[i]) + text
                         if logprobs is not None:
-                            echoed = logprobs[index].add(tokenized[i].token_ids, prompt_rows[i])
+                            echoed = await asyncio.to_thread(logprobs[index].add,
+                                                             tokenized[i].token_ids,
+                                                             prompt_rows[i])
                     lp = None if logprobs is None else logprobs[index].add(c.token_ids,
                                                                            c.logprobs, echoed)
                     chunk = {**base, "choices": [{

@@ -20,6 +20,10 @@ from jaxllm.entrypoints.openai.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.protocol import APIError
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from jaxllm.structured_output.validator import (
+    GrammarValidator,
+    schema_depth,
+)
 
 
 @dataclass
@@ -41,6 +45,29 @@ class StructuredOutputsConfig:
                 raise ValueError(f"--structured-outputs-config: {key} must be true or false, "
                                  f"got {value!r}")
         return cls(**spec)
+
+
+@dataclass
+class ServerLimits:
+    """What one request may ask of the server, each a `jaxllm serve` option; a request past one
+    is a 400 naming it. Constraints are validated in worker processes (GrammarValidator) with a
+    time and a memory limit."""
+
+    # The constraint's JSON text (schema, regex, grammar, choices, or the tools' grammar).
+    max_structured_output_bytes: int = 128 << 10
+    # A JSON schema's nesting (its local $refs followed), and each tool's parameters'.
+    max_structured_output_depth: int = 128
+    structured_output_timeout: float = 10.0
+    structured_output_memory_mib: int = 1024
+    # Stop strings per request, and their total UTF-8 size (each child of n > 1 and of every
+    # prompt carries them).
+    max_stop_strings: int = 64
+    max_stop_bytes: int = 8192
+    # Prompt logprob entries a completions response may hold: prompt positions x (top-k + 1)
+    # x the choices that carry them (echo with logprobs, prompt_logprobs).
+    max_prompt_logprob_entries: int = 2_000_000
+    # Calls in an answer that tool_choice "required" forces; None: one per tool.
+    max_parallel_tool_calls: int | None = None
 
 
 @dataclass
@@ -162,8 +189,14 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_name: str,
                  metrics: ServerMetrics | None = None,
                  structured_outputs_config: StructuredOutputsConfig | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False,
+                 limits: ServerLimits | None = None,
+                 validator: GrammarValidator | None = None) -> None:
         self.engine = engine
+        self.limits = limits or ServerLimits()
+        self.validator = validator or GrammarValidator(
+            timeout_s=self.limits.structured_output_timeout,
+            memory_mib=self.limits.structured_output_memory_mib)
         self.trust_request_chat_template = trust_request_chat_template
         self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.model_name = served_model_name
@@ -196,10 +229,35 @@ class OpenAIServing:
             raise APIError(400, str(e), param) from None
         return TokenizedPrompt(p.prompt, p.prompt_token_ids)
 
-    def structured_outputs(self, constraint: Constraint | None
-                           ) -> StructuredOutputsParams | None:
-        """The constraint with the server's defaults for the fields it leaves out; an invalid
-        schema, regex or grammar is a 400 naming the request field it came from."""
+    def check_schema_depth(self, schema: Any, param: str, what: str) -> None:
+        """A 400 naming `param` when a JSON schema nests deeper than the server allows (the
+        validator would recurse that deep)."""
+        limit = self.limits.max_structured_output_depth
+        depth = schema_depth(schema, limit)
+        if depth > limit:
+            raise APIError(400, f"{what} nests more than {limit} levels deep (its $refs "
+                                f"followed), more than this server allows "
+                                f"(--max-structured-output-depth {limit})", param)
+
+    def check_stop(self, stop: str | list[str] | None) -> None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        limit = self.limits.max_stop_strings
+        if len(stops) > limit:
+            raise APIError(400, f"stop has {len(stops)} strings, more than this server allows "
+                                f"(--max-stop-strings {limit})", "stop")
+        size = sum(len(s.encode("utf-8", "surrogatepass")) for s in stops
+                   if isinstance(s, str))
+        limit = self.limits.max_stop_bytes
+        if size > limit:
+            raise APIError(400, f"stop has {size} bytes of strings, more than this server "
+                                f"allows (--max-stop-bytes {limit})", "stop")
+
+    async def structured_outputs(self, constraint: Constraint | None
+                                 ) -> StructuredOutputsParams | None:
+        """The constraint with the server's defaults for the fields it leaves out, validated
+        once per request in the validator's worker (off the event loop, where a crash or a
+        runaway costs only this request); an invalid, too large or too deep schema, regex or
+        grammar is a 400 naming the request field it came from."""
         if constraint is None:
             return None
         spec = dict(constraint.spec)
@@ -208,19 +266,38 @@ class OpenAIServing:
         if "whitespace_pattern" not in spec:
             spec.setdefault("disable_any_whitespace", config.disable_any_whitespace)
         spec.setdefault("disable_additional_properties", config.disable_additional_properties)
+        source = constraint.source
+        size = len(json.dumps(spec, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        limit = self.limits.max_structured_output_bytes
+        if size > limit:
+            raise APIError(400, f"{source}: the constraint is {size} bytes of JSON, more than "
+                                f"this server allows (--max-structured-output-bytes {limit})",
+                           source)
+        schema = spec.get("json")
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except (ValueError, RecursionError):
+                schema = None  # the validator says what is wrong with it
+        if schema is not None:
+            self.check_schema_depth(schema, source, f"{source}: the JSON schema")
         try:
-            return StructuredOutputsParams.from_dict(spec)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, f"{constraint.source}: {e}", constraint.source) from None
+            grammar = await self.validator.validate(spec)
+            return StructuredOutputsParams(**spec, _grammar=grammar)
+        except (ValueError, TypeError) as e:  # GrammarRefused is a ValueError
+            raise APIError(400, f"{source}: {e}", source) from None
 
     def sampling_params(self, req: Any, max_tokens: int | None, num_prompt_tokens: int,
                         logprobs: int | None, stream: bool,
                         constraint: Constraint | None = None,
                         prompt_logprobs: int | None = None,
-                        max_tokens_field: str = "max_tokens") -> SamplingParams:
+                        max_tokens_field: str = "max_tokens",
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         """The request's SamplingParams; as vLLM's server (not the offline LLM, which clamps),
         a prompt plus max_tokens over max_model_len is a 400 naming the numbers.
-        `max_tokens_field`: the request field max_tokens came from, which a 400 names."""
+        `max_tokens_field`: the request field max_tokens came from, which a 400 names;
+        `structured_outputs`: `constraint` as `structured_outputs()` validated it."""
         room = self.max_model_len - num_prompt_tokens
         if max_tokens is None:
             max_tokens = room
@@ -232,12 +309,13 @@ class OpenAIServing:
                                 f"({num_prompt_tokens} in the prompt, {max_tokens} for the "
                                 f"completion). Please reduce the prompt or "
                                 f"{max_tokens_field}.", max_tokens_field)
+        self.check_stop(req.stop)
         kw: dict[str, Any] = dict(
             n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed,
             max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             logit_bias=logit_bias_ids(req.logit_bias),
-            structured_outputs=self.structured_outputs(constraint),
+            structured_outputs=structured_outputs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)

@@ -100,9 +100,14 @@ def _arguments(rest: str, final: bool) -> str:
 
 
 class HermesToolParser:
-    """Incremental parser of one choice's text: `feed` each new piece, then `finish`."""
+    """Incremental parser of one choice's text: `feed` each new piece, then `finish`.
 
-    def __init__(self) -> None:
+    `complete_calls_only` (where a grammar forces the calls): a call is reported once its
+    closing tag is in, whole, and a call the text ends inside (cut by max_tokens) is dropped,
+    markup and all: a stream never sends a call the whole reply would not contain."""
+
+    def __init__(self, complete_calls_only: bool = False) -> None:
+        self.complete_calls_only = complete_calls_only
         self.tool_calls: list[ToolCall] = []
         self._buf = ""  # text not yet classified (a possible tag prefix, or an open call's)
         self._inside = False
@@ -145,7 +150,9 @@ class HermesToolParser:
         """The end of the text: an unclosed call ends where the text does."""
         content = ""
         calls: list[ToolCallDelta] = []
-        if self._inside:
+        if self._inside and self.complete_calls_only:
+            self._inside = False  # an unfinished call: dropped
+        elif self._inside:
             self._body += self._buf
             calls = self._progress(final=True)
             if self._header_end is None:
@@ -168,6 +175,8 @@ class HermesToolParser:
 
     def _progress(self, final: bool) -> list[ToolCallDelta]:
         out: list[ToolCallDelta] = []
+        if self.complete_calls_only and not final:
+            return out
         if self._header_end is None:
             m = _HEADER.match(self._body)
             if m is None:
@@ -189,11 +198,11 @@ class HermesToolParser:
         return out
 
 
-def extract_tool_calls(text: str) -> ExtractedToolCalls:
+def extract_tool_calls(text: str, complete_calls_only: bool = False) -> ExtractedToolCalls:
     """The calls in a whole generated text, and the content around them (None when empty).
     When a call's arguments are not JSON, the whole text is content and no call is reported:
-    a client would fail to `json.loads` them."""
-    parser = HermesToolParser()
+    a client would fail to `json.loads` them. `complete_calls_only`: see HermesToolParser."""
+    parser = HermesToolParser(complete_calls_only)
     content = parser.feed(text).content + parser.finish().content
     for call in parser.tool_calls:
         try:
@@ -204,15 +213,23 @@ def extract_tool_calls(text: str) -> ExtractedToolCalls:
 
 
 def tool_call_grammar(functions: list[dict[str, Any]], parallel: bool,
-                      whitespace_flexible: bool, tags_are_tokens: bool) -> str:
+                      whitespace_flexible: bool, tags_are_tokens: bool,
+                      max_calls: int | None = None) -> str:
     """An llguidance Lark grammar whose sentences are one call (several, newline-separated, with
-    `parallel`) of one of `functions` ({"name", "parameters"}), arguments valid against the
-    function's parameters schema. `tags_are_tokens`: the tokenizer has <tool_call> and
-    </tool_call> as tokens of their own (Qwen2.5's), which the grammar then names as tokens,
-    since the model emits them as such."""
+    `parallel`: at most `max_calls` when given) of one of `functions` ({"name", "parameters"}),
+    arguments valid against the function's parameters schema; the text may end after any
+    complete call. `tags_are_tokens`: the tokenizer has <tool_call> and </tool_call> as tokens
+    of their own (Qwen2.5's), which the grammar then names as tokens, since the model emits them
+    as such."""
     start, end = ((TOOL_CALL_START, TOOL_CALL_END) if tags_are_tokens
                   else (json.dumps(TOOL_CALL_START), json.dumps(TOOL_CALL_END)))
-    lines = ['start: tool_call ("\\n" tool_call)*' if parallel else "start: tool_call",
+    if not parallel or max_calls == 1:
+        first = "start: tool_call"
+    elif max_calls is None:
+        first = 'start: tool_call ("\\n" tool_call)*'
+    else:
+        first = f'start: tool_call ("\\n" tool_call){{0,{max_calls - 1}}}'
+    lines = [first,
              "tool_call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
     for i, fn in enumerate(functions):
         header = '\n{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": '
