@@ -8,7 +8,8 @@ logits buffer, step inputs) but a body that reads one input value are called bac
 their time is dispatch alone: argument handling, host-to-device transfers of the step inputs,
 the executable's launch. Variants:
 
-- `inputs_7_arrays`: the step inputs as the seven numpy arrays a step used to send;
+- `inputs_7_arrays`: the step inputs as seven numpy arrays, one per field (the general way:
+  each transferred on its own inside the call);
 - `inputs_packed`: the same values packed into one int32 vector (what the runner sends);
 - `one_array`: a single weight array in place of the tree (the floor of argument handling);
 - `step_call`: the packed call through `StepCall` (jaxllm/worker/step_call.py), the weights

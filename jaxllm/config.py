@@ -286,9 +286,10 @@ def resolve_matmul_precision(matmul_precision: str | None, dtype: str, platform:
     return "highest" if platform == "gpu" and dtype == "float32" else "default"
 
 
-def resolve_pallas_gemv_max_rows(rows: int | None, kernel_backend: str) -> int:
+def resolve_pallas_gemv_max_rows(rows: int | None, kernel_backend: str, dtype: str) -> int:
     """None -> 0: XLA's dots, until the Pallas GEMV is measured faster on a GPU (the lease
-    plan's A/B, docs/gpu.md). A kernel for 1-16 rows, on a Pallas backend only."""
+    plan's A/B, docs/gpu.md). A kernel for 1-16 rows of bfloat16 or float32, on a Pallas
+    backend only."""
     from pallas_kernels.skinny_matmul import MAX_ROWS
 
     if rows is None or rows == 0:
@@ -299,6 +300,9 @@ def resolve_pallas_gemv_max_rows(rows: int | None, kernel_backend: str) -> int:
     if kernel_backend == "reference":
         raise ValueError(f"pallas_gemv_max_rows={rows} needs a Pallas kernel backend (pallas, "
                          f"or interpret on CPU); this engine's is 'reference'")
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"pallas_gemv_max_rows={rows} runs bfloat16 or float32 weights; this "
+                         f"engine's dtype is {dtype!r}")
     return rows
 
 

@@ -81,16 +81,19 @@ def _kernel(layer_ref, pos_ref, slot_ref, qkv_ref, *refs, has_bias: bool, n_rows
             block_rows: int, num_heads: int, num_kv_heads: int, heads_pad: int,
             kv_heads_pad: int, half: int):
     if has_bias:
-        bias_ref, cache_ref, _cache_in, q_ref, cache_out = refs
+        bias_ref, cos_sin_ref, _cache_in, q_ref, cache_out = refs
     else:
         bias_ref = None
-        cache_ref, _cache_in, q_ref, cache_out = refs
+        cos_sin_ref, _cache_in, q_ref, cache_out = refs
     del _cache_in  # aliased with cache_out: the cache is only touched through the output
     num_blocks, block_size = cache_out.shape[3], cache_out.shape[4]
     head_dim = 2 * half
     layer = layer_ref[0]
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
     row_mask = rows < n_rows
+    # Rows past the end read the last row (masked) and store one row past the end: the
+    # interpreter drops such scatter indices, where a clamped index would race the real row.
+    store_rows = jnp.where(row_mask, rows, n_rows)
     rows = jnp.minimum(rows, n_rows - 1)
     pos = plgpu.load(pos_ref.at[rows], mask=row_mask, other=0)
 
@@ -99,8 +102,9 @@ def _kernel(layer_ref, pos_ref, slot_ref, qkv_ref, *refs, has_bias: bool, n_rows
         # Triton lowering has no gather to tile a per-token row across heads).
         x1 = _load_part(qkv_ref, bias_ref, rows, cols_first, mask)
         x2 = _load_part(qkv_ref, bias_ref, rows, cols_first + half, mask)
-        c = plgpu.load(cache_ref.at[pos[:, None], lane[None, :]], mask=mask, other=0.0)
-        s = plgpu.load(cache_ref.at[pos[:, None], lane[None, :] + half], mask=mask, other=0.0)
+        c = plgpu.load(cos_sin_ref.at[pos[:, None], lane[None, :]], mask=mask, other=0.0)
+        s = plgpu.load(cos_sin_ref.at[pos[:, None], lane[None, :] + half], mask=mask,
+                       other=0.0)
         c, s = c.astype(jnp.float32), s.astype(jnp.float32)
         return x1 * c - x2 * s, x2 * c + x1 * s
 
@@ -110,8 +114,9 @@ def _kernel(layer_ref, pos_ref, slot_ref, qkv_ref, *refs, has_bias: bool, n_rows
     mask = row_mask[:, None] & (head < num_heads)[None, :]
     o1, o2 = rotate(head * head_dim + lane, lane, mask)
     first = head * head_dim + lane
-    plgpu.store(q_ref.at[rows[:, None], first[None, :]], o1.astype(q_ref.dtype), mask=mask)
-    plgpu.store(q_ref.at[rows[:, None], first[None, :] + half], o2.astype(q_ref.dtype),
+    plgpu.store(q_ref.at[store_rows[:, None], first[None, :]], o1.astype(q_ref.dtype),
+                mask=mask)
+    plgpu.store(q_ref.at[store_rows[:, None], first[None, :] + half], o2.astype(q_ref.dtype),
                 mask=mask)
 
     # k and v: into the cache at each token's slot; padding tokens (slot -1) and rows past the

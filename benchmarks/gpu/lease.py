@@ -330,6 +330,7 @@ class Plan:
         self.work = self.tmp / "work"
         self.parts_dir.mkdir()
         self.work.mkdir()
+        self.running: subprocess.Popen[bytes] | None = None  # the part running now
         self.status: list[dict[str, Any]] = []
 
     def left(self) -> float:
@@ -396,6 +397,7 @@ class Plan:
         with open(self.parts_dir / f"{part.name}.log", "wb") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+            self.running = proc
             entry["timed_out"] = False
             while True:
                 try:
@@ -409,6 +411,7 @@ class Plan:
                         entry["timed_out"] = True
                         entry["returncode"] = _kill_group(proc)
                         break
+            self.running = None
         entry["seconds"] = round(time.monotonic() - start, 1)
         doc = self.docs().get(part.name, {})
         entry["failed"] = doc.get("failed", [])
@@ -441,6 +444,12 @@ def run_lease(out: Path, dry_run: bool, deadline_s: float | None = None,
         raise ValueError(f"unknown parts {sorted(unknown)}; the parts: {list(PART_BY_NAME)}")
     plan = Plan(out, dry_run, deadline_s or (DRY_RUN_DEADLINE_S if dry_run
                                              else DEFAULT_DEADLINE_S))
+    # A part runs in a session of its own (killed at its limit as a group): when this command is
+    # stopped instead, the part is stopped with it, not left holding the device.
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         for part in PARTS:
             if only and part.name not in only:
@@ -462,6 +471,9 @@ def run_lease(out: Path, dry_run: bool, deadline_s: float | None = None,
                   f"{', failed: ' + ', '.join(entry['failed']) if entry['failed'] else ''})",
                   flush=True)
     finally:
+        if plan.running is not None and plan.running.poll() is None:
+            _kill_group(plan.running)
+        signal.signal(signal.SIGTERM, previous)
         plan.publish()
         shutil.rmtree(plan.tmp, ignore_errors=True)  # the checkpoints: up to ~16 GB
     print(json.dumps(headline_brief(json.loads((out / "lease.json").read_text())), indent=1),

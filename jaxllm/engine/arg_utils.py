@@ -104,9 +104,10 @@ class EngineArgs:
               "before the core process starts JAX; in-process only if JAX has not started "
               "yet); not given: off")
     pallas_gemv_max_rows: int | None = _arg(
-        None, "with a Pallas kernel backend, steps of up to this many tokens (1-16) run their "
-              "dense weight matmuls and LM head through the Pallas weight-streaming GEMV "
-              "(pallas_kernels/skinny_matmul.py) instead of XLA's dots; not given: 0 (XLA's)")
+        None, "with a Pallas kernel backend, dense weight matmuls (the LM head's too) of at "
+              "most this many rows (1-16: decode steps, small verify steps) run through the "
+              "Pallas weight-streaming GEMV (pallas_kernels/skinny_matmul.py) instead of "
+              "XLA's dots; bfloat16 or float32 weights; not given: 0 (XLA's)")
     tensor_parallel_size: int = _arg(
         1, "devices the model is split over (Megatron-style tensor parallelism on a JAX mesh; "
            "must divide the query heads, intermediate size and vocabulary)")
@@ -287,7 +288,7 @@ class EngineArgs:
             matmul_precision=resolve_matmul_precision(self.matmul_precision, dtype, platform),
             cuda_graph_triton=resolve_cuda_graph_triton(self.cuda_graph_triton),
             pallas_gemv_max_rows=resolve_pallas_gemv_max_rows(self.pallas_gemv_max_rows,
-                                                              backend),
+                                                              backend, dtype),
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,

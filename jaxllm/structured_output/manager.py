@@ -32,11 +32,28 @@ from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_pa
 
 from jaxllm.sampling_params import StructuredOutputsParams
 from jaxllm.structured_output.request import StructuredOutputRequest, error_summary
+from jaxllm.structured_output.validator import COMPILE_STACK_BYTES
 
 # Compiled grammars kept; the oldest is dropped past this (requests hold their own copies).
 GRAMMAR_CACHE_SIZE = 256
 # Grammar compilations at once: enough to hide a slow schema behind others.
 COMPILE_WORKERS = 2
+
+
+def _compile_pool() -> ThreadPoolExecutor:
+    """The compile threads, all started now with COMPILE_STACK_BYTES of stack (a thread's stack
+    is fixed when it starts, whichever process the manager lives in), each held at a barrier
+    until every one has started, so the pool never starts another later."""
+    pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar")
+    barrier = threading.Barrier(COMPILE_WORKERS + 1)
+    previous = threading.stack_size(COMPILE_STACK_BYTES)
+    try:
+        for _ in range(COMPILE_WORKERS):
+            pool.submit(barrier.wait)
+    finally:
+        threading.stack_size(previous)
+    barrier.wait()
+    return pool
 
 
 class StructuredOutputManager:
@@ -47,7 +64,7 @@ class StructuredOutputManager:
     def __init__(self, model_path: str | Path, vocab_size: int, max_num_rows: int) -> None:
         self.model_path = Path(model_path)
         self.vocab_size = vocab_size
-        self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar")
+        self._pool = _compile_pool()
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()

@@ -4,8 +4,9 @@ llguidance converts and validates a schema, regex or grammar recursively in nati
 deeply nested one overflows the stack and kills the process (SIGSEGV), and a large one can take
 seconds. The server therefore never runs that work itself: `GrammarValidator` hands each
 constraint to a small worker process (`python -m jaxllm.structured_output.validator`, which
-imports nothing but llguidance) with a memory limit (RLIMIT_AS), waits for it up to a time
-limit, and kills and replaces a worker that crashed or ran out of time. The answer is the
+imports llguidance and the constraint's own modules, no JAX) with a memory limit (RLIMIT_AS),
+waits for it up to a time limit, and kills and replaces a worker that crashed or ran out of
+time. The answer is the
 grammar text the engine core compiles, or the reason it is refused.
 
 The worker validates on a thread with a fixed stack (`VALIDATION_STACK_BYTES`), so what it
@@ -31,8 +32,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-# The worker's validation thread: the default thread stack of Linux (8 MiB); about 2,500
-# chained Lark rules or 1,000 levels of JSON schema fit in it.
+# The worker's validation thread: the default thread stack of Linux (8 MiB; docs/server.md says
+# how deep a grammar or schema that allows).
 VALIDATION_STACK_BYTES = 8 << 20
 # The engine core's compilation threads: 8 x the validator's, a margin for compilation's own
 # recursion.
@@ -116,6 +117,7 @@ class GrammarValidator:
         self.memory_bytes = memory_mib << 20
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
+        self._closed = False
         self._slots: asyncio.Semaphore | None = None
         self._cache: OrderedDict[str, tuple[bool, str]] = OrderedDict()
         self.num_crashed = 0  # workers lost to a crash or a timeout since start
@@ -151,24 +153,31 @@ class GrammarValidator:
             answer = worker.call(spec, self.timeout_s)
         except TimeoutError:
             worker.kill()
-            self.num_crashed += 1
+            with self._lock:
+                self.num_crashed += 1
             return (False, f"its validation did not finish in {self.timeout_s:g} s "
                            f"(--structured-output-timeout)"), False
         except EOFError:
             code = worker.kill()
-            self.num_crashed += 1
+            with self._lock:
+                self.num_crashed += 1
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             return (False, f"its validation crashed ({how}): it is too deeply nested or too "
                            f"large (the validator has {self.memory_bytes >> 20} MiB, "
                            f"--structured-output-memory-mib)"), True
         with self._lock:
-            self._idle.append(worker)
+            closed = self._closed
+            if not closed:
+                self._idle.append(worker)
+        if closed:  # closed while this one worked: nobody would kill it later
+            worker.kill()
         if "grammar" in answer:
             return (True, answer["grammar"]), True
-        return (False, answer["error"]), True
+        return (False, answer.get("error", "its validation failed")), True
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             workers, self._idle = self._idle, []
         for w in workers:
             w.kill()
@@ -279,6 +288,10 @@ def _validate(spec: dict[str, Any]) -> dict[str, Any]:
         return {"error": str(e)}
     except MemoryError:
         return {"error": "its validation ran out of memory (--structured-output-memory-mib)"}
+    except RecursionError:
+        return {"error": "it is nested too deeply to validate"}
+    except Exception as e:  # any other failure refuses this constraint, never the worker
+        return {"error": f"its validation failed: {type(e).__name__}: {e}"[:500]}
     return {"grammar": grammar}
 
 

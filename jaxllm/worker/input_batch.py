@@ -48,7 +48,7 @@ class DeviceInputs:
     def pack(self) -> np.ndarray:
         """Every device field, flattened into one int32 vector."""
         return np.concatenate([getattr(self, f.name).ravel()
-                               for f in dataclasses.fields(DeviceInputs)]).astype(np.int32)
+                               for f in dataclasses.fields(DeviceInputs)], dtype=np.int32)
 
     @staticmethod
     def unpack(flat: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -67,6 +67,7 @@ class DeviceInputs:
 
     @staticmethod
     def packed_size(shapes: dict[str, tuple[int, ...]]) -> int:
+        """Values in `pack`'s vector for a bucket of these `shapes`."""
         return sum(math.prod(s) for s in shapes.values())
 
 

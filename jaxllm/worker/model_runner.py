@@ -162,8 +162,7 @@ class ModelRunner:
                  gemv_params: dict | None = None, gemv_max_rows: int = 0,
                  kv_cache_dtype: Any = None, activation_dtype: Any = None,
                  tensor_parallel_size: int = 1, matmul_precision: str = "default",
-                 num_speculative_tokens: int = 0, fast_dispatch: bool = True,
-                 pallas_gemv_max_rows: int = 0) -> None:
+                 num_speculative_tokens: int = 0, pallas_gemv_max_rows: int = 0) -> None:
         """`gemv_max_rows`, `kv_cache_dtype`, `activation_dtype` and `matmul_precision` as
         EngineConfig resolved them (None: `dtype`); with `gemv_max_rows` and no `gemv_params`,
         the GEMV buckets run on float32 copies of `params`."""
@@ -237,7 +236,7 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int], Any] = {}
         # Each compiled step with its weights bound, called through its executable
         # (jaxllm/worker/step_call.py); False: through `Compiled.__call__` (also with a mesh).
-        self.fast_dispatch = fast_dispatch
+        self.fast_dispatch = True
         self._calls: dict[tuple[int, int], StepCall] = {}
         # Prompt logprobs: one small executable per hidden-state row count, reading the step's
         # hidden states where they are (see `add_prompt_logprobs`).

@@ -36,6 +36,10 @@ class StepCall:
             raise ValueError(f"the compiled step takes "
                              f"{len(jax.tree.leaves(compiled.input_shardings[0]))} arrays; "
                              f"weights + KV + logits buffer + inputs make {num_args}")
+        num_outputs = len(jax.tree.leaves(compiled.output_shardings))
+        if num_outputs != self.out_tree.num_leaves:  # e.g. an output JAX forwards from an input
+            raise ValueError(f"the step's executable returns {num_outputs} arrays; its output "
+                             f"tree has {self.out_tree.num_leaves}")
         self.sharding = jax.tree.leaves(compiled.input_shardings[0])[-1]
         self.devices = list(self.sharding.addressable_devices)
         if len(self.devices) != 1:
@@ -60,7 +64,4 @@ class StepCall:
                                                [packed], self.devices, True)
         results = self.executable.execute_sharded([*self.weights, kv_cache, logits_buf, inputs])
         outs = [shards[0] for shards in results.disassemble_into_single_device_arrays()]
-        if len(outs) != self.out_tree.num_leaves:  # e.g. an output JAX forwards from an input
-            raise RuntimeError(f"the step's executable returned {len(outs)} arrays; its output "
-                               f"tree has {self.out_tree.num_leaves}")
         return jax.tree.unflatten(self.out_tree, outs)

@@ -261,7 +261,7 @@ def test_lease_deadline_kills_and_skips(tmp_path):
                           "probe,tiny,trace")
     elapsed = time.monotonic() - start
     assert proc.returncode == 1 and doc is not None, (proc.stdout + proc.stderr)[-3000:]
-    assert elapsed < 25 + 15
+    assert elapsed < 25 + 25  # the deadline, the kill's grace, start-up on a busy machine
     parts = {p["part"]: p for p in doc["parts"]}
     assert list(parts) == ["probe", "tiny", "trace"]
     assert any(p.get("timed_out") for p in parts.values())

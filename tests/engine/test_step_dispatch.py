@@ -7,7 +7,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from jax._src import test_util as jtu
 
 from benchmarks.step_ops import count_step_ops, summarize
 from jaxllm import SamplingParams
@@ -47,6 +46,10 @@ def test_packed_inputs_round_trip():
 
 
 def test_step_call_gives_the_compiled_calls_results(llm, prompts):
+    # jit's C++ fast path counts its Python fallbacks in a test utility of JAX's own.
+    jtu = pytest.importorskip("jax._src.test_util")
+    if not hasattr(jtu, "count_aot_jit_cpp_cache_miss"):
+        pytest.skip("this JAX does not count its compiled calls' Python fallbacks")
     runner = runner_of(llm)
     assert runner.uses_fast_dispatch()
     fast = _run(llm, prompts[:3])

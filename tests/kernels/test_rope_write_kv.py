@@ -77,6 +77,18 @@ def test_interpret_equals_reference(tokens, heads, with_bias, layer, seed):
     assert changed.sum() == int((np.asarray(slots) >= 0).sum())
 
 
+@pytest.mark.parametrize("tokens", [257, 300])
+def test_multi_row_tiles_with_a_partial_last_tile(tokens):
+    # From 256 tokens a program takes several rows; the last tile is partly past the end.
+    qkv, bias, pos, kv, slots = _inputs(tokens, 14, 2, blocks=40, padding=9, seed=tokens)
+    args = (qkv, bias, pos, _CACHE, kv, 0, slots)
+    kw = dict(num_heads=14, num_kv_heads=2)
+    q_ref, kv_ref = _jitted(*args, **kw, backend="reference")
+    q_int, kv_int = _jitted(*args, **kw, backend="interpret")
+    np.testing.assert_allclose(np.asarray(q_int), np.asarray(q_ref), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(kv_int), np.asarray(kv_ref), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_bf16_within_rounding_of_float32(backend):
     qkv, bias, pos, kv, slots = _inputs(9, 14, 2)

@@ -94,7 +94,7 @@ def test_a_grammar_that_crashes_llguidance_costs_only_its_request(server):
 
 
 def test_deeply_nested_schemas_are_refused_by_the_depth_limit(server):
-    schema = ref_chain(1000)  # 76 KB; once a crash of the server
+    schema = ref_chain(1000)  # 76 KB: deep enough to crash llguidance
     status, out = post(server, {"prompt": "x", "max_tokens": 4, "guided_json": schema})
     assert status == 400 and out["error"]["param"] == "guided_json", out
     assert "--max-structured-output-depth 128" in out["error"]["message"], out
@@ -109,6 +109,12 @@ def test_deeply_nested_schemas_are_refused_by_the_depth_limit(server):
                        "/v1/chat/completions")
     assert status == 400 and out["error"]["param"] == "tools", out
     assert "--max-structured-output-depth" in out["error"]["message"], out
+    # Nested too deeply for JSON parsing itself (98 KB of brackets, as a JSON string): a 400
+    # too, from the server and from the validator alike.
+    status, out = post(server, {"prompt": "x", "max_tokens": 4,
+                                "guided_json": "[" * 49_000 + "]" * 49_000})
+    assert status == 400 and out["error"]["param"] == "guided_json", out
+    assert "nested too deeply" in out["error"]["message"], out
     # A dozen levels of objects are fine.
     status, out = post(server, {"prompt": "x", "max_tokens": 2, "guided_json": ref_chain(12)})
     assert status == 200, out
@@ -127,8 +133,8 @@ def test_a_constraint_past_the_size_limit_is_a_400_naming_it(server):
 
 
 def test_a_large_schema_is_validated_once_and_beside_the_event_loop(server):
-    # 800 object variants (116 KB): ~0.07 s of llguidance per validation here, which the
-    # server once did on its event loop for every prompt (64 here: seconds of /health).
+    # 800 object variants (116 KB): ~0.07 s of llguidance per validation here; on the event
+    # loop for every prompt (64 here) it would hold /health for seconds.
     schema = {"oneOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"},
                                                           f"v{i}": {"type": "string"}},
                          "required": [f"k{i}"], "additionalProperties": False}
@@ -138,7 +144,9 @@ def test_a_large_schema_is_validated_once_and_beside_the_event_loop(server):
                                                                          timeout=120))
     assert status == 200, out
     assert len(out["choices"]) == 64
-    assert max(latencies) < 1.0, latencies
+    # On the event loop the validations held /health for ~9 s here; beside it, well under a
+    # second on a quiet machine (3 s leaves room for a shared CI machine).
+    assert max(latencies) < 3.0, latencies
 
 
 # --- seeds ---------------------------------------------------------------------------------------
@@ -177,7 +185,9 @@ def test_echoed_prompt_logprobs_are_bounded_per_response(server):
             "echo": True}
     start = time.monotonic()
     status, out = post(server, body)
-    assert time.monotonic() - start < 10
+    # Refused before any work: well under the ~40 s the response took to build when allowed
+    # (a loose bound: CI machines are shared).
+    assert time.monotonic() - start < 20
     assert status == 400 and out["error"]["param"] == "logprobs", out
     message = out["error"]["message"]
     assert "2100000 prompt logprob entries" in message, message
@@ -213,6 +223,10 @@ def test_the_validator_replaces_a_worker_that_crashed_or_ran_out_of_time():
                     await validator.validate({"grammar": deep_lark(3000)})
             assert validator.num_crashed == 2
             assert "t0" in await validator.validate({"grammar": deep_lark(50)})
+            # Nested too deeply for the worker's JSON parser: refused, the worker kept.
+            with pytest.raises(GrammarRefused, match="nested too deeply"):
+                await validator.validate({"json": "[" * 200_000 + "]" * 200_000})
+            assert validator.num_crashed == 2
             # The worker runs under its address-space limit.
             (worker,) = validator._idle
             limits = open(f"/proc/{worker.proc.pid}/limits").read()

@@ -277,7 +277,12 @@ class OpenAIServing:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except (ValueError, RecursionError):
+            except RecursionError:
+                raise APIError(400, f"{source}: the JSON schema is nested too deeply to parse "
+                                    f"(--max-structured-output-depth "
+                                    f"{self.limits.max_structured_output_depth})",
+                               source) from None
+            except ValueError:
                 schema = None  # the validator says what is wrong with it
         if schema is not None:
             self.check_schema_depth(schema, source, f"{source}: the JSON schema")
