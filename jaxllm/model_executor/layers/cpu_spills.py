@@ -3,9 +3,12 @@ compiler's assembly (no run needed): each kernel is compiled with `-S` and the b
 for each target (this machine, AVX2, AVX-512, and aarch64 where a cross compiler is installed),
 and every innermost loop that does FMAs (the kernels' inner loops) is searched for loads and
 stores relative to the stack or frame pointer: register spills. A hot loop that spills fails.
-Also counts, over the whole file, vector instructions and those that touch the stack.
+Also counts, over the whole file, vector instructions and those that touch the stack. (A stack
+address the compiler copied into another register is not seen: the kernels keep every index of
+their register arrays a compile-time constant, so none is made.)
 
-    python -m jaxllm.model_executor.layers.cpu_spills [--target NAME ...] [--json]
+    python -m jaxllm.model_executor.layers.cpu_spills [--target NAME] [--kernel NAME] [--json]
+        [--verbose]
 
 Loops are read from each function's control flow: a jump back to a block at or above it closes a
 loop (its body: the blocks that reach the jump without passing the loop's first block),
