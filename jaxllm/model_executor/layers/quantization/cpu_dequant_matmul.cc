@@ -94,7 +94,7 @@ constexpr int vectors_for(int R) { return fits(R, 4) ? 4 : fits(R, 2) ? 2 : 1; }
 constexpr int64_t kRowBlock = 64;  // rows per work item: x's rows stay in L2 across the panel
 // Rows up to which a 5-bit panel is unpacked in registers (one tile, 4 vectors) rather than
 // once per item into a buffer: past one tile, unpacking per tile repeats the unpacking. None
-// without VBMI, whose portable unpacking is scalar code: once per item.
+// without VBMI, whose unpacking (AVX2 or scalar code) costs more: once per item.
 constexpr int64_t kQ5InRegisters = kQ5Vbmi ? largest_row_tile(4, true) : 0;
 
 struct Problem {
@@ -176,6 +176,15 @@ inline void load_q5(const uint8_t* p, f32x16 w[4]) {
     w[v].part[0] = reinterpret_cast<jaxllm::Reg>(_mm512_cvtepi32_ps(lane));
   }
 }
+#elif defined(__AVX2__)
+// 32 sign bits as bytes: 0xFF where bit j is set, else 0.
+inline __m256i q5_sign_bytes(uint32_t bits) {
+  const __m256i byte_of_bit = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), byte_of_bit);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
 #else
 inline int q5_value(const uint8_t* p, int f) {
   return ((p[f % 32] >> (f / 32 * 4)) & 15) - 16 * ((p[32 + f / 8] >> (f % 8)) & 1);
@@ -187,6 +196,18 @@ inline void unpack_q5(const uint8_t* p, int64_t K, int8_t* out) {
   for (int64_t k = 0; k < K; ++k, p += 40, out += 64) {
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
     _mm512_storeu_si512(out, q5_bytes(p));
+#elif defined(__AVX2__)
+    // Features 0..31 from the low nibbles, 32..63 from the high ones, -16 where signed.
+    const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i m15 = _mm256_set1_epi8(15), minus16 = _mm256_set1_epi8(-16);
+    uint32_t sign[2];
+    std::memcpy(sign, p + 32, 8);
+    const __m256i half[2] = {_mm256_and_si256(nibbles, m15),
+                             _mm256_and_si256(_mm256_srli_epi16(nibbles, 4), m15)};
+    for (int i = 0; i < 2; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * i),
+                          _mm256_add_epi8(half[i], _mm256_and_si256(q5_sign_bytes(sign[i]),
+                                                                    minus16)));
 #else
     for (int f = 0; f < 64; ++f) out[f] = static_cast<int8_t>(q5_value(p, f));
 #endif
