@@ -18,6 +18,9 @@ thread per core the process may use (`taskset` limits both engines alike), greed
 prompt token ids
 (needs the optional `bench` extra, `pip install -e '.[bench]'`, which builds llama.cpp from
 source in ~8 minutes; never a test dependency).
+
+`JAXLLM_CPU_ISA=avx2` in the environment runs our C++ kernels' AVX2 build instead of the
+native one (on an AVX-512 machine too: docs/kernels.md), for an AVX2 machine's numbers.
 """
 
 from __future__ import annotations

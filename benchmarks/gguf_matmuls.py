@@ -4,6 +4,9 @@ kernel; int8 panels, and gguf_compact's 5-bit ones), per row count from a decode
 prefill chunk, in one run, with the rate in GFLOP/s (two per weight per row).
 
     PYTHONPATH=. .venv/bin/python benchmarks/gguf_matmuls.py [ROWS ...]
+
+`JAXLLM_CPU_ISA=avx2` times our kernel's AVX2 build instead of the native one (on an AVX-512
+machine too: docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from jaxllm.model_executor.layers import cpu_attention
+from jaxllm.model_executor.layers import cpu_attention, cpu_ffi
 from tests.kernels.test_paged_attention import HEAD_CONFIGS, cases, naive_attention, pad_case
 
 if jax.default_backend() != "cpu":
@@ -22,7 +22,9 @@ if jax.default_backend() != "cpu":
 if not cpu_attention.available():  # visible, never a silent pass: the suite's machines have g++
     pytest.skip("no C++ compiler to build the CPU kernel", allow_module_level=True)
 
-_kernel = jax.jit(cpu_attention.paged_attention, static_argnums=(2,), static_argnames=("scale",))
+# isa: the kernel's build (the cpu_isa fixture: native and, on x86, AVX2).
+_kernel = jax.jit(cpu_attention.paged_attention, static_argnums=(2,),
+                  static_argnames=("scale", "isa"))
 
 
 def _case(rng, heads, kv_heads, head_dim, block_size, q_lens, seq_lens, extra_rows=3,
@@ -44,60 +46,63 @@ def _case(rng, heads, kv_heads, head_dim, block_size, q_lens, seq_lens, extra_ro
             np.asarray(seq_lens, np.int32), qsl)
 
 
-def _check(q, kv, tables, seq_lens, qsl, layer, scale):
+def _check(q, kv, tables, seq_lens, qsl, layer, scale, isa):
     args = (jnp.asarray(q), jnp.asarray(kv), layer, jnp.asarray(tables), jnp.asarray(seq_lens),
             jnp.asarray(qsl))
     want = naive_attention(q, kv, layer, tables, seq_lens, qsl, scale)
-    got = np.asarray(_kernel(*args, scale=scale))
+    got = np.asarray(_kernel(*args, scale=scale, isa=isa))
     assert got.dtype == np.float32 and got.shape == q.shape
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(got[int(qsl[-1]):], 0.0)  # padding rows
 
 
 @pytest.mark.parametrize("heads,kv_heads", HEAD_CONFIGS)
-def test_decode_matches_float64(heads, kv_heads, rng):
+def test_decode_matches_float64(heads, kv_heads, rng, cpu_isa):
     """One query per sequence (a decode step), contexts from 1 key to several blocks, a
     padding sequence (no queries, length 0) among them."""
     args = _case(rng, heads, kv_heads, 64, 16, [1, 1, 0, 1, 1], [1, 16, 0, 17, 150])
     for layer in (0, 1):
-        _check(*args, layer, 64 ** -0.5)
+        _check(*args, layer, 64 ** -0.5, cpu_isa)
 
 
-@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (128, 32), (32, 16)])
-def test_ragged_queries_head_dims_and_blocks(head_dim, block_size, rng):
+@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (128, 32), (32, 16),
+                                                  (256, 16), (208, 16)])
+def test_ragged_queries_head_dims_and_blocks(head_dim, block_size, rng, cpu_isa):
     """A verify-like step: several queries per sequence, each seeing keys up to its own
-    position; blocks of 32 keys are read 16 at a time."""
+    position; blocks of 32 keys are read 16 at a time. Head dims past what a build holds in
+    registers (128 with AVX2, 256) read the rest of each key row from memory."""
     args = _case(rng, 12, 2, head_dim, block_size, [3, 1, 6, 2, 4], [5, 40, 100, 2, 67])
-    _check(*args, 1, head_dim ** -0.5)
+    _check(*args, 1, head_dim ** -0.5, cpu_isa)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
-def test_engine_like_buckets_match_float64(case):
+@settings(max_examples=25, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # cpu_isa: a constant
+@given(case=cases())
+def test_engine_like_buckets_match_float64(case, cpu_isa):
     """Random steps of up to 40 queries per sequence (decode, verify-like, prefill chunks on
     cached context), inside an engine-like padded bucket: padding rows and
     sequence slots, a wide table of stale block ids, stale blocks of large values."""
     c = pad_case(case, num_tokens=case.q.shape[0] + 7, num_seqs=case.seq_lens.shape[0] + 3,
                  width=64, num_blocks=case.kv.shape[3] + 9)
-    _check(c.q, c.kv, c.block_tables, c.seq_lens, c.qsl, c.layer, c.scale)
+    _check(c.q, c.kv, c.block_tables, c.seq_lens, c.qsl, c.layer, c.scale, cpu_isa)
 
 
-def test_large_logits_underflow_cleanly(rng):
+def test_large_logits_underflow_cleanly(rng, cpu_isa):
     """Logits spread over hundreds: most exponentials underflow to 0, the softmax stays a
     weighted mean of the values (no inf or nan)."""
     args = _case(rng, 14, 2, 64, 16, [1, 2, 1], [33, 90, 200], q_scale=40.0)
-    _check(*args, 0, 1.0)
+    _check(*args, 0, 1.0, cpu_isa)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_prefill_chunks_match_float64(block_size, rng):
+def test_prefill_chunks_match_float64(block_size, rng, cpu_isa):
     """Prefill chunks longer than a query tile, one from position 0 and one on cached context
     (a later chunk), beside decodes."""
     args = _case(rng, 14, 2, 64, block_size, [70, 1, 37, 1], [70, 20, 37 + 45, 130])
-    _check(*args, 1, 64 ** -0.5)
+    _check(*args, 1, 64 ** -0.5, cpu_isa)
 
 
-def test_a_token_does_not_depend_on_its_step(rng):
+def test_a_token_does_not_depend_on_its_step(rng, cpu_isa):
     """A token gives bit-identical attention alone (a decode step), beside other decodes, inside
     a prefill chunk at any offset (a preempted request recomputed, a chunk split differently)
     and beside a long prefill: the engine's results must not depend on the batch."""
@@ -115,7 +120,8 @@ def test_a_token_does_not_depend_on_its_step(rng):
         qsl = np.concatenate([[0], np.cumsum(qls)]).astype(np.int32)
         out = _kernel(jnp.asarray(np.concatenate(rows)), jnp.asarray(kv), 0,
                       jnp.asarray(tables[[c[0] for c in chunks]]),
-                      jnp.asarray(np.asarray(lens, np.int32)), jnp.asarray(qsl), scale=0.125)
+                      jnp.asarray(np.asarray(lens, np.int32)), jnp.asarray(qsl), scale=0.125,
+                      isa=cpu_isa)
         return np.asarray(out)
 
     alone = run([(0, pos, 1)])[0]
@@ -124,6 +130,19 @@ def test_a_token_does_not_depend_on_its_step(rng):
         n = pos + 5 - first
         np.testing.assert_array_equal(run([(0, first, n)])[pos - first], alone)
         np.testing.assert_array_equal(run([(1, 32, 1), (0, first, n)])[1 + pos - first], alone)
+
+
+@pytest.mark.skipif(not cpu_ffi.runs_here("avx2"), reason="this CPU cannot run the avx2 build")
+def test_builds_give_the_same_bits(rng):
+    """The AVX2 build (other register tiles) gives the native build's results bit for bit:
+    head dims that fit its registers and ones that do not, decodes and prefill chunks."""
+    for head_dim in (64, 128, 256):
+        q, kv, tables, seq_lens, qsl = _case(rng, 14, 2, head_dim, 16, [1, 9, 40],
+                                             [70, 33, 90])
+        args = (jnp.asarray(q), jnp.asarray(kv), 1, jnp.asarray(tables), jnp.asarray(seq_lens),
+                jnp.asarray(qsl))
+        np.testing.assert_array_equal(np.asarray(_kernel(*args, scale=0.1, isa="avx2")),
+                                      np.asarray(_kernel(*args, scale=0.1, isa="native")))
 
 
 def test_bad_shapes_are_named(rng):

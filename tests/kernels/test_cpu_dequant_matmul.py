@@ -12,6 +12,7 @@ and the fallback to XLA's fused GEMVs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 
 import gguf
@@ -42,8 +43,14 @@ def _weight(rng, fmt: str, shape: tuple[int, int], signed_zeros: bool = False,
     return w, want
 
 
-def _call(x, w: GGUFWeight):
-    return np.asarray(jax.jit(kernel.dequant_matmul)(x, w.qweight, w.scale, w.offset))
+@functools.cache
+def _jitted(isa: str | None):
+    return jax.jit(functools.partial(kernel.dequant_matmul, isa=isa))
+
+
+def _call(x, w: GGUFWeight, isa: str | None = None):
+    """The kernel's `isa` build (cpu_isa: native and, on x86, AVX2), else the process's."""
+    return np.asarray(_jitted(isa)(x, w.qweight, w.scale, w.offset))
 
 
 # Q4_K / Q5_K: 32-value blocks with offsets; Q6_K: 16-value blocks; Q8_0 / Q5_0 / Q4_0: no
@@ -54,7 +61,7 @@ FIVE_BIT = {"Q4_K", "Q5_0", "Q4_0"}
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("out,compact", [(48, False), (128, False), (128, True)])
-def test_weights_are_ggufs_values_bit_for_bit(fmt, out, compact, rng):
+def test_weights_are_ggufs_values_bit_for_bit(fmt, out, compact, rng, cpu_isa):
     """x = unit vectors: row k of the result is column k of the weight times 1 (the block's
     scale times the integer value, plus the offset times 1); it must be gguf's float32 value
     exactly (signed zeros of zero scales aside, which a sum cannot tell apart). 48 rows are
@@ -64,22 +71,22 @@ def test_weights_are_ggufs_values_bit_for_bit(fmt, out, compact, rng):
     cols = np.array([0, 1, 15, 16, 17, 31, 32, 100, 255])
     x = np.zeros((len(cols), 256), np.float32)
     x[np.arange(len(cols)), cols] = 1.0
-    got = _call(jnp.asarray(x), w)
+    got = _call(jnp.asarray(x), w, cpu_isa)
     np.testing.assert_array_equal(got, want[:, cols].T)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64, 65, 130])
-def test_matches_float64_matmul(fmt, rows, rng):
+def test_matches_float64_matmul(fmt, rows, rng, cpu_isa):
     """Every register tile (6 rows and the remainders 1-5; four, two or one vectors of
-    features), blocks of rows past 64, and every panel width: 1008 output rows are panels of
-    16, 80 of 16, 96 of 32, 128 of 64 (and compact: 5-bit where the values fit)."""
+    features, per build), blocks of rows past 64, and every panel width: 1008 output rows are
+    panels of 16, 80 of 16, 96 of 32, 128 of 64 (and compact: 5-bit where the values fit)."""
     for shape, compact in (((1008, 256), False), ((80, 512), False),
                            ((96, 4864) if fmt == "Q6_K" else (96, 512), False),
                            ((128, 256), False), ((128, 256), True)):
         w, want = _weight(rng, fmt, shape, compact=compact)
         x = rng.standard_normal((rows, shape[1])).astype(np.float32)
-        got = _call(jnp.asarray(x), w)
+        got = _call(jnp.asarray(x), w, cpu_isa)
         ref = x.astype(np.float64) @ want.astype(np.float64).T
         bound = np.abs(x).astype(np.float64) @ np.abs(want).astype(np.float64).T
         assert got.dtype == np.float32 and got.shape == (rows, shape[0])
@@ -87,7 +94,7 @@ def test_matches_float64_matmul(fmt, rows, rng):
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["int8", "compact"])
-def test_rows_do_not_depend_on_the_batch(compact, rng):
+def test_rows_do_not_depend_on_the_batch(compact, rng, cpu_isa):
     """Row i's result is bit-identical alone, in any batch size, at any position (other
     register tiles, other blocks of rows), and across runs (threads take items in any order);
     5-bit panels (unpacked in registers up to 6 rows, per item past that) give the int8
@@ -95,17 +102,30 @@ def test_rows_do_not_depend_on_the_batch(compact, rng):
     w, _ = _weight(rng, "Q4_K", (1024, 1024), compact=compact)
     assert kernel.is_q5(w.qweight) == compact
     x = jnp.asarray(rng.standard_normal((150, 1024)).astype(np.float32))
-    full = _call(x, w)
-    np.testing.assert_array_equal(_call(x, w), full)
+    full = _call(x, w, cpu_isa)
+    np.testing.assert_array_equal(_call(x, w, cpu_isa), full)
     for lo, hi in [(0, 1), (3, 4), (0, 2), (5, 13), (9, 17), (63, 66), (60, 150), (149, 150)]:
-        np.testing.assert_array_equal(_call(x[lo:hi], w), full[lo:hi])
+        np.testing.assert_array_equal(_call(x[lo:hi], w, cpu_isa), full[lo:hi])
     if compact:
         rows = GGUFWeight(*(None if a is None else kernel.unpack(a) for a in w))
         int8 = GGUFWeight(*(None if a is None else jnp.asarray(b) for a, b in zip(
             w, kernel.pack(*(None if a is None else np.asarray(a) for a in rows)), strict=True)))
         assert not kernel.is_q5(int8.qweight)
-        for lo, hi in [(0, 1), (0, 6), (0, 7), (0, 150)]:
-            np.testing.assert_array_equal(_call(x[lo:hi], int8), full[lo:hi])
+        for lo, hi in [(0, 1), (0, 5), (0, 6), (0, 7), (0, 150)]:
+            np.testing.assert_array_equal(_call(x[lo:hi], int8, cpu_isa), full[lo:hi])
+
+
+@pytest.mark.skipif(not cpu_ffi.runs_here("avx2"), reason="this CPU cannot run the avx2 build")
+@pytest.mark.parametrize("compact", [False, True], ids=["int8", "compact"])
+def test_builds_give_the_same_bits(compact, rng):
+    """The AVX2 build (other register tiles, no in-register 5-bit unpacking) gives the native
+    build's results bit for bit: every format, panel width and row tile."""
+    for fmt in FORMATS:
+        for shape in ((1008, 256), (96, 512), (128, 256)):
+            w, _ = _weight(rng, fmt, shape, compact=compact)
+            for rows in (1, 2, 3, 5, 6, 7, 13, 70):
+                x = jnp.asarray(rng.standard_normal((rows, shape[1])).astype(np.float32))
+                np.testing.assert_array_equal(_call(x, w, "avx2"), _call(x, w, "native"))
 
 
 def test_packing_moves_values_only(rng):
@@ -221,6 +241,6 @@ def test_disabled_by_environment(monkeypatch):
     """$JAXLLM_CPU_KERNELS=0 turns them off (read once per process: the uncached function
     here)."""
     monkeypatch.setenv(cpu_ffi.DISABLE_ENV_VAR, "0")
-    assert kernel.available.__wrapped__() is False
+    assert kernel._available.__wrapped__("native") is False
     monkeypatch.setenv(cpu_ffi.DISABLE_ENV_VAR, "1")
-    assert kernel.available.__wrapped__() is True
+    assert kernel._available.__wrapped__("native") is True

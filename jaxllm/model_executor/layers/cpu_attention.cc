@@ -35,18 +35,40 @@ namespace {
 
 using jaxllm::f32x16;
 using jaxllm::fma16;
+using jaxllm::IReg;
 using jaxllm::kLanes;
 using jaxllm::load;
+using jaxllm::Reg;
 using jaxllm::splat;
+using jaxllm::splat_reg;
 using jaxllm::store;
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-inline float lane_sum(f32x16 a) {  // a pairwise tree: 4 dependent adds, not 16
-  float s8[8], s4[4], s2[2];
-  for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
-  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
-  for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
-  return s2[0] + s2[1];
+// A pairwise tree: lane l + lane l + 8, then l + l + 4, l + l + 2, l + l + 1: 4 dependent adds,
+// not 16. Where a register holds 8 or 4 lanes, the first steps add whole registers (the same
+// pairs), the last ones halves of a register.
+inline float lane_sum(f32x16 a) {
+  for (int half = jaxllm::kParts / 2; half >= 1; half /= 2)
+    for (int i = 0; i < half; ++i) a.part[i] = a.part[i] + a.part[i + half];
+#if defined(__aarch64__)
+  const float32x4_t s4 = reinterpret_cast<float32x4_t>(a.part[0]);
+  const float32x2_t s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4));
+  return vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);
+#else
+#if defined(__AVX512F__)
+  const __m512d v = reinterpret_cast<__m512d>(a.part[0]);
+  const __m256 s8 = _mm256_add_ps(_mm256_castpd_ps(_mm512_castpd512_pd256(v)),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(v, 1)));
+#elif defined(__AVX__)
+  const __m256 s8 = reinterpret_cast<__m256>(a.part[0]);
+#endif
+#if defined(__AVX__)
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+#else
+  const __m128 s4 = reinterpret_cast<__m128>(a.part[0]);
+#endif
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+#endif
 }
 
 inline float lane_max(f32x16 a) {
@@ -55,45 +77,33 @@ inline float lane_max(f32x16 a) {
   return m;
 }
 
-inline i32x16 to_int_trunc(f32x16 v) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<i32x16>(_mm512_cvttps_epi32(reinterpret_cast<__m512>(v)));
-#else
-  i32x16 r;
-  for (int l = 0; l < kLanes; ++l) r[l] = static_cast<int32_t>(v[l]);
-  return r;
-#endif
-}
-
-inline f32x16 to_float(i32x16 v) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(reinterpret_cast<__m512i>(v)));
-#else
-  f32x16 r;
-  for (int l = 0; l < kLanes; ++l) r[l] = static_cast<float>(v[l]);
-  return r;
-#endif
-}
-
 // exp(x) per lane for x <= 0 (logits minus their running max): x = n ln2 + r with n an integer
 // and |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, times 2^n built in the exponent bits;
-// within a few ulp of expf. Below -87 (where expf < 2^-125) the result is 0.
-inline f32x16 exp16(f32x16 x) {
-  const i32x16 underflow = x < splat(-87.0f);
-  x = underflow ? splat(-87.0f) : x;
+// within a few ulp of expf. Below -87 (where expf < 2^-125) the result is 0. One register at a
+// time (the same operations on every target).
+inline Reg exp_reg(Reg x) {
+  const IReg underflow = x < splat_reg(-87.0f);
+  x = underflow ? splat_reg(-87.0f) : x;
   // n = round(x / ln2) for x <= 0: truncation of (y - 0.5) rounds toward +inf, i.e. to nearest.
-  const i32x16 n = to_int_trunc(x * splat(1.44269504088896341f) - splat(0.5f));
-  const f32x16 nf = to_float(n);
-  const f32x16 r = (x - nf * splat(0.693359375f)) + nf * splat(2.12194440e-4f);
-  f32x16 y = splat(1.9875691500e-4f);
-  y = y * r + splat(1.3981999507e-3f);
-  y = y * r + splat(8.3334519073e-3f);
-  y = y * r + splat(4.1665795894e-2f);
-  y = y * r + splat(1.6666665459e-1f);
-  y = y * r + splat(5.0000001201e-1f);
-  y = y * (r * r) + r + splat(1.0f);
-  const f32x16 two_n = reinterpret_cast<f32x16>((n + 127) << 23);
-  return underflow ? splat(0.0f) : y * two_n;
+  const IReg n = __builtin_convertvector(x * splat_reg(1.44269504088896341f) - splat_reg(0.5f),
+                                         IReg);
+  const Reg nf = __builtin_convertvector(n, Reg);
+  const Reg r = (x - nf * splat_reg(0.693359375f)) + nf * splat_reg(2.12194440e-4f);
+  Reg y = splat_reg(1.9875691500e-4f);
+  y = y * r + splat_reg(1.3981999507e-3f);
+  y = y * r + splat_reg(8.3334519073e-3f);
+  y = y * r + splat_reg(4.1665795894e-2f);
+  y = y * r + splat_reg(1.6666665459e-1f);
+  y = y * r + splat_reg(5.0000001201e-1f);
+  y = y * (r * r) + r + splat_reg(1.0f);
+  const Reg two_n = reinterpret_cast<Reg>((n + 127) << 23);
+  return underflow ? splat_reg(0.0f) : y * two_n;
+}
+
+inline f32x16 exp16(f32x16 x) {
+  f32x16 r;
+  for (int i = 0; i < jaxllm::kParts; ++i) r.part[i] = exp_reg(x.part[i]);
+  return r;
 }
 
 struct Problem {
@@ -110,11 +120,18 @@ struct Problem {
 constexpr int64_t kMaxHeadDim = 256;
 // Consecutive queries of one sequence that share each key and value row read from the cache.
 constexpr int64_t kQueryTile = 8;
+// Register tiles per target (cpu_simd.h): a key row's vectors held in registers while every
+// (query, head) row of the tile takes its dot product with it (the rest are read from L1 per
+// row): half the registers, the other half for the dot product, its operand and its lane sum;
+// and the value vectors a row accumulates per pass over a chunk of keys, leaving room for the
+// key's weight and one operand.
+constexpr int kKeysInRegisters = jaxllm::kVectorBudget / 2;
+constexpr int kValuesInRegisters = jaxllm::kVectorBudget - 2;
 
 // Per-thread scratch for one item, kept between items and calls (no allocation per item).
 struct Scratch {
   std::vector<f32x16> qs, acc;
-  std::vector<float> m, l, logits;
+  std::vector<float> m, l, alpha, logits, probs;
   void resize(size_t rows, size_t c) {
     if (qs.size() < rows * c) {
       qs.resize(rows * c);
@@ -123,10 +140,72 @@ struct Scratch {
     if (m.size() < rows) {
       m.resize(rows);
       l.resize(rows);
+      alpha.resize(rows);
       logits.resize(rows * kLanes);
+      probs.resize(rows * kLanes);
     }
   }
 };
+
+// A row's accumulator vectors [C0, C0 + N) (then the rest, N at a time): scaled by alpha, then
+// the values of keys 0 .. n - 1 (rows D floats apart) weighted by their probabilities, in key
+// order. Every vector gets the same operations whatever N is.
+template <int C, int C0, int N>
+inline void weigh_values(f32x16* acc, const float* probs, const float* values, int64_t n,
+                         float alpha) {
+  constexpr int64_t D = C * kLanes;
+  f32x16 a[N];
+#pragma GCC unroll 16
+  for (int c = 0; c < N; ++c) a[c] = acc[C0 + c] * splat(alpha);
+  for (int64_t j = 0; j < n; ++j) {
+    const f32x16 pj = splat(probs[j]);
+    const float* vj = values + j * D + C0 * kLanes;
+#pragma GCC unroll 16
+    for (int c = 0; c < N; ++c) a[c] = fma16(pj, load(vj + c * kLanes), a[c]);
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < N; ++c) acc[C0 + c] = a[c];
+  if constexpr (C0 + N < C)
+    weigh_values<C, C0 + N, std::min(N, C - C0 - N)>(acc, probs, values, n, alpha);
+}
+
+// The logits of keys 0 .. 15 of a chunk (rows D floats apart from `keys`, the first `rows` of
+// them there) for the tile's (query, head) rows from query i0 on (G heads per query, query
+// vectors `qs`, C per row): query i sees min(cap, seen + i) of them, the rest are -inf. Each
+// key row is loaded once for all of them, the first kKeysInRegisters vectors into registers.
+// Not inlined: the register allocator sees this loop nest alone.
+template <int C>
+[[gnu::noinline]] void chunk_logits(const f32x16* qs, const float* keys, int64_t rows,
+                                    int64_t cap, int64_t seen, int64_t i0, int64_t nq,
+                                    int64_t G, float* logits) {
+  constexpr int64_t D = C * kLanes;
+  constexpr int kKeys = std::min(C, kKeysInRegisters);
+  for (int64_t j = 0; j < kLanes; ++j) {
+    const bool row = j < rows;
+    const float* kj = keys + j * D;
+    f32x16 k[kKeys];
+    if (row) {
+#pragma GCC unroll 16
+      for (int c = 0; c < kKeys; ++c) k[c] = load(kj + c * kLanes);
+    }
+    for (int64_t i = i0; i < nq; ++i) {
+      const bool visible = row && j < std::min(cap, seen + i);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = i * G + g;
+        if (!visible) {
+          logits[r * kLanes + j] = -INFINITY;
+          continue;
+        }
+        f32x16 dot = qs[r * C] * k[0];
+#pragma GCC unroll 16
+        for (int c = 1; c < kKeys; ++c) dot = fma16(qs[r * C + c], k[c], dot);
+#pragma GCC unroll 16
+        for (int c = kKeys; c < C; ++c) dot = fma16(qs[r * C + c], load(kj + c * kLanes), dot);
+        logits[r * kLanes + j] = lane_sum(dot);
+      }
+    }
+  }
+}
 
 // Queries t0 .. t0 + nq - 1 of sequence s (positions pos0 .. pos0 + nq - 1) against their keys
 // for the query heads of KV head h; C = head_dim / 16 vectors per row (a template constant, so
@@ -135,15 +214,23 @@ struct Scratch {
 // one online-softmax step and the values are weighted into its accumulator. A row's arithmetic
 // (the chunks it visits, their order, every operation) does not depend on the other queries of
 // its tile, so a token gets bit-identical results however the step groups it.
+//
+// Not inlined: its loops get the registers to themselves, none holding the caller's values.
 template <int C>
-void attend(const Problem& p, int64_t s, int64_t t0, int64_t nq, int64_t pos0, int64_t h) {
+[[gnu::noinline]] void attend(const Problem& p, int64_t s, int64_t t0, int64_t nq, int64_t pos0,
+                              int64_t h) {
   constexpr int64_t D = C * kLanes;
   const int64_t G = p.H / p.KVH, R = nq * G;
   thread_local Scratch w;
   w.resize(static_cast<size_t>(R), C);
   f32x16* qs = w.qs.data();
   f32x16* acc = w.acc.data();
-  float *m = w.m.data(), *l = w.l.data(), *logits = w.logits.data();
+  float *m = w.m.data(), *l = w.l.data(), *alphas = w.alpha.data();
+  float *logits = w.logits.data(), *probs = w.probs.data();
+  // Value vectors per pass: C in near-equal chunks of at most kValuesInRegisters.
+  constexpr int kValueChunk =
+      (C + (C + kValuesInRegisters - 1) / kValuesInRegisters - 1) /
+      ((C + kValuesInRegisters - 1) / kValuesInRegisters);
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;
@@ -159,7 +246,6 @@ void attend(const Problem& p, int64_t s, int64_t t0, int64_t nq, int64_t pos0, i
   const int64_t head_stride = p.NB * p.BS * D;
   const float* k_head = p.kv + ((p.layer * 2 + 0) * p.KVH + h) * head_stride;
   const float* v_head = p.kv + ((p.layer * 2 + 1) * p.KVH + h) * head_stride;
-  alignas(64) float pr[kLanes];
   for (int64_t start = 0; start <= last; start += p.BS) {
     const int64_t blk = std::clamp<int64_t>(p.tables[s * p.MB + start / p.BS], 0, p.NB - 1);
     const float* kb = k_head + blk * p.BS * D;
@@ -186,44 +272,27 @@ void attend(const Problem& p, int64_t s, int64_t t0, int64_t nq, int64_t pos0, i
       auto nj = [&](int64_t i) {
         return std::min<int64_t>({kLanes, p.BS - j0, pos0 + i + 1 - start - j0});
       };
-      for (int64_t j = 0; j < kLanes; ++j) {
-        const bool row = j < std::min<int64_t>(kLanes, n_last - j0);
-        f32x16 k[C];
-        if (row)
-          for (int c = 0; c < C; ++c) k[c] = load(kb + (j0 + j) * D + c * kLanes);
-        for (int64_t i = i0; i < nq; ++i) {
-          const bool visible = row && j < nj(i);
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t r = i * G + g;
-            if (!visible) {
-              logits[r * kLanes + j] = -INFINITY;
-              continue;
-            }
-            f32x16 dot = qs[r * C] * k[0];
-            for (int c = 1; c < C; ++c) dot = fma16(qs[r * C + c], k[c], dot);
-            logits[r * kLanes + j] = lane_sum(dot);
-          }
-        }
+      chunk_logits<C>(qs, kb + j0 * D, std::min<int64_t>(kLanes, n_last - j0),
+                      std::min<int64_t>(kLanes, p.BS - j0), pos0 + 1 - start - j0, i0, nq, G,
+                      logits);
+      // The online-softmax step of every row first (its exp is a call, which would make the
+      // value loop below keep its registers on the stack), then the values.
+      for (int64_t r = i0 * G; r < nq * G; ++r) {
+        const f32x16 lv = load(logits + r * kLanes);
+        const float m_new = std::max(m[r], lane_max(lv));
+        const float alpha = std::exp(m[r] - m_new);  // 0 on the first keys (m = -inf)
+        const f32x16 pv = exp16(lv - splat(m_new));  // masked keys: exp(-inf) = 0
+        store(probs + r * kLanes, pv);
+        l[r] = l[r] * alpha + lane_sum(pv);
+        m[r] = m_new;
+        alphas[r] = alpha;
       }
       for (int64_t i = i0; i < nq; ++i) {
         const int64_t n_i = nj(i);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * G + g;
-          const f32x16 lv = load(logits + r * kLanes);
-          const float m_new = std::max(m[r], lane_max(lv));
-          const float alpha = std::exp(m[r] - m_new);  // 0 on the first keys (m = -inf)
-          const f32x16 pv = exp16(lv - splat(m_new));  // masked keys: exp(-inf) = 0
-          store(pr, pv);
-          l[r] = l[r] * alpha + lane_sum(pv);
-          m[r] = m_new;
-          f32x16 a[C];
-          for (int c = 0; c < C; ++c) a[c] = acc[r * C + c] * splat(alpha);
-          for (int64_t j = 0; j < n_i; ++j) {
-            const f32x16 pj = splat(pr[j]);
-            const float* vj = vb + (j0 + j) * D;
-            for (int c = 0; c < C; ++c) a[c] = fma16(pj, load(vj + c * kLanes), a[c]);
-          }
-          for (int c = 0; c < C; ++c) acc[r * C + c] = a[c];
+          weigh_values<C, 0, kValueChunk>(acc + r * C, probs + r * kLanes, vb + j0 * D, n_i,
+                                          alphas[r]);
         }
       }
     }

@@ -23,11 +23,16 @@ SOURCE = Path(__file__).with_suffix(".cc")
 _TARGET = "jaxllm_paged_attention"
 
 
+def available(isa: str | None = None) -> bool:
+    """Whether the kernel's `isa` build (cpu_ffi.ISA_FLAGS; default the process's,
+    $JAXLLM_CPU_ISA) is built and registered (decided once per process and build)."""
+    return _available(cpu_ffi.resolve_isa(isa))
+
+
 @functools.cache
-def available() -> bool:
-    """Whether the kernel is built and registered (decided once per process)."""
+def _available(isa: str) -> bool:
     return cpu_ffi.register(SOURCE, {_TARGET: "JaxllmPagedAttention"},
-                            "attention runs XLA's reference ops (slower at decode)")
+                            "attention runs XLA's reference ops (slower at decode)", isa)
 
 
 def use_for(q: Any, kv_cache: Any, backend: str, tp_axis: str | None = None) -> bool:
@@ -42,11 +47,12 @@ def use_for(q: Any, kv_cache: Any, backend: str, tp_axis: str | None = None) -> 
 
 def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables: jax.Array,
                     seq_lens: jax.Array, query_start_loc: jax.Array, *,
-                    scale: float) -> jax.Array:
+                    scale: float, isa: str | None = None) -> jax.Array:
     """`pallas_kernels.paged_attention.paged_attention`'s layout and semantics: each token
     against its own sequence's keys, [T, H, D] in q's dtype (float32 inside); padding rows are
     zero, and so are tokens whose position lies past the block table's width (the engine's
-    tables always cover their sequences). Needs `available()`."""
+    tables always cover their sequences). Runs the kernel's `isa` build (default the process's);
+    needs `available(isa)`."""
     if q.ndim != 3 or kv_cache.ndim != 6 or q.shape[-1] != kv_cache.shape[-1] \
             or q.shape[1] % kv_cache.shape[2] or q.shape[-1] % 16 or q.shape[-1] > 256:
         raise ValueError(f"cpu paged_attention: q [T, H, D] and kv_cache [L, 2, KVH, NB, BS, "
@@ -58,9 +64,12 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables:
     if not 0 <= int(layer) < kv_cache.shape[0]:
         raise ValueError(f"cpu paged_attention: layer {layer} out of range [0, "
                          f"{kv_cache.shape[0]})")
-    if not available():
-        raise RuntimeError("the CPU paged attention kernel is not available (see the warning)")
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    isa = cpu_ffi.resolve_isa(isa)
+    if not available(isa):
+        raise RuntimeError(f"the CPU paged attention kernel's {isa} build is not available (see "
+                           f"the warning)")
+    call = jax.ffi.ffi_call(cpu_ffi.target_name(_TARGET, isa),
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), kv_cache, block_tables.astype(jnp.int32),
                seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
                layer=np.int64(layer), scale=np.float32(scale))

@@ -13,8 +13,8 @@
 // panel: q [N / P, K, P] int8, scale and offset [N / P, K / B, P] float32. One k of a panel is
 // then P consecutive int8 values, 16 of them one vector of 16 output features, so the product is
 // an outer-product GEMM: per k, a broadcast x[t, k] times the weight vectors, into accumulators
-// of R rows x NV vectors held in registers. Each converted vector feeds R FMAs, and the rows' x
-// values are broadcast loads; the dot-product form over [N, K] rows (16 k per vector, a lane
+// of R rows x NV vectors held in registers (sized per target: `fits`). Each converted vector
+// feeds R FMAs, and the rows' x values are broadcast loads; the dot-product form over [N, K] rows (16 k per vector, a lane
 // sum per output) ran at about 60 % of this rate from a few rows on (docs/perf/gguf-cpu.md).
 //
 // 5-bit panels (gguf_compact): values in -16..15 (Q5_0, Q4_0, Q4_K) in panels of 64 may come
@@ -40,6 +40,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 #include "cpu_parallel.h"
@@ -56,14 +58,44 @@ using jaxllm::kLanes;
 using jaxllm::load;
 using jaxllm::splat;
 
-// Rows per register tile: with 4 weight vectors (64 features) 24 partial sums in registers; the
-// accumulators they go into once per block, and constants, live in L1 when registers run out
-// (tiles of 8 rows x 2 vectors ran slower at 16 rows: docs/perf/gguf-cpu.md).
-constexpr int64_t kRowTile = 6;
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+constexpr bool kQ5Vbmi = true;  // 5-bit panels unpack in registers
+#else
+constexpr bool kQ5Vbmi = false;
+#endif
+
+// Registers the rows' x values take in the k loop: x86 broadcasts each row's from memory into
+// one register in turn; NEON's FMA by element reads them from register lanes, one per row.
+#if defined(__aarch64__)
+constexpr int x_registers(int R) { return R; }
+#else
+constexpr int x_registers(int) { return 1; }
+#endif
+
+// Whether the k loop of a tile of R rows x NV vectors keeps everything in registers on this
+// target (cpu_simd.h): its partial sums, one k's NV weight vectors and the x values, plus, to
+// unpack a 5-bit panel in registers, the 4 lane indices, the packed bytes and 2 byte constants.
+// The block's accumulators live in the result, read and written once per block.
+constexpr bool fits(int R, int NV, bool q5 = false) {
+  return (R * NV + NV) * jaxllm::kRegistersPerVector + x_registers(R) + (q5 ? 7 : 0) <=
+         jaxllm::kVectorRegisters;
+}
+// Rows per register tile: the most that fit with one vector of features, up to 6 (tiles of 8
+// rows x 2 vectors ran slower than 6 x 4 with AVX-512 at 16 rows: docs/perf/gguf-cpu.md). On
+// AVX-512 that is 6 rows x 4 vectors (a 64-feature panel), on AVX2 6 rows x 1, on NEON 5 x 1.
+constexpr int largest_row_tile(int nv, bool q5) {
+  int r = 6;
+  while (r > 1 && !fits(r, nv, q5)) --r;
+  return r;
+}
+constexpr int kRowTile = largest_row_tile(1, false);
+// Vectors of features per tile of R rows: 4, 2 or 1, the most that fit.
+constexpr int vectors_for(int R) { return fits(R, 4) ? 4 : fits(R, 2) ? 2 : 1; }
 constexpr int64_t kRowBlock = 64;  // rows per work item: x's rows stay in L2 across the panel
-// Rows up to which a 5-bit panel is unpacked in registers (one tile) rather than once per item
-// into a buffer: past one tile, unpacking per tile repeats the unpacking.
-constexpr int64_t kQ5InRegisters = kRowTile;
+// Rows up to which a 5-bit panel is unpacked in registers (one tile, 4 vectors) rather than
+// once per item into a buffer: past one tile, unpacking per tile repeats the unpacking. None
+// without VBMI, whose unpacking (AVX2 or scalar code) costs more: once per item.
+constexpr int64_t kQ5InRegisters = kQ5Vbmi ? largest_row_tile(4, true) : 0;
 
 struct Problem {
   const float* x;       // [T, K]
@@ -78,23 +110,27 @@ struct Problem {
 // 16 int8 values as floats (exact). GCC's __builtin_convertvector scalarises this conversion,
 // hence the intrinsics.
 inline f32x16 load_q16(const int8_t* p) {
+  using jaxllm::Reg;
+  f32x16 r;
 #if defined(__AVX512F__)
-  __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(v));
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  r.part[0] = reinterpret_cast<Reg>(_mm512_cvtepi32_ps(v));
 #elif defined(__AVX2__)
-  __m256 lo = _mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  __m256 hi = _mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-  f32x16 r;
-  __builtin_memcpy(&r, &lo, 32);
-  __builtin_memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
-  return r;
+  for (int i = 0; i < 2; ++i)
+    r.part[i] = reinterpret_cast<Reg>(_mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)))));
+#elif defined(__aarch64__)
+  const int8x16_t b = vld1q_s8(p);
+  const int16x8_t half[2] = {vmovl_s8(vget_low_s8(b)), vmovl_s8(vget_high_s8(b))};
+  for (int i = 0; i < 4; ++i) {
+    const int16x4_t q = i % 2 ? vget_high_s16(half[i / 2]) : vget_low_s16(half[i / 2]);
+    r.part[i] = reinterpret_cast<Reg>(vcvtq_f32_s32(vmovl_s16(q)));
+  }
 #else
-  f32x16 r;
-  for (int l = 0; l < kLanes; ++l) r[l] = static_cast<float>(p[l]);
-  return r;
+  for (int l = 0; l < kLanes; ++l)
+    r.part[l / jaxllm::kRegisterLanes][l % jaxllm::kRegisterLanes] = static_cast<float>(p[l]);
 #endif
+  return r;
 }
 
 // How a tile reads a panel's values. kQ5 unpacks a 5-bit panel in registers for every tile (a
@@ -116,46 +152,62 @@ inline __m512i q5_bytes(const uint8_t* p) {
   std::memcpy(&sign, p + 32, 8);
   return _mm512_mask_add_epi8(b, sign, b, _mm512_set1_epi8(-16));
 }
-#endif
 
+// vpermb indices: vector v, lane l <- byte 16 v + l, into bits 24..31 (a constant in memory, not
+// built on the stack per tile).
+struct Q5Lanes {
+  alignas(64) int32_t top[4][kLanes];
+};
+constexpr Q5Lanes make_q5_lanes() {
+  Q5Lanes t{};
+  for (int v = 0; v < 4; ++v)
+    for (int l = 0; l < kLanes; ++l) t.top[v][l] = (16 * v + l) << 24;
+  return t;
+}
+constexpr Q5Lanes kQ5Lanes = make_q5_lanes();
+
+// One k of a 5-bit panel as value * 2^24 in w[0..3]: each value byte goes to the top of its
+// 32-bit lane, where the conversion reads it times 2^24 with no sign extension.
+inline void load_q5(const uint8_t* p, f32x16 w[4]) {
+  const __m512i b = q5_bytes(p);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i lane = _mm512_maskz_permutexvar_epi8(
+        0x8888888888888888ull, _mm512_load_si512(kQ5Lanes.top[v]), b);
+    w[v].part[0] = reinterpret_cast<jaxllm::Reg>(_mm512_cvtepi32_ps(lane));
+  }
+}
+#elif defined(__AVX2__)
+// 32 sign bits as bytes: 0xFF where bit j is set, else 0.
+inline __m256i q5_sign_bytes(uint32_t bits) {
+  const __m256i byte_of_bit = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), byte_of_bit);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+#else
 inline int q5_value(const uint8_t* p, int f) {
   return ((p[f % 32] >> (f / 32 * 4)) & 15) - 16 * ((p[32 + f / 8] >> (f % 8)) & 1);
 }
-
-struct Q5Lanes {
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-  __m512i top[4];  // vector v, lane l <- byte 16 v + l, into bits 24..31
-  Q5Lanes() {
-    for (int v = 0; v < 4; ++v) {
-      alignas(64) int32_t idx[kLanes];
-      for (int l = 0; l < kLanes; ++l) idx[l] = (16 * v + l) << 24;
-      top[v] = _mm512_load_si512(idx);
-    }
-  }
 #endif
-};
-
-// One k of a 5-bit panel as value * 2^24 in w[0..3]. With AVX-512 VBMI each value byte goes to
-// the top of its 32-bit lane, where the conversion reads it times 2^24 with no sign extension.
-inline void load_q5(const Q5Lanes& lanes, const uint8_t* p, f32x16 w[4]) {
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-  const __m512i b = q5_bytes(p);
-  for (int v = 0; v < 4; ++v) {
-    const __m512i lane = _mm512_maskz_permutexvar_epi8(0x8888888888888888ull, lanes.top[v], b);
-    w[v] = reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(lane));
-  }
-#else
-  (void)lanes;
-  for (int f = 0; f < 64; ++f)
-    w[f / kLanes][f % kLanes] = static_cast<float>(q5_value(p, f)) * 16777216.0f;
-#endif
-}
 
 // A 5-bit panel [K, 40] -> int8 values [K, 64].
 inline void unpack_q5(const uint8_t* p, int64_t K, int8_t* out) {
   for (int64_t k = 0; k < K; ++k, p += 40, out += 64) {
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
     _mm512_storeu_si512(out, q5_bytes(p));
+#elif defined(__AVX2__)
+    // Features 0..31 from the low nibbles, 32..63 from the high ones, -16 where signed.
+    const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i m15 = _mm256_set1_epi8(15), minus16 = _mm256_set1_epi8(-16);
+    uint32_t sign[2];
+    std::memcpy(sign, p + 32, 8);
+    const __m256i half[2] = {_mm256_and_si256(nibbles, m15),
+                             _mm256_and_si256(_mm256_srli_epi16(nibbles, 4), m15)};
+    for (int i = 0; i < 2; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * i),
+                          _mm256_add_epi8(half[i], _mm256_and_si256(q5_sign_bytes(sign[i]),
+                                                                    minus16)));
 #else
     for (int f = 0; f < 64; ++f) out[f] = static_cast<int8_t>(q5_value(p, f));
 #endif
@@ -163,9 +215,10 @@ inline void unpack_q5(const uint8_t* p, int64_t K, int8_t* out) {
 }
 
 // Rows [t0, t0 + R) (x: those rows; xsum: their blocks' sums of x, with offsets) against
-// features [col, col + 16 NV) of one panel, whose values start at `values` (kInt8: P per k; kQ5Bytes: 64 per k; kQ5: 40 bytes per k, col 0,
-// NV 4). R and NV are template constants so the partial sums stay in registers; every (row,
-// feature) pair gets the same arithmetic for every R and NV.
+// features [col, col + 16 NV) of one panel, whose values start at `values` (kInt8: P per k;
+// kQ5Bytes: 64 per k; kQ5: 40 bytes per k, col 0, NV 4). R and NV are template constants so the partial sums stay in registers; every (row,
+// feature) pair gets the same arithmetic for every R and NV. The accumulators are the result
+// itself, read and written once per block (the partial sums take the registers).
 //
 // Per block of B k, the integers go into a partial sum (x * q, exact integers as floats) and the
 // block's scale multiplies that sum once, instead of every weight: one multiply per 16 weights
@@ -173,101 +226,119 @@ inline void unpack_q5(const uint8_t* p, int64_t K, int8_t* out) {
 // sum applies is still exactly gguf's (a unit vector x gives round(q * scale) + offset, as gguf
 // rounds); only where the float32 roundings of the sum fall moves, as in any float32 GEMM's
 // summation order.
+//
+// Not inlined: its loop gets the registers to itself, none holding the caller's values.
 template <int R, int NV, int B, bool kOffset, Values kV>
-void tile(const Problem& p, const void* values, const float* x, const float* xsum,
-          int64_t panel, int64_t col, int64_t t0) {
+[[gnu::noinline]] void tile(const Problem& p, const void* values, const float* x,
+                            const float* xsum, int64_t panel, int64_t col, int64_t t0) {
   static_assert(kV != Values::kQ5 || NV == 4, "a 5-bit panel is 64 features, one tile wide");
-  const Q5Lanes lanes;
-  const int64_t stride = kV == Values::kInt8 ? p.P : 64;
-  f32x16 acc[R][NV];
+  // Every loop over rows and vectors unrolled: a partial sum indexed at run time lives in memory.
+  const int64_t N = p.N, P = p.P, blocks = p.K / B;
+  const int64_t stride = kV == Values::kInt8 ? P : 64;
+  float* y = p.y + t0 * N + panel * P + col;
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = f32x16{};
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) jaxllm::store(y + r * N + v * kLanes, f32x16{});
   const int8_t* qp = static_cast<const int8_t*>(values) + col;
   const uint8_t* q5 = static_cast<const uint8_t*>(values);
-  const float* sp = p.scale + panel * (p.K / B) * p.P + col;
-  const float* op = kOffset ? p.offset + panel * (p.K / B) * p.P + col : nullptr;
+  const float* sp = p.scale + panel * blocks * P + col;
+  const float* op = kOffset ? p.offset + panel * blocks * P + col : nullptr;
   const float* xr[R];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) xr[r] = x + r * p.K;
-  for (int64_t kb = 0; kb < p.K; kb += B) {
+  for (int64_t b = 0; b < blocks; ++b) {
     f32x16 part[R][NV];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) part[r][v] = f32x16{};
-    for (int64_t k = kb; k < kb + B; ++k) {
+    for (int64_t k = b * B; k < (b + 1) * B; ++k) {
       f32x16 w[NV];
       if constexpr (kV == Values::kQ5) {
-        load_q5(lanes, q5 + k * 40, w);
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+        load_q5(q5 + k * 40, w);
+#endif
       } else {
+#pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) w[v] = load_q16(qp + k * stride + v * kLanes);
       }
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const f32x16 xb = splat(xr[r][k]);
+#pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) part[r][v] = fma16(xb, w[v], part[r][v]);
       }
     }
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
-      f32x16 sc = load(sp + (kb / B) * p.P + v * kLanes);
+      f32x16 sc = load(sp + b * P + v * kLanes);
       if (kV != Values::kInt8) sc = sc * splat(kQ5Unit);
-      for (int r = 0; r < R; ++r) acc[r][v] = fma16(part[r][v], sc, acc[r][v]);
-    }
-    if (kOffset) {
       // The offset multiplies the block's sum of x: sum_k x[k] (q[k] scale + offset).
-      f32x16 of[NV];
-      for (int v = 0; v < NV; ++v) of[v] = load(op + (kb / B) * p.P + v * kLanes);
+      const f32x16 of = kOffset ? load(op + b * P + v * kLanes) : f32x16{};
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const f32x16 sb = splat(xsum[r * (p.K / B) + kb / B]);
-        for (int v = 0; v < NV; ++v) acc[r][v] = fma16(sb, of[v], acc[r][v]);
+        float* acc = y + r * N + v * kLanes;
+        f32x16 a = fma16(part[r][v], sc, load(acc));
+        if (kOffset) a = fma16(splat(xsum[r * blocks + b]), of, a);
+        jaxllm::store(acc, a);
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v)
-      jaxllm::store(p.y + (t0 + r) * p.N + panel * p.P + col + v * kLanes, acc[r][v]);
 }
 
-// Rows [t0, t0 + R) against a whole panel, 4 vectors (64 features) at a time, fewer where the
-// panel is narrower.
+// Rows [t0, t0 + R) against a whole panel, vectors_for(R) vectors at a time (4 on AVX-512: 64
+// features), fewer where the panel is narrower. A 5-bit panel is one tile of 4 vectors.
 template <int R, int B, bool kOffset, Values kV>
 void rows_by_panel(const Problem& p, const void* values, const float* x, const float* xsum,
                    int64_t panel, int64_t t0) {
-  const int64_t vectors = p.P / kLanes;
-  for (int64_t v = 0; v < vectors;) {
-    if (vectors - v >= 4) {
-      tile<R, 4, B, kOffset, kV>(p, values, x, xsum, panel, v * kLanes, t0);
-      v += 4;
-    } else if constexpr (kV != Values::kQ5) {
-      if (vectors - v >= 2) {
+  if constexpr (kV == Values::kQ5) {
+    tile<R, 4, B, kOffset, kV>(p, values, x, xsum, panel, 0, t0);
+  } else {
+    constexpr int kNV = vectors_for(R);
+    const int64_t vectors = p.P / kLanes;
+    int64_t v = 0;
+    for (; v + kNV <= vectors; v += kNV)
+      tile<R, kNV, B, kOffset, kV>(p, values, x, xsum, panel, v * kLanes, t0);
+    if constexpr (kNV > 2) {
+      if (v + 2 <= vectors) {
         tile<R, 2, B, kOffset, kV>(p, values, x, xsum, panel, v * kLanes, t0);
         v += 2;
-      } else {
-        tile<R, 1, B, kOffset, kV>(p, values, x, xsum, panel, v * kLanes, t0);
-        v += 1;
       }
+    }
+    if constexpr (kNV > 1) {
+      if (v < vectors) tile<R, 1, B, kOffset, kV>(p, values, x, xsum, panel, v * kLanes, t0);
     }
   }
 }
 
-// Rows [t0, t1) of x (`x`: those rows) against one panel, in register tiles of up to kRowTile
+// The last `rows` (1 to R) rows of a panel's tiles: one tile of exactly that many.
+template <int R, int B, bool kOffset, Values kV>
+void rows_left(const Problem& p, const void* values, const float* x, const float* xsum,
+               int64_t panel, int64_t t0, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_left<R - 1, B, kOffset, kV>(p, values, x, xsum, panel, t0, rows);
+  }
+  rows_by_panel<R, B, kOffset, kV>(p, values, x, xsum, panel, t0);
+}
+
+// Rows [t0, t1) of x (`x`: those rows) against one panel, in register tiles of up to kTile
 // rows, each converting the integer values it needs in registers. (Forming a panel's float32
 // weights once into an L1/L2 buffer for all row tiles instead, as a float32 GEMM packs its
 // operand, ran slower at 16 to 512 rows: docs/perf/gguf-cpu.md.)
-template <int B, bool kOffset, Values kV>
+template <int kTile, int B, bool kOffset, Values kV>
 void run_tiles(const Problem& p, const void* values, const float* x, const float* xsum,
                int64_t panel, int64_t t0, int64_t t1) {
   const int64_t blocks = p.K / B;
   int64_t t = t0;
-  for (; t + kRowTile <= t1; t += kRowTile) {
-    rows_by_panel<kRowTile, B, kOffset, kV>(p, values, x + (t - t0) * p.K,
-                                            xsum + (t - t0) * blocks, panel, t);
+  for (; t + kTile <= t1; t += kTile) {
+    rows_by_panel<kTile, B, kOffset, kV>(p, values, x + (t - t0) * p.K,
+                                         xsum + (t - t0) * blocks, panel, t);
   }
-  const float* xt = x + (t - t0) * p.K;
-  const float* st = xsum + (t - t0) * blocks;
-  switch (t1 - t) {
-    case 5: rows_by_panel<5, B, kOffset, kV>(p, values, xt, st, panel, t); break;
-    case 4: rows_by_panel<4, B, kOffset, kV>(p, values, xt, st, panel, t); break;
-    case 3: rows_by_panel<3, B, kOffset, kV>(p, values, xt, st, panel, t); break;
-    case 2: rows_by_panel<2, B, kOffset, kV>(p, values, xt, st, panel, t); break;
-    case 1: rows_by_panel<1, B, kOffset, kV>(p, values, xt, st, panel, t); break;
-    default: break;
+  if constexpr (kTile > 1) {
+    if (t < t1)
+      rows_left<kTile - 1, B, kOffset, kV>(p, values, x + (t - t0) * p.K,
+                                           xsum + (t - t0) * blocks, panel, t, t1 - t);
   }
 }
 
@@ -294,11 +365,17 @@ void run_item(const Problem& p, int64_t first, int64_t last, int64_t t0, int64_t
   const float* xsum = sums.data();
   if constexpr (!kQ5) {
     for (int64_t panel = first; panel < last; ++panel)
-      run_tiles<B, kOffset, Values::kInt8>(p, p.q + panel * p.K * p.P, x, xsum, panel, t0, t1);
-  } else if (t1 - t0 <= kQ5InRegisters) {
-    for (int64_t panel = first; panel < last; ++panel)
-      run_tiles<B, kOffset, Values::kQ5>(p, p.q5 + panel * p.K * 40, x, xsum, panel, t0, t1);
+      run_tiles<kRowTile, B, kOffset, Values::kInt8>(p, p.q + panel * p.K * p.P, x, xsum,
+                                                     panel, t0, t1);
   } else {
+    if constexpr (kQ5InRegisters > 0) {
+      if (t1 - t0 <= kQ5InRegisters) {
+        for (int64_t panel = first; panel < last; ++panel)
+          run_tiles<kQ5InRegisters, B, kOffset, Values::kQ5>(p, p.q5 + panel * p.K * 40, x,
+                                                             xsum, panel, t0, t1);
+        return;
+      }
+    }
     // Per worker thread, kept for its next item: a panel's values and the item's rows of x.
     thread_local std::vector<int8_t> values;
     thread_local std::vector<float> scaled;
@@ -307,8 +384,8 @@ void run_item(const Problem& p, int64_t first, int64_t last, int64_t t0, int64_t
     for (int64_t i = 0; i < (t1 - t0) * p.K; ++i) scaled[i] = x[i] * 16777216.0f;
     for (int64_t panel = first; panel < last; ++panel) {
       unpack_q5(p.q5 + panel * p.K * 40, p.K, values.data());
-      run_tiles<B, kOffset, Values::kQ5Bytes>(p, values.data(), scaled.data(), xsum, panel, t0,
-                                              t1);
+      run_tiles<kRowTile, B, kOffset, Values::kQ5Bytes>(p, values.data(), scaled.data(), xsum,
+                                                        panel, t0, t1);
     }
   }
 }

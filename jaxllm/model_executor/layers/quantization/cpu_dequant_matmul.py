@@ -29,14 +29,19 @@ _TARGET = "jaxllm_dequant_matmul"
 _TARGET_Q5 = "jaxllm_dequant_matmul_q5"
 
 
-@functools.cache
-def available() -> bool:
-    """Whether the kernel is built and registered (decided once per process); False with a
+def available(isa: str | None = None) -> bool:
+    """Whether the kernel's `isa` build (cpu_ffi.ISA_FLAGS; default the process's,
+    $JAXLLM_CPU_ISA) is built and registered (decided once per process and build); False with a
     warning when it cannot be built, silently when $JAXLLM_CPU_KERNELS=0."""
+    return _available(cpu_ffi.resolve_isa(isa))
+
+
+@functools.cache
+def _available(isa: str) -> bool:
     return cpu_ffi.register(SOURCE, {_TARGET: "JaxllmDequantMatmul",
                                      _TARGET_Q5: "JaxllmDequantMatmulQ5"},
                             ".gguf models load dequantized by default, and quantization='gguf' "
-                            "runs XLA's fused GEMVs (slower)")
+                            "runs XLA's fused GEMVs (slower)", isa)
 
 
 PANEL_SIZES = (64, 32, 16)  # output features per panel, the largest that divides `out`
@@ -160,17 +165,20 @@ def check_inputs(x: Any, qweight: Any, scale: Any, offset: Any | None) -> None:
 
 
 def dequant_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array,
-                   offset: jax.Array | None) -> jax.Array:
+                   offset: jax.Array | None, *, isa: str | None = None) -> jax.Array:
     """x [T, in] times the dequantized weight [out, in] transposed -> [T, out] float32, the
-    weight in `pack`'s layout and read once. Needs `available()`; blocks of 16 or 32 values;
-    other operands raise ValueError (check_inputs)."""
+    weight in `pack`'s layout and read once, by the kernel's `isa` build (default the
+    process's). Needs `available(isa)`; blocks of 16 or 32 values; other operands raise
+    ValueError (check_inputs)."""
     check_inputs(x, qweight, scale, offset)
-    if not available():
-        raise RuntimeError("the CPU dequant matmul kernel is not available (see the warning)")
+    isa = cpu_ffi.resolve_isa(isa)
+    if not available(isa):
+        raise RuntimeError(f"the CPU dequant matmul kernel's {isa} build is not available (see "
+                           f"the warning)")
     t, n = x.shape[0], scale.shape[0] * scale.shape[2]
     has_offset = offset is not None
     if offset is None:
         offset = jnp.zeros((0, 0, 0), jnp.float32)  # the FFI signature wants a buffer
-    target = _TARGET_Q5 if is_q5(qweight) else _TARGET
+    target = cpu_ffi.target_name(_TARGET_Q5 if is_q5(qweight) else _TARGET, isa)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((t, n), jnp.float32))
     return call(x.astype(jnp.float32), qweight, scale, offset, has_offset=has_offset)
