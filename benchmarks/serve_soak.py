@@ -232,7 +232,8 @@ HEALTH_STALL_BOUND_S = 1.0
 _MIXED_EXPECTED = {"deep grammar": {"400"}, "deep $ref schema": {"400"}}
 
 
-def problems(report: dict[str, Any], rss_growth_bound_mib: float) -> list[str]:
+def problems(report: dict[str, Any], rss_growth_bound_mib: float,
+             health_stall_bound_s: float = HEALTH_STALL_BOUND_S) -> list[str]:
     """What the soak found wrong; empty when it held."""
     out = [f"stage {s['request_rate']} req/s x {s['max_concurrency']}: {s['failed']} failed "
            f"({s['errors']})" for s in report["stages"] if s["failed"]]
@@ -241,7 +242,7 @@ def problems(report: dict[str, Any], rss_growth_bound_mib: float) -> list[str]:
         bad = set(counts) - _MIXED_EXPECTED.get(what, {"200"})
         if bad:
             out.append(f"{what}: statuses {counts}")
-    if mixed["health_max_s"] > HEALTH_STALL_BOUND_S or mixed["health_failures"]:
+    if mixed["health_max_s"] > health_stall_bound_s or mixed["health_failures"]:
         out.append(f"/health took up to {mixed['health_max_s']:.2f} s "
                    f"({mixed['health_failures']} failed)")
     out += [f"{name} = {value} at rest" for name, value in report["at_rest"].items() if value]

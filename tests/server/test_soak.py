@@ -14,6 +14,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from serve_soak import problems, run_soak  # noqa: E402
 
 RSS_GROWTH_BOUND_MIB = 256
+# The benchmark holds /health to 1 s on a quiet machine; in the suite the 256-stream stages share
+# 2 cores with everything else, so the bound here only catches a blocked event loop (the stalls
+# of blocking work on it lasted 9-30 s).
+HEALTH_STALL_BOUND_S = 5.0
 
 
 def test_soak_30_seconds(hardened_server):
@@ -26,7 +30,7 @@ def test_soak_30_seconds(hardened_server):
     assert all(s["p99_ttft_ms"] > 0 for s in report["stages"])
     # Mixed constrained, tool and hostile requests beside the ladder: no 5xx, no /health stall.
     assert sum(sum(c.values()) for c in report["mixed"]["statuses"].values()) > 0
-    assert problems(report, RSS_GROWTH_BOUND_MIB) == []
+    assert problems(report, RSS_GROWTH_BOUND_MIB, HEALTH_STALL_BOUND_S) == []
     assert report["at_rest"] == {"jaxllm:num_requests_running": 0,
                                  "jaxllm:num_requests_waiting": 0,
                                  "jaxllm:kv_cache_usage_perc": 0}
