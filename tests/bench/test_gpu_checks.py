@@ -264,7 +264,7 @@ def test_lease_deadline_kills_and_skips(tmp_path):
     proc, doc = run_stage("lease", tmp_path, "--dry-run", "--deadline", "25", "--parts",
                           ",".join(names))
     elapsed = time.monotonic() - start
-    assert proc.returncode == 1 and doc is not None, (proc.stdout + proc.stderr)[-3000:]
+    assert doc is not None, (proc.stdout + proc.stderr)[-3000:]
     assert elapsed < 25 + 25  # the deadline, the kill's grace, start-up on a busy machine
     parts = {p["part"]: p for p in doc["parts"]}
     assert list(parts) == names
@@ -274,6 +274,8 @@ def test_lease_deadline_kills_and_skips(tmp_path):
                and p["left_s"] < 1.0 for name, p in parts.items() if name in skipped)
     killed = [name for name, p in parts.items() if p.get("timed_out")]
     assert len(killed) <= 1 and (killed or parts[names[len(names) - len(skipped) - 1]]["ok"])
+    # A part killed at its limit fails the command; parts skipped for want of time do not.
+    assert proc.returncode == (1 if killed else 0), (proc.stdout + proc.stderr)[-3000:]
     for p in parts.values():
         if "limit_s" in p:
             assert p["seconds"] <= p["limit_s"] + 12  # the kill's grace
