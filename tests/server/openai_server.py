@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -296,3 +297,27 @@ def bad_requests(max_model_len: int) -> list[tuple[str, str, bytes | dict, int, 
             "messages": msgs, "chat_template_kwargs": {"add_generation_prompt": False}}, 400,
          "chat_template_kwargs"),
     ]
+
+
+def while_polling_health(server, work):
+    """(work()'s result, the /health latencies measured while it ran: every 50 ms, each
+    answer within 30 s)."""
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            status, _ = http("GET", server.url + "/health", timeout=30)
+            assert status == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        result = work()
+    finally:
+        done.set()
+        poller.join()
+    return result, latencies

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from types import SimpleNamespace
 
@@ -16,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.server.openai_server import ServerProcess, http
+from tests.server.openai_server import ServerProcess, http, while_polling_health
 
 MAX_MODEL_LEN = 256
 JSON = {"Content-Type": "application/json"}
@@ -42,29 +41,6 @@ def server(tokenizer, tmp_path_factory):
                         tmp_path_factory.mktemp("serve") / "server.log")
     yield srv
     assert srv.stop() == 0, srv.log_tail()
-
-
-def while_polling_health(server, work):
-    """(work()'s result, the /health latencies measured while it ran)."""
-    latencies: list[float] = []
-    done = threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            start = time.monotonic()
-            status, _ = http("GET", server.url + "/health", timeout=30)
-            assert status == 200
-            latencies.append(time.monotonic() - start)
-            time.sleep(0.05)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
-        result = work()
-    finally:
-        done.set()
-        poller.join()
-    return result, latencies
 
 
 def test_health_answers_while_a_trusted_template_renders(server, tokenizer):

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.server.conftest import HARDENED_KEY
-from tests.server.openai_server import http
+from tests.server.openai_server import http, while_polling_health
 
 AUTH = {"Authorization": f"Bearer {HARDENED_KEY}", "Content-Type": "application/json"}
 
@@ -53,28 +53,6 @@ def assert_serving(server) -> None:
     status, out = post(server, {"prompt": "x", "max_tokens": 4, "guided_regex": "(yes|no)"})
     assert status == 200, out
     assert out["choices"][0]["text"] in ("yes", "no", "y", "n", "ye", "")
-
-
-def while_polling_health(server, work):
-    """(work()'s result, the /health latencies measured while it ran)."""
-    latencies: list[float] = []
-    done = threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            start = time.monotonic()
-            assert http("GET", server.url + "/health", timeout=30)[0] == 200
-            latencies.append(time.monotonic() - start)
-            time.sleep(0.05)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
-        result = work()
-    finally:
-        done.set()
-        poller.join()
-    return result, latencies
 
 
 # --- constraints ---------------------------------------------------------------------------------
