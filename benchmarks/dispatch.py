@@ -15,7 +15,11 @@ the executable's launch. Variants:
 - `step_call`: the packed call through `StepCall` (jaxllm/worker/step_call.py), the weights
   flattened once and the executable called directly: what the runner does on one device;
 - `real_step` (with `--real-steps N`): the compiled decode step through `StepCall` (on a CPU
-  this includes running the step, which starts inside the call).
+  this includes running the step, which starts inside the call);
+- `real_step_fixed_input` (with `--real-steps N`): the same executable handed one device
+  array for its inputs on every call, so no argument changes its address between calls: set
+  against `real_step`, what a fresh input buffer per call costs (a GPU's command buffer is
+  updated when an address it recorded changes).
 
 Per variant: microseconds per call (median of 5 rounds) and, for the tree variants, the extra
 microseconds per argument against `one_array`. On a GPU the launch of the step's kernels comes
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,6 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.gpu.realshape import DRY_RUN_SHAPE, shape_named  # noqa: E402
 from jaxllm.model_executor.config import ModelConfig  # noqa: E402
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, abstract_params  # noqa: E402
 from jaxllm.worker.input_batch import DeviceInputs  # noqa: E402
@@ -46,13 +52,13 @@ from pallas_kernels.checks.shapes import QWEN2_SHAPES  # noqa: E402
 
 
 def zero_runner(shape_name: str, dtype: str, max_num_seqs: int = 64,
-                max_model_len: int = 1024) -> ModelRunner:
-    shape = QWEN2_SHAPES[shape_name]
+                max_model_len: int = 1024, kernel_backend: str = "reference") -> ModelRunner:
+    shape = shape_named(shape_name)
     config = ModelConfig.from_hf_config(shape.hf_config(max_position_embeddings=4096,
                                                         rope_theta=1e6, rms_norm_eps=1e-6))
     model = Qwen2ForCausalLM(config, dtype=jnp.dtype(dtype))
     params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_params(model))
-    runner = ModelRunner(config, params, dtype=jnp.dtype(dtype), kernel_backend="reference",
+    runner = ModelRunner(config, params, dtype=jnp.dtype(dtype), kernel_backend=kernel_backend,
                          block_size=16, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=256)
     runner.initialize_kv_cache(64)
@@ -122,22 +128,37 @@ def measure(runner: ModelRunner, num_tokens: int, calls: int, real_steps: int
 
         buf_real = [jnp.zeros_like(buf)]
         results["real_step_us"] = per_call_us(real, real_steps, rounds=3)
+        fixed = jax.device_put(packed, step.sharding)
+
+        def real_fixed() -> Any:
+            results_ = step.executable.execute_sharded(
+                [*step.weights, state["kv"], buf_real.pop(), fixed])
+            *out, state["kv"] = jax.tree.unflatten(step.out_tree, [
+                shards[0] for shards in results_.disassemble_into_single_device_arrays()])
+            buf_real.append(out[3])
+            return out[3]
+
+        results["real_step_fixed_input_us"] = per_call_us(real_fixed, real_steps, rounds=3)
         runner.kv_cache = state["kv"]
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(QWEN2_SHAPES))
+    parser.add_argument("--shape", default="qwen2.5-0.5b",
+                        choices=sorted([*QWEN2_SHAPES, DRY_RUN_SHAPE.name]))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--num-tokens", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--real-steps", type=int, default=0,
                         help="also time N calls of the compiled decode step (0: not)")
+    parser.add_argument("--kernel-backend", default="reference",
+                        help="the real step's kernels (the null-body variants run none)")
     parser.add_argument("--output-json", default=None)
     ns = parser.parse_args(argv)
-    runner = zero_runner(ns.shape, ns.dtype)
-    out = {"shape": ns.shape, "dtype": ns.dtype, "platform": jax.default_backend(),
+    runner = zero_runner(ns.shape, ns.dtype, kernel_backend=ns.kernel_backend)
+    out = {"shape": ns.shape, "dtype": ns.dtype, "kernel_backend": ns.kernel_backend,
+           "platform": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
            "results": [measure(runner, t, ns.calls, ns.real_steps) for t in ns.num_tokens]}
     for r in out["results"]:

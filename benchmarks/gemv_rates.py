@@ -5,7 +5,9 @@
 
 Random weights at a Qwen2 shape are made on the device; for each row count, one jitted program
 runs every weight matmul of a decode step (per layer qkv, o, gate-up and down, chained as in the
-model, then the LM head: `jaxllm/worker/matmul_timing.py`), best of a few runs. Paths:
+model, then the LM head: `jaxllm/worker/matmul_timing.py`) `--repeats` times over, chained, so
+that the call's own cost (on a GPU, launching a program of a few hundred arguments costs as
+much as its matmuls) is spread thin; best of a few runs, per repeat. Paths:
 
 - `xla`: XLA's dots (what the engine runs by default);
 - `pallas-gemv`: the Pallas weight-streaming GEMV (`pallas_kernels/skinny_matmul.py`) for up to
@@ -51,7 +53,7 @@ def random_params(shape_name: str, dtype: str) -> tuple[Any, Any]:
 
 
 def measure(shape_name: str, dtype: str, rows: list[int], paths: list[str], interpret: bool,
-            reps: int = 5, copy_mib: int = 256) -> dict[str, Any]:
+            reps: int = 5, copy_mib: int = 256, repeats: int = 8) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
@@ -70,12 +72,13 @@ def measure(shape_name: str, dtype: str, rows: list[int], paths: list[str], inte
                            "device": str(jax.devices()[0].device_kind),
                            "xla_flags": os.environ.get("XLA_FLAGS", ""),
                            "weight_bytes": weight_bytes, "bandwidth": bandwidth,
+                           "repeats": repeats,
                            "copy_gbps": copy, "results": []}
     pallas = "interpret" if interpret else "pallas"
     for path in paths:
         backend, gemv_rows = ("reference", 0) if path == "xla" else (pallas, MAX_ROWS)
         times = time_weight_matmuls(params, config, jnp.dtype(dtype), max(rows), rows, reps,
-                                    backend, gemv_rows)
+                                    backend, gemv_rows, repeats)
         for n, seconds in sorted(times.items()):
             gbps = weight_bytes / seconds / 1e9
             out["results"].append({"path": path, "rows": n, "ms": 1e3 * seconds,
@@ -96,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interpret", action="store_true",
                         help="the Pallas GEMV in interpret mode (CPU: numerics, not speed)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=8,
+                        help="the step's matmuls this many times chained in one program, so "
+                             "the time of one is not the call's own cost")
     parser.add_argument("--copy-mib", type=int, default=256)
     parser.add_argument("--output-json", default=None)
     ns = parser.parse_args(argv)
@@ -103,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if "pallas-gemv" in ns.paths and jax.default_backend() != "gpu" and not ns.interpret:
         parser.error("the pallas-gemv path needs a GPU, or --interpret")
-    doc = measure(ns.shape, ns.dtype, ns.rows, ns.paths, ns.interpret, ns.reps, ns.copy_mib)
+    doc = measure(ns.shape, ns.dtype, ns.rows, ns.paths, ns.interpret, ns.reps, ns.copy_mib,
+                  ns.repeats)
     print(f"{doc['shape']} {doc['dtype']} on {doc['device']}: {doc['weight_bytes'] / 1e6:.0f} "
           f"MB of weights a step, copy {doc['copy_gbps']:.0f} GB/s; XLA_FLAGS "
           f"{doc['xla_flags'] or '(none)'}")

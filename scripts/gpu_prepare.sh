@@ -61,10 +61,12 @@ DEST="$(cd "$DEST" && pwd)"
 [[ -z "$WHEEL_CACHE" || -d "$WHEEL_CACHE" ]] || die "--wheel-cache $WHEEL_CACHE is not a directory"
 
 # --------------------------------------------------------------------------- wheels
-# What jaxllm needs at run time that the GPU image (Python 3.12, JAX 0.11.2 with the CUDA 13
-# plugin, torch, transformers, flax, jinja2, tokenizers, safetensors, numpy, tqdm, pyyaml,
-# requests, prometheus-client) lacks. Versions: the ones this project is tested with.
-RUNTIME_WHEELS=(msgspec==0.22.0 pyzmq==27.3.0 gguf==0.19.0)
+# What the GPU image (Python 3.12, JAX 0.11.2 with the CUDA 13 plugin) holds of jaxllm's runtime
+# dependencies, and wheels of the others. Versions: the ones this project is tested with (a
+# test holds every runtime dependency in pyproject.toml to one of the two lists).
+GPU_IMAGE_HAS=(jax jaxlib torch transformers flax jinja2 tokenizers safetensors numpy tqdm
+               pyyaml requests prometheus-client)
+RUNTIME_WHEELS=(msgspec==0.22.0 pyzmq==27.3.0 gguf==0.19.0 llguidance==1.9.1)
 # `jaxllm serve` and `jaxllm bench serve`: with --serve only. Their wheels' Requires-Dist,
 # closed over, less what the image's package list names (anyio, annotated-doc, click, h11,
 # idna, typing-extensions): the image's versions of those are not checked against the lower
@@ -84,7 +86,7 @@ if [[ $WHEELS == 1 ]]; then
     # --no-deps: each needed package is named above; the platform tags are what pip matches
     # exactly for a manylinux x86_64 CPython 3.12 machine.
     "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         --platform manylinux1_x86_64 "${source_args[@]}" -d "$DEST/wheels" "${wanted[@]}" \
         || die "pip download failed for: ${wanted[*]}"

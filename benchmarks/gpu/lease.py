@@ -62,6 +62,10 @@ class Part:
     min_s: float  # not started with less than this left of the deadline
     fn: Callable[[StageRun, Path], None]  # (its record, the plan's shared work directory)
     cuda_graph: bool = False  # XLA_FLAGS for CUDA graphs over custom calls, set before JAX
+    xla_flags: str = ""  # added to XLA_FLAGS before JAX starts
+    # (XLA_FLAGS, environment) to add before JAX starts, chosen from what earlier parts left in
+    # the plan's work directory.
+    env_from_work: Callable[[Path], tuple[str, dict[str, str]]] | None = None
 
 
 # --------------------------------------------------------------------------- the parts
@@ -176,7 +180,7 @@ def gemv_rates_part(run: StageRun, work: Path) -> None:
                    *(["pallas-gemv"] if first else [])]
             if sizes.dry_run:
                 cmd += ["--dtype", "float32", "--rows", "1", "8", "--interpret", "--reps", "1",
-                        "--copy-mib", "8"]
+                        "--copy-mib", "8", "--repeats", "2"]
             env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}"
                    .strip(), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -187,6 +191,78 @@ def gemv_rates_part(run: StageRun, work: Path) -> None:
                     "tail": (proc.stdout + proc.stderr)[-1500:]}
 
         run.check(f"gemv_rates_{variant}", rates)
+
+
+# XLA's command buffers (CUDA graphs of a step's kernels, on by default) off.
+NO_COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer="
+# How the step is called, per variant: XLA_FLAGS and environment added, in a process of its
+# own. A command buffer records its buffers' addresses and is updated, command by command,
+# when one moves between calls: the variants after the first two keep temporaries (or every
+# buffer seen stable) at fixed addresses, or use the other PjRt GPU client.
+DISPATCH_VARIANTS: tuple[tuple[str, str, dict[str, str]], ...] = (
+    ("default", "", {}),
+    ("no_command_buffer", NO_COMMAND_BUFFER_FLAGS, {}),
+    ("temp_separate_color", "--xla_gpu_temp_buffer_use_separate_color=true", {}),
+    ("update_skip_temp", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP", {}),
+    ("update_skip_profiled", "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED", {}),
+    ("tfrt_client", "", {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"}),
+)
+# The dry run rehearses the code path with the first two (the update modes are unknown to
+# older jaxlibs, which refuse unknown flags).
+DRY_RUN_DISPATCH_VARIANTS = 2
+
+
+def dispatch_part(run: StageRun, work: Path) -> None:
+    """`benchmarks/dispatch.py` at 0.5B shapes: what calling a step costs the host (null-body
+    executables with the step's arguments, per argument and with a single array) and the real
+    step back to back, with a fresh input buffer per call and with one fixed input array; at
+    batch 1 and the big batch with XLA's defaults, at batch 1 under each other variant of
+    DISPATCH_VARIANTS."""
+    sizes = run.sizes
+    if run.check("platform", lambda: platform_check(sizes)) is None:
+        return
+    model_name = lease_model(sizes, "qwen2.5-0.5b")
+    variants = DISPATCH_VARIANTS[:DRY_RUN_DISPATCH_VARIANTS] if sizes.dry_run else \
+        DISPATCH_VARIANTS
+    for i, (variant, flags, extra_env) in enumerate(variants):
+        def dispatch(variant: str = variant, flags: str = flags,
+                     extra_env: dict[str, str] = extra_env, first: bool = i == 0
+                     ) -> dict[str, Any]:
+            out = work / f"dispatch_{variant}.json"
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "dispatch.py"), "--shape",
+                   model_name, "--output-json", str(out), "--kernel-backend",
+                   sizes.engine_backend, "--num-tokens", "1",
+                   *([str(big_batch(sizes))] if first else [])]
+            cmd += (["--dtype", "float32", "--calls", "20", "--real-steps", "5"]
+                    if sizes.dry_run else
+                    ["--dtype", "bfloat16", "--calls", "300", "--real-steps", "200"])
+            env = {**os.environ, **extra_env,
+                   "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(),
+                   "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=max(30.0, run.seconds_left()))
+            doc = json.loads(out.read_text()) if out.exists() else {}
+            return {"ok": proc.returncode == 0 and bool(doc.get("results")),
+                    "variant": variant, "xla_flags": flags, "env": extra_env, "result": doc,
+                    "tail": (proc.stdout + proc.stderr)[-1500:]}
+
+        run.check(f"dispatch_{variant}", dispatch)
+
+
+def fastest_dispatch(work: Path) -> tuple[str, dict[str, str]]:
+    """The XLA_FLAGS and environment of the dispatch variant whose real batch-1 step ran
+    fastest back to back (XLA's defaults when none was measured)."""
+    best: tuple[float, str, dict[str, str]] = (float("inf"), "", {})
+    for variant, flags, extra_env in DISPATCH_VARIANTS:
+        path = work / f"dispatch_{variant}.json"
+        try:
+            results = json.loads(path.read_text())["results"]
+        except (OSError, ValueError, KeyError):
+            continue
+        us = next((r.get("real_step_us") for r in results if r.get("num_tokens") == 1), None)
+        if us and us < best[0]:
+            best = (us, flags, extra_env)
+    return best[1], best[2]
 
 
 def trace_part(cuda_graph: bool, pallas_gemv: bool = False) -> Callable[[StageRun, Path], None]:
@@ -219,6 +295,8 @@ def trace_part(cuda_graph: bool, pallas_gemv: bool = False) -> Callable[[StageRu
                                pallas_gemv_max_rows=gemv_rows,
                                **engine_config(sizes, big_batch(sizes)))
             return {"ok": True, "model": model_name, "cuda_graph_triton": cuda_graph,
+                    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                    "tfrt_gpu_client": os.environ.get("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT"),
                     "pallas_gemv_max_rows": gemv_rows, "multiprocess_mode": False,
                     "start_s": time.perf_counter() - start}
 
@@ -249,10 +327,15 @@ def _stage(fn: Callable[[StageRun], None]) -> Callable[[StageRun, Path], None]:
 
 PARTS: tuple[Part, ...] = (
     Part("probe", "probe", 60, 30, _stage(stage_probe)),
-    Part("tiny", "tiny", 150, 60, _stage(stage_tiny)),
-    Part("bench-0.5b", "bench", 150, 90, latency_part("qwen2.5-0.5b", ("1", "big"), True)),
-    Part("gemv-rates", "bench", 90, 40, gemv_rates_part),
+    Part("dispatch", "bench", 170, 50, dispatch_part),
     Part("trace", "trace", 110, 70, trace_part(False)),
+    Part("trace-fastest-dispatch", "trace", 110, 70, trace_part(False),
+         env_from_work=fastest_dispatch),
+    Part("trace-no-command-buffer", "trace", 110, 70, trace_part(False),
+         xla_flags=NO_COMMAND_BUFFER_FLAGS),
+    Part("tiny", "tiny", 150, 60, _stage(stage_tiny)),
+    Part("bench-0.5b", "bench", 220, 90, latency_part("qwen2.5-0.5b", ("1", "big"), True)),
+    Part("gemv-rates", "bench", 90, 40, gemv_rates_part),
     Part("trace-cuda-graph", "trace", 110, 70, trace_part(True), cuda_graph=True),
     Part("trace-pallas-gemv", "trace", 110, 70, trace_part(False, pallas_gemv=True)),
     Part("latency-1.5b", "bench", 110, 80, latency_part("qwen2.5-1.5b", ("1",), True)),
@@ -292,7 +375,8 @@ def headline(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                     "output_tokens_per_second": check.get("output_tokens_per_second"),
                     **(check.get("step_profile") or {}).get(str(bs), {})}
     steps: dict[str, Any] = {}
-    for part in ("trace", "trace-cuda-graph", "trace-pallas-gemv"):
+    for part in ("trace", "trace-fastest-dispatch", "trace-no-command-buffer",
+                 "trace-cuda-graph", "trace-pallas-gemv"):
         for name, check in _checks(docs.get(part)).items():
             if name.startswith("batch") and check.get("ok"):
                 t = check["trace"]
@@ -303,8 +387,28 @@ def headline(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                     "device_busy_percent": t["device_busy_percent"],
                     "device_busy_us_per_step": t["device_busy_us_per_step"],
                     "host_api_calls_per_step": t["host_api_calls_per_step"],
-                    "graph_launched_kernels_per_step": t["graph_launched_kernels_per_step"]}
+                    "graph_launched_kernels_per_step": t["graph_launched_kernels_per_step"],
+                    "host_events_top": [f"{h['name'][:60]}: {h['us']:.0f} us x{h['count']:g}"
+                                        for h in t.get("host_events_per_step", [])[:6]]}
                 steps[f"{part}_{name}"] = out[f"{part}_{name}"]["step_ms"]
+    for name, check in _checks(docs.get("dispatch")).items():
+        if name.startswith("dispatch_") and check.get("ok"):
+            out[name] = {f"bucket{r['num_tokens']}": {
+                k: r.get(k) for k in ("arguments_tree", "per_argument_us", "one_array_us",
+                                      "step_call_us", "real_step_us",
+                                      "real_step_fixed_input_us")}
+                for r in check["result"]["results"]}
+    engine = _checks(docs.get("trace-fastest-dispatch")).get("engine") or {}
+    fastest = steps.get("trace-fastest-dispatch_batch1")
+    out["fastest_dispatch_ab_batch1"] = {
+        "xla_flags": engine.get("xla_flags"), "tfrt_gpu_client": engine.get("tfrt_gpu_client"),
+        "step_ms_default": steps.get("trace_batch1"), "step_ms_fastest": fastest,
+        "speedup": steps["trace_batch1"] / fastest if fastest and steps.get("trace_batch1")
+        else None}
+    with_cb, without_cb = steps.get("trace_batch1"), steps.get("trace-no-command-buffer_batch1")
+    out["command_buffer_ab_batch1"] = {
+        "step_ms_on": with_cb, "step_ms_off": without_cb,
+        "speedup_off": with_cb / without_cb if with_cb and without_cb else None}
     off, on = steps.get("trace_batch1"), steps.get("trace-cuda-graph_batch1")
     out["cuda_graph_ab_batch1"] = {"step_ms_off": off, "step_ms_on": on,
                                    "speedup": off / on if off and on else None}
@@ -505,6 +609,12 @@ def main(argv: list[str] | None = None) -> int:
         from jaxllm.config import set_cuda_graph_xla_flags
 
         set_cuda_graph_xla_flags()
+    flags, extra_env = part.xla_flags, {}
+    if part.env_from_work is not None:
+        flags, extra_env = part.env_from_work(Path(ns.work))
+    if flags:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+    os.environ.update(extra_env)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     sizes = sizes_for(ns.dry_run, ns.time_box)
     failed = run_recorded(part.name, lambda run: part.fn(run, Path(ns.work)), Path(ns.out),

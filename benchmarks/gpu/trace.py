@@ -26,6 +26,9 @@ API_GROUPS: dict[str, re.Pattern[str]] = {
     "memcpy": re.compile(r"^cu(da)?Memcpy", re.IGNORECASE),
 }
 API_NAME = re.compile(r"^cu[A-Z]|^cuda[A-Z]")
+# The Python tracer's events (`file.py:12 fn`, `$builtins ...`): the host's runtime events are
+# what the summary ranks.
+PYTHON_EVENT = re.compile(r"\.py[:\s]|^\$|^<")
 # Lines the profiler derives from others (TensorBoard's converter adds them): counting them
 # would count each kernel twice.
 DERIVED_LINES = ("XLA Ops", "XLA Modules", "Steps", "Framework", "Source", "Launch Stats")
@@ -62,7 +65,8 @@ def _device_events(planes: list[Any]) -> tuple[str, list[tuple[Any, dict[str, An
     return "host events with an hlo_op stat (no device plane)", events
 
 
-def summarize_xspace(profile: Any, steps: int, top: int = 10) -> dict[str, Any]:
+def summarize_xspace(profile: Any, steps: int, top: int = 10, top_host: int = 30
+                     ) -> dict[str, Any]:
     """Per-step numbers from a jax.profiler.ProfileData of `steps` traced steps."""
     planes = list(profile.planes)
     source, events = _device_events(planes)
@@ -83,6 +87,8 @@ def summarize_xspace(profile: Any, steps: int, top: int = 10) -> dict[str, Any]:
                                for k, v in st.items()))
     api: Counter[str] = Counter()
     command_buffer: Counter[str] = Counter()
+    host_ns: Counter[str] = Counter()
+    host_count: Counter[str] = Counter()
     for plane in planes:
         if not plane.name.startswith("/host:"):
             continue
@@ -92,6 +98,9 @@ def summarize_xspace(profile: Any, steps: int, top: int = 10) -> dict[str, Any]:
                     api[e.name] += 1
                 elif "commandbuffer" in e.name.lower().replace("_", "").replace(" ", ""):
                     command_buffer[e.name] += 1
+                if not PYTHON_EVENT.search(e.name):
+                    host_ns[e.name] += e.duration_ns
+                    host_count[e.name] += 1
     groups = {g: sum(n for name, n in api.items() if pat.match(name))
               for g, pat in API_GROUPS.items()}
     n = max(steps, 1)
@@ -108,6 +117,10 @@ def summarize_xspace(profile: Any, steps: int, top: int = 10) -> dict[str, Any]:
         "host_api_calls_by_name_per_step": {k: v / n for k, v in api.most_common(25)},
         "command_buffer_events_per_step": {k[:200]: v / n
                                            for k, v in command_buffer.most_common(10)},
+        # Where the host's time goes (the runtime's own trace events, nested ones counted in
+        # their parents too): which part of calling a step costs what.
+        "host_events_per_step": [{"name": k[:200], "count": host_count[k] / n,
+                                  "us": v / 1e3 / n} for k, v in host_ns.most_common(top_host)],
     }
 
 

@@ -59,19 +59,31 @@ def weight_matmuls(params: dict, config: ModelConfig, x: jax.Array,
 
 def time_weight_matmuls(params: dict, config: ModelConfig, dtype: Any, max_num_seqs: int,
                         num_tokens: list[int], reps: int,
-                        backend: str = "reference", gemv_rows: int = 0) -> dict[int, float]:
+                        backend: str = "reference", gemv_rows: int = 0,
+                        repeats: int = 1) -> dict[int, float]:
     """Best-of-`reps` seconds of one jitted `weight_matmuls` step at each token count (its
     logits rows min(num_tokens, max_num_seqs), as the engine's step computes them), on
-    activations of `dtype`. Pure: the caller passes the weights and sizes."""
+    activations of `dtype`. Pure: the caller passes the weights and sizes. `repeats` > 1 runs
+    the step that many times, chained, in one program and returns the time of one: the call's
+    own cost (a GPU's launch of a few hundred arguments is comparable to the matmuls) is then
+    spread over them."""
     out: dict[int, float] = {}
     for n in num_tokens:
         if n in out:
             continue
         rows = min(n, max_num_seqs)
-        fn = jax.jit(lambda p, x, _rows=rows: weight_matmuls(p, config, x, _rows, backend,
-                                                             gemv_rows))
+
+        def chained(p: dict, x: jax.Array, _rows: int = rows) -> jax.Array:
+            for _ in range(repeats - 1):
+                logits = weight_matmuls(p, config, x, _rows, backend, gemv_rows)
+                # Each repeat depends on the last, so none is computed once for all.
+                x = x + (0 * logits.max()).astype(x.dtype)
+            return weight_matmuls(p, config, x, _rows, backend, gemv_rows)
+
+        fn = jax.jit(chained)
         x = jnp.full((n, config.hidden_size), 0.01, dtype)
-        out[n] = best_seconds(lambda _fn=fn, _x=x: _fn(params, _x).block_until_ready(), reps)
+        out[n] = best_seconds(lambda _fn=fn, _x=x: _fn(params, _x).block_until_ready(),
+                              reps) / repeats
     return out
 
 

@@ -173,7 +173,14 @@ def checks_of(doc: dict) -> dict[str, dict]:
 
 
 def test_lease_plan_dry_run(lease):
-    from benchmarks.gpu.lease import GEMV_XLA_VARIANTS, PARTS, TRACE_STEPS
+    from benchmarks.gpu.lease import (
+        DISPATCH_VARIANTS,
+        DRY_RUN_DISPATCH_VARIANTS,
+        GEMV_XLA_VARIANTS,
+        NO_COMMAND_BUFFER_FLAGS,
+        PARTS,
+        TRACE_STEPS,
+    )
     from benchmarks.gpu.trace import API_GROUPS
 
     # At most 8 files come back from a lent GPU: the plan leaves 6.
@@ -191,7 +198,21 @@ def test_lease_plan_dry_run(lease):
     assert all(f"==== {p.name} ====" in log for p in PARTS)
 
     bench = json.loads((lease / "bench.json").read_text())
-    assert set(bench["parts"]) == {"bench-0.5b", "gemv-rates", "latency-1.5b", "latency-7b"}
+    assert set(bench["parts"]) == {"dispatch", "bench-0.5b", "gemv-rates", "latency-1.5b",
+                                   "latency-7b"}
+    # What calling a step costs, per XLA variant (its own process, its flags in its record).
+    calls = checks_of(bench["parts"]["dispatch"])
+    assert set(calls) == {"platform"} | {f"dispatch_{v}" for v, _, _ in
+                                         DISPATCH_VARIANTS[:DRY_RUN_DISPATCH_VARIANTS]}
+    for i, (variant, flags, _) in enumerate(DISPATCH_VARIANTS[:DRY_RUN_DISPATCH_VARIANTS]):
+        result = calls[f"dispatch_{variant}"]["result"]
+        assert flags in result["xla_flags"] and result["kernel_backend"] == "reference"
+        assert [r["num_tokens"] for r in result["results"]] == ([1, 2] if i == 0 else [1])
+        for r in result["results"]:
+            assert r["arguments_tree"] > 10
+            assert all(r[k] > 0 for k in ("one_array_us", "step_call_us", "real_step_us",
+                                          "real_step_fixed_input_us"))
+        assert doc["headline"][f"dispatch_{variant}"]["bucket1"]["real_step_us"] > 0
     # The decode step's weight matmuls per path: XLA's under each variant, the Pallas GEMV
     # (interpret mode in the dry run) in the first.
     rates = checks_of(bench["parts"]["gemv-rates"])
@@ -220,11 +241,15 @@ def test_lease_plan_dry_run(lease):
         "dry-run-tiny_latency_batch2"]["result"]
 
     trace = json.loads((lease / "trace.json").read_text())
-    parts = ("trace", "trace-cuda-graph", "trace-pallas-gemv")
+    parts = ("trace", "trace-fastest-dispatch", "trace-no-command-buffer", "trace-cuda-graph",
+             "trace-pallas-gemv")
     assert set(trace["parts"]) == set(parts) and not trace["failed"]
     for part in parts:
         checks = checks_of(trace["parts"][part])
         assert checks["engine"]["cuda_graph_triton"] == (part == "trace-cuda-graph")
+        if part != "trace-fastest-dispatch":  # its flags are checked below
+            assert (NO_COMMAND_BUFFER_FLAGS in checks["engine"]["xla_flags"].split()) == (
+                part == "trace-no-command-buffer")
         # The dry run's engines are on the reference backend, which has no Pallas GEMV.
         assert checks["engine"]["pallas_gemv_max_rows"] == 0
         for bs in (1, 2):
@@ -239,7 +264,23 @@ def test_lease_plan_dry_run(lease):
             k = t["longest_kernels"][0]
             assert k["count"] > 0 and k["total_us"] >= k["mean_us"] > 0
             assert set(t["host_api_calls_per_step"]) == set(API_GROUPS)
+            # The runtime's host events ranked by time (XLA's CPU thunks among them here).
+            hosts = t["host_events_per_step"]
+            assert hosts and all(h["us"] > 0 and h["count"] > 0 for h in hosts)
+            assert [h["us"] for h in hosts] == sorted((h["us"] for h in hosts), reverse=True)
             assert head[f"{part}_batch{bs}"]["kernels_per_step"] == t["kernels_per_step"]
+    # The fastest dispatch variant's flags, taken from the dispatch part's files.
+    fastest = min(((r["real_step_us"], flags) for v, flags, _ in
+                   DISPATCH_VARIANTS[:DRY_RUN_DISPATCH_VARIANTS]
+                   for r in calls[f"dispatch_{v}"]["result"]["results"]
+                   if r["num_tokens"] == 1))[1]
+    engine = checks_of(trace["parts"]["trace-fastest-dispatch"])["engine"]
+    flags = engine["xla_flags"].split()
+    assert (fastest in flags) if fastest else NO_COMMAND_BUFFER_FLAGS not in flags
+    ab = head["fastest_dispatch_ab_batch1"]
+    assert ab["speedup"] == pytest.approx(ab["step_ms_default"] / ab["step_ms_fastest"])
+    ab = head["command_buffer_ab_batch1"]
+    assert ab["speedup_off"] == pytest.approx(ab["step_ms_on"] / ab["step_ms_off"])
     ab = head["cuda_graph_ab_batch1"]
     assert ab["speedup"] == pytest.approx(ab["step_ms_off"] / ab["step_ms_on"])
     ab = head["pallas_gemv_ab_batch1"]
@@ -307,7 +348,10 @@ def test_trace_summary_of_a_gpu_shaped_xspace():
         ev("cuGraphExecUpdate_v2", 0, 1), ev("cuGraphInstantiateWithFlags", 0, 1),
         ev("cuMemcpyHtoDAsync_v2", 0, 1), ev("cuStreamSynchronize", 0, 1)])])
     cpu = NS(name="/host:CPU", stats=[], lines=[NS(name="python", events=[
-        ev("CommandBufferThunk::ExecuteOnStream", 0, 1), ev("PjitFunction(step)", 0, 1)])])
+        ev("CommandBufferThunk::ExecuteOnStream", 0, 1), ev("PjitFunction(step)", 0, 1),
+        ev("PjRtLoadedExecutable::Execute", 0, 3_000),
+        ev("PjRtLoadedExecutable::Execute", 0, 1_000),
+        ev("model_runner.py:300 execute_model", 0, 9_000), ev("$builtins isinstance", 0, 9_000)])])
     s = summarize_xspace(NS(planes=[device, cupti, cpu]), steps=2)
     assert s["kernel_source"] == "/device:GPU:0 (stream lines)"
     assert (s["kernels"], s["kernels_per_step"], s["copies_per_step"]) == (3, 1.5, 0.5)
@@ -322,6 +366,11 @@ def test_trace_summary_of_a_gpu_shaped_xspace():
                                             "memcpy": 0.5}
     assert s["host_api_calls_by_name_per_step"]["cuStreamSynchronize"] == 0.5
     assert s["command_buffer_events_per_step"] == {"CommandBufferThunk::ExecuteOnStream": 0.5}
+    # The runtime's host events by time per step; the Python tracer's frames left out.
+    assert s["host_events_per_step"][0] == {"name": "PjRtLoadedExecutable::Execute",
+                                            "count": 1.0, "us": 2.0}
+    assert not any(".py" in h["name"] or h["name"].startswith("$")
+                   for h in s["host_events_per_step"])
 
 
 def test_time_box_skips_and_cpu_refused(tmp_path):
@@ -373,6 +422,37 @@ def tree_bytes() -> int:
                            capture_output=True, check=True).stdout.split(b"\0")
     return sum((ROOT / f.decode()).stat().st_size for f in files
                if f and (ROOT / f.decode()).is_file())
+
+
+def test_prepare_brings_every_runtime_dependency_the_gpu_image_lacks():
+    """Each runtime dependency in pyproject.toml is in the GPU image or among the wheels
+    scripts/gpu_prepare.sh brings (the serving ones with --serve; the embedded model's data
+    packages travel as chunks), at the version pyproject pins where it pins one."""
+    import re
+    import tomllib
+
+    script = (ROOT / "scripts" / "gpu_prepare.sh").read_text()
+
+    def bash_array(name: str) -> list[str]:
+        body = re.search(rf"^{name}=\(([^)]*)\)", script, re.MULTILINE)
+        assert body, name
+        return body.group(1).split()
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    image = {norm(n) for n in bash_array("GPU_IMAGE_HAS")}
+    wheels = {norm(w.split("==")[0]): w.split("==")[1]
+              for w in bash_array("RUNTIME_WHEELS") + bash_array("SERVE_WHEELS")}
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in deps:
+        name = norm(re.match(r"[A-Za-z0-9_.-]+", dep).group(0))
+        if name.startswith("pandas-sns-"):  # the embedded model: chunks, not wheels
+            continue
+        assert name in image or name in wheels, f"{dep}: neither in the image nor a wheel"
+        pin = re.search(r"==([^,;\s]+)", dep)
+        if pin and name in wheels:
+            assert wheels[name] == pin.group(1), f"{dep}: the wheel is {wheels[name]}"
 
 
 def test_prepare_chunks_and_validate_assembles(tmp_path):
