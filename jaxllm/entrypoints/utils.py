@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 from jaxllm.model_executor.model_loader.default_model import cache_dir
@@ -20,3 +21,15 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
     # Only the multi-second step compiles are worth a disk entry.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def freeze_gc_heap() -> None:
+    """Move everything alive now (the imported libraries, the tokenizer, the engine frontend)
+    into the permanent generation, which collections skip (vLLM's `freeze_gc_heap`). Call once,
+    when start-up is done and before serving. In the server process a full collection of that
+    heap (~300,000 objects) took 0.3-0.45 s on a 2-core CPU, holding the GIL and so the event
+    loop: a burst of requests that triggered one stalled every connection, /health included.
+    Objects made later are still collected; collecting first keeps start-up garbage from being
+    frozen for good."""
+    gc.collect()
+    gc.freeze()

@@ -165,3 +165,45 @@ def test_serve_refuses_a_non_positive_bound(flag, capsys):
 
     assert main(["serve", "tiny-qwen2", flag, "0"]) == 2  # before any engine starts
     assert f"{flag} must be positive, got 0" in capsys.readouterr().err
+
+
+def test_serve_does_its_start_up_work_before_serving(monkeypatch):
+    """Work that held the GIL, and so the event loop, for 0.3-0.7 s while a burst of requests
+    came in: a full garbage collection of the start-up heap (frozen now, so collections skip
+    it) and the first text prompt's read of the whole vocabulary (the prompt-length bound,
+    computed now). `jaxllm serve` does both before uvicorn serves anything."""
+    import functools
+    import gc
+    import signal
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.cli.main import main
+
+    class Processor:
+        @functools.cached_property
+        def max_prompt_chars(self) -> int:
+            return 1 << 20
+
+    engine = SimpleNamespace(
+        engine_core=SimpleNamespace(), processor=Processor(), tokenizer=SimpleNamespace(),
+        core_info=SimpleNamespace(max_model_len=64),
+        engine_config=SimpleNamespace(model="m", model_path="m"), shutdown=lambda: None)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", lambda *a, **k: engine)
+    seen = {}
+
+    def run(self) -> None:
+        seen["frozen"] = gc.get_freeze_count()
+        seen["bound read"] = "max_prompt_chars" in engine.processor.__dict__
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    gc.unfreeze()
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["serve", "tiny-qwen2"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        gc.unfreeze()  # this process goes on with other tests
+    assert seen["frozen"] > 0 and seen["bound read"], seen

@@ -120,6 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from jaxllm.entrypoints.openai.metrics import ServerMetrics
     from jaxllm.entrypoints.openai.serving_engine import ServerLimits, StructuredOutputsConfig
+    from jaxllm.entrypoints.utils import freeze_gc_heap
     from jaxllm.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -181,6 +182,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn raises the signal that stopped it again once it has shut down gracefully; with
     # the default handler that would end the process by SIGTERM instead of exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    # Start-up work the first requests would otherwise do on the event loop's time (a worker
+    # thread holding the GIL is as bad): the text-length bound reads the whole vocabulary.
+    _ = engine.processor.max_prompt_chars
+    freeze_gc_heap()  # start-up is done: later collections skip its objects
     try:
         uvicorn.Server(config).run()
     finally:
