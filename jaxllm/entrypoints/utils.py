@@ -26,10 +26,9 @@ def enable_compilation_cache() -> None:
 def freeze_gc_heap() -> None:
     """Move everything alive now (the imported libraries, the tokenizer, the engine frontend)
     into the permanent generation, which collections skip (vLLM's `freeze_gc_heap`). Call once,
-    when start-up is done and before serving. In the server process a full collection of that
-    heap (~300,000 objects) took 0.3-0.45 s on a 2-core CPU, holding the GIL and so the event
-    loop: a burst of requests that triggered one stalled every connection, /health included.
-    Objects made later are still collected; collecting first keeps start-up garbage from being
-    frozen for good."""
+    when start-up is done and before serving: a full collection of that heap holds the GIL, and
+    so the event loop, for a large fraction of a second (BENCHMARKS.md, the soak), and a burst
+    of requests sets one off. Objects made later are still collected; collecting first keeps
+    start-up garbage from being frozen for good."""
     gc.collect()
     gc.freeze()
