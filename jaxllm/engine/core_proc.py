@@ -34,6 +34,7 @@ import zmq
 from jaxllm.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import check_utility
+from jaxllm.engine.gc_utils import freeze_gc_heap
 from jaxllm.engine.serial_utils import (
     REQUEST_DECODERS,
     MsgpackEncoder,
@@ -73,6 +74,9 @@ class EngineCoreProc:
             self.output_queue.put(None)
             self.output_thread.join(timeout=5)
             raise
+        # Loaded and compiled: a full collection of that heap would stall every running
+        # request's next step.
+        freeze_gc_heap()
         self.output_queue.put((OutputType.READY, ReadyMessage(
             info=self.engine_core.get_engine_info(), pid=os.getpid())))
         self.input_thread = threading.Thread(target=self._process_input_socket,

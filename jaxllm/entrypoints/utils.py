@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 
 from jaxllm.model_executor.model_loader.default_model import cache_dir
@@ -22,13 +21,3 @@ def enable_compilation_cache() -> None:
     # Only the multi-second step compiles are worth a disk entry.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
-
-def freeze_gc_heap() -> None:
-    """Move everything alive now (the imported libraries, the tokenizer, the engine frontend)
-    into the permanent generation, which collections skip (vLLM's `freeze_gc_heap`). Call once,
-    when start-up is done and before serving: a full collection of that heap holds the GIL, and
-    so the event loop, for a large fraction of a second (BENCHMARKS.md, the soak), and a burst
-    of requests sets one off. Objects made later are still collected; collecting first keeps
-    start-up garbage from being frozen for good."""
-    gc.collect()
-    gc.freeze()

@@ -494,3 +494,43 @@ def test_async_llm_in_process(engines, tiny_path):
             assert_same(outs[0], w)
     finally:
         engine.shutdown()
+
+
+def test_the_core_process_freezes_its_start_up_heap(monkeypatch, tmp_path):
+    """Once its engine is built, the core moves its start-up heap out of the collector's
+    reach before it reports ready, so no full collection of it stalls a step."""
+    import queue as queue_mod
+    from types import SimpleNamespace
+
+    import jaxllm.engine.core as core_mod
+    from jaxllm.engine import core_proc
+    from jaxllm.engine.serial_utils import OutputType
+
+    seen = {}
+
+    class FakeCore:
+        def __init__(self, _args) -> None:
+            seen["frozen while building"] = gc.get_freeze_count()
+
+        def get_engine_info(self):
+            seen["frozen when ready"] = gc.get_freeze_count()
+            return None
+
+    monkeypatch.setattr(core_mod, "EngineCore", FakeCore)
+    sent: queue_mod.Queue = queue_mod.Queue()
+    monkeypatch.setattr(core_proc.EngineCoreProc, "_process_output_socket",
+                        lambda self, _addr: sent.put(self.output_queue.get()))
+    monkeypatch.setattr(core_proc.EngineCoreProc, "_process_input_socket",
+                        lambda self, _addr: None)
+    monkeypatch.setattr(core_proc, "ReadyMessage", lambda **kw: SimpleNamespace(**kw))
+    gc.unfreeze()
+    try:
+        proc = core_proc.EngineCoreProc(SimpleNamespace(), "ipc://unused-in", "ipc://unused-out")
+        kind, ready = sent.get(timeout=10)
+    finally:
+        gc.unfreeze()  # this process goes on with other tests
+    proc.output_thread.join(timeout=10)
+    proc.input_thread.join(timeout=10)
+    proc.ctx.term()
+    assert kind is OutputType.READY and ready.pid == os.getpid()
+    assert seen["frozen while building"] == 0 and seen["frozen when ready"] > 0, seen

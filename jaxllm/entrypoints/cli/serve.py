@@ -113,6 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.engine.gc_utils import freeze_gc_heap
     from jaxllm.entrypoints.openai.api_server import (
         build_app,
         header_timeout_protocol,
@@ -120,7 +121,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from jaxllm.entrypoints.openai.metrics import ServerMetrics
     from jaxllm.entrypoints.openai.serving_engine import ServerLimits, StructuredOutputsConfig
-    from jaxllm.entrypoints.utils import freeze_gc_heap
     from jaxllm.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
