@@ -19,7 +19,10 @@ the executable's launch. Variants:
 - `real_step_fixed_input` (with `--real-steps N`): the same executable handed one device
   array for its inputs on every call, so no argument changes its address between calls: set
   against `real_step`, what a fresh input buffer per call costs (a GPU's command buffer is
-  updated when an address it recorded changes).
+  updated when an address it recorded changes);
+- `real_step_launch`, `real_step_fixed_input_launch`: the same calls timed alone, each started
+  on an idle device (what the host pays to start a step; the back-to-back times above are the
+  larger of that and the device's time).
 
 Per variant: microseconds per call (median of 5 rounds) and, for the tree variants, the extra
 microseconds per argument against `one_array`. On a GPU the launch of the step's kernels comes
@@ -77,6 +80,20 @@ def per_call_us(fn, calls: int, rounds: int = 5) -> float:
             out = fn()
         jax.block_until_ready(out)
         times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def launch_us(fn, calls: int) -> float:
+    """Median microseconds of the call alone, the device idle at each start (waited on after
+    each call, outside the timing): the host's cost of starting the work, without the back
+    pressure of a queue of calls in flight."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        out = fn()
+        times.append((time.perf_counter() - start) * 1e6)
+        jax.block_until_ready(out)
     return statistics.median(times)
 
 
@@ -139,6 +156,8 @@ def measure(runner: ModelRunner, num_tokens: int, calls: int, real_steps: int
             return out[3]
 
         results["real_step_fixed_input_us"] = per_call_us(real_fixed, real_steps, rounds=3)
+        results["real_step_launch_us"] = launch_us(real, real_steps)
+        results["real_step_fixed_input_launch_us"] = launch_us(real_fixed, real_steps)
         runner.kv_cache = state["kv"]
     return results
 

@@ -396,7 +396,8 @@ def headline(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             out[name] = {f"bucket{r['num_tokens']}": {
                 k: r.get(k) for k in ("arguments_tree", "per_argument_us", "one_array_us",
                                       "step_call_us", "real_step_us",
-                                      "real_step_fixed_input_us")}
+                                      "real_step_fixed_input_us", "real_step_launch_us",
+                                      "real_step_fixed_input_launch_us")}
                 for r in check["result"]["results"]}
     engine = _checks(docs.get("trace-fastest-dispatch")).get("engine") or {}
     fastest = steps.get("trace-fastest-dispatch_batch1")

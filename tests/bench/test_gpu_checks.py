@@ -211,7 +211,8 @@ def test_lease_plan_dry_run(lease):
         for r in result["results"]:
             assert r["arguments_tree"] > 10
             assert all(r[k] > 0 for k in ("one_array_us", "step_call_us", "real_step_us",
-                                          "real_step_fixed_input_us"))
+                                          "real_step_fixed_input_us", "real_step_launch_us",
+                                          "real_step_fixed_input_launch_us"))
         assert doc["headline"][f"dispatch_{variant}"]["bucket1"]["real_step_us"] > 0
     # The decode step's weight matmuls per path: XLA's under each variant, the Pallas GEMV
     # (interpret mode in the dry run) in the first.
