@@ -93,8 +93,8 @@ def main() -> None:
     ap.add_argument("--isa", action="append", choices=list(cpu_ffi.ISA_FLAGS), default=[],
                     help="a build timed in a child process set up for it, beside this one's "
                          "(repeatable)")
-    ap.add_argument("--trees", nargs="+", choices=["float32", "gguf", "compact"],
-                    default=["float32", "gguf", "compact"])
+    ap.add_argument("--trees", type=lambda a: a.split(","), default=["float32", "gguf", "compact"],
+                    help="weight formats to time, comma-separated: float32,gguf,compact")
     args = ap.parse_args()
     # This process's build, then each other one in a child of its own (the kernels' build and
     # XLA's flags are chosen once per process).
