@@ -27,6 +27,7 @@ builds in one run:
     PYTHONPATH=.:<llama-cpp-python> .venv/bin/python benchmarks/gguf_latency.py --rounds 3 \
         gguf gguf@avx2 llama.cpp llama.cpp@avx2 --llama-cpp-avx2 <llama-cpp-python, AVX2 build>
 
+Settings without `@` run in this process, on its build (`$JAXLLM_CPU_ISA`, default native).
 `llama.cpp@avx2` needs `--llama-cpp-avx2`: a llama-cpp-python built without AVX-512 (the start-up
 line prints each llama.cpp's own list of the instructions it was built for). `--model` takes
 another .gguf than the embedded one (with `--no-tokenizer`, one without a tokenizer: the tests'
