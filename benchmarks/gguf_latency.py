@@ -1,5 +1,5 @@
-"""Latency of several engine settings on the embedded model, in one process, taking turns (one
-batch of 128/128 requests each per round), so a shared machine's drift lands on all of them.
+"""Latency of several engine settings on the embedded model in one run, taking turns (one batch
+of 128/128 requests each per round), so a shared machine's drift lands on all of them.
 
     PYTHONPATH=. .venv/bin/python benchmarks/gguf_latency.py --rounds 4 none gguf
     PYTHONPATH=. .venv/bin/python benchmarks/gguf_latency.py --rounds 4 none bfloat16
@@ -19,21 +19,37 @@ prompt token ids
 (needs the optional `bench` extra, `pip install -e '.[bench]'`, which builds llama.cpp from
 source in ~8 minutes; never a test dependency).
 
-`JAXLLM_CPU_ISA=avx2` in the environment runs our C++ kernels' AVX2 build instead of the
-native one (on an AVX-512 machine too: docs/kernels.md), for an AVX2 machine's numbers.
+A setting named with `@avx2` (`gguf@avx2`, `llama.cpp@avx2`) runs in a child process set up as
+on an AVX2 machine (jaxllm.benchmarks.child.ISA_ENV: our C++ kernels' AVX2 build, XLA's code
+generation capped at AVX2), taking turns with the others, so an AVX-512 machine times both
+builds in one run:
+
+    PYTHONPATH=.:<llama-cpp-python> .venv/bin/python benchmarks/gguf_latency.py --rounds 3 \
+        gguf gguf@avx2 llama.cpp llama.cpp@avx2 --llama-cpp-avx2 <llama-cpp-python, AVX2 build>
+
+Settings without `@` run in this process, on its build (`$JAXLLM_CPU_ISA`, default native).
+`llama.cpp@avx2` needs `--llama-cpp-avx2`: a llama-cpp-python built without AVX-512 (the start-up
+line prints each llama.cpp's own list of the instructions it was built for). `--model` takes
+another .gguf than the embedded one (with `--no-tokenizer`, one without a tokenizer: the tests'
+tiny model).
 """
 
 from __future__ import annotations
 
 import argparse
 import resource
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from jaxllm import LLM
+from jaxllm.benchmarks.child import Child, isa_env
 from jaxllm.benchmarks.datasets import token_sampler_for
 from jaxllm.benchmarks.latency import run_jaxllm_latency
+from jaxllm.model_executor.layers import cpu_ffi
+from jaxllm.model_executor.model_loader.default_model import default_model_path
 
 SETTINGS = {"none": {"quantization": "none"}, "gguf": {"quantization": "gguf"},
             "gguf-compact": {"quantization": "gguf", "gguf_compact": True},
@@ -44,15 +60,14 @@ class LlamaCpp:
     """llama.cpp through llama-cpp-python, timed like run_jaxllm_latency: TTFT from the call to
     the first token, TPOT over the rest."""
 
-    def __init__(self, input_len: int, output_len: int):
+    def __init__(self, model: Path, input_len: int, output_len: int):
         import os
 
         import llama_cpp
 
-        from jaxllm.model_executor.model_loader.default_model import default_model_path
         # The cores this process may run on (as XLA sizes its pool): under `taskset` the same.
         threads = len(os.sched_getaffinity(0))
-        self.llm = llama_cpp.Llama(model_path=str(default_model_path()),
+        self.llm = llama_cpp.Llama(model_path=str(model),
                                    n_ctx=input_len + output_len + 16, n_batch=input_len,
                                    n_threads=threads, n_threads_batch=threads,
                                    verbose=False)
@@ -80,15 +95,14 @@ class LlamaCppBatch:
 
     CHUNK = 512
 
-    def __init__(self, batch: int, input_len: int, output_len: int):
+    def __init__(self, model: Path, batch: int, input_len: int, output_len: int):
         import os
 
         import llama_cpp
 
-        from jaxllm.model_executor.model_loader.default_model import default_model_path
         self.lib = lib = llama_cpp
         lib.llama_backend_init()
-        self.model = lib.llama_model_load_from_file(str(default_model_path()).encode(),
+        self.model = lib.llama_model_load_from_file(str(model).encode(),
                                                     lib.llama_model_default_params())
         params = lib.llama_context_default_params()
         threads = len(os.sched_getaffinity(0))
@@ -134,45 +148,120 @@ class LlamaCppBatch:
                 "avg_latency": end - start, "output_tokens_per_second": tokens / (end - start)}
 
 
-def main() -> None:
+class Jaxllm:
+    """One jaxllm setting's engine, and the prompts its tokenizer draws (as run_jaxllm_latency
+    draws them for a seed)."""
+
+    def __init__(self, settings: dict, args: argparse.Namespace):
+        start = time.perf_counter()
+        limits = (dict(max_num_seqs=1, max_num_batched_tokens=args.input_len)
+                  if args.batch_size == 1 else dict(max_num_seqs=args.batch_size))
+        self.llm = LLM(args.model, show_progress=False, skip_tokenizer_init=args.no_tokenizer,
+                       **limits, **settings)
+        self.sampler = token_sampler_for(self.llm)
+        self.args = args
+        weight_bytes = self.llm.collective_rpc("weight_bytes")
+        self.startup = (f"start-up {time.perf_counter() - start:.1f} s, CPU kernels "
+                        f"{cpu_ffi.default_isa()} build, weights {weight_bytes / 1e9:.3f} GB, "
+                        f"peak RSS so far "
+                        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+    def describe(self) -> str:
+        return self.startup
+
+    def prompts(self, seed: int) -> list[list[int]]:
+        rng = np.random.default_rng(seed)
+        return [self.sampler.sample(rng, self.args.input_len)
+                for _ in range(self.args.batch_size)]
+
+    def run(self, seed: int, prompts: list[list[int]]) -> dict[str, float]:
+        # run_jaxllm_latency draws `prompts` again from the seed.
+        a = self.args
+        return run_jaxllm_latency(self.llm, self.sampler, a.batch_size, a.input_len,
+                                  a.output_len, 1, 0, seed=seed, use_tqdm=False)
+
+
+class LlamaCppSetting:
+    """llama.cpp at the run's batch size, from the llama-cpp-python on `lib` (a folder put first
+    on the path) or the one importable."""
+
+    def __init__(self, args: argparse.Namespace, lib: str | None = None):
+        if lib:
+            sys.path.insert(0, lib)
+        import llama_cpp
+
+        start = time.perf_counter()
+        model = args.model or default_model_path()
+        self.batch = args.batch_size
+        self.llm = (LlamaCpp(model, args.input_len, args.output_len) if self.batch == 1
+                    else LlamaCppBatch(model, self.batch, args.input_len, args.output_len))
+        # llama.cpp's own account of the instructions its CPU backend was built for.
+        system = llama_cpp.llama_print_system_info().decode().strip()
+        self.startup = (f"start-up {time.perf_counter() - start:.1f} s, llama-cpp-python "
+                        f"{llama_cpp.__version__} from {Path(llama_cpp.__file__).parent.parent}"
+                        f", built for: {system}")
+
+    def describe(self) -> str:
+        return self.startup
+
+    def run(self, seed: int, prompts: list[list[int]]) -> dict[str, float]:
+        return self.llm.run(prompts[0]) if self.batch == 1 else self.llm.run(prompts)
+
+
+def make_setting(name: str, args: argparse.Namespace):
+    """The setting `name` (a SETTINGS key and an optional `@isa`) in this process."""
+    base, _, isa = name.partition("@")
+    if SETTINGS[base] is None:
+        return LlamaCppSetting(args, args.llama_cpp_avx2 if isa == "avx2" else None)
+    return Jaxllm(SETTINGS[base], args)
+
+
+def setting_name(name: str) -> str:
+    """argparse's check of a setting: a SETTINGS key, optionally `@` and an instruction set."""
+    base, at, isa = name.partition("@")
+    if base not in SETTINGS or (at and isa not in cpu_ffi.ISA_FLAGS):
+        raise argparse.ArgumentTypeError(
+            f"{name!r}: expected one of {', '.join(SETTINGS)}, optionally with "
+            f"@{' / @'.join(cpu_ffi.ISA_FLAGS)}")
+    return name
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("settings", nargs="+", choices=list(SETTINGS))
+    ap.add_argument("settings", nargs="+", type=setting_name,
+                    help=f"{', '.join(SETTINGS)}; NAME@avx2 runs it as on an AVX2 machine")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    args = ap.parse_args()
+    ap.add_argument("--model", help="a .gguf file (default: the embedded model)")
+    ap.add_argument("--no-tokenizer", action="store_true",
+                    help="no tokenizer (skip_tokenizer_init): a .gguf without one")
+    ap.add_argument("--llama-cpp-avx2", metavar="DIR",
+                    help="a llama-cpp-python built without AVX-512, for llama.cpp@avx2")
+    args = ap.parse_args(argv)
     batch = args.batch_size
+    if "llama.cpp@avx2" in args.settings and not args.llama_cpp_avx2:
+        ap.error("llama.cpp@avx2 needs --llama-cpp-avx2 DIR (a llama-cpp-python built for AVX2)")
     llms: dict = {}
+    width = max(map(len, args.settings))
     for name in args.settings:
-        start = time.perf_counter()
-        if SETTINGS[name] is None:
-            llms[name] = (LlamaCpp(args.input_len, args.output_len) if batch == 1
-                          else LlamaCppBatch(batch, args.input_len, args.output_len))
-            print(f"{name}: start-up {time.perf_counter() - start:.1f} s", flush=True)
-            continue
-        limits = (dict(max_num_seqs=1, max_num_batched_tokens=args.input_len) if batch == 1
-                  else dict(max_num_seqs=batch))
-        llms[name] = LLM(show_progress=False, **limits, **SETTINGS[name])
-        weight_bytes = llms[name].collective_rpc("weight_bytes")
-        print(f"{name}: start-up {time.perf_counter() - start:.1f} s, weights "
-              f"{weight_bytes / 1e9:.3f} GB, peak RSS so far "
-              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB", flush=True)
-    engines = [x for x in llms.values() if isinstance(x, LLM)]
-    if not engines:
+        isa = name.partition("@")[2]
+        # The kernels' build and XLA's flags are chosen once per process: a setting named with
+        # its instruction set runs in a child process set up for it.
+        llms[name] = (Child(make_setting, name, args, env=isa_env(isa)) if isa
+                      else make_setting(name, args))
+        print(f"{name}: {llms[name].describe()}", flush=True)
+    source = next((llms[n] for n in args.settings if SETTINGS[n.partition("@")[0]] is not None),
+                  None)
+    if source is None:
         raise SystemExit("name at least one jaxllm setting: its tokenizer draws the prompts")
-    sampler = token_sampler_for(engines[0])
     keys = ("ttft_mean", "tpot_mean", "output_tokens_per_second")
     results: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in llms}
     for r in range(args.rounds + 1):  # the first pass warms up
+        prompts = source.prompts(r)
         for name, llm in llms.items():
-            if isinstance(llm, LLM):
-                m = run_jaxllm_latency(llm, sampler, batch, args.input_len, args.output_len, 1,
-                                       0, seed=r, use_tqdm=False)
-            else:  # the prompts run_jaxllm_latency draws for this seed
-                rng = np.random.default_rng(r)
-                prompts = [sampler.sample(rng, args.input_len) for _ in range(batch)]
-                m = llm.run(prompts[0]) if batch == 1 else llm.run(prompts)
+            m = llm.run(r, prompts)
             if r:
                 for k in keys:
                     if k in m:
@@ -181,9 +270,9 @@ def main() -> None:
                         f"ms")
                 if batch > 1:
                     line += f", {m['output_tokens_per_second']:6.1f} output tok/s"
-                print(f"round {r} {name:>8}: {line}", flush=True)
+                print(f"round {r} {name:>{width}}: {line}", flush=True)
     for name, res in results.items():
-        line = (f"{name:>8}: median TTFT {np.median(res['ttft_mean']) * 1e3:7.1f} ms, median "
+        line = (f"{name:>{width}}: median TTFT {np.median(res['ttft_mean']) * 1e3:7.1f} ms, median "
                 f"TPOT {np.median(res['tpot_mean']) * 1e3:6.1f} ms "
                 f"({1 / np.median(res['tpot_mean']):.1f} tok/s), best TPOT "
                 f"{min(res['tpot_mean']) * 1e3:6.1f} ms")
@@ -191,6 +280,9 @@ def main() -> None:
             line += (f", median {np.median(res['output_tokens_per_second']):.1f} output tok/s "
                      f"(rounds {' / '.join(f'{x:.1f}' for x in res['output_tokens_per_second'])})")
         print(line, flush=True)
+    for llm in llms.values():
+        if isinstance(llm, Child):
+            llm.close()
 
 
 if __name__ == "__main__":

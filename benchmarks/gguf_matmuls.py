@@ -1,21 +1,29 @@
 """quantization="gguf": one step's weight matmuls (24 layers + LM head on every row) on the
 embedded model, float32 weights (XLA's dots) against the GGUF blocks kept quantized (our CPU
 kernel; int8 panels, and gguf_compact's 5-bit ones), per row count from a decode step to a
-prefill chunk, in one run, with the rate in GFLOP/s (two per weight per row).
+prefill chunk, in one run, with the rate in GFLOP/s (two per weight per row) and as a share of
+the machine's float32 GEMM rate (2048^3, the best of XLA and numpy, measured before each row
+count; the best so far).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/gguf_matmuls.py [ROWS ...]
+    PYTHONPATH=. .venv/bin/python benchmarks/gguf_matmuls.py [--isa avx2] [ROWS ...]
 
-`JAXLLM_CPU_ISA=avx2` times our kernel's AVX2 build instead of the native one (on an AVX-512
-machine too: docs/kernels.md).
+`--isa avx2` times, beside this process's build, one set up as on an AVX2 machine in a child
+process (jaxllm.benchmarks.child.ISA_ENV: our kernel's AVX2 build, XLA's code generation capped
+at AVX2, OpenBLAS's Haswell kernels), the processes taking turns per row count. Its GEMM rate is
+numpy's there: XLA's dots run YNNPACK, which picks its kernels from the CPU whatever
+`xla_cpu_max_isa` says (on one core of an AVX-512 machine it ran above the AVX2 FMA peak).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import jax
 import jax.numpy as jnp
 
+from jaxllm.benchmarks.child import Child, isa_env
+from jaxllm.benchmarks.roofline import measure_gemm
+from jaxllm.model_executor.layers import cpu_ffi
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
 from jaxllm.model_executor.model_loader.default_model import default_model_path
 from jaxllm.model_executor.model_loader.loader import load_model
@@ -35,27 +43,74 @@ def weights(tree: dict) -> int:
     return body + count(tree.get("lm_head", tree["embed_tokens"]))
 
 
+class Matmuls:
+    """The model's weights in each format, in this process's build."""
+
+    def __init__(self, trees: list[str]):
+        path = default_model_path()
+        quantized = load_model(path, progress=False, quantization="gguf")
+        self.cfg = quantized.config
+        load = {"float32": lambda: load_model(path, progress=False, quantization="none").params,
+                "gguf": lambda: quantized.params,
+                "compact": lambda: load_model(path, progress=False, quantization="gguf",
+                                              gguf_compact=True).params}
+        self.trees = {name: load[name]() for name in trees}
+        self.flops_per_row = 2 * weights(self.trees.get("gguf", quantized.params))
+        # The AVX2 build's reference is numpy's GEMM alone (the module's docstring).
+        self.sources = (("numpy",) if cpu_ffi.default_isa() == "avx2" else ("xla", "numpy"))
+        self.gemm = {"xla": 0.0, "numpy": 0.0}
+
+    def describe(self) -> str:
+        sizes = ", ".join(f"{name} {sum(x.nbytes for x in jax.tree.leaves(t)) / 2**20:.1f} MiB"
+                          for name, t in self.trees.items())
+        return (f"CPU kernel {cpu_ffi.default_isa()} build; weights in memory: {sizes}; GEMM "
+                f"reference: {' or '.join(self.sources)}")
+
+    def gemm_rates(self) -> str:
+        return ", ".join(f"{k} {v / 1e9:.1f}" for k, v in self.gemm.items())
+
+    def time(self, rows: int) -> list[str]:
+        """Each format's step at `rows` rows: ms, GFLOP/s and % of the GEMM rate (the best
+        measured so far, once more now)."""
+        g = measure_gemm()
+        for k in self.gemm:
+            self.gemm[k] = max(self.gemm[k], g[f"{k}_flops_per_s"])
+        reference = max(self.gemm[k] for k in self.sources)
+        x = jnp.full((rows, self.cfg.hidden_size), 0.01, jnp.float32)
+        out = []
+        for name, tree in self.trees.items():
+            fn = jax.jit(lambda p, x: weight_matmuls(p, self.cfg, x, x.shape[0]))
+            s = best_seconds(lambda fn=fn, t=tree, x=x: fn(t, x).block_until_ready(), 5)
+            rate = self.flops_per_row * rows / s
+            out.append(f"{name} {s * 1e3:8.2f} ms ({rate / 1e9:5.1f} GFLOP/s, "
+                       f"{100 * rate / reference:3.0f} %)")
+        return out
+
+
 def main() -> None:
-    rows_list = [int(a) for a in sys.argv[1:]] or [1, 2, 4, 8, 16, 32, 64, 128, 512]
-    path = default_model_path()
-    quantized = load_model(path, progress=False, quantization="gguf")
-    cfg = quantized.config
-    trees = {"float32": load_model(path, progress=False, quantization="none").params,
-             "gguf": quantized.params,
-             "compact": load_model(path, progress=False, quantization="gguf",
-                                   gguf_compact=True).params}
-    for name, tree in trees.items():
-        size = sum(x.nbytes for x in jax.tree.leaves(tree))
-        print(f"{name:>8}: weights {size / 2**20:7.1f} MiB in memory", flush=True)
-    flops_per_row = 2 * weights(trees["float32"])
-    for rows in rows_list:
-        x = jnp.full((rows, cfg.hidden_size), 0.01, jnp.float32)
-        line = [f"rows {rows:3d}"]
-        for name, tree in trees.items():
-            fn = jax.jit(lambda p, x: weight_matmuls(p, cfg, x, x.shape[0]))
-            ms = best_seconds(lambda fn=fn, t=tree, x=x: fn(t, x).block_until_ready(), 5) * 1e3
-            line.append(f"{name} {ms:8.2f} ms ({flops_per_row * rows / ms / 1e6:5.1f} GFLOP/s)")
-        print("  ".join(line), flush=True)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rows", nargs="*", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
+    ap.add_argument("--isa", action="append", choices=list(cpu_ffi.ISA_FLAGS), default=[],
+                    help="a build timed in a child process set up for it, beside this one's "
+                         "(repeatable)")
+    ap.add_argument("--trees", type=lambda a: a.split(","), default=["float32", "gguf", "compact"],
+                    help="weight formats to time, comma-separated: float32,gguf,compact")
+    args = ap.parse_args()
+    # This process's build, then each other one in a child of its own (the kernels' build and
+    # XLA's flags are chosen once per process).
+    runs = {cpu_ffi.default_isa(): Matmuls(args.trees)}
+    for isa in args.isa:
+        if isa not in runs:
+            runs[isa] = Child(Matmuls, args.trees, env=isa_env(isa))
+    for isa, run in runs.items():
+        print(f"{isa:>6}: {run.describe()}", flush=True)
+    for rows in args.rows:
+        for isa, run in runs.items():
+            print(f"rows {rows:3d} {isa:>6}: {'  '.join(run.time(rows))}", flush=True)
+    for isa, run in runs.items():
+        print(f"{isa:>6}: best float32 GEMM 2048^3 over the run, GFLOP/s: {run.gemm_rates()}")
+        if isinstance(run, Child):
+            run.close()
 
 
 if __name__ == "__main__":
