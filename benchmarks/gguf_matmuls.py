@@ -1,6 +1,7 @@
 """quantization="gguf": one step's weight matmuls (24 layers + LM head on every row) on the
 embedded model, float32 weights (XLA's dots) against the GGUF blocks kept quantized (our CPU
-kernel; int8 panels, and gguf_compact's 5-bit ones), per row count from a decode step to a
+kernel; int8 panels, gguf_compact's 5-bit ones, and cpu_int8_activations' integer path:
+`--trees ...,int8-act`), per row count from a decode step to a
 prefill chunk, in one run, with the rate in GFLOP/s (two per weight per row) and as a share of
 the machine's float32 GEMM rate (2048^3, the best of XLA and numpy, measured before each row
 count; the best so far).
@@ -53,7 +54,9 @@ class Matmuls:
         load = {"float32": lambda: load_model(path, progress=False, quantization="none").params,
                 "gguf": lambda: quantized.params,
                 "compact": lambda: load_model(path, progress=False, quantization="gguf",
-                                              gguf_compact=True).params}
+                                              gguf_compact=True).params,
+                "int8-act": lambda: load_model(path, progress=False, quantization="gguf",
+                                               cpu_int8_activations=True).params}
         self.trees = {name: load[name]() for name in trees}
         self.flops_per_row = 2 * weights(self.trees.get("gguf", quantized.params))
         # The AVX2 build's reference is numpy's GEMM alone (the module's docstring).
@@ -94,7 +97,8 @@ def main() -> None:
                     help="a build timed in a child process set up for it, beside this one's "
                          "(repeatable)")
     ap.add_argument("--trees", type=lambda a: a.split(","), default=["float32", "gguf", "compact"],
-                    help="weight formats to time, comma-separated: float32,gguf,compact")
+                    help="weight formats to time, comma-separated: float32,gguf,compact,"
+                         "int8-act")
     args = ap.parse_args()
     # This process's build, then each other one in a child of its own (the kernels' build and
     # XLA's flags are chosen once per process).

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jaxllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("gguf", "none")
@@ -118,6 +121,9 @@ class EngineConfig:
     kernel_backend: str
     quantization: str  # "gguf" or "none"
     gguf_compact: bool  # 4- and 5-bit GGUF values packed in 5 bits for our CPU kernel
+    # Our CPU kernel's integer path: activations quantized to int8 (not exact; False where the
+    # kernel's build has no such path)
+    cpu_int8_activations: bool
     # Decode buckets up to this many rows run on the runner's GEMV weight tree (GGUF blocks kept
     # quantized, or float32 copies of bfloat16 weights on CPU); 0: one tree for every bucket.
     gemv_max_rows: int
@@ -304,6 +310,28 @@ def resolve_pallas_gemv_max_rows(rows: int | None, kernel_backend: str, dtype: s
         raise ValueError(f"pallas_gemv_max_rows={rows} runs bfloat16 or float32 weights; this "
                          f"engine's dtype is {dtype!r}")
     return rows
+
+
+def resolve_cpu_int8_activations(requested: bool, quantization: str, platform: str,
+                                  kernel_backend: str) -> bool:
+    """The integer path of our CPU kernel (cpu_dequant_matmul.int8_matmul) where asked for: it
+    needs the GGUF blocks kept quantized on CPU with the reference backend (ValueError
+    otherwise), and a kernel build with AVX2 or AVX-512 VNNI; elsewhere (aarch64, x86 without
+    AVX2, no compiler) a warning and the exact path."""
+    if not requested:
+        return False
+    if quantization != "gguf" or platform != "cpu" or kernel_backend != "reference":
+        raise ValueError(f"cpu_int8_activations runs our CPU kernel on GGUF blocks: it needs "
+                         f"quantization 'gguf' on CPU with the reference kernel backend, this "
+                         f"engine has quantization {quantization!r} on {platform} with "
+                         f"{kernel_backend!r}")
+    from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
+
+    if cpu_dequant_matmul.int8_supported() and cpu_dequant_matmul.available():
+        return True
+    logger.warning("cpu_int8_activations: our CPU kernel has no integer path here (it needs x86 "
+                   "with AVX2, and a C++ compiler): the exact float32 path runs")
+    return False
 
 
 def resolve_cuda_graph_triton(cuda_graph_triton: bool | None) -> bool:

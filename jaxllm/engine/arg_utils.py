@@ -21,6 +21,7 @@ from jaxllm.config import (
     SpeculativeConfig,
     resolve_activation_dtype,
     resolve_async_scheduling,
+    resolve_cpu_int8_activations,
     resolve_cuda_graph_triton,
     resolve_dtype,
     resolve_gemv_max_rows,
@@ -66,6 +67,13 @@ class EngineArgs:
                "less memory and the same logits bit for bit; more work per weight: as fast for "
                "one sequence, slower for batches on a CPU with few cores "
                "(docs/perf/gguf-cpu.md)")
+    cpu_int8_activations: bool = _arg(
+        False, "with quantization gguf on CPU: our kernel quantizes each row of activations to "
+               "int8 per block of 32 values (as llama.cpp does) and multiplies by the GGUF "
+               "values in integer dot products (AVX2 maddubs, AVX-512 VNNI), for every bucket; "
+               "faster where the float32 path is bound by vector work (AVX2 machines), but not "
+               "exact: logprobs move slightly from HF's and greedy tokens can differ "
+               "(docs/perf/gguf-cpu.md). Without AVX2 (aarch64) a warning and the exact path")
     block_size: int = _arg(16, "tokens per KV block (16 or 32)")
     num_kv_blocks: int | None = _arg(
         None, "KV blocks, overriding the memory budget; not given: from the budget")
@@ -280,6 +288,8 @@ class EngineArgs:
             model=name, model_path=str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
             activation_dtype=resolve_activation_dtype(dtype, kv_cache_dtype, backend),
             kernel_backend=backend, quantization=quantization, gguf_compact=self.gguf_compact,
+            cpu_int8_activations=resolve_cpu_int8_activations(
+                self.cpu_int8_activations, quantization, platform, backend),
             gemv_max_rows=resolve_gemv_max_rows(quantization, dtype, backend, platform),
             topk_sampling=platform != "cpu" if self.topk_sampling is None
             else self.topk_sampling,

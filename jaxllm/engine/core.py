@@ -104,7 +104,8 @@ class EngineCore:
         loaded = load_model(Path(config.model_path), dtype=jnp.dtype(config.dtype),
                             progress=config.show_progress, quantization=config.quantization,
                             kernel_backend=config.kernel_backend,
-                            gguf_compact=config.gguf_compact)
+                            gguf_compact=config.gguf_compact,
+                            cpu_int8_activations=config.cpu_int8_activations)
         model_config = loaded.config
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:

@@ -58,7 +58,9 @@ class DraftModelProposer:
                 loaded = load_model(path, dtype=jnp.dtype(config.dtype),
                                     progress=config.show_progress, quantization=quantization,
                                     kernel_backend=config.kernel_backend,
-                                    gguf_compact=config.gguf_compact and quantization == "gguf")
+                                    gguf_compact=config.gguf_compact and quantization == "gguf",
+                                    cpu_int8_activations=config.cpu_int8_activations
+                                    and quantization == "gguf")
             except ModelLoadError as e:  # the message names the path, not the setting
                 raise ModelLoadError(f"speculative_config.model {spec.model!r}: {e}") from e
         draft = loaded.config

@@ -55,21 +55,27 @@ _LAYER_WEIGHTS = {
 }
 
 
-def _device(r: RepackedBlocks, packed: bool, compact: bool) -> GGUFWeight:
-    q, scale, offset = cpu_dequant_matmul.pack(r.qweight, r.scale, r.offset, compact) \
-        if packed else (r.qweight, r.scale, r.offset)
+def _device(r: RepackedBlocks, packed: bool, compact: bool, int8: bool = False) -> GGUFWeight:
+    layout = cpu_dequant_matmul.pack_int8(r.qweight, r.scale, r.offset) if int8 else None
+    if layout is not None:
+        q, scale, offset = layout
+    elif packed:
+        q, scale, offset = cpu_dequant_matmul.pack(r.qweight, r.scale, r.offset, compact)
+    else:
+        q, scale, offset = r.qweight, r.scale, r.offset
     return GGUFWeight(jnp.asarray(q), jnp.asarray(scale),
                       None if offset is None else jnp.asarray(offset))
 
 
 def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[str], Any],
-                          path: Path, fused_kernel: bool = False, compact: bool = False
-                          ) -> tuple[dict, dict | None]:
+                          path: Path, fused_kernel: bool = False, compact: bool = False,
+                          int8: bool = False) -> tuple[dict, dict | None]:
     """(params, gemv_params) from the dense float32 tree and `tensor(hf_name)`, the GGUF reader's
     tensor of that name (None if absent); with `fused_kernel` or our CPU kernel, (one tree for
     every bucket, every GGUF block weight the kernel can read quantized, None). `compact`: the
-    CPU kernel's 4- and 5-bit values in 5-bit panels."""
-    def quantized(hf_names: list[str], dense: Any) -> GGUFWeight | None:
+    CPU kernel's 4- and 5-bit values in 5-bit panels; `int8`: its integer path's layout for the
+    matmul weights whose values it takes (the embedding, only gathered, keeps the exact one)."""
+    def quantized(hf_names: list[str], dense: Any, matmul: bool = True) -> GGUFWeight | None:
         if cpu_kernel and cpu_dequant_matmul.panel_size(dense.shape[0]) is None:
             return None  # rows the kernel's panels cannot split: the weight stays float32
         parts = []
@@ -89,12 +95,14 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         if shape != dense_shape or blocks.block_size not in (16, 32) or shape[1] % 32:
             raise ModelLoadError(f"{path}: {', '.join(hf_names)}: quantized blocks of shape "
                                  f"{shape} (block {blocks.block_size}) for weight {dense_shape}")
-        return _device(blocks, packed=cpu_kernel, compact=compact)
+        return _device(blocks, packed=cpu_kernel, compact=compact,
+                       int8=int8 and cpu_kernel and matmul)
 
     cpu_kernel = not fused_kernel and use_cpu_kernel()
-    if compact and not cpu_kernel:
-        raise ModelLoadError(f"{path}: gguf_compact packs blocks for our CPU kernel, which this "
-                             f"load does not run (kernel backend, platform or no compiler)")
+    if (compact or int8) and not cpu_kernel:
+        raise ModelLoadError(f"{path}: gguf_compact and cpu_int8_activations pack blocks for our "
+                             f"CPU kernel, which this load does not run (kernel backend, "
+                             f"platform or no compiler)")
     gemv = {k: v for k, v in params.items()}
     # Our CPU kernel takes rows of any width; XLA's fused GEMV lost to float32 on down_proj's.
     any_width = fused_kernel or cpu_kernel
@@ -110,7 +118,7 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
             if weight is not None:
                 layer[group][mod]["weight"] = weight
         gemv[f"layers_{i}"] = layer
-    embed = quantized(["embed_tokens.weight"], params["embed_tokens"])
+    embed = quantized(["embed_tokens.weight"], params["embed_tokens"], matmul=False)
     if embed is not None:
         gemv["embed_tokens"] = embed
         if not config.tie_word_embeddings:

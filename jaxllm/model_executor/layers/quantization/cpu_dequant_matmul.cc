@@ -33,6 +33,7 @@
 // pool cannot deadlock it).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -482,6 +483,280 @@ ffi::Error DequantMatmulQ5(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Opt-in integer path (the engine's cpu_int8_activations), as llama.cpp computes: each row of x
+// quantized to int8 per block of 32 (d = max |x| / 127, xq = round(x / d)), the weights' integer
+// values multiplied by xq in integer dot products, and per weight block y += d * scale * sum(xq *
+// u) + d * sum(xq) * offset. Not exact: x is rounded to 8 bits (a relative error of up to
+// 1/254 of the block's largest value per element), so logits move a little from the exact path's.
+// It does 4 multiply-adds of bytes per 32-bit lane per instruction where the float path does one
+// conversion and one FMA per weight, which is what lets a CPU without AVX-512 keep up with the
+// memory (BENCHMARKS.md).
+//
+// Layout (cpu_dequant_matmul.pack_int8): [N / P, K / 4, P, 4] bytes, 4 consecutive k of one
+// feature in one 32-bit lane, so one vector is kW features x 4 k and the rows' 4 bytes of xq are
+// a broadcast 32-bit value. Unsigned values (u = q + zero, 0..127: Q4_K, Q5_K, Q6_K, Q5_0,
+// Q4_0), the zero folded into the offset at packing, or signed int8 (Q8_0), which both
+// instructions need turned into unsigned x signed products (dot_signed).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define JAXLLM_INT8_DOT 1
+namespace i8 {
+using IVec = __m512i;
+using FVec = __m512;
+constexpr int kW = 16;       // features per vector
+constexpr int kMaxRows = 4;  // 16 accumulators + 4 broadcasts + a weight vector of 32 zmm
+constexpr int vectors_for(int) { return 4; }
+inline IVec zero() { return _mm512_setzero_si512(); }
+inline IVec load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec splat32(int32_t v) { return _mm512_set1_epi32(v); }
+inline IVec dot(IVec acc, IVec u, IVec x) { return _mm512_dpbusd_epi32(acc, u, x); }
+// w + 128 is unsigned; the 128 * sum(xq) that adds comes off at the block's end (kSignedBias).
+constexpr int32_t kSignedBias = 128;
+inline IVec dot_signed(IVec acc, IVec w, IVec x) {
+  return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(-128)), x);
+}
+inline IVec sub(IVec a, IVec b) { return _mm512_sub_epi32(a, b); }
+inline FVec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
+inline FVec fload(const float* p) { return _mm512_loadu_ps(p); }
+inline void fstore(float* p, FVec v) { _mm512_storeu_ps(p, v); }
+inline FVec fsplat(float v) { return _mm512_set1_ps(v); }
+inline FVec fzero() { return _mm512_setzero_ps(); }
+inline FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+inline FVec ffma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
+}  // namespace i8
+#elif defined(__AVX2__) && defined(__FMA__)
+#define JAXLLM_INT8_DOT 1
+namespace i8 {
+using IVec = __m256i;
+using FVec = __m256;
+constexpr int kW = 8;
+// 16 ymm: one row takes 8 accumulators (a 64-feature panel), two rows 2 x 4, plus the
+// broadcasts, a weight vector, the maddubs temporaries and the ones.
+constexpr int kMaxRows = 2;
+constexpr int vectors_for(int R) { return R == 1 ? 8 : 4; }
+inline IVec zero() { return _mm256_setzero_si256(); }
+inline IVec load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec splat32(int32_t v) { return _mm256_set1_epi32(v); }
+// maddubs: pairs of u8 x s8 into int16 (at most 2 * 128 * 127: no saturation for u <= 128),
+// madd with ones: pairs of those into int32.
+inline IVec dot(IVec acc, IVec u, IVec x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x),
+                                                 _mm256_set1_epi16(1)));
+}
+// |w| (<= 128) times x with w's sign: w * x again, as unsigned x signed.
+constexpr int32_t kSignedBias = 0;
+inline IVec dot_signed(IVec acc, IVec w, IVec x) {
+  return dot(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+inline IVec sub(IVec a, IVec b) { return _mm256_sub_epi32(a, b); }
+inline FVec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
+inline FVec fload(const float* p) { return _mm256_loadu_ps(p); }
+inline void fstore(float* p, FVec v) { _mm256_storeu_ps(p, v); }
+inline FVec fsplat(float v) { return _mm256_set1_ps(v); }
+inline FVec fzero() { return _mm256_setzero_ps(); }
+inline FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+inline FVec ffma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
+}  // namespace i8
+#endif
+
+#if defined(JAXLLM_INT8_DOT)
+constexpr int64_t kQuantBlock = 32;  // x values per activation scale
+
+struct Int8Problem {
+  const int8_t* xq;     // [T, K]
+  const float* xscale;  // [T, K / B]: the activation scale d of each weight block
+  const float* xoff;    // [T, K / B]: d * the block's sum of xq (the offset's factor)
+  const int32_t* xsum;  // [T, K / B]: the block's sum of xq
+  const uint8_t* w;     // [N / P, K / 4, P, 4]
+  const float* scale;   // [N / P, K / B, P]
+  const float* offset;  // [N / P, K / B, P] or nullptr
+  float* y;             // [T, N]
+  int64_t T, K, N, P;
+};
+
+// Rows [t0, t0 + R) against vectors [v0, v0 + NV) of one panel. The block's integer sums stay
+// in registers; y is the float accumulator, read and written once per block.
+template <int R, int NV, int B, bool kSigned, bool kOffset>
+[[gnu::noinline]] void int8_tile(const Int8Problem& p, int64_t panel, int64_t v0, int64_t t0) {
+  using namespace i8;
+  const int64_t K = p.K, P = p.P, N = p.N, blocks = K / B;
+  const uint8_t* w = p.w + panel * K * P + v0 * kW * 4;
+  const float* sp = p.scale + panel * blocks * P + v0 * kW;
+  const float* op = kOffset ? p.offset + panel * blocks * P + v0 * kW : nullptr;
+  float* y = p.y + t0 * N + panel * P + v0 * kW;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) fstore(y + r * N + v * kW, fzero());
+  const int8_t* xq = p.xq + t0 * K;
+  for (int64_t b = 0; b < blocks; ++b) {
+    IVec s[R][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) s[r][v] = zero();
+    for (int64_t k = b * B; k < (b + 1) * B; k += 4) {
+      IVec xb[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, xq + r * K + k, 4);
+        xb[r] = splat32(quad);
+      }
+      const uint8_t* wk = w + k * P;  // (k / 4) * P * 4
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) {
+        const IVec wv = load(wk + v * kW * 4);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          s[r][v] = kSigned ? dot_signed(s[r][v], wv, xb[r]) : dot(s[r][v], wv, xb[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const FVec sc = fload(sp + b * P + v * kW);
+      const FVec of = kOffset ? fload(op + b * P + v * kW) : fzero();
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t rb = (t0 + r) * blocks + b;
+        IVec si = s[r][v];
+        if (kSigned && kSignedBias) si = sub(si, splat32(kSignedBias * p.xsum[rb]));
+        float* acc = y + r * N + v * kW;
+        FVec a = ffma(to_float(si), fmul(sc, fsplat(p.xscale[rb])), fload(acc));
+        if (kOffset) a = ffma(fsplat(p.xoff[rb]), of, a);
+        fstore(acc, a);
+      }
+    }
+  }
+}
+
+template <int R, int B, bool kSigned, bool kOffset>
+void int8_rows(const Int8Problem& p, int64_t panel, int64_t t0) {
+  constexpr int kNV = i8::vectors_for(R);
+  const int64_t vectors = p.P / i8::kW;
+  int64_t v = 0;
+  for (; v + kNV <= vectors; v += kNV) int8_tile<R, kNV, B, kSigned, kOffset>(p, panel, v, t0);
+  if constexpr (kNV > 2) {
+    for (; v + 2 <= vectors; v += 2) int8_tile<R, 2, B, kSigned, kOffset>(p, panel, v, t0);
+  }
+  for (; v < vectors; ++v) int8_tile<R, 1, B, kSigned, kOffset>(p, panel, v, t0);
+}
+
+// The last `rows` (1 to R) rows: one tile of exactly that many.
+template <int R, int B, bool kSigned, bool kOffset>
+void int8_rows_left(const Int8Problem& p, int64_t panel, int64_t t0, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return int8_rows_left<R - 1, B, kSigned, kOffset>(p, panel, t0, rows);
+  }
+  int8_rows<R, B, kSigned, kOffset>(p, panel, t0);
+}
+
+template <int B, bool kSigned, bool kOffset>
+void int8_item(const Int8Problem& p, int64_t first, int64_t last, int64_t t0, int64_t t1) {
+  constexpr int kR = i8::kMaxRows;
+  for (int64_t panel = first; panel < last; ++panel) {
+    int64_t t = t0;
+    for (; t + kR <= t1; t += kR) int8_rows<kR, B, kSigned, kOffset>(p, panel, t);
+    if (t < t1) int8_rows_left<kR, B, kSigned, kOffset>(p, panel, t, t1 - t);
+  }
+}
+
+void int8_item(const Int8Problem& p, int64_t B, bool is_signed, int64_t first, int64_t last,
+               int64_t t0, int64_t t1) {
+  const bool off = p.offset != nullptr;
+  if (B == 32) {
+    if (is_signed) off ? int8_item<32, true, true>(p, first, last, t0, t1)
+                       : int8_item<32, true, false>(p, first, last, t0, t1);
+    else off ? int8_item<32, false, true>(p, first, last, t0, t1)
+             : int8_item<32, false, false>(p, first, last, t0, t1);
+  } else {
+    if (is_signed) off ? int8_item<16, true, true>(p, first, last, t0, t1)
+                       : int8_item<16, true, false>(p, first, last, t0, t1);
+    else off ? int8_item<16, false, true>(p, first, last, t0, t1)
+             : int8_item<16, false, false>(p, first, last, t0, t1);
+  }
+}
+
+// x's rows quantized per block of 32 (llama.cpp's Q8_0 rounding: d = amax / 127, round to
+// nearest of x * (1 / d), ties to even here), and per weight block of B its scale, sum of xq and
+// d times that sum.
+void quantize_rows(const float* x, int64_t T, int64_t K, int64_t B, int8_t* xq, float* xscale,
+                   float* xoff, int32_t* xsum) {
+  const int64_t blocks = K / B;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < K; j += kQuantBlock) {
+      const float* xs = x + t * K + j;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xs[i]));
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      for (int64_t i = 0; i < kQuantBlock; ++i) {
+        const float q = std::nearbyint(xs[i] * id);
+        xq[t * K + j + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+      }
+      for (int64_t b = j / B; b < (j + kQuantBlock) / B; ++b) {
+        int32_t sum = 0;
+        for (int64_t i = b * B; i < (b + 1) * B; ++i) sum += xq[t * K + i];
+        xsum[t * blocks + b] = sum;
+        xscale[t * blocks + b] = d;
+        xoff[t * blocks + b] = d * static_cast<float>(sum);
+      }
+    }
+  }
+}
+#endif  // JAXLLM_INT8_DOT
+
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                      ffi::ResultBuffer<ffi::F32> y, bool has_offset) {
+#if defined(JAXLLM_INT8_DOT)
+  const bool is_signed = w.element_type() == ffi::DataType::S8;
+  if (!is_signed && w.element_type() != ffi::DataType::U8)
+    return ffi::Error::InvalidArgument("int8_matmul: w must be uint8 or int8");
+  auto wd = w.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (wd.size() != 4 || wd[3] != 4)
+    return ffi::Error::InvalidArgument("int8_matmul: w must be [N / P, K / 4, P, 4]");
+  const int64_t K = wd[1] * 4, P = wd[2], T = x.dimensions()[0];
+  if (const char* e = check_scales(x, scale, offset, has_offset, K); *e)
+    return ffi::Error::InvalidArgument(std::string("int8_matmul: ") + e);
+  if (sd[0] != wd[0] || sd[2] != P || K % kQuantBlock != 0)
+    return ffi::Error::InvalidArgument("int8_matmul: scale's panels must be w's, K a multiple "
+                                       "of 32");
+  const int64_t n = wd[0] * P, B = K / sd[1];
+  if (yd.size() != 2 || yd[0] != T || yd[1] != n)
+    return ffi::Error::InvalidArgument("int8_matmul: result must be [T, N]");
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xscale, xoff;
+  thread_local std::vector<int32_t> xsum;
+  xq.resize(T * K);
+  xscale.resize(T * (K / B));
+  xoff.resize(T * (K / B));
+  xsum.resize(T * (K / B));
+  quantize_rows(x.typed_data(), T, K, B, xq.data(), xscale.data(), xoff.data(), xsum.data());
+  const Int8Problem p{xq.data(), xscale.data(), xoff.data(), xsum.data(),
+                      static_cast<const uint8_t*>(w.untyped_data()), scale.typed_data(),
+                      has_offset ? offset.typed_data() : nullptr, y->typed_data(), T, K, n, P};
+  // Work items as the float path's (`run`): groups of panels of ~256 KiB, by blocks of rows.
+  const int64_t panels = wd[0], row_blocks = (T + kRowBlock - 1) / kRowBlock;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t groups = std::max<int64_t>(1, panels * K * P / (256 * 1024));
+  groups = (groups + threads - 1) / threads * threads;
+  const int64_t per_item = std::max<int64_t>(1, (panels + groups - 1) / groups);
+  const int64_t items = (panels + per_item - 1) / per_item;
+  jaxllm::parallel_for(pool, items * row_blocks,
+                       [&p, B, is_signed, row_blocks, per_item, panels](int64_t i) {
+    const int64_t group = i / row_blocks, rb = i % row_blocks;
+    int8_item(p, B, is_signed, group * per_item, std::min(panels, (group + 1) * per_item),
+              rb * kRowBlock, std::min(p.T, (rb + 1) * kRowBlock));
+  });
+  return ffi::Error::Success();
+#else
+  (void)pool, (void)x, (void)w, (void)scale, (void)offset, (void)y, (void)has_offset;
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "int8_matmul: this build has neither AVX2 nor AVX-512 VNNI");
+#endif
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDequantMatmul, DequantMatmul,
@@ -499,6 +774,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDequantMatmulQ5, DequantMatmulQ5,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("has_offset"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmInt8Matmul, Int8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -15,6 +15,7 @@ prompt logprobs) runs on the quantized weights and no float32 copy of them is ke
 from __future__ import annotations
 
 import functools
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from jaxllm.model_executor.layers import cpu_ffi
 SOURCE = Path(__file__).with_suffix(".cc")
 _TARGET = "jaxllm_dequant_matmul"
 _TARGET_Q5 = "jaxllm_dequant_matmul_q5"
+_TARGET_INT8 = "jaxllm_int8_matmul"
 
 
 def available(isa: str | None = None) -> bool:
@@ -39,7 +41,8 @@ def available(isa: str | None = None) -> bool:
 @functools.cache
 def _available(isa: str) -> bool:
     return cpu_ffi.register(SOURCE, {_TARGET: "JaxllmDequantMatmul",
-                                     _TARGET_Q5: "JaxllmDequantMatmulQ5"},
+                                     _TARGET_Q5: "JaxllmDequantMatmulQ5",
+                                     _TARGET_INT8: "JaxllmInt8Matmul"},
                             ".gguf models load dequantized by default, and quantization='gguf' "
                             "runs XLA's fused GEMVs (slower)", isa)
 
@@ -90,6 +93,58 @@ def pack_q5(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([packed, signs], axis=-1))
 
 
+def int8_supported(isa: str | None = None) -> bool:
+    """Whether the `isa` build has the integer path (`int8_matmul`): x86 with AVX2 (every
+    machine that runs the avx2 build; the native build of an AVX2 or AVX-512 CPU). Elsewhere
+    (aarch64, x86 without AVX2) it is not compiled, and the exact path runs."""
+    isa = cpu_ffi.resolve_isa(isa)
+    if platform.machine() not in ("x86_64", "AMD64") or not cpu_ffi.runs_here(isa):
+        return False
+    return isa == "avx2" or cpu_ffi.runs_here("avx2")
+
+
+INT8_GROUP = 4  # consecutive k per 32-bit lane of the integer layout
+INT8_MAX = 127  # largest unsigned value: maddubs' pair sums (2 * 128 * 127) must not saturate
+
+
+def pack_int8(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """The integer path's layout of a repacked GGUF weight: values [out / P, in / 4, P, 4]
+    (4 consecutive k of a feature side by side), scale / offset panels as `pack`'s. Values
+    become unsigned u = q + zero (0..127), zero a power of two folded into the offset
+    (-zero * scale, exact), for formats without offsets whose values are signed (Q6_K, Q5_0,
+    Q4_0); Q4_K and Q5_K are unsigned already; Q8_0's full int8 range stays signed (int8). None
+    where neither fits (a signed format with offsets: none of gguf's): the weight keeps the
+    exact path's layout."""
+    out, cols = qweight.shape
+    p = panel_size(out)
+    if p is None or cols % 32:
+        raise ValueError(f"int8 layout: out ({out}) must be a multiple of 16 and in ({cols}) "
+                         f"of 32")
+    lo, hi = (int(qweight.min()), int(qweight.max())) if qweight.size else (0, 0)
+    zero = 0 if lo >= 0 else 1 << (-lo - 1).bit_length()
+    if zero and offset is not None:
+        return None
+    if hi + zero <= INT8_MAX:
+        values = (qweight.astype(np.int16) + zero).astype(np.uint8)
+        if zero:
+            offset = (scale * np.float32(-zero)).astype(np.float32)
+    else:
+        values = qweight.astype(np.int8)
+
+    def panels(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a.reshape(out // p, p, a.shape[1]).transpose(0, 2, 1))
+
+    grouped = values.reshape(out // p, p, cols // INT8_GROUP, INT8_GROUP).transpose(0, 2, 1, 3)
+    return (np.ascontiguousarray(grouped), panels(scale),
+            None if offset is None else panels(offset))
+
+
+def is_int8(a: Any) -> bool:
+    """Whether `a` is values in the integer path's layout (`pack_int8`)."""
+    return len(a.shape) == 4
+
+
 def is_q5(a: Any) -> bool:
     return jnp.dtype(a.dtype) == jnp.uint8 and len(a.shape) == 3 and a.shape[2] == Q5_BYTES
 
@@ -107,6 +162,9 @@ def unpack(a: Any) -> Any:
     inverse for one array (numpy or jax)."""
     if is_q5(a):
         a = _q5_values(a)
+    if is_int8(a):  # unsigned values as int8 (<= 127): with the folded offset, the same weight
+        panels, groups, p, g = a.shape
+        return a.astype(jnp.int8).transpose(0, 2, 1, 3).reshape(panels * p, groups * g)
     panels, cols, p = a.shape
     return a.transpose(0, 2, 1).reshape(panels * p, cols)
 
@@ -114,6 +172,9 @@ def unpack(a: Any) -> Any:
 def take_rows(a: Any, rows: jax.Array) -> jax.Array:
     """Rows [len(rows), cols] of a packed array without unpacking the rest (the embedding's
     gather): row r is feature r % P of panel r // P."""
+    if is_int8(a):
+        p = a.shape[2]
+        return a[rows // p, :, rows % p, :].astype(jnp.int8).reshape(len(rows), -1)
     if not is_q5(a):
         p = a.shape[2]
         return a[rows // p, :, rows % p]
@@ -180,5 +241,29 @@ def dequant_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array,
     if offset is None:
         offset = jnp.zeros((0, 0, 0), jnp.float32)  # the FFI signature wants a buffer
     target = cpu_ffi.target_name(_TARGET_Q5 if is_q5(qweight) else _TARGET, isa)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((t, n), jnp.float32))
+    return call(x.astype(jnp.float32), qweight, scale, offset, has_offset=has_offset)
+
+
+def int8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, offset: jax.Array | None,
+                *, isa: str | None = None) -> jax.Array:
+    """x [T, in] times a `pack_int8` weight -> [T, out] float32 by the integer path: x
+    quantized to int8 per block of 32 in the kernel (cpu_dequant_matmul.cc), integer dot
+    products against the weight's values, then the blocks' scales and offsets. Not exact (x is
+    rounded to 8 bits); needs `int8_supported(isa)`."""
+    isa = cpu_ffi.resolve_isa(isa)
+    if not (int8_supported(isa) and available(isa)):
+        raise RuntimeError(f"the CPU kernel's {isa} build has no integer path here")
+    if len(x.shape) != 2 or not is_int8(qweight) or qweight.shape[3] != INT8_GROUP \
+            or x.shape[1] != qweight.shape[1] * INT8_GROUP:
+        raise ValueError(f"int8_matmul: x [T, in] and values [out / P, in / 4, P, 4], got "
+                         f"{tuple(x.shape)} and {tuple(qweight.shape)}")
+    if jnp.dtype(qweight.dtype) not in (jnp.uint8, jnp.int8):
+        raise ValueError(f"int8_matmul: values must be uint8 or int8, got {qweight.dtype}")
+    t, n = x.shape[0], scale.shape[0] * scale.shape[2]
+    has_offset = offset is not None
+    if offset is None:
+        offset = jnp.zeros((0, 0, 0), jnp.float32)
+    target = cpu_ffi.target_name(_TARGET_INT8, isa)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((t, n), jnp.float32))
     return call(x.astype(jnp.float32), qweight, scale, offset, has_offset=has_offset)

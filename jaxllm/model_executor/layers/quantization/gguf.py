@@ -43,25 +43,33 @@ class GGUFWeight(NamedTuple):
     kernel read these) or, for our CPU kernel, its panels (`cpu_dequant_matmul.pack`: [out / P,
     in, P] and [out / P, in // block, P]); the values are the same."""
 
-    qweight: jax.Array  # int8 [out, in]; packed int8 [out / P, in, P] or uint8 [out / 64, in, 40]
+    # int8 [out, in]; packed int8 [out / P, in, P] or uint8 [out / 64, in, 40]; for the integer
+    # path uint8 or int8 [out / P, in / 4, P, 4]
+    qweight: jax.Array
     scale: jax.Array  # float32 [out, in // block], or [out / P, in // block, P] packed
     offset: jax.Array | None  # as scale; None when the format has no mins
 
     @property
     def packed(self) -> bool:
-        return self.qweight.ndim == 3
+        return self.qweight.ndim >= 3
 
     @property
     def shape(self) -> tuple[int, int]:
         if self.packed:  # the scales' panels give P (a 5-bit panel's values are 40 bytes wide)
             panels, _, p = self.scale.shape
-            return panels * p, self.qweight.shape[1]
+            groups = self.qweight.shape[1]
+            return panels * p, groups * (self.qweight.shape[3] if self.int8 else 1)
         rows, cols = self.qweight.shape
         return rows, cols
 
     @property
+    def int8(self) -> bool:
+        """Packed for the integer path (`cpu_dequant_matmul.pack_int8`, cpu_int8_activations)."""
+        return self.qweight.ndim == 4
+
+    @property
     def block_size(self) -> int:
-        return self.qweight.shape[1] // self.scale.shape[1]
+        return self.shape[1] // self.scale.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +138,8 @@ def gguf_linear(x: jax.Array, w: GGUFWeight) -> jax.Array:
     reads the int8 weight T times, which beats the float32 GEMM only for a few rows; the runner
     then gives GGUFWeights to small decode buckets only. The vector-matrix form `x[i] @ w.T` is
     the one XLA fuses (a dot_general of [1, in] by [out, in] is not)."""
+    if w.int8:
+        return cpu_dequant_matmul.int8_matmul(x, w.qweight, w.scale, w.offset)
     if w.packed:
         return cpu_dequant_matmul.dequant_matmul(x, w.qweight, w.scale, w.offset)
     return jnp.stack([_gemv(x[i].astype(jnp.float32), w) for i in range(x.shape[0])])
