@@ -52,7 +52,6 @@ def _weight(rng, fmt: str, shape: tuple[int, int]):
     if r.offset is not None:
         w = w + r.offset[..., None]
     packed = kernel.pack_int8(r.qweight, r.scale, r.offset)
-    assert packed is not None
     return GGUFWeight(*(None if a is None else jnp.asarray(a) for a in packed)), \
         w.reshape(shape), r
 
@@ -146,13 +145,23 @@ def test_packing_moves_values_only(fmt, rng):
                                rtol=1e-6, atol=1e-7)
 
 
-def test_signed_format_with_offsets_keeps_the_exact_layout(rng):
-    """No GGUF format has signed values and offsets, but such blocks get None (the exact
-    layout) rather than a wrong fold."""
-    q = rng.integers(-16, 16, (64, 64)).astype(np.int8)
-    scale = np.ones((64, 2), np.float32)
-    assert kernel.pack_int8(q, scale, scale) is None
-    assert kernel.pack_int8(q, scale, None) is not None
+def test_signed_values_with_offsets(rng, cpu_isa):
+    """Fused rows of a signed format and one with offsets (Q6_K beside Q4_K, as a qkv
+    projection may be) keep their values signed, with the offsets, and still match float64."""
+    parts = [gguf_repack.repack(random_blocks(rng, fmt, 64, 256), fmt, (64, 256), "t")
+             for fmt in ("Q6_K", "Q4_K")]
+    r = gguf_repack.concat_rows(parts)
+    assert r.offset is not None and r.qweight.min() < 0
+    w = GGUFWeight(*(None if a is None else jnp.asarray(a)
+                     for a in kernel.pack_int8(r.qweight, r.scale, r.offset)))
+    assert w.qweight.dtype == jnp.int8
+    w64 = (r.qweight.reshape(128, -1, r.block_size) * r.scale[..., None].astype(np.float64)
+           + r.offset[..., None]).reshape(128, 256)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    xq, d = quantize_rows(x)
+    xhat = xq * np.repeat(d, QUANT_BLOCK, axis=1).astype(np.float64)
+    got = _call(x, w, cpu_isa)
+    assert np.all(np.abs(got - xhat @ w64.T) <= 2e-6 * (np.abs(xhat) @ np.abs(w64.T)))
 
 
 def test_gguf_linear_dispatches_and_bad_shapes_are_named(rng):

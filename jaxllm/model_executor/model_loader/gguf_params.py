@@ -56,9 +56,8 @@ _LAYER_WEIGHTS = {
 
 
 def _device(r: RepackedBlocks, packed: bool, compact: bool, int8: bool = False) -> GGUFWeight:
-    layout = cpu_dequant_matmul.pack_int8(r.qweight, r.scale, r.offset) if int8 else None
-    if layout is not None:
-        q, scale, offset = layout
+    if int8:
+        q, scale, offset = cpu_dequant_matmul.pack_int8(r.qweight, r.scale, r.offset)
     elif packed:
         q, scale, offset = cpu_dequant_matmul.pack(r.qweight, r.scale, r.offset, compact)
     else:

@@ -108,14 +108,14 @@ INT8_MAX = 127  # largest unsigned value: maddubs' pair sums (2 * 128 * 127) mus
 
 
 def pack_int8(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The integer path's layout of a repacked GGUF weight: values [out / P, in / 4, P, 4]
-    (4 consecutive k of a feature side by side), scale / offset panels as `pack`'s. Values
-    become unsigned u = q + zero (0..127), zero a power of two folded into the offset
-    (-zero * scale, exact), for formats without offsets whose values are signed (Q6_K, Q5_0,
-    Q4_0); Q4_K and Q5_K are unsigned already; Q8_0's full int8 range stays signed (int8). None
-    where neither fits (a signed format with offsets: none of gguf's): the weight keeps the
-    exact path's layout."""
+    (4 consecutive k of a feature side by side), scale / offset panels as `pack`'s. Values are
+    unsigned where they can be, which the dot products take most cheaply: u = q + zero
+    (0..127), zero a power of two folded into the offset (-zero * scale, exact) for signed
+    formats without offsets (Q6_K, Q5_0, Q4_0); Q4_K and Q5_K are unsigned already. Otherwise
+    (Q8_0's full int8 range, or rows of signed and offset formats fused) they stay signed
+    (int8)."""
     out, cols = qweight.shape
     p = panel_size(out)
     if p is None or cols % 32:
@@ -123,9 +123,7 @@ def pack_int8(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None
                          f"of 32")
     lo, hi = (int(qweight.min()), int(qweight.max())) if qweight.size else (0, 0)
     zero = 0 if lo >= 0 else 1 << (-lo - 1).bit_length()
-    if zero and offset is not None:
-        return None
-    if hi + zero <= INT8_MAX:
+    if hi + zero <= INT8_MAX and (zero == 0 or offset is None):
         values = (qweight.astype(np.int16) + zero).astype(np.uint8)
         if zero:
             offset = (scale * np.float32(-zero)).astype(np.float32)
