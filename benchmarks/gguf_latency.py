@@ -13,7 +13,8 @@ llama.cpp runs the same batch through its batch API (prompts in chunks of up to 
 then one token per sequence per step, greedy), as llama.cpp's batched-bench does.
 
 Settings: `none` (float32, dequantized), `gguf` (quantization="gguf"), `gguf-compact` (and
-gguf_compact=True), `bfloat16`, and `llama.cpp`: llama-cpp-python on the same GGUF file, a
+gguf_compact=True), `gguf-int8` (and cpu_int8_activations=True: int8 activations, not exact),
+`bfloat16`, and `llama.cpp`: llama-cpp-python on the same GGUF file, a
 thread per core the process may use (`taskset` limits both engines alike), greedy, the same
 prompt token ids
 (needs the optional `bench` extra, `pip install -e '.[bench]'`, which builds llama.cpp from
@@ -53,6 +54,7 @@ from jaxllm.model_executor.model_loader.default_model import default_model_path
 
 SETTINGS = {"none": {"quantization": "none"}, "gguf": {"quantization": "gguf"},
             "gguf-compact": {"quantization": "gguf", "gguf_compact": True},
+            "gguf-int8": {"quantization": "gguf", "cpu_int8_activations": True},
             "bfloat16": {"dtype": "bfloat16"}, "llama.cpp": None}
 
 

@@ -44,6 +44,15 @@ def weights(tree: dict) -> int:
     return body + count(tree.get("lm_head", tree["embed_tokens"]))
 
 
+def matmul_bytes(tree: dict) -> int:
+    """Bytes a step's weight matmuls read (the decoder's weights and the LM head, not the
+    embedding's gather): at one row, divided by the time, the rate the matmuls stream at."""
+    body = sum(x.nbytes for k, v in tree.items() if k.startswith("layers_")
+               for x in jax.tree.leaves(v))
+    return body + sum(x.nbytes for x in jax.tree.leaves(tree.get("lm_head",
+                                                                  tree["embed_tokens"])))
+
+
 class Matmuls:
     """The model's weights in each format, in this process's build."""
 
@@ -64,7 +73,8 @@ class Matmuls:
         self.gemm = {"xla": 0.0, "numpy": 0.0}
 
     def describe(self) -> str:
-        sizes = ", ".join(f"{name} {sum(x.nbytes for x in jax.tree.leaves(t)) / 2**20:.1f} MiB"
+        sizes = ", ".join(f"{name} {sum(x.nbytes for x in jax.tree.leaves(t)) / 2**20:.1f} MiB "
+                          f"({matmul_bytes(t) / 2**20:.1f} read by a step's matmuls)"
                           for name, t in self.trees.items())
         return (f"CPU kernel {cpu_ffi.default_isa()} build; weights in memory: {sizes}; GEMM "
                 f"reference: {' or '.join(self.sources)}")
