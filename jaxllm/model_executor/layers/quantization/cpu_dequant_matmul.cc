@@ -489,15 +489,16 @@ ffi::Error DequantMatmulQ5(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // values multiplied by xq in integer dot products, and per weight block y += d * scale * sum(xq *
 // u) + d * sum(xq) * offset. Not exact: x is rounded to 8 bits (a relative error of up to
 // 1/254 of the block's largest value per element), so logits move a little from the exact path's.
-// It does 4 multiply-adds of bytes per 32-bit lane per instruction where the float path does one
-// conversion and one FMA per weight, which is what lets a CPU without AVX-512 keep up with the
-// memory (BENCHMARKS.md).
+// VNNI does 4 multiply-adds of bytes per 32-bit lane in one instruction (AVX2 in three) where the
+// float path widens, converts and FMAs per weight: fewer vector operations per weight, which is
+// what decides once the weights come from cache, or on AVX2 even from memory (BENCHMARKS.md).
 //
 // Layout (cpu_dequant_matmul.pack_int8): [N / P, K / 4, P, 4] bytes, 4 consecutive k of one
 // feature in one 32-bit lane, so one vector is kW features x 4 k and the rows' 4 bytes of xq are
 // a broadcast 32-bit value. Unsigned values (u = q + zero, 0..127: Q4_K, Q5_K, Q6_K, Q5_0,
-// Q4_0), the zero folded into the offset at packing, or signed int8 (Q8_0), which both
-// instructions need turned into unsigned x signed products (dot_signed).
+// Q4_0), the zero folded into the offset at packing, or signed int8 (Q8_0, and fused rows of
+// signed and offset formats), which both instructions need turned into unsigned x signed
+// products (dot_signed).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define JAXLLM_INT8_DOT 1
 namespace i8 {
