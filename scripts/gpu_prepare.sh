@@ -63,7 +63,9 @@ DEST="$(cd "$DEST" && pwd)"
 # --------------------------------------------------------------------------- wheels
 # What the GPU image (Python 3.12, JAX 0.11.2 with the CUDA 13 plugin) holds of jaxllm's runtime
 # dependencies, and wheels of the others. Versions: the ones this project is tested with (a
-# test holds every runtime dependency in pyproject.toml to one of the two lists).
+# test holds every runtime dependency in pyproject.toml to one of the two lists; the script
+# itself does not read the first).
+# shellcheck disable=SC2034
 GPU_IMAGE_HAS=(jax jaxlib torch transformers flax jinja2 tokenizers safetensors numpy tqdm
                pyyaml requests prometheus-client)
 RUNTIME_WHEELS=(msgspec==0.22.0 pyzmq==27.3.0 gguf==0.19.0 llguidance==1.9.1)

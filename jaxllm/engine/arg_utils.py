@@ -70,7 +70,8 @@ class EngineArgs:
     cpu_int8_activations: bool = _arg(
         False, "with quantization gguf on CPU: our kernel quantizes each row of activations to "
                "int8 per block of 32 values (as llama.cpp does) and multiplies by the GGUF "
-               "values in integer dot products (AVX2 maddubs, AVX-512 VNNI), for every bucket; "
+               "values in integer dot products (AVX2 maddubs, AVX-512 VNNI), for every bucket "
+               "(a tied LM head, read from the embedding, stays exact); "
                "faster where the float32 path is bound by vector work (AVX2 machines), but not "
                "exact: logprobs move slightly from HF's and greedy tokens can differ "
                "(docs/perf/gguf-cpu.md). Without AVX2 (aarch64) a warning and the exact path")
@@ -272,6 +273,9 @@ class EngineArgs:
         quantization = resolve_quantization(self.quantization, path, dtype, backend,
                                             self.tensor_parallel_size, platform)
         kv_cache_dtype = resolve_kv_cache_dtype(dtype, platform)
+        if self.gguf_compact and self.cpu_int8_activations:
+            raise ValueError("gguf_compact and cpu_int8_activations each lay out the CPU "
+                             "kernel's blocks their own way: ask for one of them")
         if self.gguf_compact and (quantization != "gguf" or platform != "cpu"
                                   or backend != "reference"):
             raise ValueError(f"gguf_compact packs the GGUF blocks our CPU kernel reads: it needs "

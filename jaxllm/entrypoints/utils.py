@@ -20,4 +20,3 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
     # Only the multi-second step compiles are worth a disk entry.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-

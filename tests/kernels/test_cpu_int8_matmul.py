@@ -87,8 +87,7 @@ def test_matches_float64_of_the_quantized_activations(fmt, rows, rng, cpu_isa):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_within_the_activation_rounding_of_the_exact_path(fmt, rng, cpu_isa):
     """Against the exact path (our float32 kernel on gguf's weights): at most the bound the
-    8-bit activations allow (module docstring), and on random data well inside it (measured:
-    the largest error is ~0.5 % of the largest output)."""
+    8-bit activations allow (module docstring), and on random data well inside it."""
     w, w64, r = _weight(rng, fmt, (128, 512))
     exact_w = GGUFWeight(*(None if a is None else jnp.asarray(a)
                            for a in kernel.pack(r.qweight, r.scale, r.offset)))
@@ -189,3 +188,21 @@ def test_unsupported_targets_fall_back(monkeypatch):
     assert not resolve_cpu_int8_activations(False, "gguf", "cpu", "reference")
     with pytest.raises(ValueError, match="cpu_int8_activations"):
         resolve_cpu_int8_activations(True, "none", "cpu", "reference")
+
+
+@pytest.mark.parametrize("quantization, platform, backend", [
+    ("gguf", "gpu", "pallas"), ("gguf", "cpu", "pallas"), ("none", "cpu", "reference")])
+def test_the_option_names_what_it_needs(quantization, platform, backend):
+    from jaxllm.config import resolve_cpu_int8_activations
+
+    with pytest.raises(ValueError, match=f"{quantization!r} on {platform} with {backend!r}"):
+        resolve_cpu_int8_activations(True, quantization, platform, backend)
+    assert not resolve_cpu_int8_activations(False, quantization, platform, backend)
+
+
+def test_the_option_excludes_compact_panels():
+    from jaxllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="gguf_compact and cpu_int8_activations"):
+        EngineArgs(model="tiny-qwen2", gguf_compact=True,
+                   cpu_int8_activations=True).create_engine_config()

@@ -168,10 +168,11 @@ def test_serve_refuses_a_non_positive_bound(flag, capsys):
 
 
 def test_serve_does_its_start_up_work_before_serving(monkeypatch):
-    """Work that held the GIL, and so the event loop, for 0.3-0.7 s while a burst of requests
-    came in: a full garbage collection of the start-up heap (frozen now, so collections skip
-    it) and the first text prompt's read of the whole vocabulary (the prompt-length bound,
-    computed now). `jaxllm serve` does both before uvicorn serves anything."""
+    """Work that held the GIL, and so the event loop, for a large part of a second (BENCHMARKS.md,
+    the soak) while a burst of requests came in: a full garbage collection of the start-up heap
+    (frozen now, so collections skip it) and the first text prompt's read of the whole
+    vocabulary (the prompt-length bound, computed now). `jaxllm serve` does both before uvicorn
+    serves anything."""
     import functools
     import gc
     import signal

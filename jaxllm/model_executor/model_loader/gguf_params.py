@@ -102,6 +102,9 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         raise ModelLoadError(f"{path}: gguf_compact and cpu_int8_activations pack blocks for our "
                              f"CPU kernel, which this load does not run (kernel backend, "
                              f"platform or no compiler)")
+    if int8 and not cpu_dequant_matmul.int8_supported():
+        raise ModelLoadError(f"{path}: cpu_int8_activations: our CPU kernel has no integer path "
+                             f"on this machine (it needs x86 with AVX2)")
     gemv = {k: v for k, v in params.items()}
     # Our CPU kernel takes rows of any width; XLA's fused GEMV lost to float32 on down_proj's.
     any_width = fused_kernel or cpu_kernel
