@@ -5,6 +5,7 @@ connection bound, and the served OpenAPI schema. One shared server (tests/server
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -111,6 +112,39 @@ def test_a_connection_without_headers_is_closed(server, sent):
     assert _raw(server, sent, timeout=HEADER_TIMEOUT_S + 10) == b""
     assert HEADER_TIMEOUT_S - 0.5 < time.monotonic() - start < HEADER_TIMEOUT_S + 5
     assert http("GET", server.url + "/health")[0] == 200
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """One response with a Content-Length body off a kept-alive connection."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        chunk = s.recv(65536)
+        assert chunk, f"closed before a response: {out[:200]!r}"
+        out += chunk
+    head, _, body = out.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk, "closed inside a response"
+        body += chunk
+    return head
+
+
+def test_an_idle_kept_alive_connection_outlives_the_header_timeout(server):
+    """Between requests only the keep-alive timeout applies (uvicorn's, 5 s): a connection
+    idle longer than the header timeout still serves its next request, while the next
+    request's headers, once begun, get the header timeout again."""
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=HEADER_TIMEOUT_S + 10) as s:
+        s.sendall(get)
+        assert _read_response(s).startswith(b"HTTP/1.1 200 ")
+        time.sleep(HEADER_TIMEOUT_S + 1)  # past the header timeout, within the keep-alive
+        s.sendall(get)
+        assert _read_response(s).startswith(b"HTTP/1.1 200 ")
+        s.sendall(b"GET /health HTTP/1.1\r\n")  # half the next request's headers
+        start = time.monotonic()
+        assert s.recv(65536) == b""
+        assert HEADER_TIMEOUT_S - 0.5 < time.monotonic() - start < HEADER_TIMEOUT_S + 5
 
 
 def test_connections_beyond_the_limit_get_503(server):

@@ -393,13 +393,18 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
 def header_timeout_protocol(timeout: float) -> type:
     """uvicorn's h11 protocol, closing a connection that has not sent a request's headers
-    within `timeout` seconds of its opening or of its previous response: uvicorn's keep-alive
-    timer stops at the first byte, so a client trickling headers would hold a connection
-    forever (the body has its own timeout, in `read_json`)."""
+    within `timeout` seconds of its opening or of the first byte of a later request: uvicorn's
+    keep-alive timer stops at the first byte, so a client trickling headers would hold a
+    connection forever (the body has its own timeout, in `read_json`). Between requests the
+    connection is idle and the keep-alive timeout alone applies: a shorter timer there would
+    close idle connections a client's pool still counts as open, and the request it sends on
+    one as it closes fails."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeaderTimeoutH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _between_requests = False  # a response done, the next request's first byte not in
 
         def _arm(self) -> None:
             self._disarm()
@@ -423,17 +428,29 @@ def header_timeout_protocol(timeout: float) -> type:
             self._disarm()
             super().connection_lost(exc)
 
+        def data_received(self, data: bytes) -> None:
+            if self._between_requests and data:
+                self._between_requests = False
+                self._arm()
+            super().data_received(data)
+
         def handle_events(self) -> None:
             cycle = self.cycle
             super().handle_events()
             if self.cycle is not cycle:  # a request's headers are in
+                self._between_requests = False
                 self._disarm()
 
         def on_response_complete(self) -> None:
             cycle = self.cycle
             super().on_response_complete()  # may start a pipelined request (a new cycle)
             if self.cycle is cycle and not self.transport.is_closing():
-                self._arm()
+                if self.conn.their_state is h11.SEND_BODY:
+                    # Answered before its body was all in (a body timeout, a size limit): what
+                    # follows on this connection cannot be told from the rest of that body.
+                    self.transport.close()
+                else:
+                    self._between_requests = True
 
     return HeaderTimeoutH11Protocol
 
