@@ -35,7 +35,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: 60)")
     p.add_argument("--request-header-timeout", type=float, default=30.0,
                    help="seconds a connection gets to send a request's headers (from its "
-                        "opening or its previous response) before it is closed (default: 30)")
+                        "opening or the request's first byte) before it is closed (default: 30)")
     p.add_argument("--limit-concurrency", type=int, default=1024,
                    help="open connections and requests in progress beyond which new requests "
                         "get 503 (uvicorn's; default: 1024)")
