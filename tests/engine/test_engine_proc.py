@@ -325,11 +325,20 @@ def test_async_kill_core_every_caller_gets_engine_dead(async_llm):
     pid, tmpdir = client.core_pid, client.resources.tmpdir
     sp = SamplingParams(temperature=0.8, max_tokens=240, ignore_eos=True)
 
+    killed_at = []
+
+    def kill() -> None:
+        os.kill(pid, signal.SIGKILL)
+        killed_at.append(time.monotonic())
+
     async def main():
         tasks = [asyncio.create_task(_collect(async_llm, "x", sp, f"k{i}")) for i in range(4)]
-        await asyncio.sleep(0.3)
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
+        # From a thread: a pause of this process's event loop (a full garbage collection of the
+        # suite's heap) must not delay the kill until the streams have finished.
+        timer = threading.Timer(0.3, kill)
+        timer.start()
+        await asyncio.to_thread(timer.join)
+        killed = killed_at[0]
         results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
         elapsed = time.monotonic() - killed
         with pytest.raises(EngineDeadError):
