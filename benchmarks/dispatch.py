@@ -148,10 +148,7 @@ def measure(runner: ModelRunner, num_tokens: int, calls: int, real_steps: int
         fixed = jax.device_put(packed, step.sharding)
 
         def real_fixed() -> Any:
-            results_ = step.executable.execute_sharded(
-                [*step.weights, state["kv"], buf_real.pop(), fixed])
-            *out, state["kv"] = jax.tree.unflatten(step.out_tree, [
-                shards[0] for shards in results_.disassemble_into_single_device_arrays()])
+            *out, state["kv"] = step.execute(state["kv"], buf_real.pop(), fixed)
             buf_real.append(out[3])
             return out[3]
 

@@ -62,6 +62,10 @@ class StepCall:
     def __call__(self, kv_cache: jax.Array, logits_buf: jax.Array, packed: np.ndarray) -> Any:
         inputs = xla_client.batched_device_put(self._aval(packed.shape[0]), self.sharding,
                                                [packed], self.devices, True)
+        return self.execute(kv_cache, logits_buf, inputs)
+
+    def execute(self, kv_cache: jax.Array, logits_buf: jax.Array, inputs: jax.Array) -> Any:
+        """The call with the packed inputs already on the device."""
         results = self.executable.execute_sharded([*self.weights, kv_cache, logits_buf, inputs])
         outs = [shards[0] for shards in results.disassemble_into_single_device_arrays()]
         return jax.tree.unflatten(self.out_tree, outs)
