@@ -45,15 +45,22 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xq.reshape(t, k).astype(np.int64), d
 
 
+def _float64(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> np.ndarray:
+    """q [out, in] * scale (+ offset) per block, in float64."""
+    out, cols = q.shape
+    w = q.reshape(out, scale.shape[1], -1) * scale[..., None].astype(np.float64)
+    if offset is not None:
+        w = w + offset[..., None].astype(np.float64)
+    return w.reshape(out, cols)
+
+
 def _weight(rng, fmt: str, shape: tuple[int, int]):
-    """(the int8 path's GGUFWeight, float64 weights [out, in] of the same blocks)."""
+    """(the int8 path's GGUFWeight, float64 weights [out, in] of its blocks (the float16
+    scales), the repacked blocks)."""
     r = gguf_repack.repack(random_blocks(rng, fmt, *shape), fmt, shape, "t")
-    w = r.qweight.reshape(shape[0], -1, r.block_size) * r.scale[..., None].astype(np.float64)
-    if r.offset is not None:
-        w = w + r.offset[..., None]
     packed = kernel.pack_int8(r.qweight, r.scale, r.offset)
-    return GGUFWeight(*(None if a is None else jnp.asarray(a) for a in packed)), \
-        w.reshape(shape), r
+    w64 = _float64(*(None if a is None else kernel.unpack(a) for a in packed))
+    return GGUFWeight(*(None if a is None else jnp.asarray(a) for a in packed)), w64, r
 
 
 @functools.cache
@@ -69,8 +76,9 @@ def _call(x, w: GGUFWeight, isa: str) -> np.ndarray:
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 70])
 def test_matches_float64_of_the_quantized_activations(fmt, rows, rng, cpu_isa):
     """Against float64 sum_k (d * xq)[t, k] * w[n, k]: float32 rounding only (the integer
-    sums are exact; the scales' products and the blocks' float32 sum round), for panels of 64,
-    32 and 16 features and tiles of every row count."""
+    sums are exact; the scales' products and the blocks' float32 sum round), for panels of 64
+    (nibble-packed where the values take 4 to 6 bits), 32 and 16 features (bytes) and tiles of
+    every row count (one row unpacks a nibble-packed quad in registers, more a panel at once)."""
     for out, cols in ((128, 256), (96, 512), (48, 256)):
         w, w64, _ = _weight(rng, fmt, (out, cols))
         x = rng.standard_normal((rows, cols)).astype(np.float32)
@@ -87,7 +95,8 @@ def test_matches_float64_of_the_quantized_activations(fmt, rows, rng, cpu_isa):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_within_the_activation_rounding_of_the_exact_path(fmt, rng, cpu_isa):
     """Against the exact path (our float32 kernel on gguf's weights): at most the bound the
-    8-bit activations allow (module docstring), and on random data well inside it."""
+    8-bit activations and the float16 scales allow (module docstring; a scale or offset moves
+    by at most 2^-11 of itself), and on random data well inside it."""
     w, w64, r = _weight(rng, fmt, (128, 512))
     exact_w = GGUFWeight(*(None if a is None else jnp.asarray(a)
                            for a in kernel.pack(r.qweight, r.scale, r.offset)))
@@ -95,7 +104,11 @@ def test_within_the_activation_rounding_of_the_exact_path(fmt, rng, cpu_isa):
     exact = np.asarray(kernel.dequant_matmul(jnp.asarray(x), *exact_w, isa=cpu_isa))
     got = _call(x, w, cpu_isa)
     amax = np.abs(x.reshape(9, -1, QUANT_BLOCK)).max(-1)
-    bound = np.repeat(amax, QUANT_BLOCK, axis=1) / 254 @ np.abs(w64.T)
+    terms = np.abs(_float64(r.qweight, r.scale, None))
+    if r.offset is not None:
+        terms = terms + np.abs(_float64(np.ones_like(r.qweight), r.offset, None))
+    bound = np.repeat(amax, QUANT_BLOCK, axis=1) / 254 @ np.abs(w64.T) \
+        + np.abs(x) @ terms.T * 2.0 ** -11
     assert np.all(np.abs(got - exact) <= bound * (1 + 1e-4) + 1e-6)
     assert np.max(np.abs(got - exact)) <= 0.02 * np.max(np.abs(exact))
 
@@ -113,35 +126,70 @@ def test_rows_do_not_depend_on_the_batch(rng, cpu_isa):
 def test_builds_agree(rng):
     """Native (VNNI here where the CPU has it) and AVX2 builds: the same integer sums, the
     same float32 operations per block, so the same bits."""
-    w, _, _ = _weight(rng, "Q8_0", (64, 256))
-    x = rng.standard_normal((3, 256)).astype(np.float32)
     builds = [isa for isa in ("native", "avx2") if kernel.int8_supported(isa)]
-    results = [_call(x, w, isa) for isa in builds]
-    for other in results[1:]:
-        np.testing.assert_array_equal(other, results[0])
+    for fmt in ("Q8_0", "Q5_0"):  # bytes, nibble-packed
+        w, _, _ = _weight(rng, fmt, (64, 256))
+        for rows in (1, 3):
+            x = rng.standard_normal((rows, 256)).astype(np.float32)
+            results = [_call(x, w, isa) for isa in builds]
+            for other in results[1:]:
+                np.testing.assert_array_equal(other, results[0])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_packing_moves_values_only(fmt, rng):
-    """pack_int8: 4 consecutive k of a feature side by side; values unsigned (q + zero, the
-    zero a power of two folded into the offset exactly) but Q8_0's, which stay signed; the
-    GGUFWeight reads back as the same weight (unpacked for dequantize and row gathers)."""
-    w, w64, r = _weight(rng, fmt, (96, 256))
+@pytest.mark.parametrize("out", [128, 96])
+def test_packing_moves_values_only(fmt, out, rng):
+    """pack_int8: panels of 64 whose values take 4 to 6 bits nibble-packed (signed formats
+    stored as q + 2^(bits - 1), marked int8), other panels bytes with 4 consecutive k of a
+    feature side by side (unsigned, q + zero with the zero folded into the offset exactly, but
+    Q8_0's, which stay signed); scales float16. The GGUFWeight reads back as the same weight
+    (unpacked for dequantize and row gathers)."""
+    w, w64, r = _weight(rng, fmt, (out, 256))
     values, scale, offset = (np.asarray(a) if a is not None else None for a in w)
-    assert values.shape == (96 // 32, 256 // 4, 32, 4)
-    assert values.dtype == (np.int8 if fmt == "Q8_0" else np.uint8)
-    rows = values.transpose(0, 2, 1, 3).reshape(96, 256).astype(np.int64)
-    zero = int(rows.min() - r.qweight.min())
-    np.testing.assert_array_equal(rows - zero, r.qweight)
-    assert zero in (0, 8, 16, 32)
-    assert rows.max() <= kernel.INT8_MAX or fmt == "Q8_0"
-    if zero:
-        np.testing.assert_array_equal(kernel.unpack(offset), r.scale * np.float32(-zero))
-    assert w.shape == (96, 256) and w.block_size == r.block_size and w.int8
+    bits = {"Q4_K": 4, "Q4_0": 4, "Q5_K": 5, "Q5_0": 5, "Q6_K": 6}.get(fmt, 8)
+    assert scale.dtype == np.float16 and (offset is None or offset.dtype == np.float16)
+    if out % 64 == 0 and bits < 8:
+        assert values.shape == (out // 64, 256 // 4, 128 + 32 * (bits - 4))
+        assert values.dtype == (np.uint8 if fmt in ("Q4_K", "Q5_K") else np.int8)
+        assert kernel.int8_zero(values) == (0 if fmt in ("Q4_K", "Q5_K") else 1 << (bits - 1))
+        np.testing.assert_array_equal(kernel.unpack(values), r.qweight)
+        assert (offset is None) == (r.offset is None)
+    else:
+        p = kernel.panel_size(out)
+        assert values.shape == (out // p, 256 // 4, p, 4)
+        assert values.dtype == (np.int8 if fmt == "Q8_0" else np.uint8)
+        rows = values.transpose(0, 2, 1, 3).reshape(out, 256).astype(np.int64)
+        zero = int(rows.min() - r.qweight.min())
+        np.testing.assert_array_equal(rows - zero, r.qweight)
+        assert zero in (0, 8, 16, 32)
+        assert rows.max() <= kernel.INT8_MAX or fmt == "Q8_0"
+        if zero:
+            np.testing.assert_array_equal(
+                kernel.unpack(offset), (r.scale * np.float32(-zero)).astype(np.float16))
+    np.testing.assert_array_equal(kernel.unpack(scale), r.scale.astype(np.float16))
+    assert w.shape == (out, 256) and w.block_size == r.block_size and w.int8
     np.testing.assert_allclose(np.asarray(dequantize(w)), w64, rtol=1e-6, atol=1e-7)
-    take = jnp.asarray([0, 95, 33])
+    take = jnp.asarray([0, out - 1, 33])
     np.testing.assert_allclose(np.asarray(dequantize(w, take)), w64[np.asarray(take)],
                                rtol=1e-6, atol=1e-7)
+
+
+def test_nibble_layout_bytes():
+    """The nibble-packed layout's bytes as documented: per quad of a 64-feature panel (values
+    f * 4 + j for feature f, k = 4 quad + j), byte i holds value i's low nibble and value
+    i + 128's in its high half, and plane p's byte i has value 32 b + i's bit 4 + p in bit b."""
+    q = np.arange(64 * 32, dtype=np.int64).reshape(64, 32) % 61 - 30  # -30..30: 6 bits, signed
+    values, _, _ = kernel.pack_int8(q.astype(np.int8), np.ones((64, 1), np.float32), None)
+    assert values.shape == (1, 8, 192) and values.dtype == np.int8
+    stored = (q + 32).reshape(64, 8, 4).transpose(1, 0, 2).reshape(8, 256)  # per quad, f * 4 + j
+    raw = values.view(np.uint8)
+    for quad in range(8):
+        for i in range(128):
+            assert raw[0, quad, i] == (stored[quad, i] & 15) | (stored[quad, i + 128] & 15) << 4
+        for plane in range(2):
+            for i in range(32):
+                want = sum(((stored[quad, 32 * b + i] >> (4 + plane)) & 1) << b for b in range(8))
+                assert raw[0, quad, 128 + 32 * plane + i] == want
 
 
 def test_signed_values_with_offsets(rng, cpu_isa):
@@ -151,11 +199,10 @@ def test_signed_values_with_offsets(rng, cpu_isa):
              for fmt in ("Q6_K", "Q4_K")]
     r = gguf_repack.concat_rows(parts)
     assert r.offset is not None and r.qweight.min() < 0
-    w = GGUFWeight(*(None if a is None else jnp.asarray(a)
-                     for a in kernel.pack_int8(r.qweight, r.scale, r.offset)))
-    assert w.qweight.dtype == jnp.int8
-    w64 = (r.qweight.reshape(128, -1, r.block_size) * r.scale[..., None].astype(np.float64)
-           + r.offset[..., None]).reshape(128, 256)
+    packed = kernel.pack_int8(r.qweight, r.scale, r.offset)
+    w = GGUFWeight(*(None if a is None else jnp.asarray(a) for a in packed))
+    assert w.qweight.dtype == jnp.int8 and w.qweight.ndim == 4
+    w64 = _float64(*(kernel.unpack(a) for a in packed))
     x = rng.standard_normal((5, 256)).astype(np.float32)
     xq, d = quantize_rows(x)
     xhat = xq * np.repeat(d, QUANT_BLOCK, axis=1).astype(np.float64)

@@ -429,8 +429,9 @@ void run(ffi::ThreadPool& pool, const Problem& p, int64_t block, int64_t panel_b
 
 // The shapes both layouts share: x [T, K], scale (and offset) [N / P, K / B, P] with B 16 or 32;
 // an empty string when they hold.
-const char* check_scales(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& scale,
-                         const ffi::Buffer<ffi::F32>& offset, bool has_offset, int64_t K) {
+template <ffi::DataType kScale>
+const char* check_scales(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<kScale>& scale,
+                         const ffi::Buffer<kScale>& offset, bool has_offset, int64_t K) {
   auto xd = x.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
   if (xd.size() != 2 || xd[1] != K) return "x must be [T, K] with the weight's K";
   if (sd.size() != 3 || sd[1] == 0 || K % sd[1] != 0 || (K / sd[1] != 16 && K / sd[1] != 32) ||
@@ -486,19 +487,28 @@ ffi::Error DequantMatmulQ5(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // ---------------------------------------------------------------------------------------------
 // Opt-in integer path (the engine's cpu_int8_activations), as llama.cpp computes: each row of x
 // quantized to int8 per block of 32 (d = max |x| / 127, xq = round(x / d)), the weights' integer
-// values multiplied by xq in integer dot products, and per weight block y += d * scale * sum(xq *
-// u) + d * sum(xq) * offset. Not exact: x is rounded to 8 bits (a relative error of up to
-// 1/254 of the block's largest value per element), so logits move a little from the exact path's.
-// VNNI does 4 multiply-adds of bytes per 32-bit lane in one instruction (AVX2 in three) where the
-// float path widens, converts and FMAs per weight: fewer vector operations per weight, which is
-// what decides once the weights come from cache, or on AVX2 even from memory (BENCHMARKS.md).
+// values multiplied by xq in integer dot products, and per weight block y += d * scale * (sum(xq
+// * u) - zero * sum(xq)) + d * sum(xq) * offset. Not exact: x is rounded to 8 bits (a relative
+// error of up to 1/254 of the block's largest value per element) and the scales to float16, so
+// logits move a little from the exact path's. VNNI does 4 multiply-adds of bytes per 32-bit lane
+// in one instruction (AVX2 in three) where the float path widens, converts and FMAs per weight:
+// fewer vector operations per weight, which is what decides once the weights come from cache,
+// or on AVX2 even from memory (BENCHMARKS.md).
 //
-// Layout (cpu_dequant_matmul.pack_int8): [N / P, K / 4, P, 4] bytes, 4 consecutive k of one
-// feature in one 32-bit lane, so one vector is kW features x 4 k and the rows' 4 bytes of xq are
-// a broadcast 32-bit value. Unsigned values (u = q + zero, 0..127: Q4_K, Q5_K, Q6_K, Q5_0,
-// Q4_0), the zero folded into the offset at packing, or signed int8 (Q8_0, and fused rows of
-// signed and offset formats), which both instructions need turned into unsigned x signed
-// products (dot_signed).
+// Layouts (cpu_dequant_matmul.pack_int8), per panel of P features and 4 consecutive k (a quad):
+// the quad's P x 4 values feature-major, 4 k of a feature side by side in one 32-bit lane, so
+// one vector is kW features x 4 k and the rows' 4 bytes of xq are a broadcast 32-bit value.
+// - bytes [N / P, K / 4, P, 4]: unsigned (u = q + zero, 0..127: maddubs' pair sums cannot
+//   saturate), the zero folded into the offset at packing, or signed int8 (Q8_0, and fused rows
+//   of signed and offset formats), which both instructions need turned into unsigned x signed
+//   products (dot_signed);
+// - nibble-packed (P = 64, values of 4 to 6 bits: Q4_K, Q5_K, Q6_K, Q5_0, Q4_0) [N / 64, K / 4,
+//   128 + 32 (bits - 4)]: per quad 128 bytes, byte i holding value i's low nibble and value
+//   i + 128's in its high half, then a plane per bit above the fourth, byte i's bit b value
+//   32 b + i's. A weight is read at its own width (plus its block's scale), as llama.cpp reads
+//   its blocks, rather than at 8 bits; signed formats are stored as q + zero (zero = 2^(bits -
+//   1)), and zero * sum(xq) comes off each block's integer sum.
+// Scales and offsets: float16 [N / P, K / B, P].
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define JAXLLM_INT8_DOT 1
 namespace i8 {
@@ -507,6 +517,10 @@ using FVec = __m512;
 constexpr int kW = 16;       // features per vector
 constexpr int kMaxRows = 4;  // 16 accumulators + 4 broadcasts + a weight vector of 32 zmm
 constexpr int vectors_for(int) { return 4; }
+// Nibble-packed panels: rows up to which a quad unpacks in registers (more unpack the panel once
+// into bytes), and tiles per quad (each takes the vectors of its share of the nibble bytes).
+constexpr int kPackedRows = 2;
+constexpr int kPackedTiles = 1;
 inline IVec zero() { return _mm512_setzero_si512(); }
 inline IVec load(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline IVec splat32(int32_t v) { return _mm512_set1_epi32(v); }
@@ -519,13 +533,40 @@ inline IVec dot_signed(IVec acc, IVec w, IVec x) {
 inline IVec sub(IVec a, IVec b) { return _mm512_sub_epi32(a, b); }
 inline FVec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
 inline FVec fload(const float* p) { return _mm512_loadu_ps(p); }
+inline FVec hload(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline void fstore(float* p, FVec v) { _mm512_storeu_ps(p, v); }
 inline FVec fsplat(float v) { return _mm512_set1_ps(v); }
 inline FVec fzero() { return _mm512_setzero_ps(); }
 inline FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
 inline FVec ffma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store(uint8_t* p, IVec v) { _mm512_storeu_si512(p, v); }
+
+// A nibble-packed quad's planes, each in both halves of a register (a vector of 64 values
+// takes two planes' bits: its first 32 values' and its last 32's).
+inline IVec load_plane(const uint8_t* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// Vector v (values 64 v .. 64 v + 63) of a nibble-packed quad: the nibbles of bytes 64 (v % 2)
+// on, low halves for v < 2; each plane's bit 2 v (first 32 values) or 2 v + 1 (last 32) added
+// as 16 << plane where set.
+template <int kBits>
+inline IVec packed_vector(const uint8_t* quad, const IVec* planes, int v) {
+  const IVec nib = load(quad + 64 * (v % 2));
+  const IVec m15 = _mm512_set1_epi8(15);
+  IVec u = v < 2 ? _mm512_and_si512(nib, m15) : _mm512_and_si512(_mm512_srli_epi16(nib, 4), m15);
+  const IVec select = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << (2 * v))),
+                                         _mm256_set1_epi8(static_cast<char>(2 << (2 * v))), 1);
+#pragma GCC unroll 2
+  for (int plane = 0; plane < kBits - 4; ++plane) {
+    const __mmask64 set = _mm512_test_epi8_mask(planes[plane], select);
+    u = _mm512_mask_add_epi8(u, set, u, _mm512_set1_epi8(static_cast<char>(16 << plane)));
+  }
+  return u;
+}
 }  // namespace i8
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define JAXLLM_INT8_DOT 1
 namespace i8 {
 using IVec = __m256i;
@@ -535,6 +576,11 @@ constexpr int kW = 8;
 // broadcasts, a weight vector, the maddubs temporaries and the ones.
 constexpr int kMaxRows = 2;
 constexpr int vectors_for(int R) { return R == 1 ? 8 : 4; }
+// Nibble-packed panels: rows up to which a quad unpacks in registers (more unpack the panel once
+// into bytes), and tiles per quad (each takes the vectors of its share of the nibble bytes: 8
+// accumulators and the unpacking's registers do not fit 16 ymm).
+constexpr int kPackedRows = 1;
+constexpr int kPackedTiles = 2;
 inline IVec zero() { return _mm256_setzero_si256(); }
 inline IVec load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline IVec splat32(int32_t v) { return _mm256_set1_epi32(v); }
@@ -552,43 +598,84 @@ inline IVec dot_signed(IVec acc, IVec w, IVec x) {
 inline IVec sub(IVec a, IVec b) { return _mm256_sub_epi32(a, b); }
 inline FVec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
 inline FVec fload(const float* p) { return _mm256_loadu_ps(p); }
+inline FVec hload(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline void fstore(float* p, FVec v) { _mm256_storeu_ps(p, v); }
 inline FVec fsplat(float v) { return _mm256_set1_ps(v); }
 inline FVec fzero() { return _mm256_setzero_ps(); }
 inline FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
 inline FVec ffma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store(uint8_t* p, IVec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+
+inline IVec load_plane(const uint8_t* p) { return load(p); }
+// Vector v (values 32 v .. 32 v + 31) of a nibble-packed quad: the nibbles of bytes 32 (v % 4)
+// on, low halves for v < 4; each plane's bit v moved to bit 4 + plane (16-bit shifts: the bits
+// they carry across a byte are masked off).
+template <int kBits>
+inline IVec packed_vector(const uint8_t* quad, const IVec* planes, int v) {
+  const IVec nib = load(quad + 32 * (v % 4));
+  const IVec m15 = _mm256_set1_epi8(15);
+  IVec u = v < 4 ? _mm256_and_si256(nib, m15) : _mm256_and_si256(_mm256_srli_epi16(nib, 4), m15);
+#pragma GCC unroll 2
+  for (int plane = 0; plane < kBits - 4; ++plane) {
+    const int shift = 4 + plane - v;
+    const IVec moved = shift >= 0 ? _mm256_slli_epi16(planes[plane], shift)
+                                  : _mm256_srli_epi16(planes[plane], -shift);
+    u = _mm256_or_si256(u, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(16 << plane))));
+  }
+  return u;
+}
 }  // namespace i8
 #endif
 
 #if defined(JAXLLM_INT8_DOT)
 constexpr int64_t kQuantBlock = 32;  // x values per activation scale
+constexpr int64_t kQuadValues = 256;  // values per quad of a 64-feature panel
+constexpr int kQuadVectors = kQuadValues / (i8::kW * 4);
+constexpr int kPackedVectors = kQuadVectors / i8::kPackedTiles;  // vectors per packed tile
+// Vector i of nibble-packed tile `tile`: the low and high halves of its share of the quad's
+// nibble vectors (vector v's nibbles are nibble vector v % (kQuadVectors / 2)'s).
+constexpr int packed_vector_index(int tile, int i) {
+  constexpr int nibble_vectors = kQuadVectors / 2, per_tile = nibble_vectors / i8::kPackedTiles;
+  return tile * per_tile + i % per_tile + i / per_tile * nibble_vectors;
+}
 
 struct Int8Problem {
-  const int8_t* xq;     // [T, K]
-  const float* xscale;  // [T, K / B]: the activation scale d of each weight block
-  const float* xoff;    // [T, K / B]: d * the block's sum of xq (the offset's factor)
-  const int32_t* xsum;  // [T, K / B]: the block's sum of xq
-  const uint8_t* w;     // [N / P, K / 4, P, 4]
-  const float* scale;   // [N / P, K / B, P]
-  const float* offset;  // [N / P, K / B, P] or nullptr
-  float* y;             // [T, N]
+  const int8_t* xq;       // [T, K]
+  const float* xscale;    // [T, K / B]: the activation scale d of each weight block
+  const float* xoff;      // [T, K / B]: d * the block's sum of xq (the offset's factor)
+  const int32_t* xsum;    // [T, K / B]: the block's sum of xq
+  const uint8_t* w;       // bytes [N / P, K / 4, P, 4] or nibble-packed [N / 64, K / 4, quad]
+  const uint16_t* scale;  // float16 [N / P, K / B, P]
+  const uint16_t* offset; // float16 [N / P, K / B, P] or nullptr
+  float* y;               // [T, N]
   int64_t T, K, N, P;
+  int64_t quad_bytes;     // a nibble-packed quad's bytes (0 for the byte layout)
+  int32_t zero;           // nibble-packed: what the stored values exceed q by
 };
 
-// Rows [t0, t0 + R) against vectors [v0, v0 + NV) of one panel. The block's integer sums stay
-// in registers; y is the float accumulator, read and written once per block.
-template <int R, int NV, int B, bool kSigned, bool kOffset>
-[[gnu::noinline]] void int8_tile(const Int8Problem& p, int64_t panel, int64_t v0, int64_t t0) {
+// Rows [t0, t0 + R) against NV vectors of one panel, whose values start at `values`: vectors
+// [v0, v0 + NV) of the byte layout (kBits 8), or those of tile kTile of a nibble-packed panel
+// (kBits 4-6, v0 0: packed_vector_index), unpacked in registers per k. The block's integer
+// sums stay in registers; y is the float accumulator, read and written once per block.
+template <int R, int NV, int B, int kBits, bool kSigned, bool kOffset, int kTile = 0>
+[[gnu::noinline]] void int8_tile(const Int8Problem& p, const uint8_t* values, int64_t panel,
+                                 int64_t v0, int64_t t0) {
   using namespace i8;
+  static_assert(kBits == 8 || NV == kPackedVectors, "a nibble-packed tile is fixed");
+  // Where vector i of the tile lies in the panel, in vectors from v0.
+  constexpr auto col = [](int i) { return kBits == 8 ? i : packed_vector_index(kTile, i); };
   const int64_t K = p.K, P = p.P, N = p.N, blocks = K / B;
-  const uint8_t* w = p.w + panel * K * P + v0 * kW * 4;
-  const float* sp = p.scale + panel * blocks * P + v0 * kW;
-  const float* op = kOffset ? p.offset + panel * blocks * P + v0 * kW : nullptr;
+  const uint8_t* w = values + v0 * kW * 4;
+  const uint16_t* sp = p.scale + panel * blocks * P + v0 * kW;
+  const uint16_t* op = kOffset ? p.offset + panel * blocks * P + v0 * kW : nullptr;
+  const int32_t bias = kSigned ? kSignedBias : p.zero;
   float* y = p.y + t0 * N + panel * P + v0 * kW;
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) fstore(y + r * N + v * kW, fzero());
+    for (int v = 0; v < NV; ++v) fstore(y + r * N + col(v) * kW, fzero());
   const int8_t* xq = p.xq + t0 * K;
   for (int64_t b = 0; b < blocks; ++b) {
     IVec s[R][NV];
@@ -604,25 +691,39 @@ template <int R, int NV, int B, bool kSigned, bool kOffset>
         std::memcpy(&quad, xq + r * K + k, 4);
         xb[r] = splat32(quad);
       }
-      const uint8_t* wk = w + k * P;  // (k / 4) * P * 4
+      if constexpr (kBits == 8) {
+        const uint8_t* wk = w + k * P;  // (k / 4) * P * 4
 #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) {
-        const IVec wv = load(wk + v * kW * 4);
+        for (int v = 0; v < NV; ++v) {
+          const IVec wv = load(wk + v * kW * 4);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          s[r][v] = kSigned ? dot_signed(s[r][v], wv, xb[r]) : dot(s[r][v], wv, xb[r]);
+          for (int r = 0; r < R; ++r)
+            s[r][v] = kSigned ? dot_signed(s[r][v], wv, xb[r]) : dot(s[r][v], wv, xb[r]);
+        }
+      } else {
+        const uint8_t* quad = w + k / 4 * p.quad_bytes;
+        IVec planes[kBits - 4 > 0 ? kBits - 4 : 1];
+#pragma GCC unroll 2
+        for (int plane = 0; plane < kBits - 4; ++plane)
+          planes[plane] = load_plane(quad + kQuadValues / 2 + plane * kQuadValues / 8);
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) {
+          const IVec wv = packed_vector<kBits>(quad, planes, col(v));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) s[r][v] = dot(s[r][v], wv, xb[r]);
+        }
       }
     }
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
-      const FVec sc = fload(sp + b * P + v * kW);
-      const FVec of = kOffset ? fload(op + b * P + v * kW) : fzero();
+      const FVec sc = hload(sp + b * P + col(v) * kW);
+      const FVec of = kOffset ? hload(op + b * P + col(v) * kW) : fzero();
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t rb = (t0 + r) * blocks + b;
         IVec si = s[r][v];
-        if (kSigned && kSignedBias) si = sub(si, splat32(kSignedBias * p.xsum[rb]));
-        float* acc = y + r * N + v * kW;
+        if (bias) si = sub(si, splat32(bias * p.xsum[rb]));
+        float* acc = y + r * N + col(v) * kW;
         FVec a = ffma(to_float(si), fmul(sc, fsplat(p.xscale[rb])), fload(acc));
         if (kOffset) a = ffma(fsplat(p.xoff[rb]), of, a);
         fstore(acc, a);
@@ -631,50 +732,97 @@ template <int R, int NV, int B, bool kSigned, bool kOffset>
   }
 }
 
-template <int R, int B, bool kSigned, bool kOffset>
-void int8_rows(const Int8Problem& p, int64_t panel, int64_t t0) {
-  constexpr int kNV = i8::vectors_for(R);
-  const int64_t vectors = p.P / i8::kW;
-  int64_t v = 0;
-  for (; v + kNV <= vectors; v += kNV) int8_tile<R, kNV, B, kSigned, kOffset>(p, panel, v, t0);
-  if constexpr (kNV > 2) {
-    for (; v + 2 <= vectors; v += 2) int8_tile<R, 2, B, kSigned, kOffset>(p, panel, v, t0);
+template <int R, int B, int kBits, bool kSigned, bool kOffset>
+void int8_rows(const Int8Problem& p, const uint8_t* values, int64_t panel, int64_t t0) {
+  if constexpr (kBits < 8) {
+    int8_tile<R, kPackedVectors, B, kBits, false, kOffset, 0>(p, values, panel, 0, t0);
+    if constexpr (i8::kPackedTiles > 1)
+      int8_tile<R, kPackedVectors, B, kBits, false, kOffset, 1>(p, values, panel, 0, t0);
+  } else {
+    constexpr int kNV = i8::vectors_for(R);
+    const int64_t vectors = p.P / i8::kW;
+    int64_t v = 0;
+    for (; v + kNV <= vectors; v += kNV)
+      int8_tile<R, kNV, B, 8, kSigned, kOffset>(p, values, panel, v, t0);
+    // Narrower panels (32 or 16 features, rare) one vector at a time.
+    for (; v < vectors; ++v) int8_tile<R, 1, B, 8, kSigned, kOffset>(p, values, panel, v, t0);
   }
-  for (; v < vectors; ++v) int8_tile<R, 1, B, kSigned, kOffset>(p, panel, v, t0);
 }
 
-// The last `rows` (1 to R) rows: one tile of exactly that many.
-template <int R, int B, bool kSigned, bool kOffset>
-void int8_rows_left(const Int8Problem& p, int64_t panel, int64_t t0, int64_t rows) {
-  if constexpr (R > 1) {
-    if (rows < R) return int8_rows_left<R - 1, B, kSigned, kOffset>(p, panel, t0, rows);
+// Rows [t0, t1) against one panel in tiles of kR rows, the last one of exactly those left.
+template <int kR, int B, int kBits, bool kSigned, bool kOffset>
+void int8_rows_range(const Int8Problem& p, const uint8_t* values, int64_t panel, int64_t t0,
+                     int64_t t1) {
+  int64_t t = t0;
+  for (; t + kR <= t1; t += kR) int8_rows<kR, B, kBits, kSigned, kOffset>(p, values, panel, t);
+  if constexpr (kR > 1) {
+    if (t < t1) int8_rows_range<kR - 1, B, kBits, kSigned, kOffset>(p, values, panel, t, t1);
   }
-  int8_rows<R, B, kSigned, kOffset>(p, panel, t0);
 }
 
-template <int B, bool kSigned, bool kOffset>
+// A nibble-packed panel's quads -> the byte layout [K / 4, 64, 4] (the values as stored).
+template <int kBits>
+void unpack_packed(const uint8_t* src, int64_t quads, int64_t quad_bytes, uint8_t* dst) {
+  using namespace i8;
+  for (int64_t q = 0; q < quads; ++q, src += quad_bytes, dst += kQuadValues) {
+    IVec planes[kBits - 4 > 0 ? kBits - 4 : 1];
+#pragma GCC unroll 2
+    for (int plane = 0; plane < kBits - 4; ++plane)
+      planes[plane] = load_plane(src + kQuadValues / 2 + plane * kQuadValues / 8);
+#pragma GCC unroll 8
+    for (int v = 0; v < kQuadVectors; ++v)
+      store(dst + v * kW * 4, packed_vector<kBits>(src, planes, v));
+  }
+}
+
+// Rows [t0, t1) against panels [first, last). Nibble-packed panels unpack in registers for up
+// to kPackedRows rows (each quad read once); for more, once per panel into a byte buffer that
+// every tile of rows then reads (unpacking per tile would repeat it per tile).
+template <int B, int kBits, bool kSigned, bool kOffset>
 void int8_item(const Int8Problem& p, int64_t first, int64_t last, int64_t t0, int64_t t1) {
   constexpr int kR = i8::kMaxRows;
-  for (int64_t panel = first; panel < last; ++panel) {
-    int64_t t = t0;
-    for (; t + kR <= t1; t += kR) int8_rows<kR, B, kSigned, kOffset>(p, panel, t);
-    if (t < t1) int8_rows_left<kR, B, kSigned, kOffset>(p, panel, t, t1 - t);
+  const int64_t quads = p.K / 4;
+  if constexpr (kBits < 8) {
+    if (t1 - t0 <= i8::kPackedRows) {
+      for (int64_t panel = first; panel < last; ++panel)
+        int8_rows_range<i8::kPackedRows, B, kBits, false, kOffset>(
+            p, p.w + panel * quads * p.quad_bytes, panel, t0, t1);
+      return;
+    }
+    thread_local std::vector<uint8_t> bytes;
+    bytes.resize(quads * kQuadValues);
+    for (int64_t panel = first; panel < last; ++panel) {
+      unpack_packed<kBits>(p.w + panel * quads * p.quad_bytes, quads, p.quad_bytes, bytes.data());
+      int8_rows_range<kR, B, 8, false, kOffset>(p, bytes.data(), panel, t0, t1);
+    }
+  } else {
+    for (int64_t panel = first; panel < last; ++panel)
+      int8_rows_range<kR, B, 8, kSigned, kOffset>(p, p.w + panel * p.K * p.P, panel, t0, t1);
   }
 }
 
-void int8_item(const Int8Problem& p, int64_t B, bool is_signed, int64_t first, int64_t last,
+template <int B, bool kOffset>
+void int8_item(const Int8Problem& p, int bits, bool is_signed, int64_t first, int64_t last,
                int64_t t0, int64_t t1) {
+  switch (bits) {
+    case 4: return int8_item<B, 4, false, kOffset>(p, first, last, t0, t1);
+    case 5: return int8_item<B, 5, false, kOffset>(p, first, last, t0, t1);
+    case 6: return int8_item<B, 6, false, kOffset>(p, first, last, t0, t1);
+    default:
+      return is_signed ? int8_item<B, 8, true, kOffset>(p, first, last, t0, t1)
+                       : int8_item<B, 8, false, kOffset>(p, first, last, t0, t1);
+  }
+}
+
+void int8_item(const Int8Problem& p, int64_t B, int bits, bool is_signed, int64_t first,
+               int64_t last, int64_t t0, int64_t t1) {
   const bool off = p.offset != nullptr;
   if (B == 32) {
-    if (is_signed) off ? int8_item<32, true, true>(p, first, last, t0, t1)
-                       : int8_item<32, true, false>(p, first, last, t0, t1);
-    else off ? int8_item<32, false, true>(p, first, last, t0, t1)
-             : int8_item<32, false, false>(p, first, last, t0, t1);
+    off ? int8_item<32, true>(p, bits, is_signed, first, last, t0, t1)
+        : int8_item<32, false>(p, bits, is_signed, first, last, t0, t1);
   } else {
-    if (is_signed) off ? int8_item<16, true, true>(p, first, last, t0, t1)
-                       : int8_item<16, true, false>(p, first, last, t0, t1);
-    else off ? int8_item<16, false, true>(p, first, last, t0, t1)
-             : int8_item<16, false, false>(p, first, last, t0, t1);
+    off ? int8_item<16, true>(p, bits, is_signed, first, last, t0, t1)
+        : int8_item<16, false>(p, bits, is_signed, first, last, t0, t1);
   }
 }
 
@@ -708,16 +856,31 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int64_t B, int8_t* xq, 
 #endif  // JAXLLM_INT8_DOT
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                      ffi::ResultBuffer<ffi::F32> y, bool has_offset) {
+                      ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
+                      ffi::ResultBuffer<ffi::F32> y, bool has_offset, int64_t zero) {
 #if defined(JAXLLM_INT8_DOT)
   const bool is_signed = w.element_type() == ffi::DataType::S8;
   if (!is_signed && w.element_type() != ffi::DataType::U8)
     return ffi::Error::InvalidArgument("int8_matmul: w must be uint8 or int8");
   auto wd = w.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
-  if (wd.size() != 4 || wd[3] != 4)
-    return ffi::Error::InvalidArgument("int8_matmul: w must be [N / P, K / 4, P, 4]");
-  const int64_t K = wd[1] * 4, P = wd[2], T = x.dimensions()[0];
+  int bits = 8;
+  int64_t P = 0, quad_bytes = 0;
+  if (wd.size() == 4 && wd[3] == 4) {
+    P = wd[2];
+    if (zero != 0) return ffi::Error::InvalidArgument("int8_matmul: zero is 0 for bytes");
+  } else if (wd.size() == 3 && wd[2] >= kQuadValues / 2 &&
+             (wd[2] - kQuadValues / 2) % (kQuadValues / 8) == 0 &&
+             wd[2] <= kQuadValues / 2 + 2 * (kQuadValues / 8)) {
+    P = 64, quad_bytes = wd[2];
+    bits = 4 + static_cast<int>((wd[2] - kQuadValues / 2) / (kQuadValues / 8));
+    if (zero != (is_signed ? int64_t{1} << (bits - 1) : 0))
+      return ffi::Error::InvalidArgument("int8_matmul: zero must be 2^(bits - 1) for int8 "
+                                         "nibble-packed values, else 0");
+  } else {
+    return ffi::Error::InvalidArgument("int8_matmul: w must be [N / P, K / 4, P, 4] bytes or "
+                                       "[N / 64, K / 4, 128 + 32 (bits - 4)] nibble-packed");
+  }
+  const int64_t K = wd[1] * 4, T = x.dimensions()[0];
   if (const char* e = check_scales(x, scale, offset, has_offset, K); *e)
     return ffi::Error::InvalidArgument(std::string("int8_matmul: ") + e);
   if (sd[0] != wd[0] || sd[2] != P || K % kQuantBlock != 0)
@@ -734,25 +897,30 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   xoff.resize(T * (K / B));
   xsum.resize(T * (K / B));
   quantize_rows(x.typed_data(), T, K, B, xq.data(), xscale.data(), xoff.data(), xsum.data());
+  const auto half = [](const ffi::Buffer<ffi::F16>& a) {
+    return static_cast<const uint16_t*>(a.untyped_data());
+  };
   const Int8Problem p{xq.data(), xscale.data(), xoff.data(), xsum.data(),
-                      static_cast<const uint8_t*>(w.untyped_data()), scale.typed_data(),
-                      has_offset ? offset.typed_data() : nullptr, y->typed_data(), T, K, n, P};
+                      static_cast<const uint8_t*>(w.untyped_data()), half(scale),
+                      has_offset ? half(offset) : nullptr, y->typed_data(), T, K, n, P,
+                      quad_bytes, static_cast<int32_t>(zero)};
   // Work items as the float path's (`run`): groups of panels of ~256 KiB, by blocks of rows.
   const int64_t panels = wd[0], row_blocks = (T + kRowBlock - 1) / kRowBlock;
+  const int64_t panel_bytes = quad_bytes ? quad_bytes * (K / 4) : K * P;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t groups = std::max<int64_t>(1, panels * K * P / (256 * 1024));
+  int64_t groups = std::max<int64_t>(1, panels * panel_bytes / (256 * 1024));
   groups = (groups + threads - 1) / threads * threads;
   const int64_t per_item = std::max<int64_t>(1, (panels + groups - 1) / groups);
   const int64_t items = (panels + per_item - 1) / per_item;
   jaxllm::parallel_for(pool, items * row_blocks,
-                       [&p, B, is_signed, row_blocks, per_item, panels](int64_t i) {
+                       [&p, B, bits, is_signed, row_blocks, per_item, panels](int64_t i) {
     const int64_t group = i / row_blocks, rb = i % row_blocks;
-    int8_item(p, B, is_signed, group * per_item, std::min(panels, (group + 1) * per_item),
+    int8_item(p, B, bits, is_signed, group * per_item, std::min(panels, (group + 1) * per_item),
               rb * kRowBlock, std::min(p.T, (rb + 1) * kRowBlock));
   });
   return ffi::Error::Success();
 #else
-  (void)pool, (void)x, (void)w, (void)scale, (void)offset, (void)y, (void)has_offset;
+  (void)pool, (void)x, (void)w, (void)scale, (void)offset, (void)y, (void)has_offset, (void)zero;
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "int8_matmul: this build has neither AVX2 nor AVX-512 VNNI");
 #endif
@@ -785,7 +953,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmInt8Matmul, Int8Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("has_offset"));
+                                  .Attr<bool>("has_offset")
+                                  .Attr<int64_t>("zero"));

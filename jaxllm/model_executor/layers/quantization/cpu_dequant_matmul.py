@@ -105,17 +105,78 @@ def int8_supported(isa: str | None = None) -> bool:
 
 INT8_GROUP = 4  # consecutive k per 32-bit lane of the integer layout
 INT8_MAX = 127  # largest unsigned value: maddubs' pair sums (2 * 128 * 127) must not saturate
+INT8_PANEL = 64  # output features per panel of the nibble-packed layout
+INT8_QUAD = INT8_PANEL * INT8_GROUP  # values per k-quad of such a panel
+NIBBLE_BYTES = INT8_QUAD // 2  # a quad's low nibbles, two values a byte
+PLANE_BYTES = INT8_QUAD // 8  # a quad's bits above the fourth, one plane per bit
+PACKED_BITS = (4, 5, 6)  # value widths the nibble-packed layout holds
+
+
+def _int8_bits(a: Any) -> int | None:
+    """The value width of a nibble-packed integer weight (4 to 6), 8 for the byte layout, None
+    for neither."""
+    shape = a.shape
+    if len(shape) == 4 and shape[3] == INT8_GROUP:
+        return 8
+    if len(shape) == 3 and jnp.dtype(a.dtype) in (jnp.uint8, jnp.int8):
+        planes, rest = divmod(shape[2] - NIBBLE_BYTES, PLANE_BYTES)
+        if rest == 0 and 0 <= planes <= 2:
+            return 4 + planes
+    return None
+
+
+def int8_zero(qweight: Any) -> int:
+    """What a nibble-packed weight's stored values exceed its GGUF values by: 2^(bits - 1) for
+    signed formats (int8 marks them), 0 for unsigned ones; 0 for the byte layout, whose zero is
+    folded into the offset."""
+    bits = _int8_bits(qweight)
+    if bits is None or bits == 8 or jnp.dtype(qweight.dtype) != jnp.int8:
+        return 0
+    return 1 << (bits - 1)
+
+
+def _nibble_pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """Quads [..., 256] of unsigned values under 2^bits -> [..., 128 + 32 (bits - 4)] bytes:
+    byte i holds value i's low nibble and value i + 128's in its high half, then per bit above
+    the fourth a plane whose byte i has value 32 b + i's bit in its bit b."""
+    nib = (values[..., :NIBBLE_BYTES] & 15) | ((values[..., NIBBLE_BYTES:] & 15) << 4)
+    parts = [nib.astype(np.uint8)]
+    for plane in range(bits - 4):
+        bit = ((values >> (4 + plane)) & 1).astype(np.uint8)
+        bit = np.swapaxes(bit.reshape(*bit.shape[:-1], 8, PLANE_BYTES), -1, -2)
+        parts.append(np.packbits(bit, axis=-1, bitorder="little")[..., 0])
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1))
+
+
+def _nibble_unpack(a: Any, bits: int) -> Any:
+    """`_nibble_pack`'s inverse (numpy or jax): [..., 128 + 32 (bits - 4)] -> [..., 256]."""
+    xp = np if isinstance(a, np.ndarray) else jnp
+    a = a.view(xp.uint8) if a.dtype == xp.int8 else a
+    nib = a[..., :NIBBLE_BYTES]
+    values = xp.concatenate([nib & 15, nib >> 4], axis=-1).astype(xp.int16)
+    for plane in range(bits - 4):
+        bytes_ = a[..., NIBBLE_BYTES + plane * PLANE_BYTES:NIBBLE_BYTES + (plane + 1) * PLANE_BYTES]
+        bit = xp.unpackbits(bytes_[..., None], axis=-1, bitorder="little")  # [..., i, b]
+        bit = xp.swapaxes(bit, -1, -2).reshape(*a.shape[:-1], INT8_QUAD)
+        values = values + (bit.astype(xp.int16) << (4 + plane))
+    return values
 
 
 def pack_int8(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The integer path's layout of a repacked GGUF weight: values [out / P, in / 4, P, 4]
-    (4 consecutive k of a feature side by side), scale / offset panels as `pack`'s. Values are
-    unsigned where they can be, which the dot products take most cheaply: u = q + zero
-    (0..127), zero a power of two folded into the offset (-zero * scale, exact) for signed
-    formats without offsets (Q6_K, Q5_0, Q4_0); Q4_K and Q5_K are unsigned already. Otherwise
-    (Q8_0's full int8 range, or rows of signed and offset formats fused) they stay signed
-    (int8)."""
+    """The integer path's layout of a repacked GGUF weight; scale and offset as `pack`'s panels,
+    in float16 (the path rounds activations to 8 bits: the scales' 11 bits add little).
+
+    Where the panels are 64 wide and the values take 4 to 6 bits (Q4_K, Q5_K, Q6_K, Q5_0,
+    Q4_0), nibble-packed [out / 64, in / 4, 128 + 32 (bits - 4)]: per 4 consecutive k ("quad")
+    the 256 values of the byte layout below, two a byte, and a plane per bit above the fourth
+    (`_nibble_pack`), so a weight is read at its own width; signed formats stored as q + 2^(bits
+    - 1), marked by int8 (`int8_zero`: the kernel subtracts it times the activations' block sum).
+
+    Otherwise bytes [out / P, in / 4, P, 4] (4 consecutive k of a feature side by side):
+    unsigned where they can be (u = q + zero, 0..127, zero a power of two folded into the
+    offset, -zero * scale), else signed int8 (Q8_0's full range, or rows of signed and offset
+    formats fused)."""
     out, cols = qweight.shape
     p = panel_size(out)
     if p is None or cols % 32:
@@ -123,24 +184,47 @@ def pack_int8(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None
                          f"of 32")
     lo, hi = (int(qweight.min()), int(qweight.max())) if qweight.size else (0, 0)
     zero = 0 if lo >= 0 else 1 << (-lo - 1).bit_length()
-    if hi + zero <= INT8_MAX and (zero == 0 or offset is None):
-        values = (qweight.astype(np.int16) + zero).astype(np.uint8)
+    unsigned = hi + zero <= INT8_MAX and (zero == 0 or offset is None)
+    # Width of the values as stored: unsigned, or signed in two's complement range.
+    bits = max(4, hi.bit_length() if zero == 0 else max(hi, -lo - 1).bit_length() + 1)
+    grouped = qweight.astype(np.int16).reshape(out // p, p, cols // INT8_GROUP, INT8_GROUP
+                                              ).transpose(0, 2, 1, 3)
+    if unsigned and p == INT8_PANEL and bits in PACKED_BITS:
+        zero = 1 << (bits - 1) if zero else 0
+        quads = (grouped + zero).reshape(out // p, cols // INT8_GROUP, INT8_QUAD)
+        values = _nibble_pack(quads, bits)
+        if zero:
+            values = values.view(np.int8)
+    elif unsigned:
+        values = np.ascontiguousarray((grouped + zero).astype(np.uint8))
         if zero:
             offset = (scale * np.float32(-zero)).astype(np.float32)
     else:
-        values = qweight.astype(np.int8)
+        values = np.ascontiguousarray(grouped.astype(np.int8))
 
     def panels(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(a.reshape(out // p, p, a.shape[1]).transpose(0, 2, 1))
+        half = a.astype(np.float16)
+        if not np.all(np.isfinite(half) | ~np.isfinite(a)):
+            raise ValueError("int8 layout: a block scale or offset is beyond float16's range")
+        return np.ascontiguousarray(half.reshape(out // p, p, a.shape[1]).transpose(0, 2, 1))
 
-    grouped = values.reshape(out // p, p, cols // INT8_GROUP, INT8_GROUP).transpose(0, 2, 1, 3)
-    return (np.ascontiguousarray(grouped), panels(scale),
-            None if offset is None else panels(offset))
+    return values, panels(scale), None if offset is None else panels(offset)
 
 
 def is_int8(a: Any) -> bool:
-    """Whether `a` is values in the integer path's layout (`pack_int8`)."""
-    return len(a.shape) == 4
+    """Whether `a` is values in one of the integer path's layouts (`pack_int8`)."""
+    return _int8_bits(a) is not None
+
+
+def _int8_values(a: Any) -> Any:
+    """Integer-path values -> the GGUF values (with the byte layout's folded zero, whose offset
+    makes them the same weight) as int8 [out / P, in / 4, P, 4] (numpy or jax)."""
+    xp = np if isinstance(a, np.ndarray) else jnp
+    bits = _int8_bits(a)
+    if bits == 8:
+        return a.astype(xp.int8)
+    values = _nibble_unpack(a, bits) - int8_zero(a)
+    return values.astype(xp.int8).reshape(*a.shape[:2], INT8_PANEL, INT8_GROUP)
 
 
 def is_q5(a: Any) -> bool:
@@ -160,9 +244,9 @@ def unpack(a: Any) -> Any:
     inverse for one array (numpy or jax)."""
     if is_q5(a):
         a = _q5_values(a)
-    if is_int8(a):  # unsigned values as int8 (<= 127): with the folded offset, the same weight
-        panels, groups, p, g = a.shape
-        return a.astype(jnp.int8).transpose(0, 2, 1, 3).reshape(panels * p, groups * g)
+    if is_int8(a):
+        panels, groups, p, g = (a := _int8_values(a)).shape
+        return a.transpose(0, 2, 1, 3).reshape(panels * p, groups * g)
     panels, cols, p = a.shape
     return a.transpose(0, 2, 1).reshape(panels * p, cols)
 
@@ -171,8 +255,9 @@ def take_rows(a: Any, rows: jax.Array) -> jax.Array:
     """Rows [len(rows), cols] of a packed array without unpacking the rest (the embedding's
     gather): row r is feature r % P of panel r // P."""
     if is_int8(a):
+        a = _int8_values(a)
         p = a.shape[2]
-        return a[rows // p, :, rows % p, :].astype(jnp.int8).reshape(len(rows), -1)
+        return a[rows // p, :, rows % p, :].reshape(len(rows), -1)
     if not is_q5(a):
         p = a.shape[2]
         return a[rows // p, :, rows % p]
@@ -248,20 +333,24 @@ def int8_matmul(x: jax.Array, qweight: jax.Array, scale: jax.Array, offset: jax.
     """x [T, in] times a `pack_int8` weight -> [T, out] float32 by the integer path: x
     quantized to int8 per block of 32 in the kernel (cpu_dequant_matmul.cc), integer dot
     products against the weight's values, then the blocks' scales and offsets. Not exact (x is
-    rounded to 8 bits); needs `int8_supported(isa)`."""
+    rounded to 8 bits, the scales to float16); needs `int8_supported(isa)`."""
     isa = cpu_ffi.resolve_isa(isa)
     if not (int8_supported(isa) and available(isa)):
         raise RuntimeError(f"the CPU kernel's {isa} build has no integer path here")
-    if len(x.shape) != 2 or not is_int8(qweight) or qweight.shape[3] != INT8_GROUP \
-            or x.shape[1] != qweight.shape[1] * INT8_GROUP:
-        raise ValueError(f"int8_matmul: x [T, in] and values [out / P, in / 4, P, 4], got "
-                         f"{tuple(x.shape)} and {tuple(qweight.shape)}")
+    if len(x.shape) != 2 or not is_int8(qweight) or x.shape[1] != qweight.shape[1] * INT8_GROUP:
+        raise ValueError(f"int8_matmul: x [T, in] and values [out / P, in / 4, P, 4] or "
+                         f"nibble-packed [out / 64, in / 4, {NIBBLE_BYTES} + {PLANE_BYTES} "
+                         f"(bits - 4)], got {tuple(x.shape)} and {tuple(qweight.shape)}")
     if jnp.dtype(qweight.dtype) not in (jnp.uint8, jnp.int8):
         raise ValueError(f"int8_matmul: values must be uint8 or int8, got {qweight.dtype}")
+    for name, arr in (("scale", scale), ("offset", offset)):
+        if arr is not None and jnp.dtype(arr.dtype) != jnp.float16:
+            raise ValueError(f"int8_matmul: {name} must be float16 (pack_int8), got {arr.dtype}")
     t, n = x.shape[0], scale.shape[0] * scale.shape[2]
     has_offset = offset is not None
     if offset is None:
-        offset = jnp.zeros((0, 0, 0), jnp.float32)
+        offset = jnp.zeros((0, 0, 0), jnp.float16)
     target = cpu_ffi.target_name(_TARGET_INT8, isa)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((t, n), jnp.float32))
-    return call(x.astype(jnp.float32), qweight, scale, offset, has_offset=has_offset)
+    return call(x.astype(jnp.float32), qweight, scale, offset, has_offset=has_offset,
+                zero=np.int64(int8_zero(qweight)))

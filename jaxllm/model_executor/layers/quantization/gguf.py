@@ -44,9 +44,10 @@ class GGUFWeight(NamedTuple):
     in, P] and [out / P, in // block, P]); the values are the same."""
 
     # int8 [out, in]; packed int8 [out / P, in, P] or uint8 [out / 64, in, 40]; for the integer
-    # path uint8 or int8 [out / P, in / 4, P, 4]
+    # path uint8 or int8 [out / P, in / 4, P, 4] or nibble-packed [out / 64, in / 4, 128..192]
     qweight: jax.Array
-    scale: jax.Array  # float32 [out, in // block], or [out / P, in // block, P] packed
+    # float32 [out, in // block], or [out / P, in // block, P] packed (float16 for the integer path)
+    scale: jax.Array
     offset: jax.Array | None  # as scale; None when the format has no mins
 
     @property
@@ -58,14 +59,14 @@ class GGUFWeight(NamedTuple):
         if self.packed:  # the scales' panels give P (a 5-bit panel's values are 40 bytes wide)
             panels, _, p = self.scale.shape
             groups = self.qweight.shape[1]
-            return panels * p, groups * (self.qweight.shape[3] if self.int8 else 1)
+            return panels * p, groups * (cpu_dequant_matmul.INT8_GROUP if self.int8 else 1)
         rows, cols = self.qweight.shape
         return rows, cols
 
     @property
     def int8(self) -> bool:
         """Packed for the integer path (`cpu_dequant_matmul.pack_int8`, cpu_int8_activations)."""
-        return self.qweight.ndim == 4
+        return cpu_dequant_matmul.is_int8(self.qweight)
 
     @property
     def block_size(self) -> int:
