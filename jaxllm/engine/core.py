@@ -26,7 +26,6 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import num_kv_blocks_for
 from jaxllm.distributed import multihost
 from jaxllm.engine import UTILITY_METHODS as UTILITY_METHODS
 from jaxllm.engine import (
@@ -41,10 +40,10 @@ from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
+from jaxllm.sample.state import SamplingState
 from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
-from jaxllm.structured_output.request import StructuredOutputRequest
 from jaxllm.worker.model_runner import (
     PROMPT_LOGPROB_ROWS,
     ModelRunner,
@@ -52,6 +51,7 @@ from jaxllm.worker.model_runner import (
     PreparedStep,
     PromptLogprobRows,
     StepHandle,
+    num_kv_blocks_for,
 )
 from scheduler import (
     Request,
@@ -65,23 +65,6 @@ from scheduler import (
 # While only requests waiting for their grammar are held, how long the core blocks on the
 # compilations before it returns an (empty) step: short, so aborts and new requests still get in.
 GRAMMAR_WAIT_S = 0.05
-
-
-@dataclass
-class CoreRequestState:
-    """What the core keeps per request beside the scheduler's Request: what sampling its rows
-    needs, and how far its prompt logprobs got."""
-
-    request: EngineCoreRequest
-    generator: np.random.Generator
-    eos_token_ids: frozenset[int]
-    # Token statistics of a request that uses penalties, updated by each new token.
-    penalties: PenaltyState | None = None
-    # Next prompt position whose logprob entry is still owed when prompt logprobs are asked
-    # (survives preemption, so a recomputed prompt does not emit its entries twice).
-    prompt_logprobs_next: int | None = None
-    # Structured outputs: the request's grammar and matcher.
-    structured_output: StructuredOutputRequest | None = None
 
 
 @dataclass
@@ -136,7 +119,7 @@ class EngineCore:
             eos_token_ids=[] if model_config.eos_token_id is None
             else [model_config.eos_token_id],
             bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s)
-        self._states: dict[str, CoreRequestState] = {}
+        self._states: dict[str, SamplingState] = {}
         # How many requests use penalties / owe prompt logprobs: most steps have none, and
         # skip their per-request work.
         self._num_penalized = 0
@@ -194,7 +177,7 @@ class EngineCore:
             raise ValueError(f"request {req.request_id!r}: bad seed {req.seed!r}: {e}") from e
         if req.request_id in self._waiting_for_grammar:
             raise ValueError(f"request id {req.request_id!r} is already in the engine core")
-        state = CoreRequestState(req, generator, frozenset(req.eos_token_ids))
+        state = SamplingState(req, generator, frozenset(req.eos_token_ids))
         if params.structured_outputs is not None:
             self.scheduler.check_request(request)
             state.structured_output = self._structured_output().add_request(

@@ -37,7 +37,7 @@ from jaxllm.sample.token_mask import TokenMask
 
 if TYPE_CHECKING:
     from jaxllm.engine import SchedulerStats
-    from jaxllm.engine.core import CoreRequestState
+    from jaxllm.sample.state import SamplingState
     from jaxllm.structured_output.manager import StructuredOutputManager
     from jaxllm.worker.outputs import ModelRunnerOutput, PreparedStep
     from scheduler import Request, Scheduler
@@ -122,7 +122,7 @@ class HostSampler:
     EOS ids, penalty statistics and constraint (the engine core's per-request state);
     `structured_output` fills the constrained rows' masks."""
 
-    def __init__(self, scheduler: Scheduler, states: Mapping[str, CoreRequestState],
+    def __init__(self, scheduler: Scheduler, states: Mapping[str, SamplingState],
                  structured_output: StructuredOutputManager | None = None,
                  candidates: bool = True) -> None:
         self.scheduler = scheduler
