@@ -39,8 +39,7 @@ from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
 from jaxllm.sample.logprobs import LogprobsLists
-from jaxllm.sample.penalties import PenaltyState
-from jaxllm.sample.state import SamplingState
+from jaxllm.sample.state import SamplingState, SamplingStates
 from jaxllm.spec_decode.draft_model import DraftModelProposer
 from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
@@ -119,19 +118,14 @@ class EngineCore:
             eos_token_ids=[] if model_config.eos_token_id is None
             else [model_config.eos_token_id],
             bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s)
-        self._states: dict[str, SamplingState] = {}
-        # How many requests use penalties / owe prompt logprobs: most steps have none, and
-        # skip their per-request work.
-        self._num_penalized = 0
-        self._num_prompt_logprobs = 0
-        self._num_constrained = 0
+        self.sampling_states = SamplingStates()
         # Built at the first constrained request (loads the tokenizer then).
         self.structured_output_manager: StructuredOutputManager | None = None
         # Constrained requests whose grammar is still compiling, in arrival order.
         self._waiting_for_grammar: dict[str, Request] = {}
         # Outputs of requests the core finished outside a step (grammar that did not compile).
         self._pending_outputs: list[EngineCoreOutput] = []
-        self.sampler = HostSampler(self.scheduler, self._states,
+        self.sampler = HostSampler(self.scheduler.requests, self.sampling_states,
                                    candidates=self.runner.top_k > 0)
         # Async scheduling: the dispatched step whose results are not applied yet.
         self._inflight: tuple[SchedulerOutput, StepHandle, SchedulerStats] | None = None
@@ -161,6 +155,7 @@ class EngineCore:
         """Queue a request. Everything that can raise runs before the scheduler is touched,
         so a refused request leaves no trace."""
         params = req.sampling_params
+        state = SamplingState.from_request(req)  # refuses a bad seed
         eos_ids = set(req.eos_token_ids)
         eos = min(eos_ids) if eos_ids else None
         # Further EOS ids (generation configs may list several) stop like stop tokens.
@@ -171,13 +166,8 @@ class EngineCore:
             ignore_eos=params.ignore_eos, eos_token_id=eos,
             stop_token_ids=list(params.stop_token_ids or ()) + extra_stop, sampling_params=params,
             skip_prefix_cache=params.prompt_logprobs is not None)
-        try:
-            generator = np.random.default_rng(req.seed)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"request {req.request_id!r}: bad seed {req.seed!r}: {e}") from e
         if req.request_id in self._waiting_for_grammar:
             raise ValueError(f"request id {req.request_id!r} is already in the engine core")
-        state = SamplingState(req, generator, frozenset(req.eos_token_ids))
         if params.structured_outputs is not None:
             self.scheduler.check_request(request)
             state.structured_output = self._structured_output().add_request(
@@ -186,16 +176,7 @@ class EngineCore:
             self._waiting_for_grammar[req.request_id] = request
         else:
             self.scheduler.add_request(request)  # validates before it changes anything
-        if params.repetition_penalty != 1.0 or params.frequency_penalty \
-                or params.presence_penalty:
-            state.penalties = PenaltyState(req.prompt_token_ids)
-            self._num_penalized += 1
-        if params.prompt_logprobs is not None:
-            state.prompt_logprobs_next = 0
-            self._num_prompt_logprobs += 1
-        if state.structured_output is not None:
-            self._num_constrained += 1
-        self._states[req.request_id] = state
+        self.sampling_states.add(state)
 
     def _structured_output(self) -> StructuredOutputManager:
         if self.structured_output_manager is None:
@@ -209,23 +190,12 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
             self._waiting_for_grammar.pop(rid, None)
-            self._forget(rid)
+            self.sampling_states.remove(rid)
             if self.drafter is not None:
                 self.drafter.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar)
-
-    def _forget(self, rid: str) -> None:
-        state = self._states.pop(rid, None)
-        if state is None:
-            return
-        if state.penalties is not None:
-            self._num_penalized -= 1
-        if state.prompt_logprobs_next is not None:
-            self._num_prompt_logprobs -= 1
-        if state.structured_output is not None:
-            self._num_constrained -= 1
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -236,7 +206,7 @@ class EngineCore:
         waiting = self._waiting_for_grammar
         if not waiting:
             return
-        states = self._states
+        states = self.sampling_states
         pending = [so for rid in waiting if (so := states[rid].structured_output) is not None]
         if not any(so.is_ready for so in pending) and self._inflight is None \
                 and not self.scheduler.has_unfinished_requests():
@@ -255,7 +225,7 @@ class EngineCore:
                 self._pending_outputs.append(EngineCoreOutput(
                     request_id=rid, new_token_ids=[], finish_reason="error",
                     stop_reason=so.error))
-                self._forget(rid)
+                self.sampling_states.remove(rid)
 
     def step(self) -> EngineCoreOutputs:
         """One step: with async scheduling, the outputs of the step dispatched by the previous
@@ -347,10 +317,10 @@ class EngineCore:
         relative to the request's start in the step; the next prompt token of each owed
         position). Position p predicts token p + 1: entries for p < num_prompt - 1. Positions
         emitted before a preemption are not owed again."""
-        if not self._num_prompt_logprobs:
+        states = self.sampling_states
+        if not states.num_prompt_logprobs:
             return {}
         want = {}
-        states = self._states
         for r in scheduler_output.scheduled:
             state = states.get(r.request_id)
             if state is None or state.prompt_logprobs_next is None:
@@ -391,14 +361,11 @@ class EngineCore:
                                  stop_reason=why)
             outputs.outputs.append(o)
             by_id[rid] = o
-        if self._num_constrained:
+        if self.sampling_states.num_constrained:
             self._advance_matchers(outputs.outputs)
-        if self._num_penalized:
+        if self.sampling_states.num_penalized:
             for o in outputs.outputs:
-                state = self._states.get(o.request_id)
-                if state is not None and state.penalties is not None:
-                    for token in o.new_token_ids:
-                        state.penalties.append(token)
+                self.sampling_states.append_output_tokens(o.request_id, o.new_token_ids)
         for j, lps in enumerate(sampled.logprobs):
             o = by_id.get(sampled.req_ids[j]) if lps is not None else None
             if o is None or not o.new_token_ids:
@@ -462,7 +429,7 @@ class EngineCore:
         """Feed each constrained request's matcher the tokens just accepted for it; finish it
         "stop" when its grammar is complete, "error" when the matcher refuses a token."""
         for o in outputs:
-            state = self._states.get(o.request_id)
+            state = self.sampling_states.get(o.request_id)
             if state is None or state.structured_output is None or not o.new_token_ids \
                     or o.finished:
                 continue
@@ -485,7 +452,7 @@ class EngineCore:
     def _forget_finished(self, outputs: EngineCoreOutputs) -> None:
         for o in outputs.outputs:
             if o.finished:
-                self._forget(o.request_id)
+                self.sampling_states.remove(o.request_id)
 
     def _make_outputs(self, results: list[RequestResult],
                       stats: SchedulerStats) -> EngineCoreOutputs:
@@ -514,7 +481,7 @@ class EngineCore:
     def _emit_prompt_logprobs(self, rid: str, prompt_stats: PromptLogprobRows,
                               by_id: dict[str, EngineCoreOutput],
                               outputs: list[EngineCoreOutput]) -> None:
-        state = self._states.get(rid)
+        state = self.sampling_states.get(rid)
         if state is None:
             return
         req = state.request

@@ -1,10 +1,11 @@
 """Per-request sampling state: what sampling a request's rows needs beyond its parameters (its
 generator, EOS ids, penalty statistics, grammar matcher), and how far its prompt logprobs got.
-The engine core keeps one per request while the request lives; the host sampler reads them by
-request id."""
+The engine core keeps one per request in `SamplingStates` while the request lives; the host
+sampler reads them by request id."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,3 +32,63 @@ class SamplingState:
     prompt_logprobs_next: int | None = None
     # Structured outputs: the request's grammar and matcher.
     structured_output: StructuredOutputRequest | None = None
+
+    @classmethod
+    def from_request(cls, req: EngineCoreRequest) -> SamplingState:
+        """The state of a new request; ValueError for a seed numpy refuses."""
+        params = req.sampling_params
+        try:
+            generator = np.random.default_rng(req.seed)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"request {req.request_id!r}: bad seed {req.seed!r}: {e}") from e
+        state = cls(req, generator, frozenset(req.eos_token_ids))
+        if params.repetition_penalty != 1.0 or params.frequency_penalty \
+                or params.presence_penalty:
+            state.penalties = PenaltyState(req.prompt_token_ids)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs_next = 0
+        return state
+
+
+class SamplingStates(Mapping[str, SamplingState]):
+    """The live requests' sampling states by request id, with how many use penalties, owe
+    prompt logprobs or are constrained: most steps have none of them and skip that work."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, SamplingState] = {}
+        self.num_penalized = 0
+        self.num_prompt_logprobs = 0
+        self.num_constrained = 0
+
+    def __getitem__(self, request_id: str) -> SamplingState:
+        return self._states[request_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._states)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add(self, state: SamplingState) -> None:
+        """Keep a new request's state (replacing any left under its id)."""
+        self.remove(state.request.request_id)
+        self._states[state.request.request_id] = state
+        self._count(state, 1)
+
+    def remove(self, request_id: str) -> None:
+        """Drop a finished or aborted request's state (unknown ids are ignored)."""
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self._count(state, -1)
+
+    def append_output_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """New tokens of a request: its penalty statistics follow them."""
+        state = self._states.get(request_id)
+        if state is not None and state.penalties is not None:
+            for token in token_ids:
+                state.penalties.append(token)
+
+    def _count(self, state: SamplingState, delta: int) -> None:
+        self.num_penalized += delta * (state.penalties is not None)
+        self.num_prompt_logprobs += delta * (state.prompt_logprobs_next is not None)
+        self.num_constrained += delta * (state.structured_output is not None)
