@@ -116,7 +116,7 @@ class Scheduler:
                 f"max_model_len={cfg.max_model_len}"
             )
         need = self.kv_cache_manager.num_blocks_needed(request.num_prompt_tokens)
-        have = self.kv_cache_manager.block_pool.num_usable_blocks
+        have = self.num_usable_blocks
         if need > have:
             raise ValueError(
                 f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens needs {need} "
@@ -156,6 +156,20 @@ class Scheduler:
     @property
     def usage(self) -> float:
         return self.kv_cache_manager.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks no request holds (free prefix-cached blocks count as free)."""
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """KV blocks requests can hold: all but the reserved null block."""
+        return self.kv_cache_manager.num_usable_blocks
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.running), len(self.waiting)
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -472,10 +472,10 @@ class EngineCore:
         if self._pending_outputs:
             outputs += self._pending_outputs
             self._pending_outputs = []
-        sched = self.scheduler
-        stats.num_running_reqs = len(sched.running)
-        stats.num_waiting_reqs = len(sched.waiting) + len(self._waiting_for_grammar)
-        stats.kv_cache_usage = sched.usage
+        num_running, num_waiting = self.scheduler.get_request_counts()
+        stats.num_running_reqs = num_running
+        stats.num_waiting_reqs = num_waiting + len(self._waiting_for_grammar)
+        stats.kv_cache_usage = self.scheduler.usage
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
 
     def _emit_prompt_logprobs(self, rid: str, prompt_stats: PromptLogprobRows,
@@ -511,8 +511,7 @@ class EngineCore:
     def get_kv_block_counts(self) -> tuple[int, int]:
         """(free, usable) KV blocks: all usable ones are free once no request holds any (free
         prefix-cached blocks count as free)."""
-        pool = self.scheduler.kv_cache_manager.block_pool
-        return pool.num_free_blocks, pool.num_usable_blocks
+        return self.scheduler.num_free_blocks, self.scheduler.num_usable_blocks
 
     def get_scheduler_state(self) -> dict[str, int]:
         """The scheduler's counters as plain ints (what tests and checks assert on, in either
@@ -520,14 +519,15 @@ class EngineCore:
         includes those still waiting for their grammar) and preemptions since start; grammars
         compiled since start (the cache's misses)."""
         sched = self.scheduler
-        free, usable = self.get_kv_block_counts()
+        num_running, num_waiting = sched.get_request_counts()
         num_for_grammar = len(self._waiting_for_grammar)
         manager = self.structured_output_manager
-        return {"num_free_blocks": free, "num_usable_blocks": usable,
-                "num_requests": len(sched.requests) + num_for_grammar,
-                "num_waiting_reqs": len(sched.waiting) + num_for_grammar,
+        return {"num_free_blocks": sched.num_free_blocks,
+                "num_usable_blocks": sched.num_usable_blocks,
+                "num_requests": num_running + num_waiting + num_for_grammar,
+                "num_waiting_reqs": num_waiting + num_for_grammar,
                 "num_waiting_for_grammar": num_for_grammar,
-                "num_running_reqs": len(sched.running),
+                "num_running_reqs": num_running,
                 "num_preemptions": sched.num_preemptions,
                 "num_grammars_compiled": 0 if manager is None else manager.num_compiled,
                 **self.spec_counts}

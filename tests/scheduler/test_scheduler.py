@@ -551,6 +551,22 @@ def test_abort_mid_decode_and_waiting() -> None:
     assert sched.schedule().finished_req_ids == ["a", "b"]
 
 
+def test_block_and_request_counts() -> None:
+    """What the engine reports (free / usable blocks, running / waiting requests) comes from
+    the scheduler itself."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, block_size=4, num_blocks=16))
+    assert (sched.num_free_blocks, sched.num_usable_blocks) == (15, 15)
+    assert sched.get_request_counts() == (0, 0)
+    sched.add_request(Request("a", [1, 2, 3, 4, 5]))
+    sched.add_request(Request("b", [4, 5]))
+    assert sched.get_request_counts() == (0, 2)
+    step(sched, sched.schedule())
+    assert sched.get_request_counts() == (1, 1)
+    assert (sched.num_free_blocks, sched.num_usable_blocks) == (13, 15)
+    sched.abort_requests(["a", "b"])
+    assert sched.get_request_counts() == (0, 0) and sched.num_free_blocks == 15
+
+
 def test_abort_between_schedule_and_update() -> None:
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
     sched.add_request(Request("a", [1, 2, 3]))
