@@ -351,6 +351,7 @@ class Scheduler:
         self,
         scheduler_output: SchedulerOutput,
         sampled_token_ids: Mapping[str, Sequence[int]],
+        finish_after: Mapping[str, tuple[RequestStatus, str | None]] | None = None,
     ) -> list[RequestResult]:
         """Apply a step's results: tokens computed, tokens sampled, stops, freed blocks.
 
@@ -358,6 +359,11 @@ class Scheduler:
         sampled for it: one, or with draft tokens the accepted drafts and one more; they are
         accepted one by one until a stop (tokens past it are dropped). The KV of rejected
         drafts does not count as computed, and blocks only they used are freed.
+
+        `finish_after` maps requests that end once their tokens here are appended to their
+        finished status and stop reason (the engine's decision on what the scheduler cannot
+        see, e.g. a structured-output grammar that is complete or refused a token); a stop
+        among those tokens ends the request first, with its own reason.
         """
         kv = self.kv_cache_manager
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -399,6 +405,11 @@ class Scheduler:
                 accepted.append(token_id)
                 if check_stop(request, self.config.max_model_len):
                     break
+            if finish_after and not request.is_finished and rid in finish_after:
+                status, reason = finish_after[rid]
+                if not status.is_finished:
+                    raise ValueError(f"request {rid!r}: {status!r} is not a finished status")
+                request.status, request.stop_reason = status, reason
             if running:
                 # After the tokens are appended: blocks are registered under the hash of the
                 # tokens they hold, and accepted drafts are computed tokens too.

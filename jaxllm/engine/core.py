@@ -9,10 +9,12 @@ Everything else the frontend needs from it goes through `UTILITY_METHODS` (vLLM'
 
 A request with structured outputs waits in the core, outside the scheduler, until its grammar
 is compiled (`StructuredOutputManager`, on threads); only then does the scheduler see it. Its
-matcher follows the tokens the scheduler accepts for it (`_update`); preemption recomputes and
-keeps the output tokens, so the matcher never goes back. When its grammar is complete the
-request finishes "stop"; when the grammar fails to compile or reaches a dead end it finishes
-"error", with stop_reason saying why.
+matcher takes the tokens sampled for it before the scheduler does (`_advance_matchers`), which
+decides whether they end it: when its grammar is complete the request finishes "stop" (tokens
+past the grammar's end are dropped), when the matcher refuses a token "error";
+`update_from_output` applies that decision with the tokens. Preemption recomputes and keeps the
+output tokens, so the matcher never goes back. A grammar that fails to compile or reaches a
+dead end finishes the request "error" too, with stop_reason saying why.
 """
 
 from __future__ import annotations
@@ -353,7 +355,9 @@ class EngineCore:
             if rid not in sampled.errors}
         for j, verified in sampled.verified.items():
             new_tokens[sampled.req_ids[j]] = verified.token_ids
-        results = self.scheduler.update_from_output(scheduler_output, new_tokens)
+        grammar_ends = self._advance_matchers(new_tokens) \
+            if self.sampling_states.num_constrained else {}
+        results = self.scheduler.update_from_output(scheduler_output, new_tokens, grammar_ends)
         outputs = self._make_outputs(results, stats)
         by_id = {o.request_id: o for o in outputs.outputs}
         for rid, why in sampled.errors.items():
@@ -361,8 +365,13 @@ class EngineCore:
                                  stop_reason=why)
             outputs.outputs.append(o)
             by_id[rid] = o
-        if self.sampling_states.num_constrained:
-            self._advance_matchers(outputs.outputs)
+        for rid, (status, _) in grammar_ends.items():
+            o = by_id.get(rid)
+            if o is not None and status == RequestStatus.FINISHED_STOPPED \
+                    and o.finish_reason == "stop" and o.stop_reason is None:
+                # Its grammar ended it: the last token is text unless it is an EOS.
+                o.stopped_on_text = o.new_token_ids[-1] not in \
+                    self.sampling_states[rid].eos_token_ids
         if self.sampling_states.num_penalized:
             for o in outputs.outputs:
                 self.sampling_states.append_output_tokens(o.request_id, o.new_token_ids)
@@ -425,29 +434,27 @@ class EngineCore:
         for request, draft in zip(ready, drafts, strict=True):
             request.spec_token_ids = draft
 
-    def _advance_matchers(self, outputs: list[EngineCoreOutput]) -> None:
-        """Feed each constrained request's matcher the tokens just accepted for it; finish it
-        "stop" when its grammar is complete, "error" when the matcher refuses a token."""
-        for o in outputs:
-            state = self.sampling_states.get(o.request_id)
-            if state is None or state.structured_output is None or not o.new_token_ids \
-                    or o.finished:
+    def _advance_matchers(self, new_tokens: dict[str, Sequence[int]]
+                          ) -> dict[str, tuple[RequestStatus, str | None]]:
+        """Before the scheduler sees them: feed each constrained request's matcher its sampled
+        tokens, one by one (accepted drafts: the grammar's end drops what follows it, from
+        `new_tokens`). Returns the requests they end, for `update_from_output`: "stop" when
+        the grammar is complete, "error" when the matcher refuses a token."""
+        ends: dict[str, tuple[RequestStatus, str | None]] = {}
+        for rid, tokens in new_tokens.items():
+            state = self.sampling_states.get(rid)
+            so = None if state is None else state.structured_output
+            if so is None:
                 continue
-            so = state.structured_output
-            # Several tokens (accepted drafts): one by one, so the grammar's end drops what
-            # follows it.
-            for i, token in enumerate(o.new_token_ids):
+            for i, token in enumerate(tokens):
                 if not so.accept_tokens([token]):
-                    self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_ERROR)
-                    o.finish_reason, o.stop_reason = "error", so.error
+                    ends[rid] = (RequestStatus.FINISHED_ERROR, so.error)
                     break
                 if so.is_terminated:
-                    del o.new_token_ids[i + 1:]
-                    self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_STOPPED)
-                    o.finish_reason = "stop"
-                    # The last token is text unless it is an EOS the grammar ended on.
-                    o.stopped_on_text = token not in state.eos_token_ids
+                    new_tokens[rid] = tokens[:i + 1]
+                    ends[rid] = (RequestStatus.FINISHED_STOPPED, None)
                     break
+        return ends
 
     def _forget_finished(self, outputs: EngineCoreOutputs) -> None:
         for o in outputs.outputs:

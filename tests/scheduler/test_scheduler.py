@@ -590,6 +590,32 @@ def test_finish_from_outside_with_stop_status() -> None:
         sched.finish_requests("a", RequestStatus.RUNNING)
 
 
+def test_finish_after_ends_a_request_with_its_tokens_unless_a_stop_comes_first() -> None:
+    """A status the engine decided before the update (a grammar complete, or refusing a
+    token) ends the request once its tokens are in; its own stop, on those tokens, wins."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    for rid in "abc":
+        sched.add_request(Request(rid, [1, 2, 3], eos_token_id=EOS, max_tokens=8))
+    out = sched.schedule()
+    results = sched.update_from_output(
+        out, {"a": [5], "b": [EOS], "c": [6]},
+        {"a": (RequestStatus.FINISHED_STOPPED, None),
+         "b": (RequestStatus.FINISHED_ERROR, "refused")})
+    got = {r.request_id: (r.new_token_ids, r.finish_reason, r.stop_reason) for r in results}
+    assert got == {"a": ([5], "stop", None), "b": ([EOS], "stop", None), "c": ([6], None, None)}
+    out = sched.schedule()
+    assert sorted(out.finished_req_ids) == ["a", "b"]
+    (result,) = sched.update_from_output(out, {"c": [7]},
+                                         {"c": (RequestStatus.FINISHED_ERROR, "refused")})
+    assert (result.new_token_ids, result.finish_reason, result.stop_reason) == (
+        [7], "error", "refused")
+    assert not sched.has_unfinished_requests() and sched.num_free_blocks == 15
+    sched.add_request(Request("d", [1, 2, 3]))
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="not a finished status"):
+        sched.update_from_output(out, {"d": [5]}, {"d": (RequestStatus.RUNNING, None)})
+
+
 def test_protocol_errors() -> None:
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
     sched.add_request(Request("a", [1, 2, 3]))
