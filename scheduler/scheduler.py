@@ -87,6 +87,11 @@ class Scheduler:
         self._pending_outputs: list[RequestResult] = []
         self._next_arrival_index = 0
         self.num_preemptions = 0
+        # Speculative decoding since start: steps that verified a request's drafts, the drafts
+        # verified and those accepted.
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
         # Block tables cut since the last schedule(), reported in its output (see
         # SchedulerOutput.truncated_block_tables).
         self._truncated: dict[str, int] = {}
@@ -140,6 +145,15 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
+
+    def update_draft_token_ids(self, draft_token_ids: Mapping[str, Sequence[int]]) -> None:
+        """Speculative decoding: each request's draft tokens for its next step (replacing any
+        it had); ids of requests no longer here are ignored. schedule() decides how many of
+        them the step verifies."""
+        for rid, drafts in draft_token_ids.items():
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished:
+                request.spec_token_ids = [int(t) for t in drafts]
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -425,6 +439,11 @@ class Scheduler:
                                                                        num_kept - 1))
                 if kept is not None:
                     self._truncated[rid] = kept
+            num_accepted = len(new_ids) - 1 if num_draft else 0
+            if num_draft:
+                self.num_spec_drafts += 1
+                self.num_spec_draft_tokens += num_draft
+                self.num_spec_accepted_tokens += num_accepted
             outputs.append(
                 RequestResult(
                     rid,
@@ -433,7 +452,7 @@ class Scheduler:
                     request.stop_reason,
                     request.num_cached_tokens,
                     num_draft,
-                    len(new_ids) - 1 if num_draft else 0,
+                    num_accepted,
                 )
             )
         return outputs

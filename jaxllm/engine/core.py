@@ -3,7 +3,8 @@
 Built from EngineArgs alone, it loads the weights, sizes the KV array (on a GPU from a measured
 activation footprint), compiles every step shape, then runs steps:
 schedule -> execute model -> sample (`HostSampler`, jaxllm/sample/host_sampler.py) ->
-update_from_output -> EngineCoreOutputs (+ stats).
+update_from_output -> EngineCoreOutputs (+ stats); with speculative decoding the worker's
+`Drafter` then proposes the next step's drafts, handed to `Scheduler.update_draft_token_ids`.
 Everything else the frontend needs from it goes through `UTILITY_METHODS` (vLLM's utility calls;
 `collective_rpc` reaches the model runner), so the core can live in another process.
 
@@ -42,9 +43,8 @@ from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.state import SamplingState, SamplingStates
-from jaxllm.spec_decode.draft_model import DraftModelProposer
-from jaxllm.spec_decode.ngram_proposer import NgramProposer
 from jaxllm.structured_output.manager import StructuredOutputManager
+from jaxllm.worker.drafter import Drafter
 from jaxllm.worker.model_runner import (
     PROMPT_LOGPROB_ROWS,
     ModelRunner,
@@ -131,25 +131,14 @@ class EngineCore:
                                    candidates=self.runner.top_k > 0)
         # Async scheduling: the dispatched step whose results are not applied yet.
         self._inflight: tuple[SchedulerOutput, StepHandle, SchedulerStats] | None = None
-        # Speculative decoding: the proposer, the most requests a step verifies drafts for (the
-        # largest spec-decode bucket), and counters since start.
+        # Speculative decoding: the worker's drafter proposes drafts for at most as many
+        # requests as the largest spec-decode bucket verifies.
         if spec is not None and self.async_scheduling:
             raise ValueError("speculative decoding runs without async scheduling: build the "
                              "config with EngineArgs.create_engine_config()")
-        self.drafter: NgramProposer | DraftModelProposer | None = None
-        self._max_spec_seqs = 0
-        if use_draft_model:
-            self.drafter = DraftModelProposer(config, model_config, max_model_len, num_blocks,
-                                              target_weights=loaded)
-        elif spec is not None:
-            self.drafter = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                         spec.prompt_lookup_max, max_model_len,
-                                         config.max_num_seqs)
-        if spec is not None:
-            self._max_spec_seqs = max(self.runner.spec_buckets, default=0) \
-                // self.runner.spec_query_len
-        self.spec_counts = {"num_spec_drafts": 0, "num_spec_draft_tokens": 0,
-                            "num_spec_accepted_tokens": 0}
+        self.drafter = None if spec is None else Drafter(
+            config, model_config, max_model_len, num_blocks, loaded,
+            max(self.runner.spec_buckets, default=0) // self.runner.spec_query_len)
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -305,7 +294,7 @@ class EngineCore:
     def _schedule(self, stats: SchedulerStats) -> SchedulerOutput:
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        if isinstance(self.drafter, DraftModelProposer):
+        if self.drafter is not None:
             self.drafter.update_states(scheduler_output)
         stats.schedule_s = time.perf_counter() - t0
         stats.num_preemptions = len(scheduler_output.preempted_req_ids)
@@ -394,45 +383,12 @@ class EngineCore:
                 self._emit_prompt_logprobs(rid, prompt_stats, by_id, outputs.outputs)
         self._forget_finished(outputs)
         if self.drafter is not None:
-            self._propose_drafts(scheduler_output, outputs.outputs)
+            self.scheduler.update_draft_token_ids(self.drafter.propose_draft_token_ids(
+                {o.request_id: o.new_token_ids for o in outputs.outputs
+                 if o.new_token_ids and not o.finished},
+                [o.request_id for o in outputs.outputs if o.finished], self.scheduler.running))
         stats.update_s = time.perf_counter() - t0
         return outputs
-
-    def _propose_drafts(self, scheduler_output: SchedulerOutput,
-                        outputs: list[EngineCoreOutput]) -> None:
-        """Give each running request about to decode its drafts for the next step (none when
-        more requests run than a spec-decode bucket holds); the n-gram proposer's token rows
-        first follow the accepted tokens."""
-        drafter = self.drafter
-        assert drafter is not None
-        ngram = drafter if isinstance(drafter, NgramProposer) else None
-        requests = self.scheduler.requests
-        for rid in scheduler_output.preempted_req_ids:
-            drafter.remove(rid)
-        for o in outputs:
-            if o.finished:
-                drafter.remove(o.request_id)
-            elif ngram is not None and o.new_token_ids \
-                    and (request := requests.get(o.request_id)) is not None:
-                if ngram.has_request(o.request_id):
-                    ngram.append(o.request_id, o.new_token_ids)
-                else:
-                    ngram.add_request(o.request_id, request.all_token_ids)
-        running = self.scheduler.running
-        if not running or len(running) > self._max_spec_seqs:
-            return
-        ready = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
-                 and not r.num_inflight_tokens
-                 and (ngram is None or ngram.has_request(r.request_id))]
-        if not ready:
-            return
-        if ngram is not None:
-            drafts = ngram.propose([r.request_id for r in ready])
-        else:
-            assert isinstance(drafter, DraftModelProposer)
-            drafts = drafter.propose(ready)
-        for request, draft in zip(ready, drafts, strict=True):
-            request.spec_token_ids = draft
 
     def _advance_matchers(self, new_tokens: dict[str, Sequence[int]]
                           ) -> dict[str, tuple[RequestStatus, str | None]]:
@@ -466,16 +422,11 @@ class EngineCore:
         outputs = [EngineCoreOutput(
             request_id=r.request_id, new_token_ids=r.new_token_ids, finish_reason=r.finish_reason,
             stop_reason=r.stop_reason, num_cached_tokens=r.num_cached_tokens) for r in results]
-        if self.drafter is not None:
-            for r in results:
-                if r.num_draft_tokens:
-                    stats.spec_num_drafts += 1
-                    stats.spec_num_draft_tokens += r.num_draft_tokens
-                    stats.spec_num_accepted_tokens += r.num_accepted_tokens
-            counts = self.spec_counts
-            counts["num_spec_drafts"] += stats.spec_num_drafts
-            counts["num_spec_draft_tokens"] += stats.spec_num_draft_tokens
-            counts["num_spec_accepted_tokens"] += stats.spec_num_accepted_tokens
+        for r in results:
+            if r.num_draft_tokens:
+                stats.spec_num_drafts += 1
+                stats.spec_num_draft_tokens += r.num_draft_tokens
+                stats.spec_num_accepted_tokens += r.num_accepted_tokens
         if self._pending_outputs:
             outputs += self._pending_outputs
             self._pending_outputs = []
@@ -537,7 +488,9 @@ class EngineCore:
                 "num_running_reqs": num_running,
                 "num_preemptions": sched.num_preemptions,
                 "num_grammars_compiled": 0 if manager is None else manager.num_compiled,
-                **self.spec_counts}
+                "num_spec_drafts": sched.num_spec_drafts,
+                "num_spec_draft_tokens": sched.num_spec_draft_tokens,
+                "num_spec_accepted_tokens": sched.num_spec_accepted_tokens}
 
     def collective_rpc(self, method: str, args: list | tuple = ()) -> Any:
         """Call a public method of the model runner (vLLM's collective_rpc; one runner drives

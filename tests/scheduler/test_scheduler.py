@@ -638,8 +638,25 @@ def test_empty_schedule() -> None:
 
 
 def _decode_with_drafts(sched: Scheduler, rid: str, drafts: list[int]):
-    sched.requests[rid].spec_token_ids = list(drafts)
+    sched.update_draft_token_ids({rid: drafts})
     return sched.schedule()
+
+
+def test_update_draft_token_ids_feeds_the_next_schedule_and_counts_verification() -> None:
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    sched.add_request(Request("a", [1, 2, 3], max_tokens=10))
+    sched.update_from_output(sched.schedule(), {"a": [4]})
+    # Ids no longer here (finished, aborted, never seen) are ignored.
+    sched.update_draft_token_ids({"a": [5, 6], "gone": [7]})
+    out = sched.schedule()
+    (item,) = out.scheduled
+    assert (item.token_ids, item.num_draft_tokens) == ([4, 5, 6], 2)
+    sched.update_from_output(out, {"a": [5, 8]})
+    assert (sched.num_spec_drafts, sched.num_spec_draft_tokens,
+            sched.num_spec_accepted_tokens) == (1, 2, 1)
+    # A step's drafts are used once: the next schedule without new ones verifies none.
+    (item,) = sched.schedule().scheduled
+    assert item.num_draft_tokens == 0
 
 
 def test_several_sampled_tokens_stop_at_the_first_stop() -> None:
