@@ -50,7 +50,6 @@ from jaxllm.worker.model_runner import (
     ModelRunner,
     ModelRunnerOutput,
     PreparedStep,
-    PromptLogprobRows,
     StepHandle,
     num_kv_blocks_for,
 )
@@ -229,7 +228,9 @@ class EngineCore:
         if scheduler_output.is_empty:
             self.runner.update_states(scheduler_output)
             return self._update(scheduler_output, None, NOTHING_SAMPLED, stats)
-        out = self.runner.execute_model(scheduler_output, self._prompt_rows(scheduler_output))
+        out = self.runner.execute_model(scheduler_output,
+                                        self.sampling_states.prompt_logprob_positions(
+                                            scheduler_output.scheduled))
         sampled = self.sampler.sample(out, self.sampler.prepare(out.handle.prepared), stats)
         self.runner.release(out)
         return self._update(scheduler_output, out, sampled, stats)
@@ -274,7 +275,8 @@ class EngineCore:
         if next_step is not None and next_step.placeholder_req_ids:
             positions = inputs.positions_of(next_step.placeholder_req_ids)
         out = self.runner.wait(handle)
-        self.runner.add_prompt_logprobs(out, self._prompt_rows(scheduler_output))
+        self.runner.add_prompt_logprobs(out, self.sampling_states.prompt_logprob_positions(
+            scheduler_output.scheduled))
         sampled = self.sampler.sample(out, inputs, stats)
         self.runner.release(out)
         return _FinishedStep(scheduler_output, out, sampled, stats,
@@ -301,27 +303,6 @@ class EngineCore:
         stats.prefix_cache_queries = scheduler_output.num_prefix_cache_queries
         stats.prefix_cache_hits = scheduler_output.num_prefix_cache_hits
         return scheduler_output
-
-    def _prompt_rows(self, scheduler_output: SchedulerOutput
-                     ) -> dict[str, tuple[int, list[int]]]:
-        """Request id -> (first prompt position of this step whose logprob entry is still owed,
-        relative to the request's start in the step; the next prompt token of each owed
-        position). Position p predicts token p + 1: entries for p < num_prompt - 1. Positions
-        emitted before a preemption are not owed again."""
-        states = self.sampling_states
-        if not states.num_prompt_logprobs:
-            return {}
-        want = {}
-        for r in scheduler_output.scheduled:
-            state = states.get(r.request_id)
-            if state is None or state.prompt_logprobs_next is None:
-                continue
-            prompt = state.request.prompt_token_ids
-            first = max(r.start_position, state.prompt_logprobs_next)
-            end = min(r.seq_len, len(prompt) - 1)
-            if end > first:
-                want[r.request_id] = (first - r.start_position, list(prompt[first + 1:end + 1]))
-        return want
 
     def _update(self, scheduler_output: SchedulerOutput, out: ModelRunnerOutput | None,
                 sampled: SampledTokens, stats: SchedulerStats) -> EngineCoreOutputs:
@@ -380,7 +361,14 @@ class EngineCore:
             o.new_logprobs = LogprobsLists(rows.token_ids[:n], rows.logprobs[:n], rows.ranks[:n])
         if out is not None:
             for rid, prompt_stats in out.prompt_logprobs.items():
-                self._emit_prompt_logprobs(rid, prompt_stats, by_id, outputs.outputs)
+                rows = self.sampling_states.prompt_logprobs(rid, prompt_stats)
+                if rows is None:
+                    continue
+                o = by_id.get(rid)
+                if o is None:  # a prefill chunk that samples nothing
+                    o = by_id[rid] = EngineCoreOutput(request_id=rid, new_token_ids=[])
+                    outputs.outputs.append(o)
+                o.new_prompt_logprobs = rows
         self._forget_finished(outputs)
         if self.drafter is not None:
             self.scheduler.update_draft_token_ids(self.drafter.propose_draft_token_ids(
@@ -435,31 +423,6 @@ class EngineCore:
         stats.num_waiting_reqs = num_waiting + len(self._waiting_for_grammar)
         stats.kv_cache_usage = self.scheduler.usage
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
-
-    def _emit_prompt_logprobs(self, rid: str, prompt_stats: PromptLogprobRows,
-                              by_id: dict[str, EngineCoreOutput],
-                              outputs: list[EngineCoreOutput]) -> None:
-        state = self.sampling_states.get(rid)
-        if state is None:
-            return
-        req = state.request
-        num = req.sampling_params.prompt_logprobs
-        assert num is not None  # only requests that asked for prompt logprobs get rows
-        rows = LogprobsLists([], [], [])
-        targets = req.prompt_token_ids[prompt_stats.first_position + 1:]
-        for i in range(len(prompt_stats.lse)):
-            lse = float(prompt_stats.lse[i])
-            rows.token_ids.append([int(targets[i])] + prompt_stats.token_ids[i, :num].tolist())
-            rows.logprobs.append([float(prompt_stats.target_logit[i]) - lse]
-                                 + [v - lse for v in prompt_stats.values[i, :num].tolist()])
-            rows.ranks.append([int(prompt_stats.target_rank[i])] + list(range(1, num + 1)))
-        state.prompt_logprobs_next = prompt_stats.first_position + len(prompt_stats.lse)
-        o = by_id.get(rid)
-        if o is None:
-            o = EngineCoreOutput(request_id=rid, new_token_ids=[])
-            outputs.append(o)
-            by_id[rid] = o
-        o.new_prompt_logprobs = rows
 
     # --- utility calls (UTILITY_METHODS) ------------------------------------------------------
 

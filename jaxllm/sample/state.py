@@ -5,17 +5,20 @@ sampler reads them by request id."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
 
 if TYPE_CHECKING:
     from jaxllm.engine import EngineCoreRequest
     from jaxllm.structured_output.request import StructuredOutputRequest
+    from jaxllm.worker.outputs import PromptLogprobRows
+    from scheduler import ScheduledRequest
 
 
 @dataclass
@@ -87,6 +90,47 @@ class SamplingStates(Mapping[str, SamplingState]):
         if state is not None and state.penalties is not None:
             for token in token_ids:
                 state.penalties.append(token)
+
+    def prompt_logprob_positions(self, scheduled: Iterable[ScheduledRequest]
+                                 ) -> dict[str, tuple[int, list[int]]]:
+        """For a step's scheduled requests: request id -> (first prompt position of the step
+        whose logprob entry is still owed, relative to the request's start in the step; the
+        next prompt token of each owed position). Position p predicts token p + 1: entries for
+        p < num_prompt - 1. Positions emitted before a preemption are not owed again."""
+        if not self.num_prompt_logprobs:
+            return {}
+        want = {}
+        for r in scheduled:
+            state = self._states.get(r.request_id)
+            if state is None or state.prompt_logprobs_next is None:
+                continue
+            prompt = state.request.prompt_token_ids
+            first = max(r.start_position, state.prompt_logprobs_next)
+            end = min(r.seq_len, len(prompt) - 1)
+            if end > first:
+                want[r.request_id] = (first - r.start_position, list(prompt[first + 1:end + 1]))
+        return want
+
+    def prompt_logprobs(self, request_id: str, stats: PromptLogprobRows) -> LogprobsLists | None:
+        """The prompt logprob entries of the positions `stats` covers (each: the prompt's next
+        token, then the top ones), which are then no longer owed; None for a request no longer
+        here."""
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        req = state.request
+        num = req.sampling_params.prompt_logprobs
+        assert num is not None  # only requests that asked for prompt logprobs get rows
+        rows = LogprobsLists([], [], [])
+        targets = req.prompt_token_ids[stats.first_position + 1:]
+        for i in range(len(stats.lse)):
+            lse = float(stats.lse[i])
+            rows.token_ids.append([int(targets[i])] + stats.token_ids[i, :num].tolist())
+            rows.logprobs.append([float(stats.target_logit[i]) - lse]
+                                 + [v - lse for v in stats.values[i, :num].tolist()])
+            rows.ranks.append([int(stats.target_rank[i])] + list(range(1, num + 1)))
+        state.prompt_logprobs_next = stats.first_position + len(stats.lse)
+        return rows
 
     def _count(self, state: SamplingState, delta: int) -> None:
         self.num_penalized += delta * (state.penalties is not None)
