@@ -57,7 +57,7 @@ def measure(shape_name: str, dtype: str, rows: list[int], paths: list[str], inte
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.benchmarks.roofline import measure_bandwidth
+    from jaxllm.worker.machine_rates import measure_bandwidth
     from jaxllm.worker.matmul_timing import time_weight_matmuls
     from pallas_kernels.skinny_matmul import MAX_ROWS
 

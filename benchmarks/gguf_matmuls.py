@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.benchmarks.child import Child, isa_env
-from jaxllm.benchmarks.roofline import measure_gemm
 from jaxllm.model_executor.layers import cpu_ffi
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
 from jaxllm.model_executor.model_loader.default_model import default_model_path
 from jaxllm.model_executor.model_loader.loader import load_model
+from jaxllm.worker.machine_rates import measure_gemm
 from jaxllm.worker.matmul_timing import best_seconds, weight_matmuls
 
 

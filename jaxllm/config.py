@@ -4,8 +4,9 @@ EngineArgs holds what the user asked for, where None often means "per platform";
 holds what the engine runs with, so every such decision is made here, in one place: the model
 path, dtypes, kernel backend, quantization, top-K sampling, async scheduling, multiprocess mode,
 the rows that run on GEMV weights, the matmul precision, the XLA flags of CUDA graphs and the KV
-budget. The engine core builds it (it needs the JAX
-platform); the frontend gets it back in EngineCoreInfo.
+budget's arithmetic (`kv_budget_bytes`; the worker reads the device for it, `num_kv_blocks_for`
+in worker/model_runner.py). The engine core builds it (it needs the JAX platform); the frontend
+gets it back in EngineCoreInfo.
 
 Importing this module starts no JAX backend (the frontend of a multiprocess engine never does):
 the resolvers that need JAX import it when called.
@@ -21,10 +22,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from jaxllm.worker.model_runner import ModelRunner
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -136,10 +134,10 @@ class EngineConfig:
     # kernel (a Pallas backend only); 0: XLA's dots everywhere.
     pallas_gemv_max_rows: int
     block_size: int
-    # KV budget (num_kv_blocks_for): num_kv_blocks when given, else kv_cache_memory_bytes when
-    # given, else gpu_memory_utilization of the device less the memory in use (weights included)
-    # and activations, else (a device that reports no memory: CPU) DEFAULT_CPU_KV_BYTES over the
-    # devices.
+    # KV budget (worker/model_runner.py num_kv_blocks_for): num_kv_blocks when given, else
+    # kv_cache_memory_bytes when given, else gpu_memory_utilization of the device less the
+    # memory in use (weights included) and activations, else (a device that reports no memory:
+    # CPU) DEFAULT_CPU_KV_BYTES over the devices.
     num_kv_blocks: int | None
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
@@ -379,33 +377,3 @@ def kv_budget_bytes(total: int, in_use: int, utilization: float, weights: int,
            f"engine's weights) - {activations} of activations (largest step, measured) and kept "
            f"logits buffers")
     return budget, how
-
-
-def num_kv_blocks_for(config: EngineConfig, runner: ModelRunner) -> int:
-    """KV blocks from the budget: num_kv_blocks when given; else kv_cache_memory_bytes; else (a
-    GPU) `kv_budget_bytes` of the device's memory stats; else (CPU) DEFAULT_CPU_KV_BYTES."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    from jaxllm.worker.model_runner import device_memory_bytes, device_memory_stats, kv_block_bytes
-
-    # Per device: with tensor parallelism each holds its kv heads' slice of every block.
-    per_block = kv_block_bytes(runner.local_config, config.block_size, runner.kv_cache_dtype)
-    total = device_memory_bytes()
-    if config.kv_cache_memory_bytes is not None:
-        budget, how = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-    elif total is None:
-        # Virtual CPU devices share the host's memory: the default is for all of them.
-        budget = DEFAULT_CPU_KV_BYTES // config.tensor_parallel_size
-        how = "the CPU default of 1 GiB (over all devices)"
-    else:
-        # Compiling the probe step allocates nothing on the device: read the stats after it.
-        activations = runner.measure_activation_bytes() + runner.logits_buffer_bytes()
-        in_use = (device_memory_stats() or {}).get("bytes_in_use", 0)
-        budget, how = kv_budget_bytes(total, in_use, config.gpu_memory_utilization,
-                                      runner.weight_bytes(), activations)
-    blocks = max(budget, 0) // per_block
-    if blocks < 2:
-        raise ValueError(f"the KV budget ({how}) holds {blocks} blocks of {per_block} bytes; "
-                         f"raise kv_cache_memory_bytes or gpu_memory_utilization, free the "
-                         f"device memory in use, or lower max_num_batched_tokens")
-    return int(blocks)

@@ -28,6 +28,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """Every block but the reserved null block."""
+        return self.block_pool.num_usable_blocks
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

@@ -87,6 +87,11 @@ class Scheduler:
         self._pending_outputs: list[RequestResult] = []
         self._next_arrival_index = 0
         self.num_preemptions = 0
+        # Speculative decoding since start: steps that verified a request's drafts, the drafts
+        # verified and those accepted.
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
         # Block tables cut since the last schedule(), reported in its output (see
         # SchedulerOutput.truncated_block_tables).
         self._truncated: dict[str, int] = {}
@@ -116,7 +121,7 @@ class Scheduler:
                 f"max_model_len={cfg.max_model_len}"
             )
         need = self.kv_cache_manager.num_blocks_needed(request.num_prompt_tokens)
-        have = self.kv_cache_manager.block_pool.num_usable_blocks
+        have = self.num_usable_blocks
         if need > have:
             raise ValueError(
                 f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens needs {need} "
@@ -141,6 +146,15 @@ class Scheduler:
             request.status = status
             self._free_request(request)
 
+    def update_draft_token_ids(self, draft_token_ids: Mapping[str, Sequence[int]]) -> None:
+        """Speculative decoding: each request's draft tokens for its next step (replacing any
+        it had); ids of requests no longer here are ignored. schedule() decides how many of
+        them the step verifies."""
+        for rid, drafts in draft_token_ids.items():
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished:
+                request.spec_token_ids = [int(t) for t in drafts]
+
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
@@ -156,6 +170,20 @@ class Scheduler:
     @property
     def usage(self) -> float:
         return self.kv_cache_manager.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks no request holds (free prefix-cached blocks count as free)."""
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """KV blocks requests can hold: all but the reserved null block."""
+        return self.kv_cache_manager.num_usable_blocks
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.running), len(self.waiting)
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -337,6 +365,7 @@ class Scheduler:
         self,
         scheduler_output: SchedulerOutput,
         sampled_token_ids: Mapping[str, Sequence[int]],
+        finish_after: Mapping[str, tuple[RequestStatus, str | None]] | None = None,
     ) -> list[RequestResult]:
         """Apply a step's results: tokens computed, tokens sampled, stops, freed blocks.
 
@@ -344,6 +373,11 @@ class Scheduler:
         sampled for it: one, or with draft tokens the accepted drafts and one more; they are
         accepted one by one until a stop (tokens past it are dropped). The KV of rejected
         drafts does not count as computed, and blocks only they used are freed.
+
+        `finish_after` maps requests that end once their tokens here are appended to their
+        finished status and stop reason (the engine's decision on what the scheduler cannot
+        see, e.g. a structured-output grammar that is complete or refused a token); a stop
+        among those tokens ends the request first, with its own reason.
         """
         kv = self.kv_cache_manager
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -385,6 +419,11 @@ class Scheduler:
                 accepted.append(token_id)
                 if check_stop(request, self.config.max_model_len):
                     break
+            if finish_after and not request.is_finished and rid in finish_after:
+                status, reason = finish_after[rid]
+                if not status.is_finished:
+                    raise ValueError(f"request {rid!r}: {status!r} is not a finished status")
+                request.status, request.stop_reason = status, reason
             if running:
                 # After the tokens are appended: blocks are registered under the hash of the
                 # tokens they hold, and accepted drafts are computed tokens too.
@@ -400,6 +439,11 @@ class Scheduler:
                                                                        num_kept - 1))
                 if kept is not None:
                     self._truncated[rid] = kept
+            num_accepted = len(new_ids) - 1 if num_draft else 0
+            if num_draft:
+                self.num_spec_drafts += 1
+                self.num_spec_draft_tokens += num_draft
+                self.num_spec_accepted_tokens += num_accepted
             outputs.append(
                 RequestResult(
                     rid,
@@ -408,7 +452,7 @@ class Scheduler:
                     request.stop_reason,
                     request.num_cached_tokens,
                     num_draft,
-                    len(new_ids) - 1 if num_draft else 0,
+                    num_accepted,
                 )
             )
         return outputs

@@ -1,6 +1,7 @@
 """Dependencies point one way, into jaxllm/: the scheduler is plain Python, the kernels know
-nothing of the engine. Checked on the source (every import statement, top level or inside a
-function) and at run time (what an import really pulls into sys.modules)."""
+nothing of the engine, and no module of jaxllm/ reaches itself again through its imports.
+Checked on the source (every import statement, top level, inside a function or under
+TYPE_CHECKING) and at run time (what an import really pulls into sys.modules)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,78 @@ def imported_roots(path: Path) -> dict[str, int]:
     return roots
 
 
+def module_names(package_dir: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of a package directory (a package is named
+    by its __init__.py)."""
+    names = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = list(path.relative_to(package_dir.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def import_graph(package_dir: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports anywhere in its file. `from a
+    import b` reaches a.b when that is a module, else a (a name its __init__ defines); importing
+    a.b does not count as importing a, as a package's __init__ importing its own submodules
+    would otherwise make every package a circle."""
+    modules = module_names(package_dir)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+                targets = [t if t in modules else base for t in targets]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
 def violations(package: str, allowed) -> list[str]:
     found = []
     for path in sorted((ROOT / package).rglob("*.py")):
@@ -48,6 +121,30 @@ def test_kernels_import_nothing_of_ours():
 
 def test_engine_imports_no_tests_or_benchmark_scripts():
     assert violations("jaxllm", lambda r: r not in {"tests", "benchmarks"}) == []
+
+
+def test_jaxllm_has_no_import_circles():
+    graph = import_graph(ROOT / "jaxllm")
+    assert "jaxllm.engine.core" in graph and graph["jaxllm.engine.core"]
+    circles = import_circles(graph)
+    assert circles == [], "\n".join(
+        " <-> ".join(c) + "\n  " + "\n  ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c)
+        for c in circles)
+
+
+def test_the_circle_checker_finds_a_circle_through_type_checking_and_functions(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from pkg.a import A\n")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from pkg.sub.b import B\nA = 1\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from .. import c\nB = 2\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    (pkg / "d.py").write_text("from pkg import A\n")  # the package's __init__, no circle
+    graph = import_graph(pkg)
+    assert graph["pkg.d"] == {"pkg"}
+    assert import_circles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):

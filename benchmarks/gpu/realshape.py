@@ -53,9 +53,9 @@ def stage_realshape(run: StageRun) -> None:
     sizes = run.sizes
     if run.check("platform", lambda: platform_check(sizes)) is None:
         return
-    from jaxllm.config import num_kv_blocks_for
     from jaxllm.engine.arg_utils import EngineArgs
     from jaxllm.worker.compile_counter import compile_seconds
+    from jaxllm.worker.model_runner import num_kv_blocks_for
 
     for name in sizes.realshapes:
         def one(name: str = name) -> dict[str, Any]:

@@ -25,6 +25,16 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from jaxllm.distributed.leader import (
+    FETCH,
+    HEADER,
+    PROMPT,
+    RECENT_STEPS,
+    STEP,
+    STOP,
+    Leader,
+    broadcast,
+)
 from jaxllm.worker.input_batch import DeviceInputs
 
 if TYPE_CHECKING:
@@ -35,13 +45,6 @@ HEARTBEAT_TIMEOUT_S = 5
 ENV_COORDINATOR = "JAXLLM_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXLLM_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXLLM_PROCESS_ID"
-
-# Header: [command, bucket index (STEP) or launch index (FETCH), row count (FETCH)]
-HEADER = 3
-STEP, PROMPT, STOP, FETCH = 1, 2, 3, 4
-# Followers keep the logits of this many recent steps (async scheduling samples step N while
-# N + 1 runs) for process 0's row fetches.
-RECENT_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -77,51 +80,17 @@ def initialize(cfg: DistributedConfig) -> None:
                                heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
 
 
-def _broadcast(x: np.ndarray) -> np.ndarray:
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.broadcast_one_to_all(x))
-
-
 def input_size(runner: ModelRunner, shape: tuple[int, int]) -> int:
     return DeviceInputs.packed_size(runner.input_shapes(shape))
 
 
-class Leader:
-    """Process 0's side: tells the followers what the runner is about to launch."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.shapes = runner.bucket_shapes()
-        self.stopped = False
-
-    def step(self, shape: tuple[int, int], packed: np.ndarray) -> None:
-        """`packed`: the step's inputs as `DeviceInputs.pack` gives them."""
-        _broadcast(np.array([STEP, self.shapes.index(shape), 0], np.int32))
-        _broadcast(packed)
-
-    def prompt(self, rows: np.ndarray, targets: np.ndarray) -> None:
-        _broadcast(np.array([PROMPT, 0, 0], np.int32))
-        _broadcast(np.concatenate([rows, targets]).astype(np.int32))
-
-    def fetch(self, launch_index: int, rows: np.ndarray) -> None:
-        _broadcast(np.array([FETCH, launch_index, rows.shape[0]], np.int32))
-        _broadcast(rows)
-
-    def stop(self) -> None:
-        """Let the followers exit (once; also at process 0's exit)."""
-        if not self.stopped:
-            self.stopped = True
-            _broadcast(np.array([STOP, 0, 0], np.int32))
-
-
 def warm_up(runner: ModelRunner, prompt_rows: int) -> None:
     """Broadcast every size once (all processes, same order), so serving compiles nothing."""
-    _broadcast(np.zeros(HEADER, np.int32))
+    broadcast(np.zeros(HEADER, np.int32))
     shapes = runner.bucket_shapes()
     rows = {runner.step_sizes(shape)[1] for shape in shapes}
     for size in sorted({input_size(runner, s) for s in shapes} | {2 * prompt_rows} | rows):
-        _broadcast(np.zeros(size, np.int32))
+        broadcast(np.zeros(size, np.int32))
 
 
 def follow(runner: ModelRunner, prompt_rows: int) -> int:
@@ -142,12 +111,12 @@ def follow(runner: ModelRunner, prompt_rows: int) -> int:
         if compiles:
             print(f"follower: {len(compiles)} compile(s) while serving", flush=True)
             compiles.clear()
-        command, index, count = _broadcast(np.zeros(HEADER, np.int32)).tolist()
+        command, index, count = broadcast(np.zeros(HEADER, np.int32)).tolist()
         if command == STOP:
             return steps
         if command == STEP:
             shape = shapes[index]
-            flat = _broadcast(np.zeros(input_size(runner, shape), np.int32))
+            flat = broadcast(np.zeros(input_size(runner, shape), np.int32))
             *_, logits, hidden = runner.launch(shape, flat)
             recent[runner.launches] = logits
             old = recent.pop(runner.launches - RECENT_STEPS, None)
@@ -155,9 +124,9 @@ def follow(runner: ModelRunner, prompt_rows: int) -> int:
                 runner.reuse_logits(old)
             steps += 1
         elif command == FETCH:
-            runner.gather_rows(recent[index], _broadcast(np.zeros(count, np.int32)))
+            runner.gather_rows(recent[index], broadcast(np.zeros(count, np.int32)))
         elif command == PROMPT:
-            flat = _broadcast(np.zeros(2 * prompt_rows, np.int32))
+            flat = broadcast(np.zeros(2 * prompt_rows, np.int32))
             if hidden is None:
                 raise RuntimeError("follower: process 0 asked for prompt logprobs before a step")
             runner.launch_prompt(hidden, flat[:prompt_rows], flat[prompt_rows:])
@@ -181,7 +150,7 @@ def agree(cfg: DistributedConfig | None, value: int) -> int:
     """Process 0's value on every process (the KV block count: each sizes its own device)."""
     if cfg is None:
         return value
-    return int(_broadcast(np.array([value], np.int64))[0])
+    return int(broadcast(np.array([value], np.int64))[0])
 
 
 def attach(cfg: DistributedConfig | None, runner: ModelRunner, prompt_rows: int) -> None:
@@ -190,5 +159,5 @@ def attach(cfg: DistributedConfig | None, runner: ModelRunner, prompt_rows: int)
         return
     warm_up(runner, prompt_rows)
     if cfg.process_id == 0:
-        runner.leader = Leader(runner)
+        runner.leader = Leader(runner.bucket_shapes())
         atexit.register(runner.leader.stop)

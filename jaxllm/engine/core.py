@@ -3,16 +3,19 @@
 Built from EngineArgs alone, it loads the weights, sizes the KV array (on a GPU from a measured
 activation footprint), compiles every step shape, then runs steps:
 schedule -> execute model -> sample (`HostSampler`, jaxllm/sample/host_sampler.py) ->
-update_from_output -> EngineCoreOutputs (+ stats).
+update_from_output -> EngineCoreOutputs (+ stats); with speculative decoding the worker's
+`Drafter` then proposes the next step's drafts, handed to `Scheduler.update_draft_token_ids`.
 Everything else the frontend needs from it goes through `UTILITY_METHODS` (vLLM's utility calls;
 `collective_rpc` reaches the model runner), so the core can live in another process.
 
 A request with structured outputs waits in the core, outside the scheduler, until its grammar
 is compiled (`StructuredOutputManager`, on threads); only then does the scheduler see it. Its
-matcher follows the tokens the scheduler accepts for it (`_update`); preemption recomputes and
-keeps the output tokens, so the matcher never goes back. When its grammar is complete the
-request finishes "stop"; when the grammar fails to compile or reaches a dead end it finishes
-"error", with stop_reason saying why.
+matcher takes the tokens sampled for it before the scheduler does (`_advance_matchers`), which
+decides whether they end it: when its grammar is complete the request finishes "stop" (tokens
+past the grammar's end are dropped), when the matcher refuses a token "error";
+`update_from_output` applies that decision with the tokens. Preemption recomputes and keeps the
+output tokens, so the matcher never goes back. A grammar that fails to compile or reaches a
+dead end finishes the request "error" too, with stop_reason saying why.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import num_kv_blocks_for
 from jaxllm.distributed import multihost
 from jaxllm.engine import UTILITY_METHODS as UTILITY_METHODS
 from jaxllm.engine import (
@@ -40,18 +42,16 @@ from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
 from jaxllm.sample.logprobs import LogprobsLists
-from jaxllm.sample.penalties import PenaltyState
-from jaxllm.spec_decode.draft_model import DraftModelProposer
-from jaxllm.spec_decode.ngram_proposer import NgramProposer
+from jaxllm.sample.state import SamplingState, SamplingStates
 from jaxllm.structured_output.manager import StructuredOutputManager
-from jaxllm.structured_output.request import StructuredOutputRequest
+from jaxllm.worker.drafter import Drafter
 from jaxllm.worker.model_runner import (
     PROMPT_LOGPROB_ROWS,
     ModelRunner,
     ModelRunnerOutput,
     PreparedStep,
-    PromptLogprobRows,
     StepHandle,
+    num_kv_blocks_for,
 )
 from scheduler import (
     Request,
@@ -65,23 +65,6 @@ from scheduler import (
 # While only requests waiting for their grammar are held, how long the core blocks on the
 # compilations before it returns an (empty) step: short, so aborts and new requests still get in.
 GRAMMAR_WAIT_S = 0.05
-
-
-@dataclass
-class CoreRequestState:
-    """What the core keeps per request beside the scheduler's Request: what sampling its rows
-    needs, and how far its prompt logprobs got."""
-
-    request: EngineCoreRequest
-    generator: np.random.Generator
-    eos_token_ids: frozenset[int]
-    # Token statistics of a request that uses penalties, updated by each new token.
-    penalties: PenaltyState | None = None
-    # Next prompt position whose logprob entry is still owed when prompt logprobs are asked
-    # (survives preemption, so a recomputed prompt does not emit its entries twice).
-    prompt_logprobs_next: int | None = None
-    # Structured outputs: the request's grammar and matcher.
-    structured_output: StructuredOutputRequest | None = None
 
 
 @dataclass
@@ -136,41 +119,25 @@ class EngineCore:
             eos_token_ids=[] if model_config.eos_token_id is None
             else [model_config.eos_token_id],
             bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s)
-        self._states: dict[str, CoreRequestState] = {}
-        # How many requests use penalties / owe prompt logprobs: most steps have none, and
-        # skip their per-request work.
-        self._num_penalized = 0
-        self._num_prompt_logprobs = 0
-        self._num_constrained = 0
+        self.sampling_states = SamplingStates()
         # Built at the first constrained request (loads the tokenizer then).
         self.structured_output_manager: StructuredOutputManager | None = None
         # Constrained requests whose grammar is still compiling, in arrival order.
         self._waiting_for_grammar: dict[str, Request] = {}
         # Outputs of requests the core finished outside a step (grammar that did not compile).
         self._pending_outputs: list[EngineCoreOutput] = []
-        self.sampler = HostSampler(self.scheduler, self._states,
+        self.sampler = HostSampler(self.scheduler.requests, self.sampling_states,
                                    candidates=self.runner.top_k > 0)
         # Async scheduling: the dispatched step whose results are not applied yet.
         self._inflight: tuple[SchedulerOutput, StepHandle, SchedulerStats] | None = None
-        # Speculative decoding: the proposer, the most requests a step verifies drafts for (the
-        # largest spec-decode bucket), and counters since start.
+        # Speculative decoding: the worker's drafter proposes drafts for at most as many
+        # requests as the largest spec-decode bucket verifies.
         if spec is not None and self.async_scheduling:
             raise ValueError("speculative decoding runs without async scheduling: build the "
                              "config with EngineArgs.create_engine_config()")
-        self.drafter: NgramProposer | DraftModelProposer | None = None
-        self._max_spec_seqs = 0
-        if use_draft_model:
-            self.drafter = DraftModelProposer(config, model_config, max_model_len, num_blocks,
-                                              target_weights=loaded)
-        elif spec is not None:
-            self.drafter = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                         spec.prompt_lookup_max, max_model_len,
-                                         config.max_num_seqs)
-        if spec is not None:
-            self._max_spec_seqs = max(self.runner.spec_buckets, default=0) \
-                // self.runner.spec_query_len
-        self.spec_counts = {"num_spec_drafts": 0, "num_spec_draft_tokens": 0,
-                            "num_spec_accepted_tokens": 0}
+        self.drafter = None if spec is None else Drafter(
+            config, model_config, max_model_len, num_blocks, loaded,
+            max(self.runner.spec_buckets, default=0) // self.runner.spec_query_len)
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -178,6 +145,7 @@ class EngineCore:
         """Queue a request. Everything that can raise runs before the scheduler is touched,
         so a refused request leaves no trace."""
         params = req.sampling_params
+        state = SamplingState.from_request(req)  # refuses a bad seed
         eos_ids = set(req.eos_token_ids)
         eos = min(eos_ids) if eos_ids else None
         # Further EOS ids (generation configs may list several) stop like stop tokens.
@@ -188,13 +156,8 @@ class EngineCore:
             ignore_eos=params.ignore_eos, eos_token_id=eos,
             stop_token_ids=list(params.stop_token_ids or ()) + extra_stop, sampling_params=params,
             skip_prefix_cache=params.prompt_logprobs is not None)
-        try:
-            generator = np.random.default_rng(req.seed)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"request {req.request_id!r}: bad seed {req.seed!r}: {e}") from e
         if req.request_id in self._waiting_for_grammar:
             raise ValueError(f"request id {req.request_id!r} is already in the engine core")
-        state = CoreRequestState(req, generator, frozenset(req.eos_token_ids))
         if params.structured_outputs is not None:
             self.scheduler.check_request(request)
             state.structured_output = self._structured_output().add_request(
@@ -203,16 +166,7 @@ class EngineCore:
             self._waiting_for_grammar[req.request_id] = request
         else:
             self.scheduler.add_request(request)  # validates before it changes anything
-        if params.repetition_penalty != 1.0 or params.frequency_penalty \
-                or params.presence_penalty:
-            state.penalties = PenaltyState(req.prompt_token_ids)
-            self._num_penalized += 1
-        if params.prompt_logprobs is not None:
-            state.prompt_logprobs_next = 0
-            self._num_prompt_logprobs += 1
-        if state.structured_output is not None:
-            self._num_constrained += 1
-        self._states[req.request_id] = state
+        self.sampling_states.add(state)
 
     def _structured_output(self) -> StructuredOutputManager:
         if self.structured_output_manager is None:
@@ -226,23 +180,12 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
             self._waiting_for_grammar.pop(rid, None)
-            self._forget(rid)
+            self.sampling_states.remove(rid)
             if self.drafter is not None:
                 self.drafter.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar)
-
-    def _forget(self, rid: str) -> None:
-        state = self._states.pop(rid, None)
-        if state is None:
-            return
-        if state.penalties is not None:
-            self._num_penalized -= 1
-        if state.prompt_logprobs_next is not None:
-            self._num_prompt_logprobs -= 1
-        if state.structured_output is not None:
-            self._num_constrained -= 1
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -253,7 +196,7 @@ class EngineCore:
         waiting = self._waiting_for_grammar
         if not waiting:
             return
-        states = self._states
+        states = self.sampling_states
         pending = [so for rid in waiting if (so := states[rid].structured_output) is not None]
         if not any(so.is_ready for so in pending) and self._inflight is None \
                 and not self.scheduler.has_unfinished_requests():
@@ -272,7 +215,7 @@ class EngineCore:
                 self._pending_outputs.append(EngineCoreOutput(
                     request_id=rid, new_token_ids=[], finish_reason="error",
                     stop_reason=so.error))
-                self._forget(rid)
+                self.sampling_states.remove(rid)
 
     def step(self) -> EngineCoreOutputs:
         """One step: with async scheduling, the outputs of the step dispatched by the previous
@@ -285,7 +228,9 @@ class EngineCore:
         if scheduler_output.is_empty:
             self.runner.update_states(scheduler_output)
             return self._update(scheduler_output, None, NOTHING_SAMPLED, stats)
-        out = self.runner.execute_model(scheduler_output, self._prompt_rows(scheduler_output))
+        out = self.runner.execute_model(scheduler_output,
+                                        self.sampling_states.prompt_logprob_positions(
+                                            scheduler_output.scheduled))
         sampled = self.sampler.sample(out, self.sampler.prepare(out.handle.prepared), stats)
         self.runner.release(out)
         return self._update(scheduler_output, out, sampled, stats)
@@ -330,7 +275,8 @@ class EngineCore:
         if next_step is not None and next_step.placeholder_req_ids:
             positions = inputs.positions_of(next_step.placeholder_req_ids)
         out = self.runner.wait(handle)
-        self.runner.add_prompt_logprobs(out, self._prompt_rows(scheduler_output))
+        self.runner.add_prompt_logprobs(out, self.sampling_states.prompt_logprob_positions(
+            scheduler_output.scheduled))
         sampled = self.sampler.sample(out, inputs, stats)
         self.runner.release(out)
         return _FinishedStep(scheduler_output, out, sampled, stats,
@@ -350,34 +296,13 @@ class EngineCore:
     def _schedule(self, stats: SchedulerStats) -> SchedulerOutput:
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        if isinstance(self.drafter, DraftModelProposer):
+        if self.drafter is not None:
             self.drafter.update_states(scheduler_output)
         stats.schedule_s = time.perf_counter() - t0
         stats.num_preemptions = len(scheduler_output.preempted_req_ids)
         stats.prefix_cache_queries = scheduler_output.num_prefix_cache_queries
         stats.prefix_cache_hits = scheduler_output.num_prefix_cache_hits
         return scheduler_output
-
-    def _prompt_rows(self, scheduler_output: SchedulerOutput
-                     ) -> dict[str, tuple[int, list[int]]]:
-        """Request id -> (first prompt position of this step whose logprob entry is still owed,
-        relative to the request's start in the step; the next prompt token of each owed
-        position). Position p predicts token p + 1: entries for p < num_prompt - 1. Positions
-        emitted before a preemption are not owed again."""
-        if not self._num_prompt_logprobs:
-            return {}
-        want = {}
-        states = self._states
-        for r in scheduler_output.scheduled:
-            state = states.get(r.request_id)
-            if state is None or state.prompt_logprobs_next is None:
-                continue
-            prompt = state.request.prompt_token_ids
-            first = max(r.start_position, state.prompt_logprobs_next)
-            end = min(r.seq_len, len(prompt) - 1)
-            if end > first:
-                want[r.request_id] = (first - r.start_position, list(prompt[first + 1:end + 1]))
-        return want
 
     def _update(self, scheduler_output: SchedulerOutput, out: ModelRunnerOutput | None,
                 sampled: SampledTokens, stats: SchedulerStats) -> EngineCoreOutputs:
@@ -400,7 +325,9 @@ class EngineCore:
             if rid not in sampled.errors}
         for j, verified in sampled.verified.items():
             new_tokens[sampled.req_ids[j]] = verified.token_ids
-        results = self.scheduler.update_from_output(scheduler_output, new_tokens)
+        grammar_ends = self._advance_matchers(new_tokens) \
+            if self.sampling_states.num_constrained else {}
+        results = self.scheduler.update_from_output(scheduler_output, new_tokens, grammar_ends)
         outputs = self._make_outputs(results, stats)
         by_id = {o.request_id: o for o in outputs.outputs}
         for rid, why in sampled.errors.items():
@@ -408,14 +335,16 @@ class EngineCore:
                                  stop_reason=why)
             outputs.outputs.append(o)
             by_id[rid] = o
-        if self._num_constrained:
-            self._advance_matchers(outputs.outputs)
-        if self._num_penalized:
+        for rid, (status, _) in grammar_ends.items():
+            o = by_id.get(rid)
+            if o is not None and status == RequestStatus.FINISHED_STOPPED \
+                    and o.finish_reason == "stop" and o.stop_reason is None:
+                # Its grammar ended it: the last token is text unless it is an EOS.
+                o.stopped_on_text = o.new_token_ids[-1] not in \
+                    self.sampling_states[rid].eos_token_ids
+        if self.sampling_states.num_penalized:
             for o in outputs.outputs:
-                state = self._states.get(o.request_id)
-                if state is not None and state.penalties is not None:
-                    for token in o.new_token_ids:
-                        state.penalties.append(token)
+                self.sampling_states.append_output_tokens(o.request_id, o.new_token_ids)
         for j, lps in enumerate(sampled.logprobs):
             o = by_id.get(sampled.req_ids[j]) if lps is not None else None
             if o is None or not o.new_token_ids:
@@ -432,126 +361,68 @@ class EngineCore:
             o.new_logprobs = LogprobsLists(rows.token_ids[:n], rows.logprobs[:n], rows.ranks[:n])
         if out is not None:
             for rid, prompt_stats in out.prompt_logprobs.items():
-                self._emit_prompt_logprobs(rid, prompt_stats, by_id, outputs.outputs)
+                rows = self.sampling_states.prompt_logprobs(rid, prompt_stats)
+                if rows is None:
+                    continue
+                o = by_id.get(rid)
+                if o is None:  # a prefill chunk that samples nothing
+                    o = by_id[rid] = EngineCoreOutput(request_id=rid, new_token_ids=[])
+                    outputs.outputs.append(o)
+                o.new_prompt_logprobs = rows
         self._forget_finished(outputs)
         if self.drafter is not None:
-            self._propose_drafts(scheduler_output, outputs.outputs)
+            self.scheduler.update_draft_token_ids(self.drafter.propose_draft_token_ids(
+                {o.request_id: o.new_token_ids for o in outputs.outputs
+                 if o.new_token_ids and not o.finished},
+                [o.request_id for o in outputs.outputs if o.finished], self.scheduler.running))
         stats.update_s = time.perf_counter() - t0
         return outputs
 
-    def _propose_drafts(self, scheduler_output: SchedulerOutput,
-                        outputs: list[EngineCoreOutput]) -> None:
-        """Give each running request about to decode its drafts for the next step (none when
-        more requests run than a spec-decode bucket holds); the n-gram proposer's token rows
-        first follow the accepted tokens."""
-        drafter = self.drafter
-        assert drafter is not None
-        ngram = drafter if isinstance(drafter, NgramProposer) else None
-        requests = self.scheduler.requests
-        for rid in scheduler_output.preempted_req_ids:
-            drafter.remove(rid)
-        for o in outputs:
-            if o.finished:
-                drafter.remove(o.request_id)
-            elif ngram is not None and o.new_token_ids \
-                    and (request := requests.get(o.request_id)) is not None:
-                if ngram.has_request(o.request_id):
-                    ngram.append(o.request_id, o.new_token_ids)
-                else:
-                    ngram.add_request(o.request_id, request.all_token_ids)
-        running = self.scheduler.running
-        if not running or len(running) > self._max_spec_seqs:
-            return
-        ready = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
-                 and not r.num_inflight_tokens
-                 and (ngram is None or ngram.has_request(r.request_id))]
-        if not ready:
-            return
-        if ngram is not None:
-            drafts = ngram.propose([r.request_id for r in ready])
-        else:
-            assert isinstance(drafter, DraftModelProposer)
-            drafts = drafter.propose(ready)
-        for request, draft in zip(ready, drafts, strict=True):
-            request.spec_token_ids = draft
-
-    def _advance_matchers(self, outputs: list[EngineCoreOutput]) -> None:
-        """Feed each constrained request's matcher the tokens just accepted for it; finish it
-        "stop" when its grammar is complete, "error" when the matcher refuses a token."""
-        for o in outputs:
-            state = self._states.get(o.request_id)
-            if state is None or state.structured_output is None or not o.new_token_ids \
-                    or o.finished:
+    def _advance_matchers(self, new_tokens: dict[str, Sequence[int]]
+                          ) -> dict[str, tuple[RequestStatus, str | None]]:
+        """Before the scheduler sees them: feed each constrained request's matcher its sampled
+        tokens, one by one (accepted drafts: the grammar's end drops what follows it, from
+        `new_tokens`). Returns the requests they end, for `update_from_output`: "stop" when
+        the grammar is complete, "error" when the matcher refuses a token."""
+        ends: dict[str, tuple[RequestStatus, str | None]] = {}
+        for rid, tokens in new_tokens.items():
+            state = self.sampling_states.get(rid)
+            so = None if state is None else state.structured_output
+            if so is None:
                 continue
-            so = state.structured_output
-            # Several tokens (accepted drafts): one by one, so the grammar's end drops what
-            # follows it.
-            for i, token in enumerate(o.new_token_ids):
+            for i, token in enumerate(tokens):
                 if not so.accept_tokens([token]):
-                    self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_ERROR)
-                    o.finish_reason, o.stop_reason = "error", so.error
+                    ends[rid] = (RequestStatus.FINISHED_ERROR, so.error)
                     break
                 if so.is_terminated:
-                    del o.new_token_ids[i + 1:]
-                    self.scheduler.finish_requests(o.request_id, RequestStatus.FINISHED_STOPPED)
-                    o.finish_reason = "stop"
-                    # The last token is text unless it is an EOS the grammar ended on.
-                    o.stopped_on_text = token not in state.eos_token_ids
+                    new_tokens[rid] = tokens[:i + 1]
+                    ends[rid] = (RequestStatus.FINISHED_STOPPED, None)
                     break
+        return ends
 
     def _forget_finished(self, outputs: EngineCoreOutputs) -> None:
         for o in outputs.outputs:
             if o.finished:
-                self._forget(o.request_id)
+                self.sampling_states.remove(o.request_id)
 
     def _make_outputs(self, results: list[RequestResult],
                       stats: SchedulerStats) -> EngineCoreOutputs:
         outputs = [EngineCoreOutput(
             request_id=r.request_id, new_token_ids=r.new_token_ids, finish_reason=r.finish_reason,
             stop_reason=r.stop_reason, num_cached_tokens=r.num_cached_tokens) for r in results]
-        if self.drafter is not None:
-            for r in results:
-                if r.num_draft_tokens:
-                    stats.spec_num_drafts += 1
-                    stats.spec_num_draft_tokens += r.num_draft_tokens
-                    stats.spec_num_accepted_tokens += r.num_accepted_tokens
-            counts = self.spec_counts
-            counts["num_spec_drafts"] += stats.spec_num_drafts
-            counts["num_spec_draft_tokens"] += stats.spec_num_draft_tokens
-            counts["num_spec_accepted_tokens"] += stats.spec_num_accepted_tokens
+        for r in results:
+            if r.num_draft_tokens:
+                stats.spec_num_drafts += 1
+                stats.spec_num_draft_tokens += r.num_draft_tokens
+                stats.spec_num_accepted_tokens += r.num_accepted_tokens
         if self._pending_outputs:
             outputs += self._pending_outputs
             self._pending_outputs = []
-        sched = self.scheduler
-        stats.num_running_reqs = len(sched.running)
-        stats.num_waiting_reqs = len(sched.waiting) + len(self._waiting_for_grammar)
-        stats.kv_cache_usage = sched.usage
+        num_running, num_waiting = self.scheduler.get_request_counts()
+        stats.num_running_reqs = num_running
+        stats.num_waiting_reqs = num_waiting + len(self._waiting_for_grammar)
+        stats.kv_cache_usage = self.scheduler.usage
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
-
-    def _emit_prompt_logprobs(self, rid: str, prompt_stats: PromptLogprobRows,
-                              by_id: dict[str, EngineCoreOutput],
-                              outputs: list[EngineCoreOutput]) -> None:
-        state = self._states.get(rid)
-        if state is None:
-            return
-        req = state.request
-        num = req.sampling_params.prompt_logprobs
-        assert num is not None  # only requests that asked for prompt logprobs get rows
-        rows = LogprobsLists([], [], [])
-        targets = req.prompt_token_ids[prompt_stats.first_position + 1:]
-        for i in range(len(prompt_stats.lse)):
-            lse = float(prompt_stats.lse[i])
-            rows.token_ids.append([int(targets[i])] + prompt_stats.token_ids[i, :num].tolist())
-            rows.logprobs.append([float(prompt_stats.target_logit[i]) - lse]
-                                 + [v - lse for v in prompt_stats.values[i, :num].tolist()])
-            rows.ranks.append([int(prompt_stats.target_rank[i])] + list(range(1, num + 1)))
-        state.prompt_logprobs_next = prompt_stats.first_position + len(prompt_stats.lse)
-        o = by_id.get(rid)
-        if o is None:
-            o = EngineCoreOutput(request_id=rid, new_token_ids=[])
-            outputs.append(o)
-            by_id[rid] = o
-        o.new_prompt_logprobs = rows
 
     # --- utility calls (UTILITY_METHODS) ------------------------------------------------------
 
@@ -561,8 +432,7 @@ class EngineCore:
     def get_kv_block_counts(self) -> tuple[int, int]:
         """(free, usable) KV blocks: all usable ones are free once no request holds any (free
         prefix-cached blocks count as free)."""
-        pool = self.scheduler.kv_cache_manager.block_pool
-        return pool.num_free_blocks, pool.num_usable_blocks
+        return self.scheduler.num_free_blocks, self.scheduler.num_usable_blocks
 
     def get_scheduler_state(self) -> dict[str, int]:
         """The scheduler's counters as plain ints (what tests and checks assert on, in either
@@ -570,17 +440,20 @@ class EngineCore:
         includes those still waiting for their grammar) and preemptions since start; grammars
         compiled since start (the cache's misses)."""
         sched = self.scheduler
-        free, usable = self.get_kv_block_counts()
+        num_running, num_waiting = sched.get_request_counts()
         num_for_grammar = len(self._waiting_for_grammar)
         manager = self.structured_output_manager
-        return {"num_free_blocks": free, "num_usable_blocks": usable,
-                "num_requests": len(sched.requests) + num_for_grammar,
-                "num_waiting_reqs": len(sched.waiting) + num_for_grammar,
+        return {"num_free_blocks": sched.num_free_blocks,
+                "num_usable_blocks": sched.num_usable_blocks,
+                "num_requests": num_running + num_waiting + num_for_grammar,
+                "num_waiting_reqs": num_waiting + num_for_grammar,
                 "num_waiting_for_grammar": num_for_grammar,
-                "num_running_reqs": len(sched.running),
+                "num_running_reqs": num_running,
                 "num_preemptions": sched.num_preemptions,
                 "num_grammars_compiled": 0 if manager is None else manager.num_compiled,
-                **self.spec_counts}
+                "num_spec_drafts": sched.num_spec_drafts,
+                "num_spec_draft_tokens": sched.num_spec_draft_tokens,
+                "num_spec_accepted_tokens": sched.num_spec_accepted_tokens}
 
     def collective_rpc(self, method: str, args: list | tuple = ()) -> Any:
         """Call a public method of the model runner (vLLM's collective_rpc; one runner drives

@@ -1,13 +1,14 @@
 """EngineCoreClient: how the frontend talks to the engine core (vLLM's names).
 
-`make_client(multiprocess_mode, asyncio_mode, engine_args)` picks one of three:
+`make_client(multiprocess_mode, asyncio_mode, engine_args)` (frontend.py) picks one of three:
 
   InprocClient   the core in this process and thread; get_output() runs one step
   SyncMPClient   the core in its own process (core_proc.py) over ZMQ; blocking calls
   AsyncMPClient  the same process and wire; `*_async` calls for an asyncio event loop
 
 All three take requests in, give EngineCoreOutputs out and answer utility calls by name. The
-multiprocess clients live in mp_client.py and never import the core (nor start a JAX backend).
+multiprocess clients live in mp_client.py and never import the core (nor start a JAX backend);
+the factory lives with its caller, so neither client module imports the other.
 """
 
 from __future__ import annotations
@@ -16,24 +17,12 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from jaxllm.engine import UTILITY_METHODS, EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest
-from jaxllm.engine.arg_utils import EngineArgs
 
 if TYPE_CHECKING:
     from jaxllm.engine.core import EngineCore
 
 
 class EngineCoreClient(ABC):
-    @staticmethod
-    def make_client(multiprocess_mode: bool, asyncio_mode: bool,
-                    engine_args: EngineArgs) -> EngineCoreClient:
-        if multiprocess_mode:
-            from jaxllm.engine.mp_client import AsyncMPClient, SyncMPClient
-
-            return AsyncMPClient(engine_args) if asyncio_mode else SyncMPClient(engine_args)
-        from jaxllm.engine.core import EngineCore
-
-        return InprocClient(EngineCore(engine_args))
-
     @abstractmethod
     def get_engine_info(self) -> EngineCoreInfo:
         """What the core reported once it was ready (no round trip)."""

@@ -19,7 +19,7 @@ import msgspec
 from jaxllm.config import EngineConfig, resolve_model, resolve_multiprocess_mode
 from jaxllm.engine import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
-from jaxllm.engine.core_client import EngineCoreClient
+from jaxllm.engine.core_client import EngineCoreClient, InprocClient
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.processor import ProcessedRequest, Processor
 from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
@@ -106,6 +106,21 @@ class ParentRequests:
         return released
 
 
+def make_client(multiprocess_mode: bool, asyncio_mode: bool,
+                engine_args: EngineArgs) -> EngineCoreClient:
+    """The client of a new engine core: in this process (InprocClient), or in its own process
+    with blocking (SyncMPClient) or asyncio (AsyncMPClient) calls (vLLM's
+    EngineCoreClient.make_client). The core is imported only when it runs here (it brings
+    JAX), the multiprocess clients only when picked (they bring ZMQ)."""
+    if multiprocess_mode:
+        from jaxllm.engine.mp_client import AsyncMPClient, SyncMPClient
+
+        return AsyncMPClient(engine_args) if asyncio_mode else SyncMPClient(engine_args)
+    from jaxllm.engine.core import EngineCore
+
+    return InprocClient(EngineCore(engine_args))
+
+
 class EngineFrontend:
     """The frontend of one engine. `default_cpu_multiprocess`: the multiprocess default on CPU
     when neither the argument nor the environment decide (AsyncLLM: on, so no step blocks its
@@ -121,8 +136,7 @@ class EngineFrontend:
         # The tokenizer first: a missing one fails in seconds, not after minutes of compiling.
         self.tokenizer = None if args.skip_tokenizer_init else \
             load_tokenizer(resolve_model(args.model))
-        self.engine_core_client = EngineCoreClient.make_client(self.multiprocess_mode,
-                                                               asyncio_mode, args)
+        self.engine_core_client = make_client(self.multiprocess_mode, asyncio_mode, args)
         info: EngineCoreInfo = self.engine_core_client.get_engine_info()
         self.core_info = info
         eos = set(info.eos_token_ids)

@@ -37,10 +37,10 @@ from jaxllm.sample.token_mask import TokenMask
 
 if TYPE_CHECKING:
     from jaxllm.engine import SchedulerStats
-    from jaxllm.engine.core import CoreRequestState
+    from jaxllm.sample.state import SamplingState
     from jaxllm.structured_output.manager import StructuredOutputManager
     from jaxllm.worker.outputs import ModelRunnerOutput, PreparedStep
-    from scheduler import Request, Scheduler
+    from scheduler import Request
 
 
 @dataclass
@@ -118,14 +118,15 @@ NOTHING_SAMPLED = SampledTokens([], np.zeros(0, np.int64), np.zeros(0, np.float3
 
 
 class HostSampler:
-    """Samples the rows of the scheduler's requests; `states` holds each request's generator,
-    EOS ids, penalty statistics and constraint (the engine core's per-request state);
-    `structured_output` fills the constrained rows' masks."""
+    """Samples the rows of the live requests: `requests` maps each request id to the request
+    (its parameters, prompt and output tokens; the scheduler's requests), `states` to its
+    sampling state (generator, EOS ids, penalty statistics, constraint); `structured_output`
+    fills the constrained rows' masks. Both mappings are read at each step, never changed."""
 
-    def __init__(self, scheduler: Scheduler, states: Mapping[str, CoreRequestState],
+    def __init__(self, requests: Mapping[str, Request], states: Mapping[str, SamplingState],
                  structured_output: StructuredOutputManager | None = None,
                  candidates: bool = True) -> None:
-        self.scheduler = scheduler
+        self.requests = requests
         self.states = states
         self.structured_output = structured_output
         # Whether the device returns top-K candidates; without them every row is sampled from
@@ -137,7 +138,7 @@ class HostSampler:
         belong to a request that finished or was aborted, or whose id was reused, since the
         step was scheduled), their parameters from the persistent batch, and their draws."""
         stamp = {r.request_id: r.arrival_index for r in prepared.scheduler_output.scheduled}
-        requests = self.scheduler.requests
+        requests = self.requests
         live, reqs = [], []
         for i, rid in enumerate(prepared.inputs.sample_req_ids):
             req = requests.get(rid)

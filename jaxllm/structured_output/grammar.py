@@ -9,19 +9,42 @@ Validation needs no tokenizer, so the frontend refuses a bad spec before anythin
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-if TYPE_CHECKING:
-    from jaxllm.sampling_params import StructuredOutputsParams
+
+class StructuredOutputsSpec(Protocol):
+    """What a grammar is built from: sampling_params.py's `StructuredOutputsParams`, named by
+    its fields here because that module validates its spec through this one. Exactly one of
+    json, json_object, regex, choice and grammar is set; `kind` names it."""
+
+    @property
+    def json(self) -> str | dict[str, Any] | None: ...
+    @property
+    def json_object(self) -> bool | None: ...
+    @property
+    def regex(self) -> str | None: ...
+    @property
+    def choice(self) -> list[str] | None: ...
+    @property
+    def grammar(self) -> str | None: ...
+    @property
+    def disable_any_whitespace(self) -> bool: ...
+    @property
+    def disable_additional_properties(self) -> bool: ...
+    @property
+    def whitespace_pattern(self) -> str | None: ...
+    @property
+    def kind(self) -> str: ...
+
 
 # What `json_object` allows: any JSON object (vLLM's and OpenAI's meaning).
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
+def _json_options(params: StructuredOutputsSpec) -> dict[str, Any]:
     options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
     if params.whitespace_pattern is not None:
         options["whitespace_pattern"] = params.whitespace_pattern
@@ -59,7 +82,7 @@ def _closed_objects(schema: Any) -> Any:
     return out
 
 
-def build_grammar(params: StructuredOutputsParams) -> str:
+def build_grammar(params: StructuredOutputsSpec) -> str:
     """The llguidance grammar of `params` (not validated: see `validate_grammar`)."""
     if params.json is not None or params.json_object:
         if params.json is not None:
@@ -96,7 +119,7 @@ def build_grammar(params: StructuredOutputsParams) -> str:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
-def validate_grammar(params: StructuredOutputsParams) -> str:
+def validate_grammar(params: StructuredOutputsSpec) -> str:
     """The grammar of `params`; ValueError naming the constraint and llguidance's message when
     the schema, regex or grammar is invalid."""
     grammar = build_grammar(params)

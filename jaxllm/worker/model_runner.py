@@ -57,6 +57,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from jaxllm.config import DEFAULT_CPU_KV_BYTES, kv_budget_bytes
 from jaxllm.distributed.tensor_parallel import (
     KV_SPEC,
     LOGITS_SPEC,
@@ -77,6 +78,7 @@ from jaxllm.model_executor.models.qwen2 import (
 from jaxllm.sample.candidates import TopKLogits
 from jaxllm.sample.topk import TOPK
 from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.worker import machine_rates
 from jaxllm.worker.buckets import decode_buckets, token_buckets
 from jaxllm.worker.compile_counter import compile_count
 from jaxllm.worker.input_batch import DeviceInputs, InputBatch
@@ -98,7 +100,7 @@ from scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxllm.config import EngineConfig
-    from jaxllm.distributed.multihost import Leader
+    from jaxllm.distributed.leader import Leader
     from jaxllm.model_executor.model_loader.loader import LoadedModel
 
 # Prompt-logprob rows go through the LM head in chunks of this many rows, top-N up to the
@@ -138,6 +140,34 @@ def device_memory_stats() -> dict[str, int] | None:
 def device_memory_bytes() -> int | None:
     """Total memory of the first accelerator, or None on CPU / when unknown."""
     return (device_memory_stats() or {}).get("bytes_limit")
+
+
+def num_kv_blocks_for(config: EngineConfig, runner: ModelRunner) -> int:
+    """KV blocks from the budget: num_kv_blocks when given; else kv_cache_memory_bytes; else (a
+    GPU) `kv_budget_bytes` of the device's memory stats; else (CPU) DEFAULT_CPU_KV_BYTES."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    # Per device: with tensor parallelism each holds its kv heads' slice of every block.
+    per_block = kv_block_bytes(runner.local_config, config.block_size, runner.kv_cache_dtype)
+    total = device_memory_bytes()
+    if config.kv_cache_memory_bytes is not None:
+        budget, how = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    elif total is None:
+        # Virtual CPU devices share the host's memory: the default is for all of them.
+        budget = DEFAULT_CPU_KV_BYTES // config.tensor_parallel_size
+        how = "the CPU default of 1 GiB (over all devices)"
+    else:
+        # Compiling the probe step allocates nothing on the device: read the stats after it.
+        activations = runner.measure_activation_bytes() + runner.logits_buffer_bytes()
+        in_use = (device_memory_stats() or {}).get("bytes_in_use", 0)
+        budget, how = kv_budget_bytes(total, in_use, config.gpu_memory_utilization,
+                                      runner.weight_bytes(), activations)
+    blocks = max(budget, 0) // per_block
+    if blocks < 2:
+        raise ValueError(f"the KV budget ({how}) holds {blocks} blocks of {per_block} bytes; "
+                         f"raise kv_cache_memory_bytes or gpu_memory_utilization, free the "
+                         f"device memory in use, or lower max_num_batched_tokens")
+    return int(blocks)
 
 
 def usable_cpus() -> int:
@@ -679,13 +709,12 @@ class ModelRunner:
 
     def measure_machine(self, gemm_size: int | None = None, copy_mib: int = 256
                         ) -> dict[str, float]:
-        """The roofline's machine rates (`roofline.measure_machine`), measured here, in the
+        """The roofline's machine rates (`machine_rates.measure_machine`), measured here, in the
         process that holds the device (a frontend that allocated beside a core holding most of
         a GPU's memory would run out of it), in the steps' dtype and matmul precision."""
-        from jaxllm.benchmarks.roofline import measure_machine
-
         with jax.default_matmul_precision(self.matmul_precision):
-            return measure_machine(gemm_size, copy_mib, dtype=jnp.dtype(self.dtype).name)
+            return machine_rates.measure_machine(gemm_size, copy_mib,
+                                                 dtype=jnp.dtype(self.dtype).name)
 
     def time_weight_matmuls(self, num_tokens: list[int], reps: int = 3) -> dict[int, float]:
         """Best-of-`reps` seconds of one step's weight matmuls at each token count: the

@@ -192,18 +192,19 @@ def test_core_forgets_finished_and_aborted_requests(llm):
     for rid, params in (("pen-a", penalized), ("pen-b", penalized), ("plp", prompt_lp),
                         ("plain", GREEDY)):
         core.add_request(EngineCoreRequest(rid, [5, 6, 7, 8], params, [], max_tokens=4))
-    assert set(core._states) == {"pen-a", "pen-b", "plp", "plain"}
-    assert (core._num_penalized, core._num_prompt_logprobs) == (2, 1)
+    states = core.sampling_states
+    assert set(states) == {"pen-a", "pen-b", "plp", "plain"}
+    assert (states.num_penalized, states.num_prompt_logprobs) == (2, 1)
     core.step()
     core.abort_requests(["pen-a", "unknown"])
-    assert "pen-a" not in core._states and core._num_penalized == 1
+    assert "pen-a" not in states and states.num_penalized == 1
     emitted = {}
     while core.has_unfinished_requests():
         for o in core.step().outputs:
             emitted[o.request_id] = emitted.get(o.request_id, 0) + len(o.new_token_ids)
     assert {rid: emitted.get(rid) for rid in ("pen-b", "plp", "plain")} == dict.fromkeys(
         ("pen-b", "plp", "plain"), 4)
-    assert core._states == {} and (core._num_penalized, core._num_prompt_logprobs) == (0, 0)
+    assert not states and (states.num_penalized, states.num_prompt_logprobs) == (0, 0)
     assert_pool_free(llm)
 
 

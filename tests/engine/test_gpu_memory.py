@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm.config import kv_budget_bytes, num_kv_blocks_for
+from jaxllm.config import kv_budget_bytes
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.worker import model_runner as runner_module
-from jaxllm.worker.model_runner import kv_block_bytes
+from jaxllm.worker.model_runner import kv_block_bytes, num_kv_blocks_for
 from tests.utils import make_llm
 
 # 2 layers x (K, V) x 2 kv heads x 16 tokens x 8 dims x 4 bytes

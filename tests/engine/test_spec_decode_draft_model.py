@@ -102,7 +102,7 @@ def tight(model):
 def draft_log(llm):
     """Every proposal of an in-process engine's draft model: (prompt, tokens output so far,
     drafts)."""
-    drafter = core_of(llm).drafter
+    drafter = core_of(llm).drafter.proposer
     original = drafter.propose
     log: list[tuple[tuple[int, ...], int, list[int]]] = []
 
@@ -151,7 +151,7 @@ def test_greedy_equals_spec_off_small_draft_multiprocess(small_spec, plain_greed
 def test_one_request_alone_accepts_everything(self_spec, plain_greedy, prompts):
     # Alone, the draft is the target on the same tokens: every draft is its next token.
     counters = SpecCounters(self_spec)
-    drafter = core_of(self_spec).drafter
+    drafter = core_of(self_spec).drafter.proposer
     fed = []
     original = drafter.runner.execute_model
 
@@ -184,7 +184,7 @@ def test_catch_up_in_chunks_under_preemption(tight, plain):
     long_prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in (70, 45, 52, 38)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     want = generate(plain, long_prompts, params)
-    drafter = core_of(tight).drafter
+    drafter = core_of(tight).drafter.proposer
     steps = []
     original = drafter.runner.execute_model
 
@@ -305,7 +305,8 @@ def test_seeded_sampling_equals_spec_off_small_draft(small_spec, plain, prompts)
 def test_aborts_mid_run_leave_every_block_free(self_spec, prompts, plain_greedy):
     counters = spec_decode_utils.check_aborts_mid_run(self_spec, prompts, plain_greedy)
     # The draft forgets every request, finished or aborted.
-    assert core_of(self_spec).drafter._num_computed == core_of(self_spec).drafter._fed == {}
+    proposer = core_of(self_spec).drafter.proposer
+    assert proposer._num_computed == proposer._fed == {}
     counters.assert_accepted()
 
 

@@ -341,7 +341,7 @@ def test_a_dead_end_finishes_with_error_and_the_engine_goes_on(inproc):
     for _ in range(200):
         if not engine.has_unfinished_requests():
             break
-        state = core._states.get("dead")
+        state = core.sampling_states.get("dead")
         if not broken and state is not None and state.structured_output.matcher is not None:
             # A token the grammar refuses puts the matcher in its error state for good.
             assert not state.structured_output.matcher.consume_token(tok.encode("!")[0])

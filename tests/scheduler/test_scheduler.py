@@ -551,6 +551,22 @@ def test_abort_mid_decode_and_waiting() -> None:
     assert sched.schedule().finished_req_ids == ["a", "b"]
 
 
+def test_block_and_request_counts() -> None:
+    """What the engine reports (free / usable blocks, running / waiting requests) comes from
+    the scheduler itself."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, block_size=4, num_blocks=16))
+    assert (sched.num_free_blocks, sched.num_usable_blocks) == (15, 15)
+    assert sched.get_request_counts() == (0, 0)
+    sched.add_request(Request("a", [1, 2, 3, 4, 5]))
+    sched.add_request(Request("b", [4, 5]))
+    assert sched.get_request_counts() == (0, 2)
+    step(sched, sched.schedule())
+    assert sched.get_request_counts() == (1, 1)
+    assert (sched.num_free_blocks, sched.num_usable_blocks) == (13, 15)
+    sched.abort_requests(["a", "b"])
+    assert sched.get_request_counts() == (0, 0) and sched.num_free_blocks == 15
+
+
 def test_abort_between_schedule_and_update() -> None:
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
     sched.add_request(Request("a", [1, 2, 3]))
@@ -572,6 +588,32 @@ def test_finish_from_outside_with_stop_status() -> None:
     assert r.finish_reason == "stop" and not sched.has_unfinished_requests()
     with pytest.raises(ValueError):
         sched.finish_requests("a", RequestStatus.RUNNING)
+
+
+def test_finish_after_ends_a_request_with_its_tokens_unless_a_stop_comes_first() -> None:
+    """A status the engine decided before the update (a grammar complete, or refusing a
+    token) ends the request once its tokens are in; its own stop, on those tokens, wins."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    for rid in "abc":
+        sched.add_request(Request(rid, [1, 2, 3], eos_token_id=EOS, max_tokens=8))
+    out = sched.schedule()
+    results = sched.update_from_output(
+        out, {"a": [5], "b": [EOS], "c": [6]},
+        {"a": (RequestStatus.FINISHED_STOPPED, None),
+         "b": (RequestStatus.FINISHED_ERROR, "refused")})
+    got = {r.request_id: (r.new_token_ids, r.finish_reason, r.stop_reason) for r in results}
+    assert got == {"a": ([5], "stop", None), "b": ([EOS], "stop", None), "c": ([6], None, None)}
+    out = sched.schedule()
+    assert sorted(out.finished_req_ids) == ["a", "b"]
+    (result,) = sched.update_from_output(out, {"c": [7]},
+                                         {"c": (RequestStatus.FINISHED_ERROR, "refused")})
+    assert (result.new_token_ids, result.finish_reason, result.stop_reason) == (
+        [7], "error", "refused")
+    assert not sched.has_unfinished_requests() and sched.num_free_blocks == 15
+    sched.add_request(Request("d", [1, 2, 3]))
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="not a finished status"):
+        sched.update_from_output(out, {"d": [5]}, {"d": (RequestStatus.RUNNING, None)})
 
 
 def test_protocol_errors() -> None:
@@ -596,8 +638,25 @@ def test_empty_schedule() -> None:
 
 
 def _decode_with_drafts(sched: Scheduler, rid: str, drafts: list[int]):
-    sched.requests[rid].spec_token_ids = list(drafts)
+    sched.update_draft_token_ids({rid: drafts})
     return sched.schedule()
+
+
+def test_update_draft_token_ids_feeds_the_next_schedule_and_counts_verification() -> None:
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    sched.add_request(Request("a", [1, 2, 3], max_tokens=10))
+    sched.update_from_output(sched.schedule(), {"a": [4]})
+    # Ids no longer here (finished, aborted, never seen) are ignored.
+    sched.update_draft_token_ids({"a": [5, 6], "gone": [7]})
+    out = sched.schedule()
+    (item,) = out.scheduled
+    assert (item.token_ids, item.num_draft_tokens) == ([4, 5, 6], 2)
+    sched.update_from_output(out, {"a": [5, 8]})
+    assert (sched.num_spec_drafts, sched.num_spec_draft_tokens,
+            sched.num_spec_accepted_tokens) == (1, 2, 1)
+    # A step's drafts are used once: the next schedule without new ones verifies none.
+    (item,) = sched.schedule().scheduled
+    assert item.num_draft_tokens == 0
 
 
 def test_several_sampled_tokens_stop_at_the_first_stop() -> None:
