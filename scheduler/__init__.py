@@ -2,13 +2,14 @@
 
 from scheduler.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock, hash_block_tokens
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.output import RequestResult, ScheduledRequest, SchedulerOutput
+from scheduler.output import FinishAfter, RequestResult, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler, SchedulerConfig, check_stop
 
 __all__ = [
     "NULL_BLOCK_ID",
     "BlockPool",
+    "FinishAfter",
     "KVCacheBlock",
     "KVCacheManager",
     "Request",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
+
+from scheduler.request import RequestStatus
 
 
 @dataclass
@@ -75,6 +77,17 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+class FinishAfter(NamedTuple):
+    """How the engine ends a request in update_from_output, on what the scheduler cannot see
+    (a structured-output grammar that is complete or refused a token): its finished status
+    and stop reason, after the first `num_tokens` of the tokens sampled for it in that step
+    (all of them when None)."""
+
+    status: RequestStatus
+    reason: str | None = None
+    num_tokens: int | None = None
 
 
 @dataclass

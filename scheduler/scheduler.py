@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.output import RequestResult, ScheduledRequest, SchedulerOutput
+from scheduler.output import FinishAfter, RequestResult, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 
 
@@ -365,7 +365,7 @@ class Scheduler:
         self,
         scheduler_output: SchedulerOutput,
         sampled_token_ids: Mapping[str, Sequence[int]],
-        finish_after: Mapping[str, tuple[RequestStatus, str | None]] | None = None,
+        finish_after: Mapping[str, FinishAfter] | None = None,
     ) -> list[RequestResult]:
         """Apply a step's results: tokens computed, tokens sampled, stops, freed blocks.
 
@@ -374,10 +374,12 @@ class Scheduler:
         accepted one by one until a stop (tokens past it are dropped). The KV of rejected
         drafts does not count as computed, and blocks only they used are freed.
 
-        `finish_after` maps requests that end once their tokens here are appended to their
-        finished status and stop reason (the engine's decision on what the scheduler cannot
-        see, e.g. a structured-output grammar that is complete or refused a token); a stop
-        among those tokens ends the request first, with its own reason.
+        `finish_after` maps requests that end once their tokens here (or the first
+        `FinishAfter.num_tokens` of them) are appended to their finished status and stop reason
+        (the engine's decision on what the scheduler cannot see, e.g. a structured-output
+        grammar that is complete or refused a token); a stop among those tokens ends the
+        request first, with its own reason. Drafts count as accepted as verified, wherever
+        either cuts them.
         """
         kv = self.kv_cache_manager
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -413,14 +415,16 @@ class Scheduler:
             if not new_ids:
                 raise ValueError(f"request {rid!r}: no sampled token for a do_sample step")
             request.num_output_placeholders -= 1
+            end = finish_after.get(rid) if finish_after else None
+            kept = new_ids if end is None or end.num_tokens is None else new_ids[:end.num_tokens]
             accepted: list[int] = []
-            for token_id in new_ids:
+            for token_id in kept:
                 request.append_output_token_ids(token_id)
                 accepted.append(token_id)
                 if check_stop(request, self.config.max_model_len):
                     break
-            if finish_after and not request.is_finished and rid in finish_after:
-                status, reason = finish_after[rid]
+            if end is not None and not request.is_finished:
+                status, reason = end.status, end.reason
                 if not status.is_finished:
                     raise ValueError(f"request {rid!r}: {status!r} is not a finished status")
                 request.status, request.stop_reason = status, reason

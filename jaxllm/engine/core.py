@@ -21,7 +21,7 @@ dead end finishes the request "error" too, with stop_reason saying why.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from jaxllm.worker.model_runner import (
     num_kv_blocks_for,
 )
 from scheduler import (
+    FinishAfter,
     Request,
     RequestResult,
     RequestStatus,
@@ -335,9 +336,9 @@ class EngineCore:
                                  stop_reason=why)
             outputs.outputs.append(o)
             by_id[rid] = o
-        for rid, (status, _) in grammar_ends.items():
+        for rid, end in grammar_ends.items():
             o = by_id.get(rid)
-            if o is not None and status == RequestStatus.FINISHED_STOPPED \
+            if o is not None and end.status == RequestStatus.FINISHED_STOPPED \
                     and o.finish_reason == "stop" and o.stop_reason is None:
                 # Its grammar ended it: the last token is text unless it is an EOS.
                 o.stopped_on_text = o.new_token_ids[-1] not in \
@@ -378,13 +379,13 @@ class EngineCore:
         stats.update_s = time.perf_counter() - t0
         return outputs
 
-    def _advance_matchers(self, new_tokens: dict[str, Sequence[int]]
-                          ) -> dict[str, tuple[RequestStatus, str | None]]:
+    def _advance_matchers(self, new_tokens: Mapping[str, Sequence[int]]
+                          ) -> dict[str, FinishAfter]:
         """Before the scheduler sees them: feed each constrained request's matcher its sampled
-        tokens, one by one (accepted drafts: the grammar's end drops what follows it, from
-        `new_tokens`). Returns the requests they end, for `update_from_output`: "stop" when
-        the grammar is complete, "error" when the matcher refuses a token."""
-        ends: dict[str, tuple[RequestStatus, str | None]] = {}
+        tokens, one by one. Returns the requests they end, for `update_from_output`: "stop"
+        after the token that completes the grammar (accepted drafts past it are dropped),
+        "error" when the matcher refuses a token."""
+        ends: dict[str, FinishAfter] = {}
         for rid, tokens in new_tokens.items():
             state = self.sampling_states.get(rid)
             so = None if state is None else state.structured_output
@@ -392,11 +393,10 @@ class EngineCore:
                 continue
             for i, token in enumerate(tokens):
                 if not so.accept_tokens([token]):
-                    ends[rid] = (RequestStatus.FINISHED_ERROR, so.error)
+                    ends[rid] = FinishAfter(RequestStatus.FINISHED_ERROR, so.error)
                     break
                 if so.is_terminated:
-                    new_tokens[rid] = tokens[:i + 1]
-                    ends[rid] = (RequestStatus.FINISHED_STOPPED, None)
+                    ends[rid] = FinishAfter(RequestStatus.FINISHED_STOPPED, None, i + 1)
                     break
         return ends
 

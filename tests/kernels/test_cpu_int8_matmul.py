@@ -78,7 +78,8 @@ def test_matches_float64_of_the_quantized_activations(fmt, rows, rng, cpu_isa):
     """Against float64 sum_k (d * xq)[t, k] * w[n, k]: float32 rounding only (the integer
     sums are exact; the scales' products and the blocks' float32 sum round), for panels of 64
     (nibble-packed where the values take 4 to 6 bits), 32 and 16 features (bytes) and tiles of
-    every row count (one row unpacks a nibble-packed quad in registers, more a panel at once)."""
+    every row count (one row, two with AVX-512, unpack a nibble-packed quad in registers; more
+    unpack a panel at once)."""
     for out, cols in ((128, 256), (96, 512), (48, 256)):
         w, w64, _ = _weight(rng, fmt, (out, cols))
         x = rng.standard_normal((rows, cols)).astype(np.float32)
@@ -127,6 +128,8 @@ def test_builds_agree(rng):
     """Native (VNNI here where the CPU has it) and AVX2 builds: the same integer sums, the
     same float32 operations per block, so the same bits."""
     builds = [isa for isa in ("native", "avx2") if kernel.int8_supported(isa)]
+    if len(builds) < 2 or not kernel.available("avx2"):
+        pytest.skip("one build with the integer path here")
     for fmt in ("Q8_0", "Q5_0"):  # bytes, nibble-packed
         w, _, _ = _weight(rng, fmt, (64, 256))
         for rows in (1, 3):
@@ -192,22 +195,51 @@ def test_nibble_layout_bytes():
                 assert raw[0, quad, 128 + 32 * plane + i] == want
 
 
-def test_signed_values_with_offsets(rng, cpu_isa):
+@pytest.mark.parametrize("rows_each", [64, 48])
+def test_signed_values_with_offsets(rows_each, rng, cpu_isa):
     """Fused rows of a signed format and one with offsets (Q6_K beside Q4_K, as a qkv
-    projection may be) keep their values signed, with the offsets, and still match float64."""
-    parts = [gguf_repack.repack(random_blocks(rng, fmt, 64, 256), fmt, (64, 256), "t")
-             for fmt in ("Q6_K", "Q4_K")]
+    projection may be): nibble-packed with both the zero and the offsets in panels of 64,
+    signed bytes with the offsets in narrower ones; either way they match float64."""
+    parts = [gguf_repack.repack(random_blocks(rng, fmt, rows_each, 256), fmt, (rows_each, 256),
+                                "t") for fmt in ("Q6_K", "Q4_K")]
     r = gguf_repack.concat_rows(parts)
     assert r.offset is not None and r.qweight.min() < 0
     packed = kernel.pack_int8(r.qweight, r.scale, r.offset)
     w = GGUFWeight(*(None if a is None else jnp.asarray(a) for a in packed))
-    assert w.qweight.dtype == jnp.int8 and w.qweight.ndim == 4
+    assert w.qweight.dtype == jnp.int8 and w.qweight.ndim == (3 if rows_each == 64 else 4)
+    assert w.offset is not None and kernel.int8_zero(w.qweight) == (32 if rows_each == 64 else 0)
     w64 = _float64(*(kernel.unpack(a) for a in packed))
+    np.testing.assert_array_equal(kernel.unpack(packed[0]), r.qweight)
     x = rng.standard_normal((5, 256)).astype(np.float32)
     xq, d = quantize_rows(x)
     xhat = xq * np.repeat(d, QUANT_BLOCK, axis=1).astype(np.float64)
-    got = _call(x, w, cpu_isa)
-    assert np.all(np.abs(got - xhat @ w64.T) <= 2e-6 * (np.abs(xhat) @ np.abs(w64.T)))
+    for rows in (1, 5):  # in registers, a panel unpacked
+        got = _call(x[:rows], w, cpu_isa)
+        want = xhat[:rows] @ w64.T
+        assert np.all(np.abs(got - want) <= 2e-6 * (np.abs(xhat[:rows]) @ np.abs(w64.T)))
+
+
+def test_scales_that_float16_cannot_hold_are_refused(rng):
+    """The integer path's scales are float16: one past its range, or below its normal range
+    where rounding would move it by more than 2^-11 of itself, is refused by name (the loader
+    turns it into a ModelLoadError); zeros and float16's own subnormals pass unchanged."""
+    q = rng.integers(-16, 16, (64, 64)).astype(np.int8)
+    for bad in (1e6, 3e-6):
+        scale = np.full((64, 2), 0.01, np.float32)
+        scale[5, 1] = bad
+        with pytest.raises(ValueError, match="float16"):
+            kernel.pack_int8(q, scale, None)
+    scale = np.full((64, 2), 0.01, np.float32)
+    scale[0, 0], scale[1, 1] = 0.0, np.float32(np.float16(3e-6))  # exact in float16
+    _, half, _ = kernel.pack_int8(q, scale, None)
+    np.testing.assert_array_equal(kernel.unpack(half).astype(np.float32)[:2],
+                                  scale.astype(np.float16).astype(np.float32)[:2])
+
+
+def test_float32_scales_are_refused(rng):
+    w, _, r = _weight(rng, "Q5_0", (64, 256))
+    with pytest.raises(ValueError, match="float16"):
+        kernel.int8_matmul(jnp.zeros((1, 256)), w.qweight, w.scale.astype(jnp.float32), None)
 
 
 def test_gguf_linear_dispatches_and_bad_shapes_are_named(rng):

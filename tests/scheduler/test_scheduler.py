@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from scheduler import (
     NULL_BLOCK_ID,
+    FinishAfter,
     Request,
     RequestStatus,
     Scheduler,
@@ -599,21 +600,22 @@ def test_finish_after_ends_a_request_with_its_tokens_unless_a_stop_comes_first()
     out = sched.schedule()
     results = sched.update_from_output(
         out, {"a": [5], "b": [EOS], "c": [6]},
-        {"a": (RequestStatus.FINISHED_STOPPED, None),
-         "b": (RequestStatus.FINISHED_ERROR, "refused")})
+        {"a": FinishAfter(RequestStatus.FINISHED_STOPPED, None),
+         "b": FinishAfter(RequestStatus.FINISHED_ERROR, "refused")})
     got = {r.request_id: (r.new_token_ids, r.finish_reason, r.stop_reason) for r in results}
     assert got == {"a": ([5], "stop", None), "b": ([EOS], "stop", None), "c": ([6], None, None)}
     out = sched.schedule()
     assert sorted(out.finished_req_ids) == ["a", "b"]
     (result,) = sched.update_from_output(out, {"c": [7]},
-                                         {"c": (RequestStatus.FINISHED_ERROR, "refused")})
+                                         {"c": FinishAfter(RequestStatus.FINISHED_ERROR,
+                                                           "refused")})
     assert (result.new_token_ids, result.finish_reason, result.stop_reason) == (
         [7], "error", "refused")
     assert not sched.has_unfinished_requests() and sched.num_free_blocks == 15
     sched.add_request(Request("d", [1, 2, 3]))
     out = sched.schedule()
     with pytest.raises(ValueError, match="not a finished status"):
-        sched.update_from_output(out, {"d": [5]}, {"d": (RequestStatus.RUNNING, None)})
+        sched.update_from_output(out, {"d": [5]}, {"d": FinishAfter(RequestStatus.RUNNING)})
 
 
 def test_protocol_errors() -> None:
@@ -669,6 +671,22 @@ def test_several_sampled_tokens_stop_at_the_first_stop() -> None:
     (o,) = sched.update_from_output(out, {"a": [9, 5, 7]})
     assert (o.new_token_ids, o.finish_reason, o.stop_reason) == ([9], "stop", 9)
     assert sched.kv_cache_manager.block_pool.num_free_blocks == 15
+
+
+def test_finish_after_some_tokens_keeps_those_and_counts_every_verified_draft() -> None:
+    """The engine may end a request partway through its accepted drafts (a grammar complete
+    at the second token): the tokens up to there are kept, and acceptance counts every draft
+    the model verified, as a stop among them does."""
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16))
+    sched.add_request(Request("a", [1, 2, 3], max_tokens=10))
+    sched.update_from_output(sched.schedule(), {"a": [4]})
+    out = _decode_with_drafts(sched, "a", [5, 6, 7])
+    (o,) = sched.update_from_output(out, {"a": [5, 6, 7, 8]},
+                                    {"a": FinishAfter(RequestStatus.FINISHED_STOPPED, None, 2)})
+    assert (o.new_token_ids, o.finish_reason, o.num_draft_tokens, o.num_accepted_tokens) == (
+        [5, 6], "stop", 3, 3)
+    assert sched.num_spec_accepted_tokens == 3 and not sched.has_unfinished_requests()
+    assert sched.num_free_blocks == 15
 
 
 def test_drafts_accepted_and_rejected_advance_computed_tokens() -> None:

@@ -94,8 +94,11 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         if shape != dense_shape or blocks.block_size not in (16, 32) or shape[1] % 32:
             raise ModelLoadError(f"{path}: {', '.join(hf_names)}: quantized blocks of shape "
                                  f"{shape} (block {blocks.block_size}) for weight {dense_shape}")
-        return _device(blocks, packed=cpu_kernel, compact=compact,
-                       int8=int8 and cpu_kernel and matmul)
+        try:
+            return _device(blocks, packed=cpu_kernel, compact=compact,
+                           int8=int8 and cpu_kernel and matmul)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {', '.join(hf_names)}: {e}") from e
 
     cpu_kernel = not fused_kernel and use_cpu_kernel()
     if (compact or int8) and not cpu_kernel:

@@ -165,13 +165,15 @@ def _nibble_unpack(a: Any, bits: int) -> Any:
 def pack_int8(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The integer path's layout of a repacked GGUF weight; scale and offset as `pack`'s panels,
-    in float16 (the path rounds activations to 8 bits: the scales' 11 bits add little).
+    in float16 (the path rounds activations to 8 bits, far coarser than float16's scales);
+    ValueError where one does not fit float16's normal range.
 
     Where the panels are 64 wide and the values take 4 to 6 bits (Q4_K, Q5_K, Q6_K, Q5_0,
     Q4_0), nibble-packed [out / 64, in / 4, 128 + 32 (bits - 4)]: per 4 consecutive k ("quad")
     the 256 values of the byte layout below, two a byte, and a plane per bit above the fourth
-    (`_nibble_pack`), so a weight is read at its own width; signed formats stored as q + 2^(bits
-    - 1), marked by int8 (`int8_zero`: the kernel subtracts it times the activations' block sum).
+    (`_nibble_pack`), so a weight is read at its own width; signed values stored as q + 2^(bits
+    - 1), marked by int8 (`int8_zero`: the kernel subtracts it times the activations' block sum,
+    beside any offset).
 
     Otherwise bytes [out / P, in / 4, P, 4] (4 consecutive k of a feature side by side):
     unsigned where they can be (u = q + zero, 0..127, zero a power of two folded into the
@@ -189,7 +191,9 @@ def pack_int8(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None
     bits = max(4, hi.bit_length() if zero == 0 else max(hi, -lo - 1).bit_length() + 1)
     grouped = qweight.astype(np.int16).reshape(out // p, p, cols // INT8_GROUP, INT8_GROUP
                                               ).transpose(0, 2, 1, 3)
-    if unsigned and p == INT8_PANEL and bits in PACKED_BITS:
+    # Nibble-packed values carry their zero to the kernel, not in the offset: signed rows
+    # fused with offset rows pack too.
+    if p == INT8_PANEL and bits in PACKED_BITS:
         zero = 1 << (bits - 1) if zero else 0
         quads = (grouped + zero).reshape(out // p, cols // INT8_GROUP, INT8_QUAD)
         values = _nibble_pack(quads, bits)
@@ -203,9 +207,14 @@ def pack_int8(qweight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None
         values = np.ascontiguousarray(grouped.astype(np.int8))
 
     def panels(a: np.ndarray) -> np.ndarray:
-        half = a.astype(np.float16)
-        if not np.all(np.isfinite(half) | ~np.isfinite(a)):
-            raise ValueError("int8 layout: a block scale or offset is beyond float16's range")
+        with np.errstate(over="ignore"):
+            half = a.astype(np.float16)
+        # Within float16's normal range a value rounds by at most 2^-11 of itself; past its
+        # largest value or below its smallest normal one (unless exact there) it would not.
+        moved = np.abs(half.astype(np.float32) - a) > np.abs(a) * np.float32(2.0 ** -11)
+        if np.any(moved | (np.isfinite(a) & ~np.isfinite(half))):
+            raise ValueError("int8 layout: a block scale or offset does not fit float16 (the "
+                             "integer path's scales); load without cpu_int8_activations")
         return np.ascontiguousarray(half.reshape(out // p, p, a.shape[1]).transpose(0, 2, 1))
 
     return values, panels(scale), None if offset is None else panels(offset)
@@ -221,6 +230,8 @@ def _int8_values(a: Any) -> Any:
     makes them the same weight) as int8 [out / P, in / 4, P, 4] (numpy or jax)."""
     xp = np if isinstance(a, np.ndarray) else jnp
     bits = _int8_bits(a)
+    if bits is None:
+        raise ValueError(f"not an integer-path layout: shape {tuple(a.shape)}, {a.dtype}")
     if bits == 8:
         return a.astype(xp.int8)
     values = _nibble_unpack(a, bits) - int8_zero(a)

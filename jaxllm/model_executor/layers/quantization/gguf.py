@@ -78,7 +78,8 @@ class GGUFWeight(NamedTuple):
 
 
 def dequantize(w: GGUFWeight, rows: jax.Array | None = None) -> jax.Array:
-    """float32 [out, in] (or just `rows` of it, for an embedding gather), exactly gguf's values."""
+    """float32 [out, in] (or just `rows` of it, for an embedding gather): exactly gguf's values,
+    but for the integer path's layout, whose scales are float16."""
     qweight, scale, offset = w.qweight, w.scale, w.offset
     if rows is None and w.packed:
         qweight, scale = cpu_dequant_matmul.unpack(qweight), cpu_dequant_matmul.unpack(scale)
