@@ -124,6 +124,17 @@ def test_rows_do_not_depend_on_the_batch(rng, cpu_isa):
         np.testing.assert_array_equal(_call(x[lo:hi], w, cpu_isa), full[lo:hi])
 
 
+def test_nan_and_inf_activations_reach_the_rows_they_are_in(rng, cpu_isa):
+    """A NaN or an infinity in a row gives that row non-finite results, as the exact path
+    does, and leaves the other rows alone."""
+    w, _, _ = _weight(rng, "Q5_0", (64, 256))
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    x[0, 40], x[2, 200] = np.nan, np.inf
+    got = _call(x, w, cpu_isa)
+    assert not np.isfinite(got[0]).any() and not np.isfinite(got[2]).any()
+    np.testing.assert_array_equal(got[1], _call(x[1:2], w, cpu_isa)[0])
+
+
 def test_builds_agree(rng):
     """Native (VNNI here where the CPU has it) and AVX2 builds: the same integer sums, the
     same float32 operations per block, so the same bits."""

@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -836,9 +837,15 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int64_t B, int8_t* xq, 
     for (int64_t j = 0; j < K; j += kQuantBlock) {
       const float* xs = x + t * K + j;
       float amax = 0.0f;
-      for (int64_t i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xs[i]));
-      const float d = amax / 127.0f;
-      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      bool nan = false;
+      for (int64_t i = 0; i < kQuantBlock; ++i) {
+        amax = std::max(amax, std::fabs(xs[i]));
+        nan |= std::isnan(xs[i]);
+      }
+      // A NaN in the block makes its scale NaN, so the rows' results are NaN as the exact
+      // path's would be, not numbers from a clamped value.
+      const float d = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+      const float id = d != 0.0f && !nan ? 1.0f / d : 0.0f;
       for (int64_t i = 0; i < kQuantBlock; ++i) {
         const float q = std::nearbyint(xs[i] * id);
         xq[t * K + j + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
