@@ -123,6 +123,19 @@ def test_engine_imports_no_tests_or_benchmark_scripts():
     assert violations("jaxllm", lambda r: r not in {"tests", "benchmarks"}) == []
 
 
+def test_no_test_module_imports_another():
+    """What tests share lives in helper modules (tests/utils.py and its siblings), never in a
+    test module another one imports: each test module can change on its own."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
+                          for name in names if name.split(".")[-1].startswith("test_")]
+    assert not offenders, offenders
+
+
 def test_jaxllm_has_no_import_circles():
     graph = import_graph(ROOT / "jaxllm")
     assert "jaxllm.engine.core" in graph and graph["jaxllm.engine.core"]

@@ -215,6 +215,12 @@ class AsyncLLM(EngineFrontend):
     def last_scheduler_stats(self) -> SchedulerStats:
         return self._state.last_scheduler_stats
 
+    @property
+    def num_open_streams(self) -> int:
+        """Requests whose output queue is still open (a finished or aborted one's is closed:
+        none should outlive its request)."""
+        return len(self._state.queues)
+
     async def get_tokenizer(self) -> Any:
         return self.tokenizer
 

@@ -61,7 +61,7 @@ class EngineCoreProc:
         self.ctx = zmq.Context()
         self._encoder = MsgpackEncoder()
         # The output thread starts first, so that a start-up failure can still be reported.
-        self.output_thread = threading.Thread(target=self._process_output_socket,
+        self.output_thread = threading.Thread(target=self.process_output_socket,
                                               args=(output_address,), daemon=True,
                                               name="EngineCoreOutputThread")
         self.output_thread.start()
@@ -79,7 +79,7 @@ class EngineCoreProc:
         freeze_gc_heap()
         self.output_queue.put((OutputType.READY, ReadyMessage(
             info=self.engine_core.get_engine_info(), pid=os.getpid())))
-        self.input_thread = threading.Thread(target=self._process_input_socket,
+        self.input_thread = threading.Thread(target=self.process_input_socket,
                                              args=(input_address,), daemon=True,
                                              name="EngineCoreInputThread")
         self.input_thread.start()
@@ -150,7 +150,9 @@ class EngineCoreProc:
 
     # --- socket threads -----------------------------------------------------------------------
 
-    def _process_input_socket(self, address: str) -> None:
+    def process_input_socket(self, address: str) -> None:
+        """The input thread's loop: the frontend's messages from `address`, decoded, into
+        input_queue (off the busy loop's thread, so decoding overlaps the steps)."""
         sock = self.ctx.socket(zmq.PULL)
         sock.connect(address)
         try:
@@ -191,7 +193,9 @@ class EngineCoreProc:
                                  stop_reason=f"the engine core could not decode the request: "
                                              f"{error}")])))
 
-    def _process_output_socket(self, address: str) -> None:
+    def process_output_socket(self, address: str) -> None:
+        """The output thread's loop: output_queue's outputs, encoded, to the frontend at
+        `address` (off the busy loop's thread, so encoding overlaps the steps)."""
         sock = self.ctx.socket(zmq.PUSH)
         sock.connect(address)
         while True:

@@ -191,6 +191,12 @@ class IncrementalDetokenizer:
     def output_token_ids(self) -> list[int]:
         return self._token_ids
 
+    @property
+    def window_size(self) -> int:
+        """Tokens the next update decodes again with its new ones (the window that keeps the
+        per-token cost flat however long the output grows)."""
+        return len(self._ids)
+
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Append newly sampled tokens (may be several). Returns the stop string that matched
         (the caller then finishes the request with finish_reason "stop", stop_reason = that

@@ -35,12 +35,12 @@ from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.penalties import PenaltyState
 from jaxllm.sample.sampler import (
     SamplingRow,
-    _candidates,
-    _draw,
     _exp_row,
     _logprob_row,
     _lse,
     _process_row,
+    draw_token,
+    sampling_candidates,
 )
 from jaxllm.sample.token_mask import TokenMask
 
@@ -61,7 +61,7 @@ def _target(z: np.ndarray, row: SamplingRow, buf: np.ndarray
             ) -> tuple[np.ndarray | None, np.ndarray]:
     """The row's target distribution as (token ids or None for the whole vocabulary, weights),
     unnormalised, from its processed logits."""
-    return _candidates(z, row.params, buf)
+    return sampling_candidates(z, row.params, buf)
 
 
 def _weight_of(cand: np.ndarray | None, w: np.ndarray, token: int) -> float:
@@ -131,9 +131,9 @@ def verify(logits: np.ndarray, draft_token_ids: Sequence[int], row: SamplingRow,
                 raise ValueError("verify: a random-sampling row needs a generator")
             cand, w = _target(logits_j, row, work_buf)
             if draft is None:
-                tok, accept = _draw(cand, w, float(generator.random())), False
+                tok, accept = draw_token(cand, w, float(generator.random())), False
             elif draft_probs is None:
-                tok = _draw(cand, w, float(generator.random()))
+                tok = draw_token(cand, w, float(generator.random()))
                 accept = tok == draft
             else:
                 total = float(np.sum(w, dtype=np.float64))
@@ -175,4 +175,4 @@ def _draw_residual(cand: np.ndarray | None, p: np.ndarray, q: np.ndarray, u: flo
     res = np.maximum(p.astype(np.float64) - (q if cand is None else q[cand]), 0.0)
     if not np.any(res > 0.0):
         res = p.astype(np.float64)
-    return _draw(cand, res, u)
+    return draw_token(cand, res, u)

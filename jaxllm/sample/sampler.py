@@ -54,7 +54,7 @@ from jaxllm.sampling_params import SamplingParams
 
 # Top-p without other truncation: first look only at tokens whose probability is at least this
 # fraction of the top token's; if they hold less than top_p of the mass, take the whole vocabulary.
-_TOP_P_PREFILTER = 1e-3
+TOP_P_PREFILTER = 1e-3
 # Strided subsample used to find a cheap lower bound for the k-th largest logit.
 _SUBSAMPLE_STRIDE = 16
 
@@ -206,7 +206,7 @@ def _total(w: np.ndarray) -> float:
 # Candidates and the draw
 
 
-def _kth_largest(z: np.ndarray, k: int) -> float:
+def kth_largest(z: np.ndarray, k: int) -> float:
     """The k-th largest value of z (1-based), without partitioning the whole row when k is small.
 
     A strided subsample's j-th largest value is a threshold that most likely keeps a few times k
@@ -226,11 +226,11 @@ def _kth_largest(z: np.ndarray, k: int) -> float:
     return float(np.partition(z, n - k)[n - k])
 
 
-def _top_indices(z: np.ndarray, k: int) -> np.ndarray:
+def top_indices(z: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest values of z, largest first (ties: lower index first)."""
     if k <= 0:
         return np.zeros(0, dtype=np.int64)
-    idx = np.flatnonzero(z >= _kth_largest(z, k))
+    idx = np.flatnonzero(z >= kth_largest(z, k))
     order = np.argsort(-z[idx], kind="stable")  # idx ascending: ties keep lower ids first
     return idx[order[:k]]
 
@@ -258,8 +258,8 @@ class _Exp:
     emax: float
 
 
-def _candidates(z: np.ndarray, params: SamplingParams, buf: np.ndarray,
-                cached: _Exp | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+def sampling_candidates(z: np.ndarray, params: SamplingParams, buf: np.ndarray,
+                        cached: _Exp | None = None) -> tuple[np.ndarray | None, np.ndarray]:
     """The tokens a random row may draw and their unnormalised weights.
 
     Returns (indices, weights): indices None means the whole vocabulary, with `weights` a
@@ -280,7 +280,7 @@ def _candidates(z: np.ndarray, params: SamplingParams, buf: np.ndarray,
     k = params.top_k
     if 0 < k < vocab:
         if cand is None:
-            cand = np.flatnonzero(z >= _kth_largest(z, k))
+            cand = np.flatnonzero(z >= kth_largest(z, k))
         elif cand.shape[0] > k:
             zc = z[cand]
             kth = np.partition(zc, zc.shape[0] - k)[zc.shape[0] - k]
@@ -300,21 +300,21 @@ def _candidates(z: np.ndarray, params: SamplingParams, buf: np.ndarray,
     if params.top_p >= 1.0:
         return None, e
     target = params.top_p * _total(e)
-    cand, w = _top_p_candidates(e, emax, target)
+    cand, w = top_p_candidates(e, emax, target)
     mask = _top_p_mask(w, target)
     return (np.flatnonzero(mask) if cand is None else cand[mask]), w[mask].astype(np.float64)
 
 
-def _top_p_candidates(e: np.ndarray, emax: float, target: float
+def top_p_candidates(e: np.ndarray, emax: float, target: float
                       ) -> tuple[np.ndarray | None, np.ndarray]:
     """A prefix-closed subset of the vocabulary (every token at least as likely as any it holds)
     whose mass reaches `target`, to sort instead of the whole row: (indices, weights), or
     (None, e) for the whole row.
 
-    First the tokens within _TOP_P_PREFILTER of the top one (enough for peaked distributions);
+    First the tokens within TOP_P_PREFILTER of the top one (enough for peaked distributions);
     if they fall short, a threshold estimated from a strided subsample of the rest, with margin,
     checked exactly."""
-    thr = _TOP_P_PREFILTER * emax
+    thr = TOP_P_PREFILTER * emax
     cand = np.flatnonzero(e >= thr)
     w = e[cand]
     mass = float(w.sum(dtype=np.float64))
@@ -332,7 +332,7 @@ def _top_p_candidates(e: np.ndarray, emax: float, target: float
     return None, e
 
 
-def _draw(cand: np.ndarray | None, w: np.ndarray, u: float) -> int:
+def draw_token(cand: np.ndarray | None, w: np.ndarray, u: float) -> int:
     """Inverse CDF of the weights at u in [0, 1): the first token whose cumulative weight
     exceeds u * total (in index order). Zero-weight tokens are never returned. A candidate set
     goes through `inverse_cdf` (sequential sums, as the top-K sampler draws); the whole
@@ -356,7 +356,7 @@ def _logprob_row(raw: np.ndarray, lse: float, num: int,
                  token: int) -> tuple[list[int], list[float], list[int]]:
     """`token` with its rank (1 + number of tokens with a strictly larger logit), then the
     top-`num` raw logprobs (ranks 1..num): one LogprobsLists row."""
-    top = _top_indices(raw, num).tolist()
+    top = top_indices(raw, num).tolist()
     ids = [token] + top
     ranks = [int(np.count_nonzero(raw > raw[token])) + 1] + list(range(1, len(top) + 1))
     return ids, [float(raw[t]) - lse for t in ids], ranks
@@ -447,8 +447,8 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *, lse: np.ndarray |
                 assert row.generator is not None  # checked above
                 draw = float(row.generator.random())
             cached = ex if (z is None and params.temperature == 1.0) else None
-            cand, w = _candidates(raw if z is None else z, params, work_buf, cached)
-            tok = _draw(cand, w, draw)
+            cand, w = sampling_candidates(raw if z is None else z, params, work_buf, cached)
+            tok = draw_token(cand, w, draw)
         token_ids[i] = tok
         if want_logprobs:
             assert row_lse is not None  # set above whenever logprobs are wanted

@@ -99,6 +99,12 @@ class DraftModelProposer:
         self._num_computed.pop(request_id, None)
         self._fed.pop(request_id, None)
 
+    @property
+    def tracked_request_ids(self) -> set[str]:
+        """The requests the draft model holds KV or pending drafts for: none once every request
+        has finished or been aborted (its state would otherwise leak)."""
+        return set(self._num_computed) | set(self._fed)
+
     def propose(self, requests: list[Request]) -> list[list[int]]:
         """Up to k draft tokens for each request (each about to decode: all its tokens but the
         last computed by the target)."""

@@ -143,6 +143,11 @@ class GrammarValidator:
             raise GrammarRefused(text)
         return text
 
+    def idle_worker_pids(self) -> list[int]:
+        """Process ids of the workers waiting for a constraint (to inspect their limits)."""
+        with self._lock:
+            return [w.proc.pid for w in self._idle]
+
     def _validate_in_worker(self, spec: dict[str, Any]) -> tuple[tuple[bool, str], bool]:
         """((valid, grammar or why not), whether the answer may be kept)."""
         with self._lock:

@@ -493,6 +493,11 @@ class ModelRunner:
                        for shape, compiled in self._compiled.items()
                        if enabled and self.mesh is None and StepCall.supported(compiled)}
 
+    def compiled_shapes(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """The step shapes compiled so far (in the order of bucket_shapes()) and the
+        token counts whose prompt-logprob executables were."""
+        return list(self._compiled), list(self._compiled_prompt)
+
     def uses_fast_dispatch(self) -> bool:
         """Whether every compiled step is called through `StepCall`."""
         return bool(self._compiled) and set(self._calls) == set(self._compiled)

@@ -151,7 +151,7 @@ def test_invalid_byte_run_stays_bounded(tok):
     d = IncrementalDetokenizer(tok, [])
     for i in ids:
         d.update([i], False)
-        assert len(d._ids) <= 20
+        assert d.window_size <= 20
     assert d.output_text == tok.decode(ids)
 
 
@@ -161,7 +161,7 @@ def test_window_stays_small(tok, chat_prompt):
     longest = 0
     for part in chunks(ids, "random"):
         d.update(part, False)
-        longest = max(longest, len(d._ids))
+        longest = max(longest, d.window_size)
     assert longest <= 24
     assert d.output_text == tok.decode(ids)
 

@@ -315,7 +315,7 @@ def test_async_cancel_and_abort_free_blocks(async_llm):
 
     counts = asyncio.run(main())
     assert all(tuple(c) == (usable, usable) for c in counts.values()), counts
-    assert not async_llm.output_processor.has_unfinished() and not async_llm._state.queues
+    assert not async_llm.output_processor.has_unfinished() and async_llm.num_open_streams == 0
 
 
 def test_async_kill_core_every_caller_gets_engine_dead(async_llm):
@@ -527,9 +527,9 @@ def test_the_core_process_freezes_its_start_up_heap(monkeypatch, tmp_path):
 
     monkeypatch.setattr(core_mod, "EngineCore", FakeCore)
     sent: queue_mod.Queue = queue_mod.Queue()
-    monkeypatch.setattr(core_proc.EngineCoreProc, "_process_output_socket",
+    monkeypatch.setattr(core_proc.EngineCoreProc, "process_output_socket",
                         lambda self, _addr: sent.put(self.output_queue.get()))
-    monkeypatch.setattr(core_proc.EngineCoreProc, "_process_input_socket",
+    monkeypatch.setattr(core_proc.EngineCoreProc, "process_input_socket",
                         lambda self, _addr: None)
     monkeypatch.setattr(core_proc, "ReadyMessage", lambda **kw: SimpleNamespace(**kw))
     gc.unfreeze()

@@ -79,8 +79,9 @@ def test_step_buckets_compile_in_a_pool_to_the_same_executables(tiny_models, mon
     # Four at once whatever this machine's default, so the results arrive out of order.
     monkeypatch.setattr(runner_module, "compile_threads", lambda num_jobs: 4)
     assert runner.compile(progress=True) > 0
-    assert list(runner._compiled) == runner.bucket_shapes()
-    assert sorted(runner._compiled_prompt) == sorted({t for t, _ in runner.bucket_shapes()})
+    steps, prompt_steps = runner.compiled_shapes()
+    assert steps == runner.bucket_shapes()
+    assert sorted(prompt_steps) == sorted({t for t, _ in runner.bucket_shapes()})
     for shape in runner.bucket_shapes():
         one_by_one = runner.lower_step(*shape, 8).compile().as_text()
         assert runner.get_compiled_hlo(*shape) == one_by_one, shape

@@ -306,7 +306,7 @@ def test_aborts_mid_run_leave_every_block_free(self_spec, prompts, plain_greedy)
     counters = spec_decode_utils.check_aborts_mid_run(self_spec, prompts, plain_greedy)
     # The draft forgets every request, finished or aborted.
     proposer = core_of(self_spec).drafter.proposer
-    assert proposer._num_computed == proposer._fed == {}
+    assert proposer.tracked_request_ids == set()
     counters.assert_accepted()
 
 

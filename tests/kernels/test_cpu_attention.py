@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from jaxllm.model_executor.layers import cpu_attention, cpu_ffi
-from tests.kernels.test_paged_attention import HEAD_CONFIGS, cases, naive_attention, pad_case
+from tests.attention_cases import HEAD_CONFIGS, cases, naive_attention, pad_case
 
 if jax.default_backend() != "cpu":
     pytest.skip("the CPU kernel runs on JAX's CPU backend", allow_module_level=True)

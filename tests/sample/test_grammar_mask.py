@@ -15,7 +15,7 @@ from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import SamplingRow, sample
 from jaxllm.sample.token_mask import TokenMask
 from jaxllm.sampling_params import SamplingParams
-from tests.sample.test_topk_sampling import _param_mix, device_topk, llm_like
+from tests.sampling_cases import device_topk, llm_like, param_mix
 
 
 def pack(allowed: np.ndarray) -> np.ndarray:
@@ -57,7 +57,7 @@ def test_masked_candidates_sample_what_the_masked_full_row_samples(rng):
     checked = 0
     for trial in range(4):
         x = llm_like(rng, rows, vocab, spread=[0.5, 2.0, 3.0, 1.0][trial])
-        params = _param_mix(rng, rows)
+        params = param_mix(rng, rows)
         topk = device_topk(x)
         allowed = crafted_masks(rng, topk, vocab)
         bitmask = pack(allowed)

@@ -288,7 +288,7 @@ def test_candidates_match_full_sort_reference_at_qwen_vocab(rng):
     buf = np.empty(QWEN_VOCAB, np.float32)
     for z in logits:
         for sp in cases:
-            cand, w = S._candidates(z, sp, buf)
+            cand, w = S.sampling_candidates(z, sp, buf)
             got = np.zeros(QWEN_VOCAB)
             if cand is None:
                 got = w.astype(np.float64)
@@ -310,13 +310,13 @@ def test_top_p_candidate_search_branches(rng):
 
     def check(e, want_branch):
         target = target_of * float(e.sum(dtype=np.float64))
-        cand, w = S._top_p_candidates(e, float(e.max()), target)
+        cand, w = S.top_p_candidates(e, float(e.max()), target)
         if want_branch == "all":
             assert cand is None and w is e
             return
         assert cand is not None and float(w.sum(dtype=np.float64)) >= target
         assert e[cand].min() >= e[np.setdiff1d(np.arange(e.shape[0]), cand)].max()
-        near_top = bool((e[cand] >= S._TOP_P_PREFILTER * e.max()).all())
+        near_top = bool((e[cand] >= S.TOP_P_PREFILTER * e.max()).all())
         assert near_top == (want_branch == "top")
 
     peaked = np.full(QWEN_VOCAB, 1e-9, np.float32)
@@ -349,20 +349,20 @@ def test_draw_is_the_inverse_cdf(rng):
         cum = np.cumsum(w, dtype=np.float64)
         for u in rng.random(20):
             want = int(np.searchsorted(cum, u * cum[-1], side="right"))
-            assert S._draw(None, w, u) == want
-        assert w[S._draw(None, w, 0.999999999)] > 0 and w[S._draw(None, w, 0.0)] > 0
+            assert S.draw_token(None, w, u) == want
+        assert w[S.draw_token(None, w, 0.999999999)] > 0 and w[S.draw_token(None, w, 0.0)] > 0
 
 
 def test_kth_largest_and_top_indices(rng):
     z = rng.normal(size=QWEN_VOCAB).astype(np.float32)
     srt = np.sort(z)[::-1]
     for k in (1, 5, 20, 64, 1000, 50000, QWEN_VOCAB):
-        assert S._kth_largest(z, k) == srt[k - 1]
-    np.testing.assert_array_equal(S._top_indices(z, 20), np.argsort(-z, kind="stable")[:20])
+        assert S.kth_largest(z, k) == srt[k - 1]
+    np.testing.assert_array_equal(S.top_indices(z, 20), np.argsort(-z, kind="stable")[:20])
     # A subsample that misses the top region still gives the exact answer (fallback).
     z = np.zeros(QWEN_VOCAB, np.float32)
     z[1:200:16] = 1.0  # off the stride-16 subsample
-    assert S._kth_largest(z, 13) == 1.0 and S._kth_largest(z, 14) == 0.0
+    assert S.kth_largest(z, 13) == 1.0 and S.kth_largest(z, 14) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ calls exact, both give the same token, the same sampled logprob and the same log
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 from scipy.special import logsumexp
@@ -16,26 +15,11 @@ from scipy.special import logsumexp
 from jaxllm.sample.candidates import TopKLogits, exact_rows, sample_from_topk
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
-from jaxllm.sample.topk import TOPK, top_k_logits
+from jaxllm.sample.topk import TOPK
 from jaxllm.sampling_params import SamplingParams
+from tests.sampling_cases import device_topk, llm_like, param_mix
 
 QWEN_VOCAB = 151936
-_topk = jax.jit(top_k_logits, static_argnums=1)
-
-
-def device_topk(x: np.ndarray, k: int = TOPK) -> TopKLogits:
-    values, ids, lse = _topk(x, k)
-    return TopKLogits(np.asarray(values), np.asarray(ids), np.asarray(lse))
-
-
-def llm_like(rng, rows: int, vocab: int, spread: float = 2.0) -> np.ndarray:
-    """Logits shaped like a language model's: a long tail and a few strong tokens."""
-    x = rng.normal(0, spread, (rows, vocab)).astype(np.float32)
-    for r in range(rows):
-        x[r, rng.integers(0, vocab, 5)] += rng.uniform(3, 9, 5).astype(np.float32)
-    return x
-
-
 def with_ties(rng, rows: int, vocab: int) -> np.ndarray:
     """Coarse values: many exact ties, across blocks and at every cut."""
     return (np.round(rng.normal(0, 2, (rows, vocab)) * 2) / 2).astype(np.float32)
@@ -62,31 +46,6 @@ def test_device_top_k_holds_the_k_largest_in_canonical_order(rng, vocab):
     np.testing.assert_allclose(got.lse, logsumexp(x.astype(np.float64), axis=1), rtol=1e-6)
 
 
-def _param_mix(rng, n: int) -> list[SamplingParams]:
-    """Random sampling parameters: the exact cases, the full-row ones and mixes."""
-    out = []
-    for _ in range(n):
-        kind = rng.integers(0, 9)
-        lp = [None, None, 0, 3, 20][rng.integers(0, 5)]
-        t = float(rng.uniform(0.3, 1.6))
-        kw = {
-            0: dict(temperature=0.0),
-            1: dict(temperature=t, top_k=int(rng.integers(1, 51))),
-            2: dict(temperature=t, top_k=int(rng.integers(1, 51)),
-                    top_p=float(rng.uniform(0.3, 0.99))),
-            3: dict(temperature=t, min_p=float(rng.uniform(0.01, 0.5))),
-            4: dict(temperature=t, min_p=float(rng.uniform(0.01, 0.5)),
-                    top_p=float(rng.uniform(0.3, 0.99))),
-            5: dict(temperature=t, top_k=int(rng.integers(1, 200)),
-                    min_p=float(rng.uniform(0.0, 0.3))),
-            6: dict(temperature=t),  # pure temperature: the full row
-            7: dict(temperature=t, top_p=float(rng.uniform(0.3, 0.99))),  # top_p alone
-            8: dict(temperature=t, top_k=TOPK),  # ties beyond K cannot be ruled out
-        }[int(kind)]
-        out.append(SamplingParams(logprobs=lp, seed=int(rng.integers(0, 2**31)), **kw))
-    return out
-
-
 def _check_identical(x: np.ndarray, params: list[SamplingParams], topk: TopKLogits,
                      exact: np.ndarray) -> None:
     fast = np.flatnonzero(exact)
@@ -107,7 +66,7 @@ def test_candidate_sampler_equals_full_row_sampler(rng, vocab):
     rows = 48 if vocab == 5000 else 12
     for trial in range(6 if vocab == 5000 else 1):
         x = llm_like(rng, rows, vocab, spread=[0.5, 2.0, 3.0][trial % 3])
-        params = _param_mix(rng, rows)
+        params = param_mix(rng, rows)
         topk = device_topk(x)
         exact = exact_rows(SamplingMetadata.from_params(params), np.zeros(rows, bool), topk)
         for p, ok in zip(params, exact, strict=True):

@@ -206,8 +206,8 @@ def test_the_validator_replaces_a_worker_that_crashed_or_ran_out_of_time():
                 await validator.validate({"json": "[" * 200_000 + "]" * 200_000})
             assert validator.num_crashed == 2
             # The worker runs under its address-space limit.
-            (worker,) = validator._idle
-            limits = open(f"/proc/{worker.proc.pid}/limits").read()
+            (pid,) = validator.idle_worker_pids()
+            limits = open(f"/proc/{pid}/limits").read()
             assert re.search(rf"Max address space\s+{validator.memory_bytes}\s", limits)
         finally:
             validator.close()
@@ -241,7 +241,7 @@ def test_the_core_input_thread_fails_only_the_request_it_cannot_decode():
     proc.output_queue = queue.Queue()
     push = proc.ctx.socket(zmq.PUSH)
     push.bind("inproc://core-input")
-    thread = threading.Thread(target=proc._process_input_socket, args=("inproc://core-input",),
+    thread = threading.Thread(target=proc.process_input_socket, args=("inproc://core-input",),
                               daemon=True)
     thread.start()
     params = SamplingParams(max_tokens=4)
