@@ -177,7 +177,7 @@ def main() -> int:
         client = llm.llm_engine.engine_core_client
         assert isinstance(client, InprocClient)  # the timers wrap the core's objects
         core = client.engine_core
-        max_spec_seqs = core.drafter.max_num_seqs
+        max_spec_seqs = core.drafter.max_spec_seqs
         live = instrument(core)  # each run's share is moved to timers[name]
         names = {"off": f"off ({setting} engine)", setting: setting}
 
@@ -185,7 +185,7 @@ def main() -> int:
                 core=core, llm=llm, max_spec_seqs=max_spec_seqs) -> tuple[list[int], float]:
             # Between requests: no drafts for `off` (a spec step holds no request), else the
             # engine's k.
-            core.drafter.max_num_seqs = 0 if which == "off" else max_spec_seqs
+            core.drafter.max_spec_seqs = 0 if which == "off" else max_spec_seqs
             t = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
             return list(out[0].outputs[0].token_ids), time.perf_counter() - t

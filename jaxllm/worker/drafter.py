@@ -24,11 +24,11 @@ if TYPE_CHECKING:
 
 
 class Drafter:
-    """`max_num_seqs`: the most requests a step verifies drafts for (the largest spec-decode
+    """`max_spec_seqs`: the most requests a step verifies drafts for (the largest spec-decode
     bucket); with more running, no request gets drafts."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 num_blocks: int, target_weights: LoadedModel, max_num_seqs: int) -> None:
+                 num_blocks: int, target_weights: LoadedModel, max_spec_seqs: int) -> None:
         spec = config.speculative_config
         assert spec is not None  # a Drafter only with speculative decoding
         self.proposer: NgramProposer | DraftModelProposer
@@ -39,7 +39,7 @@ class Drafter:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max, max_model_len,
                                           config.max_num_seqs)
-        self.max_num_seqs = max_num_seqs
+        self.max_spec_seqs = max_spec_seqs
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Follow a schedule: preempted requests lost their KV and start over; the draft
@@ -74,7 +74,7 @@ class Drafter:
                         ngram.append(rid, tokens)
                 elif rid in new_token_ids:  # from its first sampled token on
                     ngram.add_request(rid, r.all_token_ids)
-        if not running or len(running) > self.max_num_seqs:
+        if not running or len(running) > self.max_spec_seqs:
             return {}
         ready = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
                  and not r.num_inflight_tokens
