@@ -127,6 +127,8 @@ class EngineCore:
         self._waiting_for_grammar: dict[str, Request] = {}
         # Outputs of requests the core finished outside a step (grammar that did not compile).
         self._pending_outputs: list[EngineCoreOutput] = []
+        # The scheduler's live request map itself (it is never rebound): the sampler reads
+        # each step's requests as the scheduler holds them, with no copy to keep in step.
         self.sampler = HostSampler(self.scheduler.requests, self.sampling_states,
                                    candidates=self.runner.top_k > 0)
         # Async scheduling: the dispatched step whose results are not applied yet.

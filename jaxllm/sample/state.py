@@ -73,7 +73,9 @@ class SamplingStates(Mapping[str, SamplingState]):
         return len(self._states)
 
     def add(self, state: SamplingState) -> None:
-        """Keep a new request's state (replacing any left under its id)."""
+        """Keep a new request's state (replacing any left under its id). Its counts (penalized,
+        constrained) are taken now: the state's penalties and matcher are set before it is
+        added and not changed after."""
         self.remove(state.request.request_id)
         self._states[state.request.request_id] = state
         self._count(state, 1)
