@@ -71,8 +71,9 @@ class EngineArgs:
         False, "with quantization gguf on CPU: our kernel quantizes each row of activations to "
                "int8 per block of 32 values (as llama.cpp does) and multiplies by the GGUF "
                "values in integer dot products (AVX2 maddubs, AVX-512 VNNI), for every bucket "
-               "(a tied LM head, read from the embedding, stays exact); "
-               "faster where the float32 path is bound by vector work (AVX2 machines), but not "
+               "(a tied LM head, read from the embedding, stays exact), its 4- to 6-bit "
+               "values read nibble-packed; faster (fewer bytes at one sequence, fewer "
+               "instructions for batches), but not "
                "exact: logprobs move slightly from HF's and greedy tokens can differ "
                "(docs/perf/gguf-cpu.md). Without AVX2 (aarch64) a warning and the exact path")
     block_size: int = _arg(16, "tokens per KV block (16 or 32)")
