@@ -34,11 +34,14 @@ _MIN_PROGRAMS = 128
 
 
 def rope_cos_sin_cache(
-    head_dim: int, max_position: int, theta: float, dtype=jnp.float32
+    head_dim: int, max_position: int, theta: float, dtype=jnp.float32, *,
+    inv_freq: np.ndarray | None = None, attention_factor: float = 1.0,
 ) -> jax.Array:
-    """[max_position, head_dim]: first half cos(pos * inv_freq), second half sin(pos * inv_freq).
+    """[max_position, head_dim]: first half cos(pos * inv_freq), second half sin(pos * inv_freq),
+    both times `attention_factor`.
 
-    inv_freq = theta ** (-arange(0, head_dim, 2) / head_dim), the Hugging Face Qwen2 default.
+    inv_freq defaults to theta ** (-arange(0, head_dim, 2) / head_dim), the Hugging Face
+    default; a scaled RoPE passes its own ([head_dim / 2]).
     """
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
@@ -47,10 +50,15 @@ def rope_cos_sin_cache(
     # float32 ulp of a 32k-radian angle is ~4e-3 rad) and whose float32 `pow` differs between
     # libraries by an ulp, so no float32 recipe is reproducible bit for bit; float64 gives the
     # true rotation, the same on every platform, within float32 rounding of the table entry.
-    exponent = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
-    inv_freq = 1.0 / (float(theta) ** exponent)
+    if inv_freq is None:
+        exponent = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+        inv_freq = 1.0 / (float(theta) ** exponent)
+    inv_freq = np.asarray(inv_freq, np.float64)
+    if inv_freq.shape != (head_dim // 2,):
+        raise ValueError(f"inv_freq must have head_dim / 2 = {head_dim // 2} entries, got shape "
+                         f"{inv_freq.shape}")
     angle = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
-    cache = np.concatenate([np.cos(angle), np.sin(angle)], axis=-1)
+    cache = np.concatenate([np.cos(angle), np.sin(angle)], axis=-1) * float(attention_factor)
     return jnp.asarray(cache.astype(np.float32), dtype=dtype)
 
 

@@ -26,13 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.distributed.tensor_parallel import KV_SPEC, TP_AXIS, param_specs, tp_layout
 from jaxllm.model_executor.config import ModelConfig
-from jaxllm.model_executor.models.qwen2 import (
-    AttentionMetadata,
-    Qwen2ForCausalLM,
-    abstract_params,
-    kv_cache_shape,
-    rope_variables,
-)
+from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
+from jaxllm.model_executor.layers.rotary_embedding import rope_variables
+from jaxllm.model_executor.models.registry import abstract_params, get_model_class
 from jaxllm.sample.topk import TOPK
 from jaxllm.worker.step import forward_step
 from pallas_kernels.attention_common import decode_num_splits
@@ -87,10 +83,11 @@ def lower_sharded_step(config: ModelConfig, tp: int, num_tokens: int, decode: bo
     # The device goes on the mesh itself: shard_map's body lowers under this mesh, not the
     # context's.
     mesh = abstract_cuda_mesh((tp,), (TP_AXIS,))
-    model = Qwen2ForCausalLM(layout.local, dtype=dtype, kernel_backend=backend, tp_axis=TP_AXIS)
+    model_class = get_model_class(config.architecture)
+    model = model_class(layout.local, dtype=dtype, kernel_backend=backend, tp_axis=TP_AXIS)
     # The global tree: the model with the KV heads the sharded layout holds (with replicas).
     full = dataclasses.replace(config, num_key_value_heads=layout.num_kv_heads_total)
-    params = abstract_params(Qwen2ForCausalLM(full, dtype=dtype))
+    params = abstract_params(model_class(full, dtype=dtype))
 
     def sharded(x, spec=None):
         spec = P() if spec is None else spec

@@ -1,12 +1,84 @@
-"""Model configuration: Qwen2 hyper-parameters from a Hugging Face config.json or GGUF metadata."""
+"""Model configuration: a decoder's hyper-parameters from a Hugging Face config.json or GGUF
+metadata, whatever its family; which families run is the model registry's business
+(models/registry.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# Hugging Face `model_type` -> the architecture a config.json without `architectures` names.
+_ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                               "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+# GGUF `general.architecture` -> Hugging Face architecture.
+GGUF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "llama": "LlamaForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a checkpoint stretches RoPE past its training length (Hugging Face's
+    `rope_parameters` / `rope_scaling`); the frequencies are rotary_embedding.py's."""
+
+    rope_type: str  # one of ROPE_TYPES other than "default"
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, params: dict[str, Any], max_position_embeddings: Any,
+                original_max: Any = None) -> RopeScaling | None:
+        """None for plain RoPE; a ValueError names an unsupported type or a bad value."""
+        rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"model config: rope type {rope_type!r} is not supported "
+                             f"(supported: {', '.join(ROPE_TYPES)})")
+        if rope_type == "default":
+            return None
+        known = {f.name for f in dataclasses.fields(cls)} - {"rope_type"}
+        values = {k: v for k, v in params.items() if k in known and v is not None}
+        if rope_type in ("llama3", "yarn"):
+            # As Hugging Face reads it: a top-level value first, then the parameters' own, then
+            # the model's length.
+            values["original_max_position_embeddings"] = (
+                original_max or values.get("original_max_position_embeddings")
+                or max_position_embeddings)
+        if rope_type == "yarn":
+            values["beta_fast"] = values.get("beta_fast") or 32.0
+            values["beta_slow"] = values.get("beta_slow") or 1.0
+            if "factor" not in values and values.get("original_max_position_embeddings"):
+                values["factor"] = max_position_embeddings / \
+                    values["original_max_position_embeddings"]
+        if "factor" not in values:
+            raise ValueError(f"model config: rope type {rope_type!r} needs a factor")
+        for name, value in values.items():
+            if name == "truncate":
+                if not isinstance(value, bool):
+                    raise ValueError(f"model config: rope {name} must be true or false, "
+                                     f"got {value!r}")
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"model config: rope {name} must be a finite number > 0, "
+                                 f"got {value!r}")
+        if "original_max_position_embeddings" in values:
+            values["original_max_position_embeddings"] = int(
+                values["original_max_position_embeddings"])
+        return cls(rope_type, **values)
 
 
 @dataclass(frozen=True)
@@ -24,6 +96,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # The Hugging Face architecture (`architectures[0]`), which picks the model class.
+    architecture: str = "Qwen2ForCausalLM"
+    attention_bias: bool = True  # q, k and v projections with biases (Qwen2's always have)
+    rope_scaling: RopeScaling | None = None
+    # A GGUF's `rope_freqs` tensor (llama.cpp's form of Llama 3's scaling): each frequency is
+    # divided by its factor.
+    rope_freq_factors: tuple[float, ...] | None = None
+    # Tokens each one attends back over; None: the whole context. No model here runs a window:
+    # the registry refuses one shorter than the context.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         # Checkpoints are input: a count of the wrong type or size is named here rather than
@@ -49,31 +131,62 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
-        arch = cfg.get("model_type")
-        if arch not in ("qwen2", None):
-            raise ValueError(f"model_type {arch!r} is not supported (jaxllm runs qwen2 models)")
+        architectures = cfg.get("architectures")
+        if isinstance(architectures, list) and architectures:
+            architecture = architectures[0]
+        else:
+            model_type = cfg.get("model_type", "qwen2")
+            architecture = _ARCHITECTURE_OF_MODEL_TYPE.get(model_type)
+            if architecture is None:
+                raise ValueError(f"model_type {model_type!r} is not supported and the config "
+                                 f"names no architectures")
+        if not isinstance(architecture, str):
+            raise ValueError(f"model config: architectures must be a list of names, got "
+                             f"{architectures!r}")
         num_heads = cfg["num_attention_heads"]
+        rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if not isinstance(rope_params, dict):
+            raise ValueError(f"model config: rope parameters must be an object, got "
+                             f"{rope_params!r}")
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:
             # transformers 5 moved rope_theta into rope_parameters.
-            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            rope_theta = rope_params.get("rope_theta", 10000.0)
+        max_pos = cfg.get("max_position_embeddings", 32768)
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"model config: partial_rotary_factor {partial!r} (RoPE on part of "
+                             f"each head) is not supported")
+        if cfg.get("mlp_bias"):
+            raise ValueError("model config: mlp_bias (biases on the MLP projections) is not "
+                             "supported")
+        # Qwen2's q/k/v always carry biases; the other families say so in `attention_bias`.
+        bias = architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+        window = cfg.get("sliding_window")
+        if architecture != "MistralForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None  # Qwen configs carry a window they do not use unless told to
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=num_heads,
-            num_key_value_heads=cfg.get("num_key_value_heads", num_heads),
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or _quotient(cfg["hidden_size"], num_heads),
             rms_norm_eps=_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
             rope_theta=_float(rope_theta, "rope_theta"),
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
+            architecture=architecture,
+            attention_bias=bias,
+            rope_scaling=RopeScaling.from_hf(rope_params, max_pos,
+                                             cfg.get("original_max_position_embeddings")),
+            sliding_window=window,
         )
 
     @classmethod
@@ -92,20 +205,32 @@ class ModelConfig:
             raise ValueError(f"{path}: model config lacks {e.args[0]!r}") from e
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], vocab_size: int, tied: bool) -> ModelConfig:
-        """`meta` maps GGUF keys (e.g. 'qwen2.block_count') to values."""
+    def from_gguf_metadata(cls, meta: dict[str, Any], vocab_size: int, tied: bool,
+                           attention_bias: bool = True,
+                           rope_freq_factors: tuple[float, ...] | None = None) -> ModelConfig:
+        """`meta` maps GGUF keys (e.g. 'qwen2.block_count') to values; `attention_bias`:
+        whether the file has q/k/v biases."""
         arch = meta.get("general.architecture")
-        if arch != "qwen2":
-            raise ValueError(f"GGUF architecture {arch!r} is not supported (jaxllm runs qwen2)")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
+                             f"{', '.join(GGUF_ARCHITECTURES)})")
 
         def get(key: str, default: Any = None) -> Any:
-            value = meta.get(f"qwen2.{key}", default)
+            value = meta.get(f"{arch}.{key}", default)
             if value is None:
-                raise ValueError(f"GGUF metadata lacks qwen2.{key}")
+                raise ValueError(f"GGUF metadata lacks {arch}.{key}")
             return value
 
         hidden = int(get("embedding_length"))
         num_heads = int(get("attention.head_count"))
+        max_pos = int(get("context_length", 32768))
+        scaling = None
+        scaling_type = meta.get(f"{arch}.rope.scaling.type")
+        if scaling_type not in (None, "none"):
+            original = meta.get(f"{arch}.rope.scaling.original_context_length")
+            scaling = RopeScaling.from_hf(
+                {"rope_type": scaling_type, "factor": meta.get(f"{arch}.rope.scaling.factor")},
+                max_pos, original)
         return cls(
             vocab_size=vocab_size,
             hidden_size=hidden,
@@ -113,13 +238,19 @@ class ModelConfig:
             num_hidden_layers=int(get("block_count")),
             num_attention_heads=num_heads,
             num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=int(meta.get("qwen2.attention.key_length") or _quotient(hidden, num_heads)),
+            head_dim=int(meta.get(f"{arch}.attention.key_length")
+                         or _quotient(hidden, num_heads)),
             rms_norm_eps=_float(get("attention.layer_norm_rms_epsilon", 1e-6), "rms_norm_eps"),
             rope_theta=_float(get("rope.freq_base", 10000.0), "rope_theta"),
-            max_position_embeddings=int(get("context_length", 32768)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=tied,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            architecture=GGUF_ARCHITECTURES[arch],
+            attention_bias=attention_bias,
+            rope_scaling=scaling,
+            rope_freq_factors=rope_freq_factors,
+            sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         )
 
 

@@ -12,13 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.model_executor.config import ModelConfig
-from jaxllm.model_executor.models.qwen2 import (
-    AttentionMetadata,
-    Qwen2ForCausalLM,
-    abstract_params,
-    kv_cache_shape,
-    rope_variables,
-)
+from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
+from jaxllm.model_executor.layers.rotary_embedding import rope_variables
+from jaxllm.model_executor.models.registry import abstract_params, get_model_class
 from jaxllm.worker.step import forward_step
 from pallas_kernels.attention_common import decode_num_splits
 from pallas_kernels.common import lower_for_cuda
@@ -36,7 +32,7 @@ def lower_step_for_cuda(config: ModelConfig, num_tokens: int, decode: bool, *,
     if query_len < 1 or num_tokens % query_len or (query_len > 1 and not decode):
         raise ValueError(f"query_len must be >= 1, divide num_tokens ({num_tokens}) and be 1 "
                          f"for a prefill bucket, got {query_len} (decode={decode})")
-    model = Qwen2ForCausalLM(config, dtype=dtype, kernel_backend="pallas")
+    model = get_model_class(config.architecture)(config, dtype=dtype, kernel_backend="pallas")
     if query_len > 1 and num_tokens // query_len > max_num_seqs:
         raise ValueError(f"a verify bucket of {num_tokens} tokens holds "
                          f"{num_tokens // query_len} sequences, more than max_num_seqs "

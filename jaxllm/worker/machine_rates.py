@@ -37,7 +37,7 @@ def measure_bandwidth(mib: int = 256, reps: int = 5) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.model_executor.models.qwen2 import linear
+    from jaxllm.model_executor.layers.linear import linear
 
     n = max(1, mib * (1 << 20) // 4)
     moved = 2.0 * n * 4

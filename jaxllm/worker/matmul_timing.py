@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.layers.linear import linear
+from jaxllm.model_executor.layers.logits import compute_logits
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
-from jaxllm.model_executor.models.qwen2 import compute_logits, linear
 from jaxllm.worker.buckets import MIN_TOKEN_BUCKET
 
 

@@ -68,13 +68,10 @@ from jaxllm.distributed.tensor_parallel import (
     tp_layout,
 )
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.layers.attention import AttentionMetadata, attention_impl, kv_cache_shape
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
-from jaxllm.model_executor.models.qwen2 import (
-    AttentionMetadata,
-    Qwen2ForCausalLM,
-    kv_cache_shape,
-    rope_variables,
-)
+from jaxllm.model_executor.layers.rotary_embedding import rope_variables
+from jaxllm.model_executor.models.registry import get_model_class
 from jaxllm.sample.candidates import TopKLogits
 from jaxllm.sample.topk import TOPK
 from jaxllm.sampling_params import MAX_LOGPROBS
@@ -238,11 +235,14 @@ class ModelRunner:
                               if (t := s * self.spec_query_len) <= max_num_batched_tokens
                               and not (t == self.spec_query_len and t in self.buckets)]
                              if num_speculative_tokens else [])
-        self.model = Qwen2ForCausalLM(self.local_config, dtype=dtype,
-                                      kernel_backend=kernel_backend,
-                                      activation_dtype=self.activation_dtype,
-                                      tp_axis=None if self.mesh is None else TP_AXIS,
-                                      gemv_kernel_rows=pallas_gemv_max_rows)
+        self.attention_impl = attention_impl(
+            kernel_backend, jax.default_backend(), jnp.dtype(self.kv_cache_dtype).name,
+            config.head_dim, tensor_parallel=self.mesh is not None)
+        self.model = get_model_class(config.architecture)(
+            self.local_config, dtype=dtype, kernel_backend=kernel_backend,
+            activation_dtype=self.activation_dtype,
+            tp_axis=None if self.mesh is None else TP_AXIS,
+            gemv_kernel_rows=pallas_gemv_max_rows, attention_impl=self.attention_impl)
         # Split-K decode (flash-decoding) per decode bucket: static, sized from max_model_len
         # and the bucket's sequences against the GPU's SM count. The reference backend (CPU)
         # has one XLA attention for every split count: 1 keeps its executables as they were.

@@ -19,7 +19,9 @@ from jaxllm.distributed.tensor_parallel import (
     sharded_target_stats,
     spmd,
 )
-from jaxllm.model_executor.models.qwen2 import AttentionMetadata, Qwen2ForCausalLM, compute_logits
+from jaxllm.model_executor.layers.attention import AttentionMetadata
+from jaxllm.model_executor.layers.logits import compute_logits
+from jaxllm.model_executor.models.llama import LlamaForCausalLM
 from jaxllm.sample.topk import top_k_logits
 
 
@@ -32,7 +34,7 @@ StepOutputs = tuple[jax.Array | None, jax.Array | None, jax.Array | None, jax.Ar
                     jax.Array]
 
 
-def forward_step(model: Qwen2ForCausalLM, top_k: int, mesh: Any, params: dict, rope: dict,
+def forward_step(model: LlamaForCausalLM, top_k: int, mesh: Any, params: dict, rope: dict,
                  kv_cache: jax.Array, input_ids: jax.Array, positions: jax.Array,
                  attn_metadata: AttentionMetadata[jax.Array], max_query_len: int | None,
                  num_splits: int) -> StepOutputs:
@@ -53,7 +55,7 @@ def forward_step(model: Qwen2ForCausalLM, top_k: int, mesh: Any, params: dict, r
     return step(params, rope, input_ids, positions, attn_metadata, kv_cache)
 
 
-def prompt_stats(model: Qwen2ForCausalLM, num_top: int, mesh: Any, params: dict,
+def prompt_stats(model: LlamaForCausalLM, num_top: int, mesh: Any, params: dict,
                  hidden: jax.Array, rows: jax.Array, targets: jax.Array
                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Of the hidden-state rows `rows`: (the target token's logit, its rank, the top `num_top`

@@ -88,15 +88,12 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
     import jax
     import jax.numpy as jnp
 
+    from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
+    from jaxllm.model_executor.layers.logits import compute_logits
     from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
     from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, dequantize
-    from jaxllm.model_executor.models.qwen2 import (
-        AttentionMetadata,
-        Qwen2DecoderLayer,
-        compute_logits,
-        kv_cache_shape,
-        rope_variables,
-    )
+    from jaxllm.model_executor.layers.rotary_embedding import rope_variables
+    from jaxllm.model_executor.models.llama import LlamaDecoderLayer
     from pallas_kernels.rms_norm import rms_norm
 
     engine = llm.llm_engine
@@ -106,7 +103,7 @@ def _layerwise_greedy(llm: LLM, prompt: list[int], max_new: int, backend: str) -
             lambda w: GGUFWeight(*(None if a is None else cpu_dequant_matmul.unpack(a)
                                    for a in w)) if isinstance(w, GGUFWeight) and w.packed else w,
             params, is_leaf=lambda x: isinstance(x, GGUFWeight))
-    layer = Qwen2DecoderLayer(cfg, 0, jnp.float32, backend)
+    layer = LlamaDecoderLayer(cfg, 0, jnp.float32, backend)
     cos_sin = rope_variables(cfg)["cos_sin_cache"]
 
     @jax.jit

@@ -156,12 +156,15 @@ def test_bad_shapes_are_named(rng):
 
 
 def test_which_steps_use_it():
-    """A float32 cache, the reference backend and one device: the kernel; a bfloat16 cache, a
-    Pallas backend or tensor parallelism: not."""
-    q = jax.ShapeDtypeStruct((16, 14, 64), jnp.float32)
-    kv = jax.ShapeDtypeStruct((2, 2, 2, 8, 16, 64), jnp.float32)
-    assert cpu_attention.use_for(q, kv, "reference")
-    assert not cpu_attention.use_for(q, kv, "interpret")
-    assert not cpu_attention.use_for(q, kv, "reference", tp_axis="tp")
-    kv16 = jax.ShapeDtypeStruct(kv.shape, jnp.bfloat16)
-    assert not cpu_attention.use_for(q, kv16, "reference")
+    """A float32 cache, the reference backend, the CPU platform, a head size it takes and one
+    device: the kernel; a bfloat16 cache, a Pallas backend, a GPU, tensor parallelism or an odd
+    head size: the kernel backend's attention."""
+    from jaxllm.model_executor.layers.attention import CPU_KERNEL, attention_impl
+
+    assert attention_impl("reference", "cpu", "float32", 64, False) == CPU_KERNEL
+    assert attention_impl("interpret", "cpu", "float32", 64, False) == "interpret"
+    assert attention_impl("reference", "cpu", "float32", 64, True) == "reference"
+    assert attention_impl("reference", "cpu", "bfloat16", 64, False) == "reference"
+    assert attention_impl("reference", "gpu", "float32", 64, False) == "reference"
+    assert attention_impl("reference", "cpu", "float32", 40, False) == "reference"
+    assert attention_impl("reference", "cpu", "float32", 512, False) == "reference"

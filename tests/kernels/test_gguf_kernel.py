@@ -14,8 +14,9 @@ import torch
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
+from jaxllm.model_executor.layers.rotary_embedding import rope_variables
 from jaxllm.model_executor.model_loader.loader import load_model
-from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, rope_variables
+from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from jaxllm.worker.model_runner import float32_weights
 from tests.gguf_models import hf_model_from, write_tiny_gguf
 from tests.kernel_backends import KERNEL_BACKENDS

@@ -15,8 +15,9 @@ import torch
 from jaxllm import LLM, SamplingParams
 from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
+from jaxllm.model_executor.layers.rotary_embedding import rope_variables
 from jaxllm.model_executor.model_loader.loader import load_model
-from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, rope_variables
+from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from tests.gguf_models import hf_model_from, write_tiny_gguf
 from tests.model_inputs import prefill_inputs
 from tests.utils import core_of, kv_budget_kwargs, runner_of

@@ -21,6 +21,7 @@ import torch
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.model_executor.layers.linear import linear
 from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
 from jaxllm.model_executor.layers.quantization.gguf import (
     GGUFWeight,
@@ -28,10 +29,11 @@ from jaxllm.model_executor.layers.quantization.gguf import (
     gemv_chunks,
     gguf_linear,
 )
+from jaxllm.model_executor.layers.rotary_embedding import rope_variables
 from jaxllm.model_executor.model_loader import gguf_repack
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.loader import load_model
-from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, linear, rope_variables
+from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from tests.gguf_models import hf_model_from, quantized_bytes, random_blocks, write_tiny_gguf
 from tests.model_inputs import prefill_inputs
 from tests.utils import kv_budget_kwargs, runner_of

@@ -69,12 +69,18 @@ def test_missing_tensor_is_named(tiny_dir, tmp_path):
         load_model(d)
 
 
-def test_foreign_model_type(tiny_dir, tmp_path):
-    d = _copy(tiny_dir, tmp_path / "llama")
+def test_foreign_architecture_is_named_with_the_supported_ones(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path / "gpt2")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "llama"
+    cfg["architectures"] = ["GPT2LMHeadModel"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="llama"):
+    with pytest.raises(ModelLoadError, match=r"'GPT2LMHeadModel' is not supported.*"
+                                             r"Qwen2ForCausalLM.*LlamaForCausalLM"):
+        load_model(d)
+    del cfg["architectures"]
+    cfg["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="model_type 'gpt2' is not supported"):
         load_model(d)
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.model_executor.layers.rotary_embedding import rope_variables
 from jaxllm.model_executor.model_loader.loader import load_model
-from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, rope_variables
+from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from tests.model_inputs import prefill_inputs
 from tests.utils import kv_budget_kwargs, make_tiny_checkpoint, runner_of
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,14 +34,9 @@ def _available(isa: str) -> bool:
                             "attention runs XLA's reference ops (slower at decode)", isa)
 
 
-def use_for(q: Any, kv_cache: Any, backend: str, tp_axis: str | None = None) -> bool:
-    """Whether a step's attention uses this kernel: XLA's CPU backend with the reference kernel
-    backend, a float32 cache, head_dim a multiple of 16 up to 256, one device (under tensor
-    parallelism the model's attention runs per shard inside shard_map, where the reference's
-    plain XLA ops are the tested path)."""
-    return (backend == "reference" and tp_axis is None and jax.default_backend() == "cpu"
-            and jnp.dtype(kv_cache.dtype) == jnp.float32 and q.shape[-1] % 16 == 0
-            and q.shape[-1] <= 256 and available())
+def takes(head_dim: int) -> bool:
+    """Whether the kernel handles this head size (a multiple of 16 up to 256)."""
+    return head_dim % 16 == 0 and head_dim <= 256
 
 
 def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables: jax.Array,

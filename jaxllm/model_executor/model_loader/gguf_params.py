@@ -68,12 +68,16 @@ def _device(r: RepackedBlocks, packed: bool, compact: bool, int8: bool = False) 
 
 def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[str], Any],
                           path: Path, fused_kernel: bool = False, compact: bool = False,
-                          int8: bool = False) -> tuple[dict, dict | None]:
+                          int8: bool = False,
+                          row_order: Callable[[str], Any] | None = None
+                          ) -> tuple[dict, dict | None]:
     """(params, gemv_params) from the dense float32 tree and `tensor(hf_name)`, the GGUF reader's
     tensor of that name (None if absent); with `fused_kernel` or our CPU kernel, (one tree for
     every bucket, every GGUF block weight the kernel can read quantized, None). `compact`: the
     CPU kernel's 4- and 5-bit values in 5-bit panels; `int8`: its integer path's layout for the
-    matmul weights whose values it takes (the embedding, only gathered, keeps the exact one)."""
+    matmul weights whose values it takes (the embedding, only gathered, keeps the exact one).
+    `row_order(hf_name)`: the rows of that tensor in the dense tree's order (None: as stored),
+    applied to its blocks as the dense loader applied it to its values."""
     def quantized(hf_names: list[str], dense: Any, matmul: bool = True) -> GGUFWeight | None:
         if cpu_kernel and cpu_dequant_matmul.panel_size(dense.shape[0]) is None:
             return None  # rows the kernel's panels cannot split: the weight stays float32
@@ -85,9 +89,14 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
                 return None  # a float tensor in the group: the group stays float32
             shape = tuple(reversed([int(d) for d in t.shape]))
             try:
-                parts.append(repack(t.data, type_name, shape, t.name))
+                part = repack(t.data, type_name, shape, t.name)
             except (UnsupportedGGUFType, ValueError) as e:
                 raise ModelLoadError(f"{path}: {e}") from e
+            rows = None if row_order is None else row_order(name)
+            if rows is not None:  # blocks run along a row, so rows move whole
+                part = RepackedBlocks(part.qweight[rows], part.scale[rows],
+                                      None if part.offset is None else part.offset[rows])
+            parts.append(part)
         blocks = parts[0] if len(parts) == 1 else concat_rows(parts)
         # The CPU kernel reads the blocks by these shapes: they must be the checked dense ones.
         shape, dense_shape = blocks.qweight.shape, tuple(dense.shape)

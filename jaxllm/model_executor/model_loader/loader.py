@@ -1,10 +1,11 @@
 """Loading weights offline: Hugging Face checkpoint directories (safetensors) and GGUF files.
 
-Both paths produce the same param tree as `Qwen2ForCausalLM` (q/k/v and gate/up fused, linear
-weights kept [out, in] as checkpoints store them); the tree is checked against the model's
-abstract shapes so a foreign or damaged file fails with its path and what is wrong, never deep
-inside jit. With quantization="gguf" a GGUF's block weights are also kept quantized
-(gguf_params.py): a second tree for the small decode buckets.
+Both paths produce the param tree of the checkpoint's model class (models/registry.py: q/k/v
+and gate/up fused, linear weights kept [out, in] as checkpoints store them, rows in Hugging
+Face's order); the tree is checked against the model's abstract shapes so a foreign or
+damaged file fails with its path and what is wrong, never deep inside jit. With
+quantization="gguf" a GGUF's block weights are also kept quantized (gguf_params.py): a second
+tree for the small decode buckets.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.gguf_check import check_gguf_layout
 from jaxllm.model_executor.model_loader.gguf_params import quantized_param_trees
 from jaxllm.model_executor.model_loader.gguf_repack import FLOAT_TYPES, SUPPORTED_TYPES
-from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, abstract_params
+from jaxllm.model_executor.models.registry import (
+    abstract_params,
+    check_supported,
+    get_model_class,
+)
 
 
 @dataclass
@@ -45,7 +50,8 @@ def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True
                quantization: str | None = None,
                kernel_backend: str = "reference", gguf_compact: bool = False,
                cpu_int8_activations: bool = False) -> LoadedModel:
-    """Load a Qwen2 checkpoint: a directory with config.json + *.safetensors, or a .gguf file.
+    """Load a checkpoint of a supported architecture (models/registry.py): a directory with
+    config.json + *.safetensors, or a .gguf file.
     quantization="gguf" (GGUF only) also keeps the GGUF's block weights quantized: for the small
     decode buckets with the "reference" backend (XLA), for every bucket with a Pallas one (the
     fused dequant matmul kernel, which also takes bfloat16 activations). `gguf_compact`: our CPU
@@ -159,6 +165,7 @@ def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
         raise ModelLoadError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
     try:
         config = ModelConfig.from_json_file(config_file)
+        check_supported(config)
     except ValueError as e:
         message = str(e) if str(config_file) in str(e) else f"{config_file}: {e}"
         raise ModelLoadError(message) from e
@@ -200,9 +207,15 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
     vocab_size = int(by_name["token_embd.weight"].shape[-1])
+    freqs = by_name.get("rope_freqs.weight")
     try:
+        factors = None if freqs is None else tuple(
+            float(f) for f in np.asarray(freqs.data, np.float32).reshape(-1))
         config = ModelConfig.from_gguf_metadata(meta, vocab_size,
-                                                tied="output.weight" not in by_name)
+                                                tied="output.weight" not in by_name,
+                                                attention_bias="blk.0.attn_q.bias" in by_name,
+                                                rope_freq_factors=factors)
+        check_supported(config)
     except (ValueError, TypeError, OverflowError) as e:  # metadata of the wrong type or size
         raise ModelLoadError(f"{path}: {e}") from e
 
@@ -218,7 +231,9 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
             raise ModelLoadError(f"{path}: cannot dequantize {tensor.name}: {e}") from e
         bar.update(1)
         # GGUF lists dims fastest-first; numpy wants them reversed ([out, in] for a weight).
-        return np.asarray(arr).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        arr = np.asarray(arr).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        rows = gguf_row_order(config, hf_name)
+        return arr if rows is None else arr[rows]
 
     try:
         params = _assemble_params(config, get, dtype, path, hf_names=False)
@@ -228,7 +243,7 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
         return LoadedModel(config, params, path, "gguf")
     params, gemv_params = quantized_param_trees(
         config, params, lambda hf_name: by_name.get(_gguf_name(hf_name)), path, fused_kernel,
-        compact, int8)
+        compact, int8, row_order=lambda hf_name: gguf_row_order(config, hf_name))
     _release_freed_memory()
     return LoadedModel(config, params, path, "gguf", gemv_params)
 
@@ -253,6 +268,8 @@ _GGUF_LAYER_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -262,6 +279,23 @@ _GGUF_GLOBAL_NAMES = {
     "norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+
+
+def gguf_row_order(config: ModelConfig, hf_name: str) -> np.ndarray | None:
+    """Rows of a GGUF tensor in Hugging Face's order, where they differ: llama.cpp's converter
+    interleaves the two halves of each Llama q and k head (its RoPE rotates adjacent pairs,
+    Hugging Face's and ours rotate halves); None where the rows are as stored."""
+    if config.architecture != "LlamaForCausalLM" or not hf_name.startswith("layers."):
+        return None
+    part = hf_name.split(".", 2)[2]
+    if part.startswith("self_attn.q_proj."):
+        heads = config.num_attention_heads
+    elif part.startswith("self_attn.k_proj."):
+        heads = config.num_key_value_heads
+    else:
+        return None
+    half = config.head_dim // 2
+    return np.arange(heads * 2 * half).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -288,21 +322,27 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
     def dev(arr: np.ndarray) -> jax.Array:
         return jnp.asarray(arr, dtype=dtype)
 
+    qk_norm = get_model_class(config.architecture).QK_NORM
     params: dict[str, Any] = {"embed_tokens": dev(need("embed_tokens.weight"))}
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
         qkv_w = np.concatenate([need(p + f"self_attn.{x}_proj.weight") for x in "qkv"], axis=0)
-        qkv_b = np.concatenate([need(p + f"self_attn.{x}_proj.bias") for x in "qkv"], axis=0)
+        qkv = {"weight": dev(qkv_w)}
+        if config.attention_bias:
+            qkv["bias"] = dev(np.concatenate([need(p + f"self_attn.{x}_proj.bias")
+                                              for x in "qkv"], axis=0))
         gate_up = np.concatenate([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")],
                                  axis=0)
+        attn: dict[str, Any] = {
+            "qkv_proj": qkv, "o_proj": {"weight": dev(need(p + "self_attn.o_proj.weight"))}}
+        if qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                attn[norm] = {"weight": dev(need(p + f"self_attn.{norm}.weight"))}
         params[f"layers_{i}"] = {
             "input_layernorm": {"weight": dev(need(p + "input_layernorm.weight"))},
             "post_attention_layernorm": {
                 "weight": dev(need(p + "post_attention_layernorm.weight"))},
-            "self_attn": {
-                "qkv_proj": {"weight": dev(qkv_w), "bias": dev(qkv_b)},
-                "o_proj": {"weight": dev(need(p + "self_attn.o_proj.weight"))},
-            },
+            "self_attn": attn,
             "mlp": {
                 "gate_up_proj": {"weight": dev(gate_up)},
                 "down_proj": {"weight": dev(need(p + "mlp.down_proj.weight"))},
@@ -323,7 +363,7 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
 
 
 def _check_against_model(config: ModelConfig, params: dict, dtype: Any, path: Path) -> None:
-    expected = abstract_params(Qwen2ForCausalLM(config, dtype=dtype))
+    expected = abstract_params(get_model_class(config.architecture)(config, dtype=dtype))
     want = {jax.tree_util.keystr(k): v.shape
             for k, v in jax.tree_util.tree_leaves_with_path(expected)}
     got = {jax.tree_util.keystr(k): v.shape

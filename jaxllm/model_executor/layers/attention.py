@@ -1,0 +1,86 @@
+"""Paged attention as a layer: RoPE and the KV write on the fused QKV output, then attention
+over the paged KV array, on the implementation the runner chose once (`attention_impl`): the
+Pallas kernels (GPU, or interpret mode in tests), our CPU kernel, or XLA's reference ops.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, NamedTuple, TypeVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.layers import cpu_attention
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.rope_write_kv import rope_write_kv
+
+# Arrays when a step runs; their shapes, dtypes and shardings when a step is traced ahead of time.
+ArrayOrSpec = TypeVar("ArrayOrSpec", jax.Array, jax.ShapeDtypeStruct)
+# The implementation names besides the kernel backends' own ("pallas", "interpret",
+# "reference").
+CPU_KERNEL = "cpu"
+
+
+class AttentionMetadata(NamedTuple, Generic[ArrayOrSpec]):
+    """What every layer needs to find its tokens' KV slots (shapes: T tokens, S sequences)."""
+
+    slot_mapping: ArrayOrSpec  # [T] int32, -1 for padding tokens (not written)
+    block_tables: ArrayOrSpec  # [S, max_blocks_per_seq] int32
+    seq_lens: ArrayOrSpec  # [S] int32, context length including this step's tokens (0 = padding)
+    query_start_loc: ArrayOrSpec  # [S + 1] int32, cumulative query lengths
+    logits_indices: ArrayOrSpec  # [R] int32, token rows whose logits leave the device
+
+
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """[layers, K/V, kv_heads, blocks, block_size, head_dim]: a (head, block) tile is contiguous."""
+    return (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size,
+            config.head_dim)
+
+
+def attention_impl(kernel_backend: str, platform: str, kv_cache_dtype: str, head_dim: int,
+                   tensor_parallel: bool) -> str:
+    """Which attention a model runs: our CPU kernel where it applies (XLA's CPU backend with the
+    reference kernel backend, a float32 cache, a head_dim it takes, one device: under tensor
+    parallelism attention runs per shard inside shard_map, where the reference's plain XLA ops
+    are the tested path) and is built, else the kernel backend's."""
+    if (kernel_backend == "reference" and platform == "cpu" and not tensor_parallel
+            and jnp.dtype(kv_cache_dtype) == jnp.float32 and cpu_attention.takes(head_dim)
+            and cpu_attention.available()):
+        return CPU_KERNEL
+    return kernel_backend
+
+
+class Attention(nn.Module):
+    """No params: [T, (H + 2 KVH) x D] q/k/v (plus the q/k/v bias still to add, or None) ->
+    ([T, H x D] attention output, the updated KV array)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_idx: int
+    backend: str  # the kernel backend (RoPE and the KV write)
+    impl: str | None = None  # `attention_impl`'s choice; None: the kernel backend's
+
+    @nn.compact
+    def __call__(self, qkv: jax.Array, bias: jax.Array | None, positions: jax.Array,
+                 kv_cache: jax.Array, attn_metadata: AttentionMetadata[jax.Array],
+                 cos_sin_cache: jax.Array, max_query_len: int | None, num_splits: int = 1
+                 ) -> tuple[jax.Array, jax.Array]:
+        q, kv_cache = rope_write_kv(qkv, bias, positions, cos_sin_cache, kv_cache,
+                                    self.layer_idx, attn_metadata.slot_mapping,
+                                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                    backend=self.backend)
+        scale = self.head_dim ** -0.5
+        if self.impl == CPU_KERNEL:
+            out = cpu_attention.paged_attention(
+                q, kv_cache, self.layer_idx, attn_metadata.block_tables,
+                attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=scale)
+        else:
+            out = paged_attention(
+                q, kv_cache, self.layer_idx, attn_metadata.block_tables,
+                attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=scale,
+                max_query_len=max_query_len, backend=self.impl or self.backend,
+                num_splits=num_splits)
+        return out.reshape(-1, self.num_heads * self.head_dim), kv_cache

@@ -1,0 +1,95 @@
+"""Rotary position embedding tables: the frequencies a checkpoint's RoPE uses (plain, or
+stretched by the `linear`, `llama3` and `yarn` scalings Hugging Face configs name, or by a GGUF's
+`rope_freqs` factors) turned into the [max_position, head_dim] cos/sin table the RoPE kernels
+read (pallas_kernels/rope.py).
+
+Computed once at load in float64 (see `rope_cos_sin_cache`), passed to the step beside the
+params in their own "rope" collection.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.model_executor.config import ModelConfig, RopeScaling
+from pallas_kernels.rope import rope_cos_sin_cache
+
+
+def inv_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [head_dim / 2] float64, the factor cos and sin are scaled by)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if config.rope_freq_factors is not None:
+        factors = np.asarray(config.rope_freq_factors, np.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs holds {factors.size} factors, head_dim {dim} needs "
+                             f"{inv_freq.size}")
+        inv_freq = inv_freq / factors
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor, 1.0
+    if scaling.rope_type == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    if scaling.rope_type == "yarn":
+        return _yarn(inv_freq, scaling, config.rope_theta, dim)
+    raise ValueError(f"rope type {scaling.rope_type!r} is not supported")
+
+
+def _llama3(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
+    """Llama 3.1's scaling: long wavelengths divided by the factor, short ones kept, the band
+    between blended smoothly."""
+    old_len = s.original_max_position_embeddings
+    assert old_len is not None  # RopeScaling.from_hf fills it for llama3
+    low_wavelen, high_wavelen = old_len / s.low_freq_factor, old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def _yarn(inv_freq: np.ndarray, s: RopeScaling, base: float, dim: int
+          ) -> tuple[np.ndarray, float]:
+    """YaRN: frequencies that turn often enough within the original length kept, slow ones
+    interpolated by the factor, a linear ramp between; cos and sin scaled by the attention
+    factor."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.attention_factor
+    if attention_factor is None:
+        if s.mscale and s.mscale_all_dim:
+            attention_factor = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim)
+        else:
+            attention_factor = mscale(s.factor)
+    original = s.original_max_position_embeddings
+    assert original is not None  # RopeScaling.from_hf fills it for yarn
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv = inv_freq / s.factor * (1 - extrapolation) + inv_freq * extrapolation
+    return inv, float(attention_factor)
+
+
+def rope_variables(config: ModelConfig) -> dict[str, jax.Array]:
+    """The model's "rope" collection: {"cos_sin_cache": [max_position, head_dim] float32}."""
+    inv_freq, attention_factor = inv_frequencies(config)
+    return {"cos_sin_cache": rope_cos_sin_cache(
+        config.head_dim, config.max_position_embeddings, config.rope_theta, jnp.float32,
+        inv_freq=inv_freq, attention_factor=attention_factor)}

@@ -1,0 +1,180 @@
+"""Llama (LlamaForCausalLM, and Mistral-style checkpoints without a sliding window) in Flax
+(linen) over one paged KV array for all layers: pre-norm decoder layers of grouped-query
+attention and a SwiGLU MLP. Qwen2 and Qwen3 are this architecture with their own switches
+(models/qwen2.py, models/qwen3.py).
+
+The forward pass sees a flat, ragged batch of tokens (prefill chunks and decodes mixed) plus the
+attention metadata the runner prepared. Params are an argument of the jitted step
+(`model.apply({"params": params, "rope": ...}, ...)`), never baked in. With `tp_axis` set the
+module runs under `jax.shard_map` on one device's slice of the model (its config is
+`TPLayout.local`; jaxllm/distributed/tensor_parallel.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.layers.attention import Attention, AttentionMetadata
+from jaxllm.model_executor.layers.layernorm import RMSNorm
+from jaxllm.model_executor.layers.linear import (
+    Linear,
+    LinearDeferredBias,
+    RowParallelLinear,
+    weight_param,
+)
+from jaxllm.model_executor.layers.logits import compute_logits, embed_tokens
+from jaxllm.model_executor.layers.rotary_embedding import rope_variables
+
+
+class LlamaAttention(nn.Module):
+    config: ModelConfig
+    layer_idx: int
+    dtype: Any
+    backend: str
+    tp_axis: str | None = None
+    gemv_rows: int = 0
+    attention_impl: str | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and of k, before RoPE
+
+    @nn.compact
+    def __call__(self, x, positions, kv_cache, attn_metadata: AttentionMetadata[jax.Array],
+                 cos_sin_cache, max_query_len: int | None, num_splits: int = 1):
+        cfg = self.config
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # One fused GEMM for q, k and v (vLLM's QKVParallelLinear): fewer, larger matmuls.
+        # With a Pallas backend the bias is added by the kernel that applies RoPE and writes
+        # the KV; on the reference backend it stays with the GEMM, where XLA fuses it, and
+        # q/k norms need it added before them.
+        width = (nh + 2 * nkv) * hd
+        bias = None
+        if cfg.attention_bias and self.backend != "reference" and not self.qk_norm:
+            qkv, bias = LinearDeferredBias(width, self.dtype, self.backend, self.gemv_rows,
+                                           name="qkv_proj")(x)
+        else:
+            qkv = Linear(width, cfg.attention_bias, self.dtype, self.backend, self.gemv_rows,
+                         name="qkv_proj")(x)
+        if self.qk_norm:
+            q, k, v = jnp.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
+            norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend, name="q_norm")
+            q = norm(q.reshape(-1, nh, hd)).reshape(q.shape)
+            norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend, name="k_norm")
+            k = norm(k.reshape(-1, nkv, hd)).reshape(k.shape)
+            qkv = jnp.concatenate([q, k, v], axis=-1)
+        out, kv_cache = Attention(nh, nkv, hd, self.layer_idx, self.backend,
+                                  self.attention_impl, name="attn")(
+            qkv, bias, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len,
+            num_splits)
+        out = RowParallelLinear(cfg.hidden_size, self.dtype, self.backend, self.gemv_rows,
+                                self.tp_axis, name="o_proj")(out)
+        return out, kv_cache
+
+
+class LlamaMLP(nn.Module):
+    config: ModelConfig
+    dtype: Any
+    backend: str = "reference"
+    tp_axis: str | None = None
+    gemv_rows: int = 0
+
+    @nn.compact
+    def __call__(self, x):
+        inter = self.config.intermediate_size
+        # gate and up in one GEMM (vLLM's MergedColumnParallelLinear).
+        gate_up = Linear(2 * inter, False, self.dtype, self.backend, self.gemv_rows,
+                         name="gate_up_proj")(x)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        return RowParallelLinear(self.config.hidden_size, self.dtype, self.backend,
+                                 self.gemv_rows, self.tp_axis, name="down_proj")(
+            nn.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    config: ModelConfig
+    layer_idx: int
+    dtype: Any
+    backend: str
+    tp_axis: str | None = None
+    gemv_rows: int = 0
+    attention_impl: str | None = None
+    qk_norm: bool = False
+
+    @nn.compact
+    def __call__(self, h, residual, positions, kv_cache, attn_metadata, cos_sin_cache,
+                 max_query_len, num_splits=1):
+        cfg = self.config
+        # vLLM's fused_add_rms_norm: the residual add rides along with the norm.
+        if residual is None:
+            residual = h
+            h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend, name="input_layernorm")(h)
+        else:
+            h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
+                                  name="input_layernorm")(h, residual)
+        h, kv_cache = LlamaAttention(cfg, self.layer_idx, self.dtype, self.backend, self.tp_axis,
+                                     self.gemv_rows, self.attention_impl, self.qk_norm,
+                                     name="self_attn")(
+            h, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len, num_splits)
+        h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
+                              name="post_attention_layernorm")(h, residual)
+        h = LlamaMLP(cfg, self.dtype, self.backend, self.tp_axis, self.gemv_rows, name="mlp")(h)
+        return h, residual, kv_cache
+
+
+class LlamaForCausalLM(nn.Module):
+    """Returns (logits [R, vocab] float32 for the rows in `attn_metadata.logits_indices`,
+    final-normed hidden states [T, hidden] of every row, the updated kv_cache)."""
+
+    # Per-head RMSNorm of q and k before RoPE (Qwen3).
+    QK_NORM: ClassVar[bool] = False
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+    kernel_backend: str = "reference"
+    tp_axis: str | None = None  # set: runs under shard_map on one device's slice (see above)
+    # The hidden states' dtype; None: `dtype`. float32 for a bfloat16 model on CPU (the runner),
+    # where XLA runs bfloat16 elementwise ops, norms and attention slower than float32 ones.
+    activation_dtype: Any = None
+    # Steps of up to this many tokens run their dense weight matmuls (the LM head's rows too)
+    # through the Pallas GEMV kernel, with a Pallas backend (`layers/linear.py`); 0: XLA's dots.
+    gemv_kernel_rows: int = 0
+    # layers/attention.py's `attention_impl`, chosen once by the runner; None: the kernel
+    # backend's paged attention.
+    attention_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata[jax.Array],
+                 max_query_len: int | None = None, num_splits: int = 1):
+        """num_splits > 1: split-K decode attention (needs max_query_len 1, see
+        paged_attention)."""
+        cfg = self.config
+        embed = weight_param(self, "embed_tokens", (cfg.vocab_size, cfg.hidden_size),
+                             self.dtype, nn.initializers.normal(0.02))
+        # RoPE tables live in their own collection: computed once at load
+        # (layers/rotary_embedding.py `rope_variables`), passed with the params.
+        cos_sin_cache = self.variable(
+            "rope", "cos_sin_cache", lambda: rope_variables(cfg)["cos_sin_cache"]).value
+        h = embed_tokens(embed, input_ids, self.activation_dtype or self.dtype, self.tp_axis)
+        residual = None
+        # Unrolled on purpose: a lax.scan over stacked layers copies weight slices every step
+        # on CPU (docs/perf/cpu-step.md).
+        for i in range(cfg.num_hidden_layers):
+            h, residual, kv_cache = LlamaDecoderLayer(
+                cfg, i, self.dtype, self.kernel_backend, self.tp_axis, self.gemv_kernel_rows,
+                self.attention_impl, self.QK_NORM, name=f"layers_{i}")(
+                    h, residual, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len,
+                    num_splits)
+        hidden_states, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend,
+                                   name="norm")(h, residual)
+        # Only the sampled rows go through the LM head (the vocabulary GEMM is the costly part);
+        # the normed hidden states of all rows stay on device for prompt logprobs.
+        rows = jnp.take(hidden_states, attn_metadata.logits_indices, axis=0)
+        if not cfg.tie_word_embeddings:
+            weight_param(self, "lm_head", (cfg.vocab_size, cfg.hidden_size), self.dtype,
+                         nn.initializers.normal(0.02))
+        logits = compute_logits(self.variables["params"], cfg, rows, self.kernel_backend,
+                                self.gemv_kernel_rows)
+        return logits, hidden_states, kv_cache

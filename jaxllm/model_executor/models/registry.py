@@ -1,0 +1,58 @@
+"""The model families jaxllm runs, by the Hugging Face architecture a checkpoint names
+(config.json's `architectures`, or a GGUF's `general.architecture` mapped in
+model_executor/config.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
+from jaxllm.model_executor.models.llama import LlamaForCausalLM
+from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from jaxllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+_MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "LlamaForCausalLM": LlamaForCausalLM,
+    # Mistral's decoder is Llama's; its sliding window is refused by `check_supported`.
+    "MistralForCausalLM": LlamaForCausalLM,
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The Flax module of an architecture; a ValueError names an unsupported one and lists
+    the supported."""
+    try:
+        return _MODELS[architecture]
+    except (KeyError, TypeError):
+        raise ValueError(f"architecture {architecture!r} is not supported; jaxllm runs "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}") from None
+
+
+def check_supported(config: ModelConfig) -> None:
+    """A ValueError naming what of `config` no model here runs."""
+    get_model_class(config.architecture)
+    window = config.sliding_window
+    if window is not None and window < config.max_position_embeddings:
+        raise ValueError(f"{config.architecture}: sliding-window attention (sliding_window "
+                         f"{window}, shorter than max_position_embeddings "
+                         f"{config.max_position_embeddings}) is not supported")
+
+
+def abstract_params(model: LlamaForCausalLM) -> dict:
+    """The param tree's shapes and dtypes, without allocating anything."""
+    cfg = model.config
+    t, s = 4, 1
+    attn_metadata = AttentionMetadata(
+        slot_mapping=jnp.zeros((t,), jnp.int32), block_tables=jnp.zeros((s, 1), jnp.int32),
+        seq_lens=jnp.zeros((s,), jnp.int32), query_start_loc=jnp.zeros((s + 1,), jnp.int32),
+        logits_indices=jnp.zeros((s,), jnp.int32))
+    kv = jax.ShapeDtypeStruct(kv_cache_shape(cfg, 1, 16), model.dtype)
+    variables = jax.eval_shape(
+        lambda kv: model.init(jax.random.PRNGKey(0), jnp.zeros((t,), jnp.int32),
+                              jnp.zeros((t,), jnp.int32), kv, attn_metadata), kv)
+    return variables["params"]
