@@ -47,7 +47,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.gpu.realshape import DRY_RUN_SHAPE, shape_named  # noqa: E402
 from jaxllm.model_executor.config import ModelConfig  # noqa: E402
-from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, abstract_params  # noqa: E402
+from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM  # noqa: E402
+from jaxllm.model_executor.models.registry import abstract_params  # noqa: E402
 from jaxllm.worker.input_batch import DeviceInputs  # noqa: E402
 from jaxllm.worker.model_runner import ModelRunner  # noqa: E402
 from jaxllm.worker.step_call import StepCall  # noqa: E402

@@ -40,7 +40,8 @@ def random_params(shape_name: str, dtype: str) -> tuple[Any, Any]:
 
     from benchmarks.gpu.realshape import shape_named
     from jaxllm.model_executor.config import ModelConfig
-    from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, abstract_params
+    from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+    from jaxllm.model_executor.models.registry import abstract_params
 
     config = ModelConfig.from_hf_config(shape_named(shape_name).hf_config(
         max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.model_executor.models.qwen2 import linear
+from jaxllm.model_executor.layers.linear import linear
 from pallas_kernels.checks.lowering_cases import matmul_shape
 from pallas_kernels.checks.shapes import QWEN2_SHAPES
 

@@ -29,7 +29,8 @@ def random_runner(shape, sizes: Sizes, dtype: str):
     import jax.numpy as jnp
 
     from jaxllm.model_executor.config import ModelConfig
-    from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM, abstract_params
+    from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+    from jaxllm.model_executor.models.registry import abstract_params
     from jaxllm.worker.model_runner import ModelRunner
 
     jax = jax_module()

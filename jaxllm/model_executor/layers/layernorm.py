@@ -20,6 +20,7 @@ class RMSNorm(nn.Module):
     backend: str
 
     @nn.compact
-    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None) -> Any:
+        # Any: an array without a residual, a pair with one.
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         return rms_norm(x, weight, self.eps, residual, backend=self.backend)
