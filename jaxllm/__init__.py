@@ -1,4 +1,5 @@
-"""jaxllm: a JAX/Pallas reimplementation of vLLM's inference engine for Qwen2-family models."""
+"""jaxllm: a JAX/Pallas reimplementation of vLLM's inference engine for Qwen2, Qwen3 and
+Llama models."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class ModelCost:
-    """What one token costs a Qwen2 model, from its config and loaded weights."""
+    """What one token costs a model, from its config and loaded weights."""
 
     body_params: int  # decoder layers + final norm (every processed token goes through them)
     head_params: int  # LM head (only rows that sample)

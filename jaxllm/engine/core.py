@@ -117,8 +117,8 @@ class EngineCore:
         self.info = EngineCoreInfo(
             config=config, model_config=model_config, max_model_len=max_model_len,
             num_kv_blocks=num_blocks,
-            eos_token_ids=[] if model_config.eos_token_id is None
-            else [model_config.eos_token_id],
+            eos_token_ids=list(model_config.eos_token_ids) or (
+                [] if model_config.eos_token_id is None else [model_config.eos_token_id]),
             bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s)
         self.sampling_states = SamplingStates()
         # Built at the first constrained request (loads the tokenizer then).

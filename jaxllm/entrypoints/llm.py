@@ -18,8 +18,9 @@ from jaxllm.sampling_params import SamplingParams
 
 
 class LLM:
-    """Generate text with a Qwen2 model: `LLM(model=None)` uses the embedded default model,
-    `LLM(model="tiny-qwen2")` a tiny random one with the real tokenizer.
+    """Generate text with a Qwen2, Qwen3 or Llama model (docs/models.md): `LLM(model=None)`
+    uses the embedded default model, `LLM(model="tiny-qwen2")` a tiny random one with the real
+    tokenizer.
 
     Every other keyword is an engine argument (EngineArgs), listed with its default and meaning
     in docs/engine_args.md. In multiprocess mode, `shutdown()` (or dropping the LLM) stops the

@@ -96,6 +96,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Every token that ends a generation: Llama 3 Instruct ends a turn with <|eot_id|>, listed
+    # beside <|end_of_text|> in config.json or generation_config.json. Empty: `eos_token_id`.
+    eos_token_ids: tuple[int, ...] = ()
     # The Hugging Face architecture (`architectures[0]`), which picks the model class.
     architecture: str = "Qwen2ForCausalLM"
     attention_bias: bool = True  # q, k and v projections with biases (Qwen2's always have)
@@ -123,6 +126,10 @@ class ModelConfig:
                     or not (math.isfinite(_float(value, name)) and value > 0)):
                 raise ValueError(f"model config: {name} must be a finite number > 0, "
                                  f"got {value!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in self.eos_token_ids):
+            raise ValueError(f"model config: eos_token_id must be token ids, got "
+                             f"{list(self.eos_token_ids)!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple "
@@ -132,7 +139,10 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         architectures = cfg.get("architectures")
-        if isinstance(architectures, list) and architectures:
+        if architectures is not None and not isinstance(architectures, list):
+            raise ValueError(f"model config: architectures must be a list of names, got "
+                             f"{architectures!r}")
+        if architectures:
             architecture = architectures[0]
         else:
             model_type = cfg.get("model_type", "qwen2")
@@ -154,6 +164,7 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", 10000.0)
         max_pos = cfg.get("max_position_embeddings", 32768)
         eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
@@ -182,12 +193,27 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
+            eos_token_ids=eos_ids,
             architecture=architecture,
             attention_bias=bias,
             rope_scaling=RopeScaling.from_hf(rope_params, max_pos,
                                              cfg.get("original_max_position_embeddings")),
             sliding_window=window,
         )
+
+    def with_generation_config(self, path: str | Path) -> ModelConfig:
+        """This config with the end-of-generation tokens a generation_config.json beside it
+        adds (unreadable or absent: unchanged; the model runs without it)."""
+        try:
+            gen = json.loads(Path(path).read_text())
+        except (OSError, ValueError, RecursionError):
+            return self
+        eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+        extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        ids = list(self.eos_token_ids or ([] if self.eos_token_id is None
+                                          else [self.eos_token_id]))
+        ids += [t for t in extra if t not in ids]
+        return dataclasses.replace(self, eos_token_ids=tuple(ids))
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> ModelConfig:
@@ -246,6 +272,10 @@ class ModelConfig:
             tie_word_embeddings=tied,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            # llama.cpp's end-of-turn token (Llama 3's <|eot_id|>) ends a generation too.
+            eos_token_ids=tuple(dict.fromkeys(
+                t for t in (meta.get("tokenizer.ggml.eos_token_id"),
+                            meta.get("tokenizer.ggml.eot_token_id")) if t is not None)),
             architecture=GGUF_ARCHITECTURES[arch],
             attention_bias=attention_bias,
             rope_scaling=scaling,

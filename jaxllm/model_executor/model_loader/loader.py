@@ -164,7 +164,8 @@ def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
     if not config_file.is_file():
         raise ModelLoadError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
     try:
-        config = ModelConfig.from_json_file(config_file)
+        config = ModelConfig.from_json_file(config_file).with_generation_config(
+            path / "generation_config.json")
         check_supported(config)
     except ValueError as e:
         message = str(e) if str(config_file) in str(e) else f"{config_file}: {e}"

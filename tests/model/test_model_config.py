@@ -1,0 +1,131 @@
+"""ModelConfig from Hugging Face configs and GGUF metadata: the families, RoPE scalings,
+end-of-generation tokens, and what the registry refuses (by name)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxllm.model_executor.config import ModelConfig, RopeScaling
+from jaxllm.model_executor.models.llama import LlamaForCausalLM
+from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from jaxllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from jaxllm.model_executor.models.registry import (
+    SUPPORTED_ARCHITECTURES,
+    check_supported,
+    get_model_class,
+)
+
+BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _cfg(**kw) -> ModelConfig:
+    return ModelConfig.from_hf_config({**BASE, **kw})
+
+
+@pytest.mark.parametrize(("fields", "architecture", "cls", "bias"), [
+    ({"architectures": ["Qwen2ForCausalLM"]}, "Qwen2ForCausalLM", Qwen2ForCausalLM, True),
+    ({"model_type": "qwen2"}, "Qwen2ForCausalLM", Qwen2ForCausalLM, True),
+    ({"architectures": ["Qwen3ForCausalLM"]}, "Qwen3ForCausalLM", Qwen3ForCausalLM, False),
+    ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM", LlamaForCausalLM, False),
+    ({"architectures": ["LlamaForCausalLM"], "attention_bias": True}, "LlamaForCausalLM",
+     LlamaForCausalLM, True),
+    ({"model_type": "mistral", "sliding_window": None}, "MistralForCausalLM", LlamaForCausalLM,
+     False),
+])
+def test_family_class_and_biases(fields, architecture, cls, bias):
+    config = _cfg(**fields)
+    assert config.architecture == architecture
+    assert get_model_class(config.architecture) is cls
+    assert config.attention_bias is bias
+    check_supported(config)
+
+
+def test_unsupported_architectures_are_named_with_the_supported_ones():
+    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel' is not supported; jaxllm runs "
+                                         + ", ".join(SUPPORTED_ARCHITECTURES)):
+        check_supported(_cfg(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        _cfg(model_type="gpt2")
+
+
+def test_sliding_windows_shorter_than_the_context_are_refused():
+    with pytest.raises(ValueError, match=r"sliding-window attention \(sliding_window 64"):
+        check_supported(_cfg(model_type="mistral", sliding_window=64))
+    check_supported(_cfg(model_type="mistral", sliding_window=256))  # covers the context
+    # Qwen configs carry a window they do not use unless use_sliding_window says so.
+    check_supported(_cfg(architectures=["Qwen2ForCausalLM"], sliding_window=64))
+    with pytest.raises(ValueError, match="sliding-window"):
+        check_supported(_cfg(architectures=["Qwen2ForCausalLM"], sliding_window=64,
+                             use_sliding_window=True))
+
+
+def test_rope_parameters_in_both_config_forms():
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    old = _cfg(rope_theta=5e5, rope_scaling=llama3)
+    new = _cfg(rope_parameters={**llama3, "rope_theta": 5e5})
+    assert old == new
+    assert old.rope_theta == 5e5
+    assert old.rope_scaling == RopeScaling("llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0,
+                                           original_max_position_embeddings=64)
+    assert _cfg(rope_parameters={"rope_type": "default", "rope_theta": 1e6}).rope_scaling is None
+    # yarn without an original length: the model's (as transformers fills it).
+    yarn = _cfg(rope_scaling={"type": "yarn", "factor": 4.0}).rope_scaling
+    assert yarn is not None and yarn.original_max_position_embeddings == 256
+    assert (yarn.beta_fast, yarn.beta_slow) == (32.0, 1.0)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope type 'longrope'"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "needs a factor"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": -1}}, "rope factor must be"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": "x"}},
+     "rope low_freq_factor must be"),
+    ({"rope_scaling": "linear"}, "rope parameters must be an object"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),
+])
+def test_what_is_not_supported_is_named(fields, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(**fields)
+
+
+def test_every_end_of_generation_token_is_kept(tmp_path):
+    config = _cfg(architectures=["LlamaForCausalLM"], eos_token_id=[60, 61])
+    assert (config.eos_token_id, config.eos_token_ids) == (60, (60, 61))
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"eos_token_id": [61, 62]}))
+    assert config.with_generation_config(gen).eos_token_ids == (60, 61, 62)
+    assert config.with_generation_config(tmp_path / "absent.json") == config
+    gen.write_text(json.dumps({"eos_token_id": ["x"]}))
+    with pytest.raises(ValueError, match="eos_token_id must be token ids"):
+        config.with_generation_config(gen)
+
+
+def test_gguf_metadata_of_each_family():
+    meta = {"general.architecture": "llama", "llama.embedding_length": 32,
+            "llama.feed_forward_length": 64, "llama.block_count": 1,
+            "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+            "llama.context_length": 256, "llama.rope.freq_base": 5e5,
+            "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0,
+            "tokenizer.ggml.eos_token_id": 60, "tokenizer.ggml.eot_token_id": 61}
+    config = ModelConfig.from_gguf_metadata(meta, 64, tied=True, attention_bias=False)
+    assert config.architecture == "LlamaForCausalLM"
+    assert config.rope_scaling == RopeScaling("linear", factor=2.0)
+    assert config.eos_token_ids == (60, 61)
+    qwen3 = {k.replace("llama.", "qwen3."): v for k, v in meta.items()
+             if not k.startswith("llama.rope.scaling")}
+    qwen3["general.architecture"] = "qwen3"
+    qwen3["qwen3.attention.key_length"] = 16
+    config = ModelConfig.from_gguf_metadata(qwen3, 64, tied=False, attention_bias=False)
+    assert (config.architecture, config.head_dim, config.rope_scaling) == (
+        "Qwen3ForCausalLM", 16, None)
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported "
+                                         r"\(supported: qwen2, qwen3, llama\)"):
+        ModelConfig.from_gguf_metadata({"general.architecture": "gpt2"}, 64, tied=True)
