@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.model_executor.models.qwen2 import AttentionMetadata, kv_cache_shape
+from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
 
 
 def prefill_inputs(config, prompts: list[list[int]], block_size: int = 16, dtype=jnp.float32):
