@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 JAX011_IGNORE=(
     tests/model/test_gguf_quant.py tests/model/test_model_parity.py tests/model/test_real_model.py
     tests/engine/test_backends_e2e.py tests/kernels/test_gguf_kernel.py
-    tests/model/test_cpu_int8_activations.py
+    tests/model/test_cpu_int8_activations.py tests/model/test_model_families.py
 )
 
 if [ "${1:-}" = "--jax011" ]; then

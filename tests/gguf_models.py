@@ -1,6 +1,9 @@
-"""GGUF block bytes and tiny Qwen2 GGUF files for the quantization="gguf" tests."""
+"""GGUF block bytes and tiny Qwen2 GGUF files for the quantization="gguf" tests; GGUF files
+converted from tiny HF models of each family, as llama.cpp converts them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -131,3 +134,123 @@ def hf_model_from(tensors: dict):
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     return model
+
+
+# --- GGUF files converted from tiny HF models, as llama.cpp's convert_hf_to_gguf.py writes them --
+
+# Hugging Face model_type -> GGUF general.architecture (llama.cpp writes Mistral as "llama").
+GGUF_ARCH_OF_MODEL_TYPE = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama",
+                           "mistral": "llama"}
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: q / k rows reordered from Hugging Face's
+    rotate-half RoPE layout to llama.cpp's interleaved pairs (n_head: the heads of this
+    projection, the KV heads for k)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def llama3_rope_factors(head_dim: int, theta: float, rope: dict) -> np.ndarray:
+    """llama.cpp's `rope_freqs` tensor for Llama 3's RoPE scaling: each frequency is divided by
+    its factor. convert_hf_to_gguf.py reads original_max_position_embeddings at the config's
+    top level (absent in Llama 3.x configs: its default 8192 is their rope_scaling's value);
+    here it is the RoPE parameters' own, the length the HF model scales with."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, np.float32)
+
+
+def write_gguf_from_hf(path, hf_model, ftype: str = "F32") -> None:
+    """Convert a tiny HF Qwen2 / Qwen3 / Llama / Mistral model to a GGUF as llama.cpp does:
+    tensors renamed by gguf's own name map; Llama's q and k rows permuted for its interleaved
+    RoPE; Qwen3's per-head q/k norms as attn_q_norm / attn_k_norm; no output.weight when the
+    embeddings are tied; RoPE scaling as metadata (linear, yarn) or, for Llama 3's, the
+    `rope_freqs` tensor. `ftype`: the matrices' type, F32, F16 or Q8_0 (gguf's own quantizer);
+    vectors stay F32. No tokenizer: prompts go in as token ids."""
+    import gguf as g
+
+    cfg = hf_model.config
+    arch = GGUF_ARCH_OF_MODEL_TYPE[cfg.model_type]
+    n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", "default")
+
+    writer = g.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")  # not "mistral": transformers would then read the file as Mistral
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(g.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope_type == "yarn":
+        writer.add_rope_scaling_type(g.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif rope_type == "llama3":
+        writer.add_tensor(g.TENSOR_NAMES[g.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                          llama3_rope_factors(head_dim, theta, rope))
+    elif rope_type != "default":
+        raise ValueError(f"no GGUF form written here for rope type {rope_type!r}")
+
+    names = g.get_tensor_name_map(g.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    for hf_name, tensor in hf_model.state_dict().items():
+        if "rotary_emb" in hf_name:
+            continue
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        data = tensor.detach().float().numpy().copy()
+        if arch == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
+            data = llama_permute(data, n_head)
+        elif arch == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
+            data = llama_permute(data, n_kv)
+        if data.ndim == 1 or ftype == "F32":
+            writer.add_tensor(name, data.astype(np.float32))
+        elif ftype == "F16":
+            writer.add_tensor(name, data.astype(np.float16))
+        else:
+            qtype = g.GGMLQuantizationType[ftype]
+            writer.add_tensor(name, g.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def hf_from_gguf(path, config=None):
+    """transformers' own loading of a GGUF file (float32, dequantized by gguf): with `config`
+    (the original model's), its tensors in that model, RoPE scaling included, which
+    transformers' GGUF reader does not take from Llama or Qwen3 metadata; without, config and
+    tensors both as transformers reads the file."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, config=config).eval()

@@ -1,5 +1,5 @@
-"""Builders shared by the tests: tiny random Qwen2 checkpoints (the HF oracle's weights), an
-engine over them, and the checks every engine test ends with."""
+"""Builders shared by the tests: tiny random checkpoints of each supported family (the HF
+oracle's weights), an engine over them, and the checks every engine test ends with."""
 
 from __future__ import annotations
 
@@ -24,22 +24,68 @@ MAX_NEW = 24
 TINY_KW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0)
 
+# Llama 3's RoPE scaling stretched over a tiny model: with an original length of 64 (and
+# wavelengths 2 pi / theta^(2i/d) from ~6 to ~40,000 tokens for head_dim 16) every band of it is
+# hit: frequencies kept, divided by the factor, and smoothly in between.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
-def make_tiny_checkpoint(path, tied: bool, vocab_size: int = 512, seed: int = 0, **overrides):
-    """Save a random HF Qwen2 model with save_pretrained (safetensors); returns the HF model."""
+# The families make_tiny_checkpoint writes: a transformers config class and its defaults beyond
+# TINY_KW (Qwen3: head_dim 32, not hidden_size / num_attention_heads = 16; Llama: Llama 3's
+# scaled RoPE; Mistral: no sliding window, which is the one form jaxllm runs).
+TINY_FAMILIES: dict[str, tuple[str, dict]] = {
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "llama": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+}
+
+
+def make_tiny_checkpoint(path, tied: bool, vocab_size: int = 512, seed: int = 0,
+                         arch="qwen2", **overrides):
+    """Save a random HF model with save_pretrained (safetensors); returns the HF model.
+
+    `arch`: a TINY_FAMILIES name ("qwen2", the default; "qwen3", "llama", "mistral") or a
+    transformers config class. `overrides` go to the config over TINY_KW and the family's own
+    defaults (`rope_scaling={...}` or `rope_parameters={...}`: either spelling; None removes a
+    family default). Qwen2's q/k/v biases are drawn away from zero; every other family's RMSNorm
+    weights (Qwen3's per-head q/k norms included) away from one, so that each counts."""
     torch = pytest.importorskip(
         "torch", reason="torch (the Hugging Face oracle) is not installed in this test lane")
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(vocab_size=vocab_size, tie_word_embeddings=tied,
-                                      **{**TINY_KW, **overrides})
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    # Random init leaves the q/k/v biases at zero; make them count.
+    if isinstance(arch, str):
+        if arch not in TINY_FAMILIES:
+            raise ValueError(f"unknown tiny family {arch!r} (known: {', '.join(TINY_FAMILIES)})")
+        config_name, family_kw = TINY_FAMILIES[arch]
+        config_cls = getattr(transformers, config_name)
+    else:
+        config_cls, family_kw = arch, {}
+    kw = {**TINY_KW, **family_kw, **overrides}
+    # transformers 5 spells RoPE's parameters `rope_parameters` (rope_theta inside them) and
+    # still takes the older `rope_scaling`: one of them, theta included.
+    rope = kw.pop("rope_parameters", None) or kw.pop("rope_scaling", None)
+    kw.pop("rope_scaling", None)
+    if rope is not None:
+        kw["rope_parameters"] = {"rope_theta": kw.pop("rope_theta"), **rope}
+    config = config_cls(vocab_size=vocab_size, tie_word_embeddings=tied, **kw)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert model.config.tie_word_embeddings == tied
     with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
+        if config.model_type == "qwen2":
+            # Random init leaves the q/k/v biases at zero; make them count.
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+        else:
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):  # input/post-attention/final, q_norm, k_norm
+                    param.normal_(1.0, 0.3)
+                elif name.endswith(".bias"):
+                    param.normal_(0, 0.5)
     model.save_pretrained(path)
     return model
 
@@ -49,17 +95,19 @@ def make_tiny_checkpoint(path, tied: bool, vocab_size: int = 512, seed: int = 0,
 _TORCH_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
 
 
-def save_tiny_checkpoint(path, tied: bool, seed: int = 0, **overrides) -> None:
+def save_tiny_checkpoint(path, tied: bool, seed: int = 0, arch: str = "qwen2",
+                         **overrides) -> None:
     """`make_tiny_checkpoint` for tests that need only its files (their oracle is not HF): in a
-    child process of the first lane's interpreter when this one has no torch."""
+    child process of the first lane's interpreter when this one has no torch (`arch` then a
+    TINY_FAMILIES name, `overrides` JSON values)."""
     if importlib.util.find_spec("torch") is not None:
-        make_tiny_checkpoint(path, tied, seed=seed, **overrides)
+        make_tiny_checkpoint(path, tied, seed=seed, arch=arch, **overrides)
         return
     if not _TORCH_PYTHON.exists():
         pytest.skip(f"no torch here and no {_TORCH_PYTHON} to write the HF checkpoint with")
     code = ("import json, sys; from tests.utils import make_tiny_checkpoint; "
             "make_tiny_checkpoint(sys.argv[1], **json.loads(sys.argv[2]))")
-    kwargs = json.dumps({"tied": tied, "seed": seed, **overrides})
+    kwargs = json.dumps({"tied": tied, "seed": seed, "arch": arch, **overrides})
     proc = subprocess.run([str(_TORCH_PYTHON), "-c", code, str(path), kwargs],
                           cwd=_TORCH_PYTHON.parents[2], capture_output=True, text=True,
                           timeout=300)

@@ -57,6 +57,28 @@ def tp_pallas_results(tmp_path_factory):
     return dict(np.load(out))
 
 
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def tp_family_results(request, tmp_path_factory):
+    """TP 1 and 2 over a tiny Qwen3 (per-head q/k norms, head_dim 32) and a tiny Llama 3 (scaled
+    RoPE): 4 query heads and 2 KV heads, one KV head per device at TP 2."""
+    path = tmp_path_factory.mktemp(f"tp_tiny_{request.param}")
+    save_tiny_checkpoint(path, tied=False, seed=6, arch=request.param)
+    out = path / "results.npz"
+    run_child([str(path), str(out), "1,2", '{"max_num_seqs": 2, "max_num_batched_tokens": 16}'],
+              timeout=400, devices=2)
+    return dict(np.load(out))
+
+
+def test_other_families_match_tp1(tp_family_results):
+    r = tp_family_results
+    np.testing.assert_array_equal(r["tp2_tokens"], r["tp1_tokens"])
+    np.testing.assert_allclose(r["tp2_logits"], r["tp1_logits"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(r["tp2_prompt_logprobs"], r["tp1_prompt_logprobs"], rtol=0,
+                               atol=1e-5)
+    assert r["tp2_kv_num_devices"] == 2 and r["tp2_kv_shard_shape"][2] == 1
+    assert r["tp2_compiles_after_warmup"] == 0
+
+
 def test_pallas_kernels_under_shard_map_match_tp1(tp_pallas_results):
     r = tp_pallas_results
     np.testing.assert_array_equal(r["tp2_tokens"], r["tp1_tokens"])

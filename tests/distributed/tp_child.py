@@ -93,12 +93,14 @@ def run(path: str, tp: int, engine_kw: dict) -> dict[str, np.ndarray]:
     res["kv_shape"] = np.array(kv.shape)
     res["kv_shard_shape"] = np.array(kv.sharding.shard_shape(kv.shape))
     res["kv_num_devices"] = np.array(len(kv.sharding.device_set))
-    for name in ("qkv_proj", "o_proj"):
-        w = runner.params["layers_0"]["self_attn"][name]["weight"]
-        res[f"{name}_shard_shape"] = np.array(w.sharding.shard_shape(w.shape))
-    for name in ("gate_up_proj", "down_proj"):
-        w = runner.params["layers_0"]["mlp"][name]["weight"]
-        res[f"{name}_shard_shape"] = np.array(w.sharding.shard_shape(w.shape))
+    # Per-shard shapes of the weights the fused layout has (every family's, where it has them).
+    layer = runner.params["layers_0"]
+    for block, names in (("self_attn", ("qkv_proj", "o_proj")),
+                         ("mlp", ("gate_up_proj", "down_proj"))):
+        for name in names:
+            if name in layer.get(block, {}):
+                w = layer[block][name]["weight"]
+                res[f"{name}_shard_shape"] = np.array(w.sharding.shard_shape(w.shape))
     w = runner.params["embed_tokens"]
     res["embed_shard_shape"] = np.array(w.sharding.shard_shape(w.shape))
     llm.llm_engine.shutdown() if hasattr(llm.llm_engine, "shutdown") else None
