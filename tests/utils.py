@@ -90,6 +90,19 @@ def make_tiny_checkpoint(path, tied: bool, vocab_size: int = 512, seed: int = 0,
     return model
 
 
+def hf_greedy_tokens(model, prompt: list[int], max_new: int) -> list[int]:
+    """Hugging Face's greedy continuation of `prompt`: one full forward per token (no cache, no
+    generation config), so no token of the prompt is taken for padding and no end-of-sequence
+    token is held back, as the engine runs with `ignore_eos`."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 # The first lane's interpreter (Python 3.11, with torch): a lane without torch writes its tiny
 # checkpoints with it.
 _TORCH_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"

@@ -140,8 +140,11 @@ class Processor:
         return ProcessedRequest(request_id, processed.prompt, processed.prompt_token_ids,
                                 children, arrival_time)
 
-    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
-        """Tokenize and validate one prompt; ValueError names what is wrong."""
+    def process_prompt(self, prompt: PromptType,
+                       add_special_tokens: bool = True) -> ProcessedPrompt:
+        """Tokenize and validate one prompt; ValueError names what is wrong.
+        `add_special_tokens=False` for text a chat template rendered: it holds the template's
+        own BOS, which the tokenizer would add again."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass "
@@ -156,7 +159,8 @@ class Processor:
                 raise ValueError(f"the prompt has {len(prompt)} characters, more than "
                                  f"max_model_len ({self.max_model_len}) tokens of this "
                                  f"vocabulary can hold")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+            text = prompt
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
             if "prompt_token_ids" in prompt:
                 text = prompt.get("prompt")
@@ -171,7 +175,7 @@ class Processor:
                     raise ValueError("prompt_token_ids must be integers")
                 token_ids = [int(t) for t in raw]
             elif isinstance(prompt["prompt"], str):
-                return self.process_prompt(prompt["prompt"])
+                return self.process_prompt(prompt["prompt"], add_special_tokens)
             else:
                 # Only text: a dict nested in a dict would recurse as deep as the caller built it.
                 raise ValueError(f"a prompt dict's 'prompt' must be a str, got "

@@ -124,12 +124,17 @@ class LLM:
         conversations = cast(list[list[dict[str, Any]]], [messages] if messages and isinstance(
             messages[0], dict) else messages)
         # transformers annotates every return kind at once; tokenize=False gives the text.
-        prompts = [
+        texts = [
             cast(str, self.tokenizer.apply_chat_template(
                 conv, tools=cast(list[Any] | None, tools), tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {})))
             for conv in conversations]
+        # The template wrote the BOS it wants; the tokenizer must not add another.
+        processor = self.llm_engine.processor
+        prompts: list[PromptType] = [
+            {"prompt": text, "prompt_token_ids": processor.process_prompt(
+                text, add_special_tokens=False).prompt_token_ids} for text in texts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

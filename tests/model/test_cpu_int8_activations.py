@@ -20,7 +20,7 @@ from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from tests.gguf_models import hf_model_from, write_tiny_gguf
 from tests.model_inputs import prefill_inputs
-from tests.utils import core_of, kv_budget_kwargs, runner_of
+from tests.utils import core_of, hf_greedy_tokens, kv_budget_kwargs, runner_of
 
 if jax.default_backend() != "cpu" or not cpu_dequant_matmul.available():
     pytest.skip("needs our CPU kernel on JAX's CPU backend", allow_module_level=True)
@@ -78,8 +78,7 @@ def test_engine_logprobs_close_to_hf_and_greedy_tokens_mostly_equal(tiny_gguf, r
     for prompt, out in zip(prompts, outs, strict=True):
         tokens = out.outputs[0].token_ids
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                              min_new_tokens=16, pad_token_id=0)[0, len(prompt):].tolist()
+            ref = hf_greedy_tokens(hf, prompt, 16)
             hf_logprobs = torch.log_softmax(
                 hf(torch.tensor([prompt + tokens])).logits[0].double(), -1).numpy()
         ours = [out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens)]

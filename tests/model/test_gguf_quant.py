@@ -36,7 +36,7 @@ from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from tests.gguf_models import hf_model_from, quantized_bytes, random_blocks, write_tiny_gguf
 from tests.model_inputs import prefill_inputs
-from tests.utils import kv_budget_kwargs, runner_of
+from tests.utils import hf_greedy_tokens, kv_budget_kwargs, runner_of
 
 
 def _bits(a) -> np.ndarray:
@@ -234,9 +234,8 @@ def test_gguf_compact_same_logits_in_fewer_bytes(tiny_gguf, rng):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                              min_new_tokens=12, pad_token_id=0)
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+            ref = hf_greedy_tokens(hf, list(prompt), 12)
+        assert out.outputs[0].token_ids == ref
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "xla-gemv"])
@@ -266,9 +265,8 @@ def test_tiny_gguf_greedy_matches_hf_alone_and_batched(tiny_gguf, rng, cpu_kerne
     for prompt, out in zip(prompts, batched, strict=True):
         alone = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                              min_new_tokens=16, pad_token_id=0)
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+            ref = hf_greedy_tokens(hf, list(prompt), 16)
+        assert out.outputs[0].token_ids == ref
         assert alone.outputs[0].token_ids == out.outputs[0].token_ids
     assert set(runner.step_shape_counts) <= {(1, 1), (16, 16), (32, 32)}
     # No dequantized weight materialised: the kernel's custom calls, or XLA fused every

@@ -26,7 +26,13 @@ from jaxllm import SamplingParams
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.loader import load_model
 from tests.model_inputs import prefill_inputs
-from tests.utils import YARN_ROPE, make_llm, make_tiny_checkpoint, scheduler_state
+from tests.utils import (
+    YARN_ROPE,
+    hf_greedy_tokens,
+    make_llm,
+    make_tiny_checkpoint,
+    scheduler_state,
+)
 
 # name -> make_tiny_checkpoint arguments.
 FAMILIES = {
@@ -67,9 +73,8 @@ def hf_greedy(family):
     def run(name: str, prompt: tuple[int, ...]) -> list[int]:
         _, hf = family(name)
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
-                              min_new_tokens=MAX_NEW, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
+            out = hf_greedy_tokens(hf, list(prompt), MAX_NEW)
+        return out
 
     return run
 
@@ -377,9 +382,8 @@ def test_q8_0_gguf_kept_quantized_matches_hf(family, gguf_file, name):
     prompts = _prompts(2, GREEDY_LENS)
     for prompt, out in zip(prompts, _greedy(llm, prompts), strict=True):
         with torch.no_grad():
-            ref = oracle.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW,
-                                  min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), len(prompt)
+            ref = hf_greedy_tokens(oracle, list(prompt), MAX_NEW)
+        assert out.outputs[0].token_ids == ref, len(prompt)
     llm.shutdown()
 
 

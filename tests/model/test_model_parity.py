@@ -12,7 +12,7 @@ from jaxllm.model_executor.layers.rotary_embedding import rope_variables
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from tests.model_inputs import prefill_inputs
-from tests.utils import kv_budget_kwargs, make_tiny_checkpoint, runner_of
+from tests.utils import hf_greedy_tokens, kv_budget_kwargs, make_tiny_checkpoint, runner_of
 
 PROMPT_LENS = [1, 5, 16, 23, 40]
 
@@ -133,8 +133,7 @@ def test_greedy_generate_matches_hf(tiny_models, variant, rng):
                         use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                              min_new_tokens=20, pad_token_id=0)
+            ref = hf_greedy_tokens(hf, list(prompt), 20)
         assert out.prompt_token_ids == prompt
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref
         assert out.outputs[0].finish_reason == "length"

@@ -259,8 +259,12 @@ class OpenAIServingChat(OpenAIServing):
             text = req.prompt
         else:
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+        # Not given: as a completion (prompt) or a chat completion (messages) tokenizes it.
+        special = req.add_special_tokens
+        if special is None:
+            special = req.messages is None
         ids = await asyncio.to_thread(self.tokenizer.encode, text,
-                                      add_special_tokens=req.add_special_tokens)
+                                      add_special_tokens=special)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
     async def create_chat_completion(self, body: Any
@@ -284,7 +288,8 @@ class OpenAIServingChat(OpenAIServing):
                                               req.continue_final_message,
                                               req.chat_template_kwargs, tool_use.tools,
                                               req.chat_template)
-        prompt = await self.tokenize(text, "messages")
+        # The template wrote the BOS it wants; the tokenizer must not add another.
+        prompt = await self.tokenize(text, "messages", add_special_tokens=False)
         max_tokens, max_tokens_field = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"

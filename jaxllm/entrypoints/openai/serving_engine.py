@@ -217,14 +217,15 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`", "model", "NotFoundError")
 
-    async def tokenize(self, prompt: str | list[int], param: str = "prompt"
-                       ) -> TokenizedPrompt:
+    async def tokenize(self, prompt: str | list[int], param: str = "prompt",
+                       add_special_tokens: bool = True) -> TokenizedPrompt:
         """Token ids for a text or token-id prompt, validated by the engine's processor (which
         refuses a text too long to fit before tokenizing it). In a worker thread: a long text
         takes a while, and the event loop serves every other connection meanwhile."""
         value: Any = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         try:
-            p = await asyncio.to_thread(self.engine.processor.process_prompt, value)
+            p = await asyncio.to_thread(self.engine.processor.process_prompt, value,
+                                        add_special_tokens)
         except ValueError as e:
             raise APIError(400, str(e), param) from None
         return TokenizedPrompt(p.prompt, p.prompt_token_ids)
