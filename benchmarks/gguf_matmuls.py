@@ -58,14 +58,14 @@ class Matmuls:
 
     def __init__(self, trees: list[str]):
         path = default_model_path()
-        quantized = load_model(path, progress=False, quantization="gguf")
+        quantized = load_model(path, progress=False, quantization="gguf", gguf_layout="panels")
         self.cfg = quantized.config
         load = {"float32": lambda: load_model(path, progress=False, quantization="none").params,
                 "gguf": lambda: quantized.params,
                 "compact": lambda: load_model(path, progress=False, quantization="gguf",
-                                              gguf_compact=True).params,
+                                              gguf_layout="compact").params,
                 "int8-act": lambda: load_model(path, progress=False, quantization="gguf",
-                                               cpu_int8_activations=True).params}
+                                               gguf_layout="int8").params}
         self.trees = {name: load[name]() for name in trees}
         self.flops_per_row = 2 * weights(self.trees.get("gguf", quantized.params))
         # The AVX2 build's reference is numpy's GEMM alone (the module's docstring).

@@ -2,24 +2,30 @@
 
 EngineArgs holds what the user asked for, where None often means "per platform"; EngineConfig
 holds what the engine runs with, so every such decision is made here, in one place: the model
-path, dtypes, kernel backend, quantization, top-K sampling, async scheduling, multiprocess mode,
-the rows that run on GEMV weights, the matmul precision, the XLA flags of CUDA graphs and the KV
-budget's arithmetic (`kv_budget_bytes`; the worker reads the device for it, `num_kv_blocks_for`
-in worker/model_runner.py). The engine core builds it (it needs the JAX platform); the frontend
-gets it back in EngineCoreInfo.
+path, dtypes, kernel backend, quantization and the GGUF blocks' layout, top-K sampling, async
+scheduling, the rows that run on GEMV weights, the matmul precision, the draft model's settings
+and the KV budget's arithmetic (`kv_budget_bytes`; the worker reads the device for it,
+`num_kv_blocks_for` in worker/model_runner.py). The engine core builds it (it needs the JAX
+platform); the frontend gets it back in EngineCoreInfo.
 
-Importing this module starts no JAX backend (the frontend of a multiprocess engine never does):
-the resolvers that need JAX import it when called.
+What must be known before any JAX backend starts (multiprocess mode, the XLA flags of CUDA
+graphs, the devices and hosts: `LaunchConfig`) is decided by the frontend, which never starts
+JAX, and handed to the core, whose EngineConfig carries it.
+
+Importing this module starts no JAX backend, and nothing here changes the environment: the
+process that starts JAX applies `platform_env` itself (EngineCore, the multiprocess client).
+The resolvers that need JAX import it when called.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib.util
 import json
 import logging
 import os
-import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +38,10 @@ QUANTIZATIONS = ("gguf", "none")
 KERNEL_BACKENDS = ("pallas", "interpret", "reference")
 DEFAULT_CPU_KV_BYTES = 1 << 30
 MP_ENV_VAR = "JAXLLM_ENABLE_V1_MULTIPROCESSING"
-# On CPU the frontend and the core share the same few cores (docs/perf/multiprocess.md).
-DEFAULT_CPU_MULTIPROCESS = False
+# Several hosts: the environment's names for the jax.distributed settings.
+ENV_COORDINATOR = "JAXLLM_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAXLLM_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXLLM_PROCESS_ID"
 # quantization="gguf" on XLA without our CPU kernel: decode buckets of at most this many rows
 # run on the quantized weights through XLA's fused GEMVs (read once per row); larger buckets run
 # float32 GEMMs. (Our CPU kernel runs every bucket on the quantized weights.)
@@ -48,6 +56,26 @@ CUDA_GRAPH_TRITON_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL",)
 
 
 SPEC_DECODE_METHODS = ("ngram", "draft_model")
+# How quantization="gguf" keeps a GGUF's block weights (the loader's layout, gguf_params.py):
+# "panels": our CPU kernel's panels, a byte per value; "compact": those panels with 4- and
+# 5-bit values in 5 bits; "int8": the panels of its integer path; "rows": int8 values and
+# per-block scales as rows, read by the Pallas kernel or XLA's fused GEMVs; "none": no blocks
+# kept (quantization "none").
+GGUF_LAYOUTS = ("panels", "compact", "int8", "rows", "none")
+
+
+class UsageContext(enum.Enum):
+    """The frontend that runs the engine (vLLM's name): the multiprocess default on CPU
+    depends on it."""
+
+    LLM_CLASS = "LLM_CLASS"  # LLM and LLMEngine: blocking calls
+    ASYNC_LLM = "ASYNC_LLM"  # AsyncLLM and the OpenAI server: an asyncio event loop
+
+
+# Multiprocess mode on CPU when neither the argument nor the environment decide (on a GPU: on).
+# LLM: off, the frontend and the core would share the same few cores (docs/perf/multiprocess.md);
+# AsyncLLM: on, in process each step would block its event loop.
+DEFAULT_CPU_MULTIPROCESS = {UsageContext.LLM_CLASS: False, UsageContext.ASYNC_LLM: True}
 
 
 def config_dict(value: Any, name: str, known: set[str]) -> dict[str, Any]:
@@ -67,6 +95,49 @@ def config_dict(value: Any, name: str, known: set[str]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the engine is spread over devices and hosts (vLLM's ParallelConfig). Several hosts:
+    every process joins jax.distributed at `coordinator_address` before JAX starts a backend
+    (distributed/multihost.py)."""
+
+    tensor_parallel_size: int = 1
+    coordinator_address: str | None = None  # None: one process
+    num_processes: int = 1
+    process_id: int = 0  # 0 runs the engine, the others follow its device calls
+
+    @property
+    def multihost(self) -> bool:
+        return self.coordinator_address is not None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What is decided before any JAX backend starts, and without one: whether the engine core
+    runs in its own process, the XLA flags its process starts JAX with, and the devices and
+    hosts it spans. The frontend decides it (`EngineArgs.create_launch_config`) and hands it to
+    the core, whose EngineConfig carries it."""
+
+    usage_context: UsageContext
+    multiprocess_mode: bool
+    cuda_graph_triton: bool  # CUDA_GRAPH_TRITON_XLA_FLAGS in the core process's XLA_FLAGS
+    parallel_config: ParallelConfig
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    """The draft model of speculative decoding as the engine loads and runs it: its own
+    checkpoint and quantization, with the target's dtype and kernel backend (vLLM's
+    `SpeculativeConfig.draft_model_config`)."""
+
+    model_path: str  # the checkpoint directory or .gguf file
+    dtype: str
+    kernel_backend: str
+    quantization: str
+    gguf_layout: str
+    gemv_max_rows: int
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): up to `num_speculative_tokens`
     drafts per request and step, proposed by `ngram` (prompt lookup: the sequence's last
@@ -79,12 +150,23 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None
+    # Resolved by EngineArgs.create_engine_config (method "draft_model"), not an argument.
+    draft_model_config: DraftModelConfig | None = None
+
+    @classmethod
+    def arg_names(cls) -> tuple[str, ...]:
+        """The keys of the `speculative_config` engine argument."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "draft_model_config")
+
+    def to_arg(self) -> dict[str, Any]:
+        """The engine argument this config is read from (`from_dict` of it gives it back)."""
+        return {name: getattr(self, name) for name in self.arg_names()}
 
     @classmethod
     def from_dict(cls, value: Any) -> SpeculativeConfig:
         """From the `speculative_config` engine argument (a dict, or its JSON text)."""
         name = "speculative_config"
-        value = config_dict(value, name, {f.name for f in dataclasses.fields(cls)})
+        value = config_dict(value, name, set(cls.arg_names()))
         method = value.get("method")
         if method not in SPEC_DECODE_METHODS:
             raise ValueError(f"{name}.method must be one of {SPEC_DECODE_METHODS}, got {method!r}")
@@ -118,6 +200,7 @@ class EngineConfig:
     activation_dtype: str  # hidden states between the GEMMs
     kernel_backend: str
     quantization: str  # "gguf" or "none"
+    gguf_layout: str  # one of GGUF_LAYOUTS: how the loader keeps the GGUF blocks
     gguf_compact: bool  # 4- and 5-bit GGUF values packed in 5 bits for our CPU kernel
     # Our CPU kernel's integer path: activations quantized to int8 (not exact; False where the
     # kernel's build has no such path)
@@ -127,9 +210,8 @@ class EngineConfig:
     gemv_max_rows: int
     topk_sampling: bool
     async_scheduling: bool
-    multiprocess_mode: bool
+    launch_config: LaunchConfig  # multiprocess mode, CUDA graphs' XLA flags, ParallelConfig
     matmul_precision: str  # jax.default_matmul_precision while the steps are lowered
-    cuda_graph_triton: bool  # CUDA_GRAPH_TRITON_XLA_FLAGS in the core process's XLA_FLAGS
     # Steps of up to this many tokens run their dense weight matmuls through the Pallas GEMV
     # kernel (a Pallas backend only); 0: XLA's dots everywhere.
     pallas_gemv_max_rows: int
@@ -149,9 +231,16 @@ class EngineConfig:
     seed: int
     skip_tokenizer_init: bool
     show_progress: bool
-    tensor_parallel_size: int
     platform: str  # JAX's backend the engine core runs on ("cpu", "gpu")
     speculative_config: SpeculativeConfig | None = None
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return self.launch_config.parallel_config
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.launch_config.parallel_config.tensor_parallel_size
 
 
 def resolve_model(model: str | Path | None) -> Path:
@@ -179,11 +268,11 @@ def gpu_platform_installed() -> bool:
                for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))
 
 
-def resolve_multiprocess_mode(value: bool | None, default_cpu: bool | None = None) -> bool:
+def resolve_multiprocess_mode(value: bool | None, usage_context: UsageContext) -> bool:
     """JAXLLM_ENABLE_V1_MULTIPROCESSING (0/1) when set, else `value`, else the platform's
     default: on a GPU the core's own process (the frontend's host work then overlaps the device
-    step), on CPU `default_cpu` if given, else DEFAULT_CPU_MULTIPROCESS. Decided in the frontend
-    before any backend starts, so judged by `gpu_platform_installed`."""
+    step), on CPU DEFAULT_CPU_MULTIPROCESS of the frontend that runs the engine. Decided in the
+    frontend before any backend starts, so judged by `gpu_platform_installed`."""
     env = os.environ.get(MP_ENV_VAR)
     if env is not None and env.strip() != "":
         if env.strip() not in ("0", "1"):
@@ -193,7 +282,25 @@ def resolve_multiprocess_mode(value: bool | None, default_cpu: bool | None = Non
         return bool(value)
     if gpu_platform_installed():
         return True
-    return DEFAULT_CPU_MULTIPROCESS if default_cpu is None else default_cpu
+    return DEFAULT_CPU_MULTIPROCESS[usage_context]
+
+
+def resolve_parallel_config(tensor_parallel_size: int, coordinator_address: str | None,
+                            num_processes: int | None, process_id: int | None) -> ParallelConfig:
+    """The multi-host settings from the arguments, else the JAXLLM_* environment variables; no
+    coordinator address: one process."""
+    addr = coordinator_address or os.environ.get(ENV_COORDINATOR)
+    if not addr:
+        return ParallelConfig(tensor_parallel_size)
+    try:
+        n = int(num_processes if num_processes is not None else os.environ[ENV_NUM_PROCESSES])
+        pid = int(process_id if process_id is not None else os.environ[ENV_PROCESS_ID])
+    except KeyError as e:
+        raise ValueError(f"a coordinator address needs {e.args[0]} (or the engine argument) "
+                         f"too") from e
+    if n < 1 or not 0 <= pid < n:
+        raise ValueError(f"process_id {pid} is not in [0, num_processes {n})")
+    return ParallelConfig(tensor_parallel_size, addr, n, pid)
 
 
 def resolve_dtype(dtype: str | None, platform: str) -> str:
@@ -227,9 +334,31 @@ def resolve_quantization(quantization: str | None, path: Path, dtype: str, kerne
     # gguf_keeps_quantized: e.g. Q4_1 / IQ formats load dequantized.
     if not is_gguf_model(path) or not gguf_keeps_quantized(path):
         return "none"
-    from jaxllm.model_executor.layers.quantization.gguf import use_cpu_kernel
+    return "gguf" if cpu_kernel_available() else "none"
 
-    return "gguf" if use_cpu_kernel() else "none"
+
+def cpu_kernel_available() -> bool:
+    """Whether our CPU kernel (layers/quantization/cpu_dequant_matmul.py) is built here (it
+    needs a C++ compiler; $JAXLLM_CPU_KERNELS=0 turns it off). Asked only for a CPU platform."""
+    from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
+
+    return cpu_dequant_matmul.available()
+
+
+def resolve_gguf_layout(quantization: str, platform: str, kernel_backend: str, compact: bool,
+                        int8: bool) -> str:
+    """How the loader keeps the GGUF blocks (GGUF_LAYOUTS): our CPU kernel's panels on CPU with
+    the reference backend where the kernel is built (compact or int8 when asked for), else
+    rows. `compact` and `int8` as validated and resolved for this engine."""
+    if quantization != "gguf":
+        return "none"
+    if compact:
+        return "compact"
+    if int8:
+        return "int8"
+    if platform == "cpu" and kernel_backend == "reference" and cpu_kernel_available():
+        return "panels"
+    return "rows"
 
 
 def resolve_gemv_max_rows(quantization: str, dtype: str, kernel_backend: str,
@@ -243,9 +372,7 @@ def resolve_gemv_max_rows(quantization: str, dtype: str, kernel_backend: str,
             return 0
         if platform != "cpu":
             return GGUF_XLA_GEMV_MAX_ROWS
-        from jaxllm.model_executor.layers.quantization.gguf import use_cpu_kernel
-
-        return 0 if use_cpu_kernel() else GGUF_XLA_GEMV_MAX_ROWS
+        return 0 if cpu_kernel_available() else GGUF_XLA_GEMV_MAX_ROWS
     if dtype == "bfloat16" and platform == "cpu":
         from jaxllm.worker.buckets import MIN_TOKEN_BUCKET
 
@@ -337,6 +464,23 @@ def resolve_cuda_graph_triton(cuda_graph_triton: bool | None) -> bool:
     return bool(cuda_graph_triton)
 
 
+def resolve_draft_model_config(spec: SpeculativeConfig, dtype: str, kernel_backend: str,
+                               platform: str, compact: bool, int8: bool) -> DraftModelConfig:
+    """The draft model's settings: its quantization automatic (one device), its GGUF blocks in
+    the target's layout choices (`compact`, `int8` as resolved for the target), its own GEMV
+    rows; the target's dtype and kernel backend."""
+    assert spec.model is not None  # checked by SpeculativeConfig.from_dict
+    path = Path(spec.model).expanduser()
+    quantization = resolve_quantization(None, path, dtype, kernel_backend, 1, platform)
+    gguf = quantization == "gguf"
+    return DraftModelConfig(
+        model_path=str(path), dtype=dtype, kernel_backend=kernel_backend,
+        quantization=quantization,
+        gguf_layout=resolve_gguf_layout(quantization, platform, kernel_backend,
+                                        compact and gguf, int8 and gguf),
+        gemv_max_rows=resolve_gemv_max_rows(quantization, dtype, kernel_backend, platform))
+
+
 def xla_flags_with(flags: str, extra: tuple[str, ...]) -> str:
     """XLA_FLAGS `flags` with each of `extra` added unless a flag of that name is there (the
     user's value wins)."""
@@ -345,23 +489,15 @@ def xla_flags_with(flags: str, extra: tuple[str, ...]) -> str:
     return " ".join([flags.strip(), *added]).strip()
 
 
-def set_cuda_graph_xla_flags() -> None:
-    """Put CUDA_GRAPH_TRITON_XLA_FLAGS in this process's XLA_FLAGS, which XLA reads once, when
-    JAX starts its backend: after that it is too late, and a clear error says what to do."""
-    current = os.environ.get("XLA_FLAGS", "")
+def platform_env(launch_config: LaunchConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment variables, from `environ`, that the engine core's process must start JAX
+    with (XLA reads XLA_FLAGS once, when JAX starts its backend); empty: nothing to change.
+    Applied by the process that starts the core: this module changes nothing."""
+    if not launch_config.cuda_graph_triton:
+        return {}
+    current = environ.get("XLA_FLAGS", "")
     wanted = xla_flags_with(current, CUDA_GRAPH_TRITON_XLA_FLAGS)
-    if wanted == current.strip():
-        return
-    if "jax" in sys.modules:
-        from jax._src import xla_bridge
-
-        if xla_bridge.backends_are_initialized():
-            raise RuntimeError(
-                "cuda_graph_triton=True needs XLA_FLAGS set before JAX starts its backend, which "
-                "this process already did; run the engine core in its own process "
-                "(multiprocess_mode=True) or start Python with XLA_FLAGS="
-                f"'{' '.join(CUDA_GRAPH_TRITON_XLA_FLAGS)}'")
-    os.environ["XLA_FLAGS"] = wanted
+    return {} if wanted == current.strip() else {"XLA_FLAGS": wanted}
 
 
 def kv_budget_bytes(total: int, in_use: int, utilization: float, weights: int,

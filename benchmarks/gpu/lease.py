@@ -607,9 +607,10 @@ def main(argv: list[str] | None = None) -> int:
     part = PART_BY_NAME[ns.part]
     if part.cuda_graph:
         # XLA reads its flags once, when JAX starts its backend: before anything does.
-        from jaxllm.config import set_cuda_graph_xla_flags
+        from jaxllm.engine.arg_utils import EngineArgs
+        from jaxllm.engine.core import apply_platform_env
 
-        set_cuda_graph_xla_flags()
+        apply_platform_env(EngineArgs(cuda_graph_triton=True).create_launch_config())
     flags, extra_env = part.xla_flags, {}
     if part.env_from_work is not None:
         flags, extra_env = part.env_from_work(Path(ns.work))

@@ -18,8 +18,6 @@ frontend in another process sees as EngineDeadError.
 from __future__ import annotations
 
 import atexit
-import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import jax
@@ -38,41 +36,13 @@ from jaxllm.distributed.leader import (
 from jaxllm.worker.input_batch import DeviceInputs
 
 if TYPE_CHECKING:
-    from jaxllm.engine.arg_utils import EngineArgs
+    from jaxllm.config import ParallelConfig
     from jaxllm.worker.model_runner import ModelRunner
 
 HEARTBEAT_TIMEOUT_S = 5
-ENV_COORDINATOR = "JAXLLM_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "JAXLLM_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAXLLM_PROCESS_ID"
-
-
-@dataclass(frozen=True)
-class DistributedConfig:
-    coordinator_address: str
-    num_processes: int
-    process_id: int
-
-
-def distributed_config(coordinator_address: str | None = None, num_processes: int | None = None,
-                       process_id: int | None = None) -> DistributedConfig | None:
-    """From the arguments, else the JAXLLM_* environment variables; None: one process."""
-    addr = coordinator_address or os.environ.get(ENV_COORDINATOR)
-    if not addr:
-        return None
-    try:
-        n = int(num_processes if num_processes is not None else os.environ[ENV_NUM_PROCESSES])
-        pid = int(process_id if process_id is not None else os.environ[ENV_PROCESS_ID])
-    except KeyError as e:
-        raise ValueError(f"a coordinator address needs {e.args[0]} (or the engine argument) "
-                         f"too") from e
-    if n < 1 or not 0 <= pid < n:
-        raise ValueError(f"process_id {pid} is not in [0, num_processes {n})")
-    return DistributedConfig(addr, n, pid)
-
-
-def initialize(cfg: DistributedConfig) -> None:
+def initialize(cfg: ParallelConfig) -> None:
     """Join the distributed runtime; must come before anything starts a JAX backend."""
+    assert cfg.coordinator_address is not None  # start() joins for several hosts only
     # CPU devices of different processes reduce through gloo (GPUs use NCCL regardless).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
@@ -137,23 +107,23 @@ def follow(runner: ModelRunner, prompt_rows: int) -> int:
 # --- EngineCore hooks ---------------------------------------------------------------------------
 
 
-def start(args: EngineArgs) -> DistributedConfig | None:
-    """Join the runtime when EngineArgs or the environment name a coordinator (first thing in
-    EngineCore, before JAX starts a backend); None: one process."""
-    cfg = distributed_config(args.coordinator_address, args.num_processes, args.process_id)
-    if cfg is not None:
-        initialize(cfg)
-    return cfg
+def start(parallel_config: ParallelConfig) -> ParallelConfig | None:
+    """Join the runtime when the config names a coordinator (EngineCore, before JAX starts a
+    backend); returns the config then, None for one process."""
+    if not parallel_config.multihost:
+        return None
+    initialize(parallel_config)
+    return parallel_config
 
 
-def agree(cfg: DistributedConfig | None, value: int) -> int:
+def agree(cfg: ParallelConfig | None, value: int) -> int:
     """Process 0's value on every process (the KV block count: each sizes its own device)."""
     if cfg is None:
         return value
     return int(broadcast(np.array([value], np.int64))[0])
 
 
-def attach(cfg: DistributedConfig | None, runner: ModelRunner, prompt_rows: int) -> None:
+def attach(cfg: ParallelConfig | None, runner: ModelRunner, prompt_rows: int) -> None:
     """After compile: warm the broadcasts; process 0's runner announces its launches."""
     if cfg is None:
         return

@@ -18,21 +18,25 @@ from jaxllm.config import (
     MATMUL_PRECISIONS,
     QUANTIZATIONS,
     EngineConfig,
+    LaunchConfig,
     SpeculativeConfig,
+    UsageContext,
     resolve_activation_dtype,
     resolve_async_scheduling,
     resolve_cpu_int8_activations,
     resolve_cuda_graph_triton,
+    resolve_draft_model_config,
     resolve_dtype,
     resolve_gemv_max_rows,
+    resolve_gguf_layout,
     resolve_kernel_backend,
     resolve_kv_cache_dtype,
     resolve_matmul_precision,
     resolve_model,
     resolve_multiprocess_mode,
     resolve_pallas_gemv_max_rows,
+    resolve_parallel_config,
     resolve_quantization,
-    set_cuda_graph_xla_flags,
 )
 
 GGUF_TP_REFUSAL = ("quantization='gguf' does not run with tensor_parallel_size > 1 yet; leave "
@@ -194,7 +198,7 @@ class EngineArgs:
             if spec.method == "draft_model" and self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config method 'draft_model' runs on one device: "
                                  "it does not combine with tensor_parallel_size > 1")
-            self.speculative_config = dataclasses.asdict(spec)
+            self.speculative_config = spec.to_arg()
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, numbers.Real) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
@@ -257,12 +261,26 @@ class EngineArgs:
         values.update(overrides)
         return cls(**values)
 
-    def create_engine_config(self, platform: str | None = None) -> EngineConfig:
+    def create_launch_config(self, usage_context: UsageContext = UsageContext.LLM_CLASS
+                             ) -> LaunchConfig:
+        """Resolve what must be known before a JAX backend starts, without starting one, for
+        the frontend `usage_context` (the frontend calls it; EngineCore when built alone)."""
+        return LaunchConfig(
+            usage_context=usage_context,
+            multiprocess_mode=resolve_multiprocess_mode(self.multiprocess_mode, usage_context),
+            cuda_graph_triton=resolve_cuda_graph_triton(self.cuda_graph_triton),
+            parallel_config=resolve_parallel_config(self.tensor_parallel_size,
+                                                    self.coordinator_address,
+                                                    self.num_processes, self.process_id))
+
+    def create_engine_config(self, platform: str | None = None,
+                             launch_config: LaunchConfig | None = None) -> EngineConfig:
         """Resolve every "None: per platform" setting for `platform` (JAX's backend name; None:
-        the one JAX starts, so in a multi-host job call it after joining jax.distributed)."""
+        the one JAX starts, so call it once the process applied `platform_env` and joined
+        jax.distributed, as EngineCore does). `launch_config`: the frontend's, else resolved
+        here for LLM."""
+        launch = launch_config or self.create_launch_config()
         if platform is None:
-            if resolve_cuda_graph_triton(self.cuda_graph_triton):
-                set_cuda_graph_xla_flags()  # XLA reads them when the backend starts, just below
             import jax
 
             platform = jax.default_backend()
@@ -272,7 +290,8 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, platform)
         backend = resolve_kernel_backend(self.kernel_backend, platform)
         quantization = resolve_quantization(self.quantization, path, dtype, backend,
-                                            self.tensor_parallel_size, platform)
+                                            launch.parallel_config.tensor_parallel_size,
+                                            platform)
         kv_cache_dtype = resolve_kv_cache_dtype(dtype, platform)
         if self.gguf_compact and self.cpu_int8_activations:
             raise ValueError("gguf_compact and cpu_int8_activations each lay out the CPU "
@@ -289,19 +308,24 @@ class EngineArgs:
             name = DEFAULT_MODEL_NAME
         else:
             name = self.model
+        int8 = resolve_cpu_int8_activations(self.cpu_int8_activations, quantization, platform,
+                                            backend)
+        if spec is not None and spec.method == "draft_model":
+            spec = dataclasses.replace(spec, draft_model_config=resolve_draft_model_config(
+                spec, dtype, backend, platform, self.gguf_compact, int8))
         return EngineConfig(
             model=name, model_path=str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
             activation_dtype=resolve_activation_dtype(dtype, kv_cache_dtype, backend),
-            kernel_backend=backend, quantization=quantization, gguf_compact=self.gguf_compact,
-            cpu_int8_activations=resolve_cpu_int8_activations(
-                self.cpu_int8_activations, quantization, platform, backend),
+            kernel_backend=backend, quantization=quantization,
+            gguf_layout=resolve_gguf_layout(quantization, platform, backend, self.gguf_compact,
+                                            int8),
+            gguf_compact=self.gguf_compact, cpu_int8_activations=int8,
             gemv_max_rows=resolve_gemv_max_rows(quantization, dtype, backend, platform),
             topk_sampling=platform != "cpu" if self.topk_sampling is None
             else self.topk_sampling,
             async_scheduling=resolve_async_scheduling(self.async_scheduling, spec is not None),
-            multiprocess_mode=resolve_multiprocess_mode(self.multiprocess_mode),
+            launch_config=launch,
             matmul_precision=resolve_matmul_precision(self.matmul_precision, dtype, platform),
-            cuda_graph_triton=resolve_cuda_graph_triton(self.cuda_graph_triton),
             pallas_gemv_max_rows=resolve_pallas_gemv_max_rows(self.pallas_gemv_max_rows,
                                                               backend, dtype),
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
@@ -311,7 +335,7 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens, max_n=self.max_n,
             enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
             skip_tokenizer_init=self.skip_tokenizer_init, show_progress=self.show_progress,
-            tensor_parallel_size=self.tensor_parallel_size, platform=platform,
+            platform=platform,
             speculative_config=spec)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jaxllm.config import UsageContext
 from jaxllm.engine import EngineDeadError, SchedulerStats
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient
@@ -138,9 +139,9 @@ class AsyncLLM(EngineFrontend):
     def _start(self, engine_args: EngineArgs,
                stat_loggers: list[Callable[[SchedulerStats], None]] | None) -> None:
         enable_compilation_cache()
-        # The core's own process unless asked otherwise, on every platform: in process, each
-        # step would block the event loop.
-        super().__init__(engine_args, asyncio_mode=True, default_cpu_multiprocess=True)
+        # The core's own process unless asked otherwise, on every platform
+        # (DEFAULT_CPU_MULTIPROCESS): in process, each step would block the event loop.
+        super().__init__(engine_args, UsageContext.ASYNC_LLM)
         client = self.engine_core = self.engine_core_client  # vLLM's AsyncLLM name
         self._state = _OutputState(client, self.parent_requests,
                                    stat_loggers=list(stat_loggers or ()))

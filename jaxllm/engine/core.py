@@ -20,6 +20,7 @@ dead end finishes the request "error" too, with stop_reason saying why.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.config import CUDA_GRAPH_TRITON_XLA_FLAGS, LaunchConfig, platform_env
 from jaxllm.distributed import multihost
 from jaxllm.engine import UTILITY_METHODS as UTILITY_METHODS
 from jaxllm.engine import (
@@ -79,17 +81,40 @@ class _FinishedStep:
     placeholder_tokens: np.ndarray | None
 
 
+def apply_platform_env(launch_config: LaunchConfig) -> None:
+    """Put `platform_env` (the XLA flags of CUDA graphs) in this process's environment, which
+    XLA reads once, when JAX starts its backend: after that it is too late, and a clear error
+    says what to do. A core process finds them there already (its client set them)."""
+    wanted = platform_env(launch_config, os.environ)
+    if not wanted:
+        return
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "cuda_graph_triton=True needs XLA_FLAGS set before JAX starts its backend, which "
+            "this process already did; run the engine core in its own process "
+            "(multiprocess_mode=True) or start Python with XLA_FLAGS="
+            f"'{' '.join(CUDA_GRAPH_TRITON_XLA_FLAGS)}'")
+    os.environ.update(wanted)
+
+
 class EngineCore:
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig | None = None
+                 ) -> None:
+        """`launch_config`: the frontend's decisions; None (a core built alone, a multi-host
+        follower): resolved here, for LLM."""
         self.engine_args = engine_args
-        # Several hosts: join jax.distributed before JAX starts a backend.
-        self.distributed = multihost.start(engine_args)
-        config = self.config = engine_args.create_engine_config()
+        launch = launch_config or engine_args.create_launch_config()
+        # Before JAX starts a backend: the environment it starts with, then, on several
+        # hosts, jax.distributed.
+        apply_platform_env(launch)
+        self.distributed = multihost.start(launch.parallel_config)
+        config = self.config = engine_args.create_engine_config(launch_config=launch)
         loaded = load_model(Path(config.model_path), dtype=jnp.dtype(config.dtype),
                             progress=config.show_progress, quantization=config.quantization,
                             kernel_backend=config.kernel_backend,
-                            gguf_compact=config.gguf_compact,
-                            cpu_int8_activations=config.cpu_int8_activations)
+                            gguf_layout=config.gguf_layout)
         model_config = loaded.config
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:

@@ -1,6 +1,6 @@
 """EngineCoreClient: how the frontend talks to the engine core (vLLM's names).
 
-`make_client(multiprocess_mode, asyncio_mode, engine_args)` (frontend.py) picks one of three:
+`make_client(launch_config, engine_args)` (frontend.py) picks one of three:
 
   InprocClient   the core in this process and thread; get_output() runs one step
   SyncMPClient   the core in its own process (core_proc.py) over ZMQ; blocking calls

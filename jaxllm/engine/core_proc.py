@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from jaxllm.config import LaunchConfig
 from jaxllm.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import check_utility
@@ -52,8 +53,8 @@ logger = logging.getLogger("jaxllm.engine.core_proc")
 class EngineCoreProc:
     """Runs an EngineCore behind two sockets; `run_busy_loop` returns on a SHUTDOWN message."""
 
-    def __init__(self, engine_args: EngineArgs, input_address: str,
-                 output_address: str) -> None:
+    def __init__(self, engine_args: EngineArgs, input_address: str, output_address: str,
+                 launch_config: LaunchConfig | None = None) -> None:
         # (None, the exception): the input thread failed.
         self.input_queue: queue.Queue[tuple[RequestType | None, Any]] = queue.Queue()
         # None: no more outputs, the output thread closes its socket.
@@ -68,7 +69,7 @@ class EngineCoreProc:
         try:
             from jaxllm.engine.core import EngineCore
 
-            self.engine_core = EngineCore(engine_args)
+            self.engine_core = EngineCore(engine_args, launch_config)
         except BaseException:
             self.output_queue.put((OutputType.STARTUP_FAILED, traceback.format_exc()))
             self.output_queue.put(None)
@@ -234,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-address", required=True)
     p.add_argument("--death-fd", type=int, required=True)
     p.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
+    p.add_argument("--launch-config", required=True,
+                   help="LaunchConfig as JSON, the frontend's decisions")
     p.add_argument("--compilation-cache-dir", default=None)
     a = p.parse_args(argv)
     # Our own logger only (JAX's INFO lines about absent backends are noise), to the inherited
@@ -259,8 +262,9 @@ def main(argv: list[str] | None = None) -> None:
         jax.config.update("jax_compilation_cache_dir", a.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     engine_args = msgspec.json.decode(a.engine_args, type=EngineArgs)
+    launch_config = msgspec.json.decode(a.launch_config, type=LaunchConfig)
     try:
-        proc = EngineCoreProc(engine_args, a.input_address, a.output_address)
+        proc = EngineCoreProc(engine_args, a.input_address, a.output_address, launch_config)
     except BaseException:
         logger.exception("engine core failed to start")
         sys.exit(1)

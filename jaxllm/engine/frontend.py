@@ -10,13 +10,12 @@ hold it without keeping the engine alive.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from jaxllm.config import EngineConfig, resolve_model, resolve_multiprocess_mode
+from jaxllm.config import EngineConfig, LaunchConfig, UsageContext, resolve_model
 from jaxllm.engine import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient, InprocClient
@@ -106,37 +105,33 @@ class ParentRequests:
         return released
 
 
-def make_client(multiprocess_mode: bool, asyncio_mode: bool,
-                engine_args: EngineArgs) -> EngineCoreClient:
+def make_client(launch_config: LaunchConfig, engine_args: EngineArgs) -> EngineCoreClient:
     """The client of a new engine core: in this process (InprocClient), or in its own process
-    with blocking (SyncMPClient) or asyncio (AsyncMPClient) calls (vLLM's
+    with blocking (SyncMPClient) or asyncio (AsyncMPClient, for AsyncLLM) calls (vLLM's
     EngineCoreClient.make_client). The core is imported only when it runs here (it brings
     JAX), the multiprocess clients only when picked (they bring ZMQ)."""
-    if multiprocess_mode:
+    if launch_config.multiprocess_mode:
         from jaxllm.engine.mp_client import AsyncMPClient, SyncMPClient
 
-        return AsyncMPClient(engine_args) if asyncio_mode else SyncMPClient(engine_args)
+        if launch_config.usage_context is UsageContext.ASYNC_LLM:
+            return AsyncMPClient(engine_args, launch_config)
+        return SyncMPClient(engine_args, launch_config)
     from jaxllm.engine.core import EngineCore
 
-    return InprocClient(EngineCore(engine_args))
+    return InprocClient(EngineCore(engine_args, launch_config))
 
 
 class EngineFrontend:
-    """The frontend of one engine. `default_cpu_multiprocess`: the multiprocess default on CPU
-    when neither the argument nor the environment decide (AsyncLLM: on, so no step blocks its
-    event loop)."""
+    """The frontend of one engine; `usage_context` names the shell (LLMEngine or AsyncLLM)."""
 
-    def __init__(self, engine_args: EngineArgs, asyncio_mode: bool,
-                 default_cpu_multiprocess: bool | None = None) -> None:
-        # Decided here, before any JAX backend starts; the core is told the outcome.
-        self.multiprocess_mode = resolve_multiprocess_mode(engine_args.multiprocess_mode,
-                                                           default_cpu_multiprocess)
-        args = self.engine_args = dataclasses.replace(engine_args,
-                                                      multiprocess_mode=self.multiprocess_mode)
+    def __init__(self, engine_args: EngineArgs, usage_context: UsageContext) -> None:
+        # Decided here, before any JAX backend starts; the core gets the outcome.
+        self.launch_config = engine_args.create_launch_config(usage_context)
+        args = self.engine_args = engine_args
         # The tokenizer first: a missing one fails in seconds, not after minutes of compiling.
         self.tokenizer = None if args.skip_tokenizer_init else \
             load_tokenizer(resolve_model(args.model))
-        self.engine_core_client = make_client(self.multiprocess_mode, asyncio_mode, args)
+        self.engine_core_client = make_client(self.launch_config, args)
         info: EngineCoreInfo = self.engine_core_client.get_engine_info()
         self.core_info = info
         eos = set(info.eos_token_ids)
@@ -164,7 +159,8 @@ class EngineFrontend:
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "enable_prefix_caching": config.enable_prefix_caching,
-            "multiprocess_mode": self.multiprocess_mode, "platform": config.platform,
+            "multiprocess_mode": config.launch_config.multiprocess_mode,
+            "platform": config.platform,
         }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from jaxllm.config import UsageContext
 from jaxllm.engine import SchedulerStats
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.frontend import EngineFrontend
@@ -22,7 +23,7 @@ from jaxllm.sampling_params import SamplingParams
 
 class LLMEngine(EngineFrontend):
     def __init__(self, engine_args: EngineArgs | None = None) -> None:
-        super().__init__(engine_args or EngineArgs(), asyncio_mode=False)
+        super().__init__(engine_args or EngineArgs(), UsageContext.LLM_CLASS)
         self.last_scheduler_stats = SchedulerStats()
         self.last_output_processing_s = 0.0
 

@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from jaxllm.config import CUDA_GRAPH_TRITON_XLA_FLAGS, resolve_cuda_graph_triton, xla_flags_with
+from jaxllm.config import LaunchConfig, platform_env
 from jaxllm.engine import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, EngineDeadError
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient, check_utility
@@ -62,14 +62,13 @@ SHUTDOWN_TIMEOUT_S = 5.0
 _POLL_MS = 100
 
 
-def _child_env(engine_args: EngineArgs | None = None) -> dict[str, str]:
+def _child_env(launch_config: LaunchConfig) -> dict[str, str]:
     """The child must import the same jaxllm as this process, installed or not, and find in
     its environment the XLA flags its backend must start with."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    if engine_args is not None and resolve_cuda_graph_triton(engine_args.cuda_graph_triton):
-        env["XLA_FLAGS"] = xla_flags_with(env.get("XLA_FLAGS", ""), CUDA_GRAPH_TRITON_XLA_FLAGS)
+    env.update(platform_env(launch_config, env))
     return env
 
 
@@ -83,7 +82,7 @@ def _compilation_cache_dir() -> str | None:
 class CoreProcess:
     """The child process, its sockets and this side's threads; closed exactly once."""
 
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig) -> None:
         self.closed = False
         self.closing = False
         self.dead: EngineDeadError | None = None
@@ -98,12 +97,12 @@ class CoreProcess:
         self.tmpdir = tempfile.mkdtemp(prefix="jaxllm-core-")
         self.ctx = zmq.Context()
         try:
-            self._start(engine_args)
+            self._start(engine_args, launch_config)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, engine_args: EngineArgs) -> None:
+    def _start(self, engine_args: EngineArgs, launch_config: LaunchConfig) -> None:
         input_address = f"ipc://{self.tmpdir}/input"
         output_address = f"ipc://{self.tmpdir}/output"
         self.input_socket = self.ctx.socket(zmq.PUSH)
@@ -116,14 +115,15 @@ class CoreProcess:
         cmd = [sys.executable, "-m", "jaxllm.engine.core_proc",
                "--input-address", input_address, "--output-address", output_address,
                "--death-fd", str(death_r),
-               "--engine-args", msgspec.json.encode(engine_args).decode()]
+               "--engine-args", msgspec.json.encode(engine_args).decode(),
+               "--launch-config", msgspec.json.encode(launch_config).decode()]
         cache = _compilation_cache_dir()
         if cache:
             cmd += ["--compilation-cache-dir", cache]
         try:
             # The child's stdout goes to our stderr: a CLI's stdout carries only its results.
             proc = self.proc = subprocess.Popen(
-                cmd, pass_fds=(death_r,), env=_child_env(engine_args),
+                cmd, pass_fds=(death_r,), env=_child_env(launch_config),
                 stdin=subprocess.DEVNULL,
                 stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
         finally:
@@ -300,8 +300,8 @@ def _has_fileno(stream: Any) -> bool:
 class MPClient(EngineCoreClient):
     """Starts the core process; `shutdown()`, or garbage collection of the client, ends it."""
 
-    def __init__(self, engine_args: EngineArgs) -> None:
-        self.resources = CoreProcess(engine_args)
+    def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig) -> None:
+        self.resources = CoreProcess(engine_args, launch_config)
         self._finalizer = weakref.finalize(self, self.resources.close)
         self.ready: ReadyMessage = self.resources.ready
 
@@ -338,8 +338,8 @@ class SyncMPClient(MPClient):
 class AsyncMPClient(MPClient):
     """The `*_async` calls, for one asyncio event loop (bound on first use)."""
 
-    def __init__(self, engine_args: EngineArgs) -> None:
-        super().__init__(engine_args)
+    def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig) -> None:
+        super().__init__(engine_args, launch_config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
 

@@ -23,11 +23,7 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import (
-    EngineConfig,
-    resolve_gemv_max_rows,
-    resolve_quantization,
-)
+from jaxllm.config import EngineConfig
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.worker.model_runner import ModelRunner
@@ -45,22 +41,21 @@ class DraftModelProposer:
         """`target_weights`: the target's loaded weights, shared (not loaded twice) when the
         draft is the target's own checkpoint."""
         spec = config.speculative_config
-        assert spec is not None and spec.model is not None  # checked by SpeculativeConfig
-        path = Path(spec.model).expanduser()
-        quantization = resolve_quantization(None, path, config.dtype, config.kernel_backend,
-                                            1, config.platform)
+        # Resolved with the config (EngineArgs.create_engine_config) for method "draft_model".
+        assert spec is not None and spec.draft_model_config is not None
+        draft_config = spec.draft_model_config
+        path = Path(draft_config.model_path)
         if target_weights is not None and path.resolve() != target_weights.path.resolve():
             target_weights = None
         if target_weights is not None:
             loaded = target_weights
         else:
             try:
-                loaded = load_model(path, dtype=jnp.dtype(config.dtype),
-                                    progress=config.show_progress, quantization=quantization,
-                                    kernel_backend=config.kernel_backend,
-                                    gguf_compact=config.gguf_compact and quantization == "gguf",
-                                    cpu_int8_activations=config.cpu_int8_activations
-                                    and quantization == "gguf")
+                loaded = load_model(path, dtype=jnp.dtype(draft_config.dtype),
+                                    progress=config.show_progress,
+                                    quantization=draft_config.quantization,
+                                    kernel_backend=draft_config.kernel_backend,
+                                    gguf_layout=draft_config.gguf_layout)
             except ModelLoadError as e:  # the message names the path, not the setting
                 raise ModelLoadError(f"speculative_config.model {spec.model!r}: {e}") from e
         draft = loaded.config
@@ -76,9 +71,7 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.runner = ModelRunner.from_engine_config(
-            config, loaded, max_model_len,
-            gemv_max_rows=resolve_gemv_max_rows(quantization, config.dtype,
-                                                config.kernel_backend, config.platform))
+            config, loaded, max_model_len, gemv_max_rows=draft_config.gemv_max_rows)
         self.runner.initialize_kv_cache(num_blocks)
         self.compile_time_s = self.runner.compile(progress=config.show_progress)
         # Tokens of each request whose KV the draft holds (a prefix of its tokens).

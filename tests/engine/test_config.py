@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,20 @@ import numpy as np
 import pytest
 
 from jaxllm.config import (
+    GGUF_LAYOUTS,
     KERNEL_BACKENDS,
+    MP_ENV_VAR,
+    DraftModelConfig,
     EngineConfig,
+    LaunchConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    UsageContext,
     resolve_model,
 )
 from jaxllm.engine.arg_utils import EngineArgs, engine_args_markdown
+from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
+from tests.gguf_models import write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,10 +129,15 @@ def test_engine_args_doc_is_generated_from_the_fields():
     for f in dataclasses.fields(EngineArgs):
         assert f.metadata["help"] and f"| `{f.name}` |" in engine_args_markdown()
     # Every resolved setting has its argument (the config adds the model path, dtypes derived
-    # from dtype, the GEMV rows and the platform).
-    derived = {"model_path", "kv_cache_dtype", "activation_dtype", "gemv_max_rows", "platform"}
+    # from dtype, the GEMV rows, the GGUF layout, the platform and the launch config, whose
+    # settings but the frontend's kind have their arguments too).
+    derived = {"model_path", "kv_cache_dtype", "activation_dtype", "gemv_max_rows",
+               "gguf_layout", "platform", "launch_config"}
     args = {f.name for f in dataclasses.fields(EngineArgs)}
     assert {f.name for f in dataclasses.fields(EngineConfig)} - derived <= args
+    launch = {f.name for f in dataclasses.fields(LaunchConfig)
+              + dataclasses.fields(ParallelConfig)}
+    assert launch - {"usage_context", "parallel_config"} <= args
 
 
 def test_cli_flags_and_help_come_from_the_fields():
@@ -153,4 +168,118 @@ def test_frontend_imports_no_jax():
             "assert 'jax' in sys.modules\n")  # the check itself can see JAX
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_launch_config_is_decided_once_and_carried(monkeypatch):
+    """What the frontend decides before JAX starts (multiprocess mode per frontend, CUDA graphs'
+    flags, ParallelConfig) is one LaunchConfig, which the EngineConfig carries as it was given."""
+    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
+
+    path = str(tiny_qwen2_path())
+    monkeypatch.delenv(MP_ENV_VAR, raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    for name in ("JAXLLM_COORDINATOR_ADDRESS", "JAXLLM_NUM_PROCESSES", "JAXLLM_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    args = EngineArgs(model=path, tensor_parallel_size=2, cuda_graph_triton=True)
+    # On CPU: LLM keeps the core in its process, AsyncLLM (an event loop) runs it in its own.
+    llm = args.create_launch_config(UsageContext.LLM_CLASS)
+    async_llm = args.create_launch_config(UsageContext.ASYNC_LLM)
+    assert not llm.multiprocess_mode and async_llm.multiprocess_mode
+    assert EngineArgs(multiprocess_mode=True).create_launch_config().multiprocess_mode
+    assert llm.cuda_graph_triton and not EngineArgs().create_launch_config().cuda_graph_triton
+    assert llm.parallel_config == ParallelConfig(tensor_parallel_size=2)
+    assert not llm.parallel_config.multihost
+
+    config = args.create_engine_config("cpu", launch_config=async_llm)
+    assert config.launch_config is async_llm
+    assert config.parallel_config is async_llm.parallel_config
+    assert config.tensor_parallel_size == 2
+    # Built alone: resolved for LLM.
+    assert args.create_engine_config("cpu").launch_config == llm
+
+    # Several hosts: the arguments, else the environment.
+    given = EngineArgs(model=path, coordinator_address="10.0.0.1:1234", num_processes=2,
+                       process_id=1)
+    assert given.create_engine_config("cpu").parallel_config == ParallelConfig(
+        tensor_parallel_size=1, coordinator_address="10.0.0.1:1234", num_processes=2,
+        process_id=1)
+    monkeypatch.setenv("JAXLLM_COORDINATOR_ADDRESS", "10.0.0.2:99")
+    monkeypatch.setenv("JAXLLM_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAXLLM_PROCESS_ID", "3")
+    parallel = EngineArgs().create_launch_config().parallel_config
+    assert (parallel.coordinator_address, parallel.num_processes, parallel.process_id,
+            parallel.multihost) == ("10.0.0.2:99", 4, 3, True)
+    monkeypatch.setenv("JAXLLM_PROCESS_ID", "4")
+    with pytest.raises(ValueError, match=r"process_id 4 is not in \[0, num_processes 4\)"):
+        EngineArgs().create_launch_config()
+    monkeypatch.delenv("JAXLLM_NUM_PROCESSES")
+    with pytest.raises(ValueError, match="JAXLLM_NUM_PROCESSES"):
+        EngineArgs().create_launch_config()
+
+
+def test_gguf_layout_and_draft_model_config_resolve_in_the_config(tmp_path):
+    """The loader's GGUF layout and the draft model's settings are fields of the config."""
+    from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path
+
+    path = str(tiny_qwen2_path())
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf)
+    kernel = cpu_dequant_matmul.available()
+
+    def layout(model, platform="cpu", **kw):
+        return EngineArgs(model=str(model), **kw).create_engine_config(platform).gguf_layout
+
+    assert layout(path) == "none"
+    assert layout(gguf) == ("panels" if kernel else "none")  # not kept quantized without it
+    assert layout(gguf, quantization="gguf") == ("panels" if kernel else "rows")
+    assert layout(gguf, quantization="gguf", kernel_backend="interpret") == "rows"
+    assert layout(gguf, platform="gpu", quantization="gguf", dtype="float32") == "rows"
+    if kernel:
+        assert layout(gguf, gguf_compact=True) == "compact"
+    assert {layout(gguf), layout(gguf, quantization="gguf")} <= set(GGUF_LAYOUTS)
+
+    def spec(model):
+        return {"method": "draft_model", "model": str(model), "num_speculative_tokens": 2}
+
+    config = EngineArgs(model=path, speculative_config=spec(path)).create_engine_config("cpu")
+    assert config.speculative_config is not None
+    assert config.speculative_config.draft_model_config == DraftModelConfig(
+        model_path=path, dtype="float32", kernel_backend="reference", quantization="none",
+        gguf_layout="none", gemv_max_rows=0)
+    bf16 = EngineArgs(model=path, dtype="bfloat16", speculative_config=spec(gguf)) \
+        .create_engine_config("cpu").speculative_config
+    assert bf16 is not None and bf16.draft_model_config == DraftModelConfig(
+        model_path=str(gguf), dtype="bfloat16", kernel_backend="reference", quantization="none",
+        gguf_layout="none", gemv_max_rows=15)  # bfloat16 on CPU: float32 GEMV copies
+    if kernel:
+        draft = EngineArgs(model=str(gguf), speculative_config=spec(gguf), gguf_compact=True) \
+            .create_engine_config("cpu").speculative_config
+        assert draft is not None and draft.draft_model_config is not None
+        assert (draft.draft_model_config.quantization, draft.draft_model_config.gguf_layout) \
+            == ("gguf", "compact")
+    # Resolved, never an argument.
+    with pytest.raises(ValueError, match="unknown key"):
+        SpeculativeConfig.from_dict({**spec(path), "draft_model_config": None})
+    assert EngineArgs(speculative_config=spec(path)).speculative_config == \
+        {"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 5, "model": path}
+
+
+def test_config_changes_no_environment():
+    """Importing the config and resolving an engine's settings (CUDA graphs asked for) leave
+    the environment as it was: the process that starts JAX applies platform_env itself."""
+    code = ("import os\n"
+            "before = dict(os.environ)\n"
+            "import jaxllm.config\n"
+            "from jaxllm.engine.arg_utils import EngineArgs\n"
+            "from jaxllm.model_executor.model_loader.tiny_model import tiny_qwen2_path\n"
+            "args = EngineArgs(model=str(tiny_qwen2_path()), cuda_graph_triton=True)\n"
+            "launch = args.create_launch_config()\n"
+            "assert jaxllm.config.platform_env(launch, os.environ)\n"
+            "args.create_engine_config('cpu', launch)\n"
+            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-2000:]

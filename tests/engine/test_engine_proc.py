@@ -26,7 +26,7 @@ import msgspec
 import pytest
 
 from jaxllm import LLM, AsyncLLM, RequestOutputKind, SamplingParams
-from jaxllm.config import MP_ENV_VAR, resolve_multiprocess_mode
+from jaxllm.config import MP_ENV_VAR, UsageContext, resolve_multiprocess_mode
 from jaxllm.engine import EngineDeadError
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.mp_client import AsyncMPClient, SyncMPClient
@@ -117,14 +117,15 @@ def test_make_client_and_mode_resolution(engines, monkeypatch):
     assert isinstance(engines["mp"].llm_engine.engine_core_client, SyncMPClient)
     monkeypatch.delenv(MP_ENV_VAR, raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert resolve_multiprocess_mode(True) and not resolve_multiprocess_mode(False)
+    llm = UsageContext.LLM_CLASS
+    assert resolve_multiprocess_mode(True, llm) and not resolve_multiprocess_mode(False, llm)
     monkeypatch.setenv(MP_ENV_VAR, "0")  # the env var wins over the argument
-    assert not resolve_multiprocess_mode(True)
+    assert not resolve_multiprocess_mode(True, llm)
     monkeypatch.setenv(MP_ENV_VAR, "1")
-    assert resolve_multiprocess_mode(False)
+    assert resolve_multiprocess_mode(False, llm)
     monkeypatch.setenv(MP_ENV_VAR, "yes")
     with pytest.raises(ValueError, match=MP_ENV_VAR):
-        resolve_multiprocess_mode(None)
+        resolve_multiprocess_mode(None, llm)
     with pytest.raises(ValueError, match="multiprocess_mode"):
         EngineArgs(multiprocess_mode="on")
 
@@ -139,9 +140,11 @@ def test_sync_mp_parity(engines):
     assert len(got[2].outputs) == 3 and got[3].prompt_logprobs is not None
     a, b = mp.llm_engine.core_info, inproc.llm_engine.core_info
     # The same resolved config but for the mode each was asked for.
-    assert a.config.multiprocess_mode and not b.config.multiprocess_mode
+    assert a.config.launch_config.multiprocess_mode
+    assert not b.config.launch_config.multiprocess_mode
+    launch = dataclasses.replace(a.config.launch_config, multiprocess_mode=False)
     assert msgspec.structs.replace(
-        a, compile_time_s=0, config=dataclasses.replace(a.config, multiprocess_mode=False)) == \
+        a, compile_time_s=0, config=dataclasses.replace(a.config, launch_config=launch)) == \
         msgspec.structs.replace(b, compile_time_s=0)
     # Utility calls travel too; every block is free again.
     free, usable = mp.llm_engine.engine_core_client.call_utility("get_kv_block_counts")
@@ -518,7 +521,7 @@ def test_the_core_process_freezes_its_start_up_heap(monkeypatch, tmp_path):
     seen = {}
 
     class FakeCore:
-        def __init__(self, _args) -> None:
+        def __init__(self, _args, _launch_config=None) -> None:
             seen["frozen while building"] = gc.get_freeze_count()
 
         def get_engine_info(self):

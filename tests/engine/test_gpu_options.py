@@ -16,12 +16,12 @@ import pytest
 
 from jaxllm.config import (
     CUDA_GRAPH_TRITON_XLA_FLAGS,
+    platform_env,
     resolve_matmul_precision,
-    set_cuda_graph_xla_flags,
     xla_flags_with,
 )
 from jaxllm.engine.arg_utils import EngineArgs
-from jaxllm.engine.mp_client import _child_env
+from jaxllm.engine.core import apply_platform_env
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.worker.model_runner import MAX_COMPILE_THREADS, ModelRunner, compile_threads
 
@@ -87,23 +87,27 @@ def test_step_buckets_compile_in_a_pool_to_the_same_executables(tiny_models, mon
         assert runner.get_compiled_hlo(*shape) == one_by_one, shape
 
 
-def test_cuda_graph_flags_go_to_the_core_process(monkeypatch, tmp_path):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/dump")
-    env = _child_env(EngineArgs(cuda_graph_triton=True))
-    assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/dump", *CUDA_GRAPH_TRITON_XLA_FLAGS]
-    assert env["XLA_FLAGS"].endswith("--xla_gpu_enable_command_buffer=+CUSTOM_CALL")
-    assert _child_env(EngineArgs())["XLA_FLAGS"] == "--xla_dump_to=/tmp/dump"
-    assert _child_env(EngineArgs(cuda_graph_triton=False))["XLA_FLAGS"] \
-        == "--xla_dump_to=/tmp/dump"
+def test_cuda_graph_flags_go_to_the_core_process(tmp_path):
+    environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/dump"}
+
+    def env(**kw):
+        return platform_env(EngineArgs(**kw).create_launch_config(), environ)
+
+    assert env(cuda_graph_triton=True)["XLA_FLAGS"].split() == \
+        ["--xla_dump_to=/tmp/dump", *CUDA_GRAPH_TRITON_XLA_FLAGS]
+    assert env(cuda_graph_triton=True)["XLA_FLAGS"].endswith(
+        "--xla_gpu_enable_command_buffer=+CUSTOM_CALL")
+    assert env() == env(cuda_graph_triton=False) == {}  # nothing to change
     # A value the user gave for the same flag wins.
     given = "--xla_gpu_enable_command_buffer=FUSION"
     assert xla_flags_with(given, CUDA_GRAPH_TRITON_XLA_FLAGS) == given
     with pytest.raises(ValueError, match="cuda_graph_triton must be True, False or None"):
         EngineArgs(cuda_graph_triton="yes")
     # A checkpoint directory (not the embedded model, which would be joined first).
-    assert not EngineArgs(model=str(tmp_path)).create_engine_config("cpu").cuda_graph_triton
-    assert EngineArgs(model=str(tmp_path),
-                      cuda_graph_triton=True).create_engine_config("cpu").cuda_graph_triton
+    assert not EngineArgs(model=str(tmp_path)).create_engine_config(
+        "cpu").launch_config.cuda_graph_triton
+    assert EngineArgs(model=str(tmp_path), cuda_graph_triton=True).create_engine_config(
+        "cpu").launch_config.cuda_graph_triton
 
 
 def test_cuda_graph_flags_in_process_only_before_jax_starts(monkeypatch):
@@ -111,25 +115,30 @@ def test_cuda_graph_flags_in_process_only_before_jax_starts(monkeypatch):
 
     jax.devices()  # this process's backend is up: too late for XLA_FLAGS
     monkeypatch.delenv("XLA_FLAGS", raising=False)
+    launch = EngineArgs(cuda_graph_triton=True).create_launch_config()
     with pytest.raises(RuntimeError, match="multiprocess_mode=True"):
-        set_cuda_graph_xla_flags()
+        apply_platform_env(launch)
     assert "XLA_FLAGS" not in os.environ
     # Already there (a core process started with them): nothing to do, no error.
     monkeypatch.setenv("XLA_FLAGS", " ".join(CUDA_GRAPH_TRITON_XLA_FLAGS))
-    set_cuda_graph_xla_flags()
+    apply_platform_env(launch)
 
 
 def test_installed_xla_accepts_the_cuda_graph_flags(tiny_models):
     # XLA parses every flag of XLA_FLAGS (GPU ones too) when a backend starts, and aborts on
     # one it does not know: the spelling is checked here, on CPU. A fresh process that has not
-    # started JAX sets them itself before the backend starts.
+    # started JAX sets them itself before the backend starts, as EngineCore does.
     script = textwrap.dedent(f"""
         import os
         from jaxllm.engine.arg_utils import EngineArgs
-        config = EngineArgs(model={str(tiny_models["untied"][0])!r},
-                            cuda_graph_triton=True).create_engine_config()
+        from jaxllm.engine.core import apply_platform_env
+        args = EngineArgs(model={str(tiny_models["untied"][0])!r}, cuda_graph_triton=True)
+        launch = args.create_launch_config()
+        apply_platform_env(launch)
+        config = args.create_engine_config(launch_config=launch)
         import jax.numpy as jnp
-        print(config.cuda_graph_triton, os.environ["XLA_FLAGS"], float(jnp.ones(3).sum()))
+        print(config.launch_config.cuda_graph_triton, os.environ["XLA_FLAGS"],
+              float(jnp.ones(3).sum()))
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)

@@ -46,7 +46,7 @@ def test_matmul_weights_take_the_integer_layout_and_logprobs_stay_close(tiny_ggu
     model, Q8_0's LM head signed); the embedding, only gathered, keeps the exact one. Prompt
     logprobs at every position and token close to HF's."""
     path, hf = tiny_gguf
-    loaded = load_model(path, progress=False, quantization="gguf", cpu_int8_activations=True)
+    loaded = load_model(path, progress=False, quantization="gguf", gguf_layout="int8")
     tree = loaded.params
     assert not tree["embed_tokens"].int8
     assert tree["lm_head"].int8 and tree["lm_head"].qweight.dtype == np.int8

@@ -150,7 +150,8 @@ def test_tiny_gguf_trees_match_hf(tiny_gguf, cpu_kernel, monkeypatch):
     elif not cpu_dequant_matmul.available():
         pytest.skip("no C++ compiler to build the CPU kernel")
     path, hf = tiny_gguf
-    loaded = load_model(path, progress=False, quantization="gguf")
+    loaded = load_model(path, progress=False, quantization="gguf",
+                        gguf_layout="panels" if cpu_kernel else "rows")
     if cpu_kernel:
         assert loaded.gemv_params is None
         quantized, trees = loaded.params, (loaded.params,)
@@ -187,7 +188,7 @@ def test_rows_no_panel_splits_stay_float32(tiny_gguf, monkeypatch):
     vocab, panel_size = hf.config.vocab_size, cpu_dequant_matmul.panel_size
     monkeypatch.setattr(cpu_dequant_matmul, "panel_size",
                         lambda rows: None if rows == vocab else panel_size(rows))
-    loaded = load_model(path, progress=False, quantization="gguf")
+    loaded = load_model(path, progress=False, quantization="gguf", gguf_layout="panels")
     tree = loaded.params
     assert loaded.gemv_params is None
     assert not isinstance(tree["lm_head"], GGUFWeight)
@@ -210,8 +211,8 @@ def test_gguf_compact_same_logits_in_fewer_bytes(tiny_gguf, rng):
     if not cpu_dequant_matmul.available():
         pytest.skip("no C++ compiler to build the CPU kernel")
     path, hf = tiny_gguf
-    int8 = load_model(path, progress=False, quantization="gguf")
-    compact = load_model(path, progress=False, quantization="gguf", gguf_compact=True)
+    int8 = load_model(path, progress=False, quantization="gguf", gguf_layout="panels")
+    compact = load_model(path, progress=False, quantization="gguf", gguf_layout="compact")
     five = [w for w in _quantized(compact.params) if cpu_dequant_matmul.is_q5(w.qweight)]
     assert five and not any(cpu_dequant_matmul.is_q5(w.qweight) for w in _quantized(int8.params))
     assert cpu_dequant_matmul.is_q5(compact.params["embed_tokens"].qweight)  # Q5_0
@@ -291,7 +292,8 @@ def test_tied_gguf_head_is_the_quantized_table(tmp_path, cpu_kernel, monkeypatch
         pytest.skip("no C++ compiler to build the CPU kernel")
     path = tmp_path / "tied.gguf"
     write_tiny_gguf(path, seed=3, tied=True)
-    loaded = load_model(path, progress=False, quantization="gguf")
+    loaded = load_model(path, progress=False, quantization="gguf",
+                        gguf_layout="panels" if cpu_kernel else "rows")
     dense = load_model(path, progress=False).params
     quantized = loaded.params if cpu_kernel else loaded.gemv_params
     assert loaded.config.tie_word_embeddings and "lm_head" not in quantized

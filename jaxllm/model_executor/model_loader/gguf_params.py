@@ -9,7 +9,8 @@ weight exists:
 - with a Pallas kernel backend (`fused_kernel`), pallas_kernels/dequant_matmul.py (GEMV for
   decode, tiled GEMM for prefill), the blocks as rows.
 
-Otherwise (CPU without our kernel: no compiler, or $JAXLLM_CPU_KERNELS=0) two trees:
+Otherwise (layout "rows" with the reference backend: CPU without our kernel, no compiler or
+$JAXLLM_CPU_KERNELS=0, or XLA on a GPU) two trees:
 - `gemv_params` (small decode buckets): GGUF block weights are `GGUFWeight`s read by XLA's
   fused GEMVs; rows too wide for one fused GEMV (`single_chunk`: down_proj) stay float32, which
   was faster; float tensors stay float32.
@@ -32,11 +33,7 @@ import jax.numpy as jnp
 
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
-from jaxllm.model_executor.layers.quantization.gguf import (
-    GGUFWeight,
-    single_chunk,
-    use_cpu_kernel,
-)
+from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight, single_chunk
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.gguf_repack import (
     FLOAT_TYPES,
@@ -45,6 +42,9 @@ from jaxllm.model_executor.model_loader.gguf_repack import (
     concat_rows,
     repack,
 )
+
+# The layouts (EngineConfig.gguf_layout, named in jaxllm/config.py) of our CPU kernel's panels.
+CPU_KERNEL_LAYOUTS = ("panels", "compact", "int8")
 
 # Fused param -> the HF names of its parts, stacked along rows as the dense loader stacks them.
 _LAYER_WEIGHTS = {
@@ -67,15 +67,16 @@ def _device(r: RepackedBlocks, packed: bool, compact: bool, int8: bool = False) 
 
 
 def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[str], Any],
-                          path: Path, fused_kernel: bool = False, compact: bool = False,
-                          int8: bool = False,
+                          path: Path, fused_kernel: bool = False,
+                          layout: str = "rows",
                           row_order: Callable[[str], Any] | None = None
                           ) -> tuple[dict, dict | None]:
     """(params, gemv_params) from the dense float32 tree and `tensor(hf_name)`, the GGUF reader's
-    tensor of that name (None if absent); with `fused_kernel` or our CPU kernel, (one tree for
-    every bucket, every GGUF block weight the kernel can read quantized, None). `compact`: the
-    CPU kernel's 4- and 5-bit values in 5-bit panels; `int8`: its integer path's layout for the
-    matmul weights whose values it takes (the embedding, only gathered, keeps the exact one).
+    tensor of that name (None if absent); with `fused_kernel` or a layout of our CPU kernel, (one
+    tree for every bucket, every GGUF block weight the kernel can read quantized, None).
+    `layout` as resolved in the config: "panels", our CPU kernel's; "compact", its 4- and 5-bit
+    values in 5-bit panels; "int8", its integer path's for the matmul weights whose values it
+    takes (the embedding, only gathered, keeps the exact one); "rows", the blocks as rows.
     `row_order(hf_name)`: the rows of that tensor in the dense tree's order (None: as stored),
     applied to its blocks as the dense loader applied it to its values."""
     def quantized(hf_names: list[str], dense: Any, matmul: bool = True) -> GGUFWeight | None:
@@ -109,11 +110,15 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
         except ValueError as e:
             raise ModelLoadError(f"{path}: {', '.join(hf_names)}: {e}") from e
 
-    cpu_kernel = not fused_kernel and use_cpu_kernel()
-    if (compact or int8) and not cpu_kernel:
-        raise ModelLoadError(f"{path}: gguf_compact and cpu_int8_activations pack blocks for our "
-                             f"CPU kernel, which this load does not run (kernel backend, "
-                             f"platform or no compiler)")
+    if layout not in (*CPU_KERNEL_LAYOUTS, "rows"):
+        raise ValueError(f"{path}: GGUF layout {layout!r} is not one of "
+                         f"{(*CPU_KERNEL_LAYOUTS, 'rows')}")
+    cpu_kernel = layout in CPU_KERNEL_LAYOUTS
+    compact, int8 = layout == "compact", layout == "int8"
+    if cpu_kernel and (fused_kernel or not cpu_dequant_matmul.available()):
+        raise ModelLoadError(f"{path}: GGUF layout {layout!r} packs blocks for our CPU kernel, "
+                             f"which this load does not run (kernel backend, platform or no "
+                             f"compiler)")
     if int8 and not cpu_dequant_matmul.int8_supported():
         raise ModelLoadError(f"{path}: cpu_int8_activations: our CPU kernel has no integer path "
                              f"on this machine (it needs x86 with AVX2)")

@@ -48,16 +48,14 @@ class LoadedModel:
 
 def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True,
                quantization: str | None = None,
-               kernel_backend: str = "reference", gguf_compact: bool = False,
-               cpu_int8_activations: bool = False) -> LoadedModel:
+               kernel_backend: str = "reference", gguf_layout: str = "rows") -> LoadedModel:
     """Load a checkpoint of a supported architecture (models/registry.py): a directory with
     config.json + *.safetensors, or a .gguf file.
-    quantization="gguf" (GGUF only) also keeps the GGUF's block weights quantized: for the small
-    decode buckets with the "reference" backend (XLA), for every bucket with a Pallas one (the
-    fused dequant matmul kernel, which also takes bfloat16 activations). `gguf_compact`: our CPU
-    kernel's 4- and 5-bit values packed in 5 bits (`cpu_dequant_matmul.pack`);
-    `cpu_int8_activations`: its integer path's layout (`cpu_dequant_matmul.pack_int8`) for the
-    matmul weights whose values it takes."""
+    quantization="gguf" (GGUF only) also keeps the GGUF's block weights quantized, laid out as
+    `gguf_layout` says (EngineConfig.gguf_layout; gguf_params.py): our CPU kernel's panels for
+    every bucket; else rows, for every bucket with a Pallas backend (the fused dequant matmul
+    kernel, which also takes bfloat16 activations), for the small decode buckets with the
+    "reference" backend (XLA)."""
     fused = kernel_backend != "reference"
     path = Path(path).expanduser()
     if not path.exists():
@@ -69,8 +67,7 @@ def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True
         quantization = None
     gguf_file = _gguf_file(path)
     if gguf_file is not None:
-        return _load_gguf(gguf_file, dtype, progress, quantization, fused, gguf_compact,
-                          cpu_int8_activations)
+        return _load_gguf(gguf_file, dtype, progress, quantization, fused, gguf_layout)
     if quantization == "gguf":
         raise ModelLoadError(f"{path}: quantization='gguf' needs a .gguf model, this is a "
                              f"Hugging Face checkpoint directory")
@@ -182,8 +179,7 @@ def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
 
 
 def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None = None,
-               fused_kernel: bool = False, compact: bool = False,
-               int8: bool = False) -> LoadedModel:
+               fused_kernel: bool = False, layout: str = "rows") -> LoadedModel:
     import gguf
 
     if quantization == "gguf" and not fused_kernel and jnp.dtype(dtype) != jnp.float32:
@@ -244,7 +240,7 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
         return LoadedModel(config, params, path, "gguf")
     params, gemv_params = quantized_param_trees(
         config, params, lambda hf_name: by_name.get(_gguf_name(hf_name)), path, fused_kernel,
-        compact, int8, row_order=lambda hf_name: gguf_row_order(config, hf_name))
+        layout, row_order=lambda hf_name: gguf_row_order(config, hf_name))
     _release_freed_memory()
     return LoadedModel(config, params, path, "gguf", gemv_params)
 
