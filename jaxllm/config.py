@@ -201,6 +201,9 @@ class EngineConfig:
     kernel_backend: str
     quantization: str  # "gguf" or "none"
     gguf_layout: str  # one of GGUF_LAYOUTS: how the loader keeps the GGUF blocks
+    # The model's paged attention: "cpu" (our CPU kernel, where the model's head size suits
+    # it; layers/attention.py) or the kernel backend's.
+    attention_impl: str
     gguf_compact: bool  # 4- and 5-bit GGUF values packed in 5 bits for our CPU kernel
     # Our CPU kernel's integer path: activations quantized to int8 (not exact; False where the
     # kernel's build has no such path)
@@ -343,6 +346,21 @@ def cpu_kernel_available() -> bool:
     from jaxllm.model_executor.layers.quantization import cpu_dequant_matmul
 
     return cpu_dequant_matmul.available()
+
+
+def resolve_attention_impl(kernel_backend: str, platform: str, kv_cache_dtype: str,
+                           tensor_parallel_size: int) -> str:
+    """Our CPU attention kernel ("cpu") on XLA's CPU backend with the reference kernel backend,
+    a float32 cache and one device (under tensor parallelism attention runs per shard inside
+    shard_map, where the reference's plain XLA ops are the tested path), where it is built;
+    else the kernel backend's paged attention."""
+    if (kernel_backend == "reference" and platform == "cpu" and kv_cache_dtype == "float32"
+            and tensor_parallel_size == 1):
+        from jaxllm.model_executor.layers import cpu_attention
+
+        if cpu_attention.available():
+            return "cpu"
+    return kernel_backend
 
 
 def resolve_gguf_layout(quantization: str, platform: str, kernel_backend: str, compact: bool,

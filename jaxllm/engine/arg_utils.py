@@ -23,6 +23,7 @@ from jaxllm.config import (
     UsageContext,
     resolve_activation_dtype,
     resolve_async_scheduling,
+    resolve_attention_impl,
     resolve_cpu_int8_activations,
     resolve_cuda_graph_triton,
     resolve_draft_model_config,
@@ -319,6 +320,8 @@ class EngineArgs:
             kernel_backend=backend, quantization=quantization,
             gguf_layout=resolve_gguf_layout(quantization, platform, backend, self.gguf_compact,
                                             int8),
+            attention_impl=resolve_attention_impl(backend, platform, kv_cache_dtype,
+                                                  self.tensor_parallel_size),
             gguf_compact=self.gguf_compact, cpu_int8_activations=int8,
             gemv_max_rows=resolve_gemv_max_rows(quantization, dtype, backend, platform),
             topk_sampling=platform != "cpu" if self.topk_sampling is None

@@ -68,7 +68,8 @@ from jaxllm.distributed.tensor_parallel import (
     tp_layout,
 )
 from jaxllm.model_executor.config import ModelConfig
-from jaxllm.model_executor.layers.attention import AttentionMetadata, attention_impl, kv_cache_shape
+from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
+from jaxllm.model_executor.layers.attention import attention_impl as fit_attention_impl
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
 from jaxllm.model_executor.layers.rotary_embedding import rope_variables
 from jaxllm.model_executor.models.registry import get_model_class
@@ -189,10 +190,12 @@ class ModelRunner:
                  gemv_params: dict | None = None, gemv_max_rows: int = 0,
                  kv_cache_dtype: Any = None, activation_dtype: Any = None,
                  tensor_parallel_size: int = 1, matmul_precision: str = "default",
-                 num_speculative_tokens: int = 0, pallas_gemv_max_rows: int = 0) -> None:
-        """`gemv_max_rows`, `kv_cache_dtype`, `activation_dtype` and `matmul_precision` as
-        EngineConfig resolved them (None: `dtype`); with `gemv_max_rows` and no `gemv_params`,
-        the GEMV buckets run on float32 copies of `params`."""
+                 num_speculative_tokens: int = 0, pallas_gemv_max_rows: int = 0,
+                 attention_impl: str | None = None) -> None:
+        """`gemv_max_rows`, `kv_cache_dtype`, `activation_dtype`, `matmul_precision` and
+        `attention_impl` as EngineConfig resolved them (None: `dtype`; the kernel backend's
+        attention); with `gemv_max_rows` and no `gemv_params`, the GEMV buckets run on float32
+        copies of `params`."""
         self.config = config
         self.local_config = config  # one device's slice of the model
         self.mesh = None
@@ -235,9 +238,8 @@ class ModelRunner:
                               if (t := s * self.spec_query_len) <= max_num_batched_tokens
                               and not (t == self.spec_query_len and t in self.buckets)]
                              if num_speculative_tokens else [])
-        self.attention_impl = attention_impl(
-            kernel_backend, jax.default_backend(), jnp.dtype(self.kv_cache_dtype).name,
-            config.head_dim, tensor_parallel=self.mesh is not None)
+        self.attention_impl = fit_attention_impl(attention_impl or kernel_backend,
+                                                 kernel_backend, config.head_dim)
         self.model = get_model_class(config.architecture)(
             self.local_config, dtype=dtype, kernel_backend=kernel_backend,
             activation_dtype=self.activation_dtype,
@@ -297,7 +299,8 @@ class ModelRunner:
             tensor_parallel_size=tensor_parallel_size,
             matmul_precision=config.matmul_precision,
             num_speculative_tokens=num_speculative_tokens,
-            pallas_gemv_max_rows=config.pallas_gemv_max_rows)
+            pallas_gemv_max_rows=config.pallas_gemv_max_rows,
+            attention_impl=config.attention_impl)
 
     def _forward(self, params: dict, rope: dict, kv_cache: jax.Array, logits_buf: jax.Array,
                  packed: jax.Array, num_tokens: int, max_query_len: int,

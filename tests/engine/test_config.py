@@ -132,7 +132,7 @@ def test_engine_args_doc_is_generated_from_the_fields():
     # from dtype, the GEMV rows, the GGUF layout, the platform and the launch config, whose
     # settings but the frontend's kind have their arguments too).
     derived = {"model_path", "kv_cache_dtype", "activation_dtype", "gemv_max_rows",
-               "gguf_layout", "platform", "launch_config"}
+               "gguf_layout", "attention_impl", "platform", "launch_config"}
     args = {f.name for f in dataclasses.fields(EngineArgs)}
     assert {f.name for f in dataclasses.fields(EngineConfig)} - derived <= args
     launch = {f.name for f in dataclasses.fields(LaunchConfig)

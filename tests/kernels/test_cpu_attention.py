@@ -156,15 +156,19 @@ def test_bad_shapes_are_named(rng):
 
 
 def test_which_steps_use_it():
-    """A float32 cache, the reference backend, the CPU platform, a head size it takes and one
-    device: the kernel; a bfloat16 cache, a Pallas backend, a GPU, tensor parallelism or an odd
-    head size: the kernel backend's attention."""
+    """The config picks the kernel for a float32 cache, the reference backend, the CPU platform
+    and one device; a bfloat16 cache, a Pallas backend, a GPU or tensor parallelism run the
+    kernel backend's attention, and so does a model whose head size the kernel does not take."""
+    from jaxllm.config import resolve_attention_impl
     from jaxllm.model_executor.layers.attention import CPU_KERNEL, attention_impl
 
-    assert attention_impl("reference", "cpu", "float32", 64, False) == CPU_KERNEL
-    assert attention_impl("interpret", "cpu", "float32", 64, False) == "interpret"
-    assert attention_impl("reference", "cpu", "float32", 64, True) == "reference"
-    assert attention_impl("reference", "cpu", "bfloat16", 64, False) == "reference"
-    assert attention_impl("reference", "gpu", "float32", 64, False) == "reference"
-    assert attention_impl("reference", "cpu", "float32", 40, False) == "reference"
-    assert attention_impl("reference", "cpu", "float32", 512, False) == "reference"
+    assert resolve_attention_impl("reference", "cpu", "float32", 1) == CPU_KERNEL
+    assert resolve_attention_impl("interpret", "cpu", "float32", 1) == "interpret"
+    assert resolve_attention_impl("reference", "cpu", "float32", 2) == "reference"
+    assert resolve_attention_impl("reference", "cpu", "bfloat16", 1) == "reference"
+    assert resolve_attention_impl("reference", "gpu", "float32", 1) == "reference"
+    assert resolve_attention_impl("pallas", "gpu", "bfloat16", 1) == "pallas"
+    assert attention_impl(CPU_KERNEL, "reference", 64) == CPU_KERNEL
+    assert attention_impl(CPU_KERNEL, "reference", 40) == "reference"
+    assert attention_impl(CPU_KERNEL, "reference", 512) == "reference"
+    assert attention_impl("interpret", "interpret", 40) == "interpret"

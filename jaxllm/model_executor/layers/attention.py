@@ -1,6 +1,8 @@
 """Paged attention as a layer: RoPE and the KV write on the fused QKV output, then attention
 over the paged KV array, on the implementation the runner chose once (`attention_impl`): the
 Pallas kernels (GPU, or interpret mode in tests), our CPU kernel, or XLA's reference ops.
+The choice is the config's (`resolve_attention_impl` in jaxllm/config.py), fitted to the
+model's head size here.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from typing import Generic, NamedTuple, TypeVar
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers import cpu_attention
@@ -39,17 +40,12 @@ def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tup
             config.head_dim)
 
 
-def attention_impl(kernel_backend: str, platform: str, kv_cache_dtype: str, head_dim: int,
-                   tensor_parallel: bool) -> str:
-    """Which attention a model runs: our CPU kernel where it applies (XLA's CPU backend with the
-    reference kernel backend, a float32 cache, a head_dim it takes, one device: under tensor
-    parallelism attention runs per shard inside shard_map, where the reference's plain XLA ops
-    are the tested path) and is built, else the kernel backend's."""
-    if (kernel_backend == "reference" and platform == "cpu" and not tensor_parallel
-            and jnp.dtype(kv_cache_dtype) == jnp.float32 and cpu_attention.takes(head_dim)
-            and cpu_attention.available()):
-        return CPU_KERNEL
-    return kernel_backend
+def attention_impl(resolved: str, kernel_backend: str, head_dim: int) -> str:
+    """The attention a model runs: `resolved` (EngineConfig.attention_impl), except our CPU
+    kernel for a head size it does not take, which runs the kernel backend's."""
+    if resolved == CPU_KERNEL and not cpu_attention.takes(head_dim):
+        return kernel_backend
+    return resolved
 
 
 class Attention(nn.Module):
