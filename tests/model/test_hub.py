@@ -314,7 +314,7 @@ def test_offline_from_the_cache(hub, tmp_path):
 
 
 @pytest.mark.parametrize("offline", [False, True])
-def test_no_hub_and_no_cache_is_a_clear_error(tmp_path, offline):
+def test_no_hub_and_no_cache_is_a_clear_error(hub, tmp_path, offline):
     with pytest.MonkeyPatch.context() as mp:
         point_hub_at(mp, closed_port_url(), offline=offline)
         with pytest.raises(ModelLoadError) as e:

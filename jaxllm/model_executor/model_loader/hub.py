@@ -36,8 +36,7 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 def looks_local(model: str) -> bool:
     """Written as a path: a typo in it must say "no such file", not send it to the Hub."""
-    return model.startswith(("/", "./", "../", "~", ".\\")) or model.lower().endswith(".gguf") \
-        or model in (".", "..")
+    return model.startswith(("/", "./", "../", "~")) or model.lower().endswith(".gguf")
 
 
 def is_hub_id(model: str | None) -> bool:
@@ -103,7 +102,7 @@ def _quiet_no_match() -> Iterator[None]:
         logger.removeFilter(quiet)
 
 
-def _repo_files(repo_id: str, commit: str, cache_dir: str | None, folder: Path) -> list[str]:
+def _repo_files(repo_id: str, commit: str | None, cache_dir: str | None, folder: Path) -> list[str]:
     """The repo's files at `commit`, from the listing the first pass cached; a cache written
     without one: the files on disk."""
     from huggingface_hub import get_cached_repo_tree
@@ -141,7 +140,7 @@ def download_model(model: str, revision: str | None = None,
         # The snapshot directory is named by its commit; a revision that is not a commit would
         # be looked up again (and could move between the passes).
         commit = folder.name if _COMMIT.fullmatch(folder.name) else revision
-        files = _repo_files(repo_id, folder.name, download_dir, folder)
+        files = _repo_files(repo_id, commit, download_dir, folder)
         gguf = pick_gguf(model, files, quant)
         weights = SAFETENSORS_PATTERNS if gguf is None else [gguf]
         folder = Path(snapshot_download(repo_id, revision=commit, cache_dir=download_dir,
