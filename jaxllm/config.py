@@ -246,17 +246,23 @@ class EngineConfig:
         return self.launch_config.parallel_config.tensor_parallel_size
 
 
-def resolve_model(model: str | Path | None) -> Path:
+def resolve_model(model: str | Path | None, revision: str | None = None,
+                  download_dir: str | None = None) -> Path:
     """A model name -> its checkpoint: None -> the embedded default model, `tiny-qwen2` -> the
-    tiny random checkpoint (written on first use), anything else a path."""
+    tiny random checkpoint (written on first use), an existing or path-like name -> that path,
+    anything else a Hugging Face Hub id (`owner/name`, `owner/name:QUANT` for a GGUF repo's
+    file) -> its local snapshot at `revision` under `download_dir`, fetched when not cached."""
     if model is None:
         from jaxllm.model_executor.model_loader.default_model import default_model_path
 
         return default_model_path()
+    from jaxllm.model_executor.model_loader.hub import download_model, is_hub_id
     from jaxllm.model_executor.model_loader.tiny_model import TINY_MODEL_NAME, tiny_qwen2_path
 
     if str(model) == TINY_MODEL_NAME:
         return tiny_qwen2_path()
+    if is_hub_id(str(model)):
+        return download_model(str(model), revision, download_dir)
     return Path(model).expanduser()
 
 

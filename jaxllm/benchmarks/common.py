@@ -56,7 +56,7 @@ def make_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
 
     # The HF baseline reads args.model later: it gets the resolved checkpoint too.
     if args.model is not None:
-        args.model = str(resolve_model(args.model))
+        args.model = str(resolve_model(args.model, args.revision, args.download_dir))
     return LLM.from_engine_args(EngineArgs.from_cli_args(
         args, max_num_seqs=max_num_seqs, show_progress=not args.no_progress))
 

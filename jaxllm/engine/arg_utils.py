@@ -53,8 +53,17 @@ class EngineArgs:
     """Engine settings; unknown names are refused by LLM(), bad values raise ValueError."""
 
     model: str | None = _arg(
-        None, "checkpoint directory, .gguf file or `tiny-qwen2` (a random 2-layer Qwen2 with "
-              "the real tokenizer); not given: the embedded Qwen2.5-Coder-0.5B-Instruct")
+        None, "checkpoint directory, .gguf file, Hugging Face Hub model id "
+              "(`Qwen/Qwen2.5-1.5B-Instruct`; a GGUF repo's file by its quantization type: "
+              "`Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M`) or `tiny-qwen2` (a random 2-layer "
+              "Qwen2 with the real tokenizer); not given: the embedded "
+              "Qwen2.5-Coder-0.5B-Instruct")
+    revision: str | None = _arg(
+        None, "the specific model version to use, for a Hub model id: a branch name, a tag "
+              "name or a commit id; not given: the default version")
+    download_dir: str | None = _arg(
+        None, "directory to download and load the weights of a Hub model id; not given: the "
+              "default cache directory of Hugging Face")
     dtype: str | None = _arg(None, "weights' dtype; not given: float32 on CPU, bfloat16 on GPU")
     kernel_backend: str | None = _arg(
         None, "attention and norm kernels; not given: pallas on GPU, reference (XLA) on CPU")
@@ -145,6 +154,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.model is not None:
             self.model = str(self.model)
+        if self.download_dir is not None:
+            self.download_dir = str(self.download_dir)
         if self.dtype is not None and not isinstance(self.dtype, str):
             # jnp.float32 and friends: keep the config plain (serialisable).
             import numpy as np
@@ -232,7 +243,8 @@ class EngineArgs:
                     group.add_argument(flag, action="store_true", help=help_text)
                 continue
             kind: Any = {"gpu_memory_utilization": float}.get(f.name, int)
-            if f.name in ("model", "dtype", "kernel_backend", "quantization",
+            if f.name in ("model", "revision", "download_dir", "dtype", "kernel_backend",
+                          "quantization",
                           "coordinator_address", "matmul_precision", "speculative_config"):
                 kind = str
             choices = {"dtype": DTYPES, "kernel_backend": KERNEL_BACKENDS,
@@ -285,7 +297,7 @@ class EngineArgs:
             import jax
 
             platform = jax.default_backend()
-        path = resolve_model(self.model)
+        path = resolve_model(self.model, self.revision, self.download_dir)
         spec = None if self.speculative_config is None \
             else SpeculativeConfig.from_dict(self.speculative_config)
         dtype = resolve_dtype(self.dtype, platform)

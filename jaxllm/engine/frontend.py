@@ -10,6 +10,7 @@ hold it without keeping the engine alive.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient, InprocClient
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.processor import ProcessedRequest, Processor
+from jaxllm.model_executor.model_loader.hub import is_hub_id
 from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 from jaxllm.outputs import RequestOutput
 
@@ -128,11 +130,16 @@ class EngineFrontend:
         # Decided here, before any JAX backend starts; the core gets the outcome.
         self.launch_config = engine_args.create_launch_config(usage_context)
         args = self.engine_args = engine_args
+        path = resolve_model(args.model, args.revision, args.download_dir)
         # The tokenizer first: a missing one fails in seconds, not after minutes of compiling.
-        self.tokenizer = None if args.skip_tokenizer_init else \
-            load_tokenizer(resolve_model(args.model))
-        self.engine_core_client = make_client(self.launch_config, args)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path)
+        # A Hub id is looked up (and downloaded) here, once: the core loads the local snapshot.
+        core_args = dataclasses.replace(args, model=str(path)) if is_hub_id(args.model) \
+            else args
+        self.engine_core_client = make_client(self.launch_config, core_args)
         info: EngineCoreInfo = self.engine_core_client.get_engine_info()
+        if core_args is not args:  # named as the user named it, not by its snapshot directory
+            info.config = dataclasses.replace(info.config, model=args.model)
         self.core_info = info
         eos = set(info.eos_token_ids)
         tokenizer_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id

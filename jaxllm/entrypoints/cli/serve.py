@@ -18,7 +18,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                        description=__doc__)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint directory, .gguf file or tiny-qwen2 (same as --model)")
+                   help="checkpoint directory, .gguf file, Hugging Face Hub model id "
+                        "(owner/name, owner/name:QUANT for one file of a GGUF repo) or "
+                        "tiny-qwen2 (same as --model)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (vLLM binds 0.0.0.0; we do only when asked)")
     p.add_argument("--port", type=int, default=8000)

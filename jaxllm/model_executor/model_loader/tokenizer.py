@@ -19,12 +19,16 @@ def _gguf_cache_key(path: Path) -> str:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """A checkpoint directory's tokenizer, or the one embedded in a .gguf file.
+    """A checkpoint directory's tokenizer, or a .gguf file's: the tokenizer files beside it
+    when there are (a Hub GGUF repo that ships the original tokenizer), else the one embedded in
+    the GGUF.
 
     Converting a GGUF vocabulary takes many seconds, so the converted tokenizer is saved under
     the cache directory and reloaded from there next time.
     """
     path = Path(path).expanduser()
+    if path.is_file() and (path.parent / "tokenizer_config.json").is_file():
+        path = path.parent
     if path.is_dir():
         try:
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
