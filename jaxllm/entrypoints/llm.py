@@ -132,9 +132,13 @@ class LLM:
             for conv in conversations]
         # The template wrote the BOS it wants; the tokenizer must not add another.
         processor = self.llm_engine.processor
-        prompts: list[PromptType] = [
-            {"prompt": text, "prompt_token_ids": processor.process_prompt(
-                text, add_special_tokens=False).prompt_token_ids} for text in texts]
+        prompts: list[PromptType] = []
+        for i, text in enumerate(texts):
+            try:
+                ids = processor.process_prompt(text, add_special_tokens=False).prompt_token_ids
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 from jaxllm import SamplingParams
-from jaxllm.config import resolve_model
+from jaxllm.config import UsageContext, resolve_model
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from tests.gguf_models import write_tiny_gguf
@@ -236,14 +236,14 @@ def test_the_core_is_handed_the_snapshot_not_the_id(hub, monkeypatch, tmp_path):
 
     handed = []
 
-    def capture(multiprocess_mode, asyncio_mode, engine_args):
+    def capture(launch_config, engine_args):
         handed.append(engine_args)
         raise RuntimeError("captured")
 
     monkeypatch.setattr(frontend, "make_client", capture)
     with pytest.raises(RuntimeError, match="captured"):
         frontend.EngineFrontend(EngineArgs(model=MODEL_ID, download_dir=str(tmp_path),
-                                           skip_tokenizer_init=True), asyncio_mode=False)
+                                           skip_tokenizer_init=True), UsageContext.LLM_CLASS)
     (args,) = handed
     snapshot = resolve_model(MODEL_ID, None, str(tmp_path))
     assert args.model == str(snapshot) and snapshot.is_dir()
