@@ -46,7 +46,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.gpu.realshape import DRY_RUN_SHAPE, shape_named  # noqa: E402
-from jaxllm.config import resolve_attention_impl  # noqa: E402
 from jaxllm.model_executor.config import ModelConfig  # noqa: E402
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM  # noqa: E402
 from jaxllm.model_executor.models.registry import abstract_params  # noqa: E402
@@ -65,9 +64,7 @@ def zero_runner(shape_name: str, dtype: str, max_num_seqs: int = 64,
     params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_params(model))
     runner = ModelRunner(config, params, dtype=jnp.dtype(dtype), kernel_backend=kernel_backend,
                          block_size=16, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=256,
-                         attention_impl=resolve_attention_impl(
-                             kernel_backend, jax.default_backend(), dtype, 1))
+                         max_num_batched_tokens=256)
     runner.initialize_kv_cache(64)
     return runner
 

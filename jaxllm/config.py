@@ -65,8 +65,8 @@ GGUF_LAYOUTS = ("panels", "compact", "int8", "rows", "none")
 
 
 class UsageContext(enum.Enum):
-    """The frontend that runs the engine (vLLM's name): the multiprocess default on CPU
-    depends on it."""
+    """The frontend that runs the engine (as vLLM's usage context names it): the multiprocess
+    default on CPU depends on it."""
 
     LLM_CLASS = "LLM_CLASS"  # LLM and LLMEngine: blocking calls
     ASYNC_LLM = "ASYNC_LLM"  # AsyncLLM and the OpenAI server: an asyncio event loop
@@ -226,7 +226,7 @@ class EngineConfig:
     num_kv_blocks: int | None
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
-    max_model_len: int | None  # None: the model's max_position_embeddings
+    max_model_len: int | None  # None: the positions the model takes (ModelConfig.max_context_len)
     max_num_seqs: int
     max_num_batched_tokens: int
     max_n: int

@@ -99,7 +99,8 @@ class EngineArgs:
         None, "byte budget for the KV array; not given: 1 GiB on CPU (over all devices), "
               "from gpu_memory_utilization on GPU")
     max_model_len: int | None = _arg(
-        None, "longest prompt + output; not given: the model's max_position_embeddings")
+        None, "longest prompt + output; not given: the positions the model takes (its "
+              "max_position_embeddings, times the factor of a linear or YaRN RoPE scaling)")
     max_num_seqs: int = _arg(64, "sequences per step")
     max_num_batched_tokens: int = _arg(
         512, "token budget per step (longer prompts are prefilled in chunks)")
@@ -332,8 +333,9 @@ class EngineArgs:
             kernel_backend=backend, quantization=quantization,
             gguf_layout=resolve_gguf_layout(quantization, platform, backend, self.gguf_compact,
                                             int8),
-            attention_impl=resolve_attention_impl(backend, platform, kv_cache_dtype,
-                                                  self.tensor_parallel_size),
+            attention_impl=resolve_attention_impl(
+                backend, platform, kv_cache_dtype,
+                launch.parallel_config.tensor_parallel_size),
             gguf_compact=self.gguf_compact, cpu_int8_activations=int8,
             gemv_max_rows=resolve_gemv_max_rows(quantization, dtype, backend, platform),
             topk_sampling=platform != "cpu" if self.topk_sampling is None

@@ -116,10 +116,13 @@ class EngineCore:
                             kernel_backend=config.kernel_backend,
                             gguf_layout=config.gguf_layout)
         model_config = loaded.config
-        max_model_len = config.max_model_len or model_config.max_position_embeddings
-        if max_model_len > model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                             f"max_position_embeddings {model_config.max_position_embeddings}")
+        max_model_len = config.max_model_len or model_config.max_context_len
+        if max_model_len > model_config.max_context_len:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the "
+                             f"{model_config.max_context_len} positions the model takes "
+                             f"(max_position_embeddings "
+                             f"{model_config.max_position_embeddings}, times the factor of a "
+                             f"linear or YaRN RoPE scaling)")
         self.async_scheduling = config.async_scheduling
         self.runner = ModelRunner.from_engine_config(
             config, loaded, max_model_len, gemv_max_rows=config.gemv_max_rows,

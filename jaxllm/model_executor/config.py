@@ -110,6 +110,18 @@ class ModelConfig:
     # the registry refuses one shorter than the context.
     sliding_window: int | None = None
 
+    @property
+    def max_context_len(self) -> int:
+        """Positions the model takes: max_position_embeddings, stretched by a linear or YaRN
+        scaling (whose configs leave it at the trained length, as vLLM reads them; Llama 3's
+        already name the stretched one)."""
+        s = self.rope_scaling
+        if s is None or s.rope_type not in ("linear", "yarn"):
+            return self.max_position_embeddings
+        trained = s.original_max_position_embeddings if s.rope_type == "yarn" else None
+        return max(self.max_position_embeddings,
+                   int((trained or self.max_position_embeddings) * s.factor))
+
     def __post_init__(self) -> None:
         # Checkpoints are input: a count of the wrong type or size is named here rather than
         # failing inside the model's shapes; int32 bounds what positions and ids are computed in.
@@ -149,7 +161,8 @@ class ModelConfig:
             architecture = _ARCHITECTURE_OF_MODEL_TYPE.get(model_type)
             if architecture is None:
                 raise ValueError(f"model_type {model_type!r} is not supported and the config "
-                                 f"names no architectures")
+                                 f"names no architectures (supported model types: "
+                                 f"{', '.join(_ARCHITECTURE_OF_MODEL_TYPE)})")
         if not isinstance(architecture, str):
             raise ValueError(f"model config: architectures must be a list of names, got "
                              f"{architectures!r}")
@@ -176,7 +189,8 @@ class ModelConfig:
                              "supported")
         # Qwen2's q/k/v always carry biases; the other families say so in `attention_bias`.
         bias = architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
-        window = cfg.get("sliding_window")
+        # Mistral's config class fills in a 4096-token window when the file names none.
+        window = cfg.get("sliding_window", 4096 if architecture == "MistralForCausalLM" else None)
         if architecture != "MistralForCausalLM" and not cfg.get("use_sliding_window", False):
             window = None  # Qwen configs carry a window they do not use unless told to
         return cls(
@@ -203,13 +217,16 @@ class ModelConfig:
 
     def with_generation_config(self, path: str | Path) -> ModelConfig:
         """This config with the end-of-generation tokens a generation_config.json beside it
-        adds (unreadable or absent: unchanged; the model runs without it)."""
+        adds (unreadable or absent: unchanged, the model runs without it; ids that are not
+        token ids: a ValueError naming the file)."""
         try:
             gen = json.loads(Path(path).read_text())
         except (OSError, ValueError, RecursionError):
             return self
         eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
         extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in extra):
+            raise ValueError(f"{path}: eos_token_id must be token ids, got {eos!r}")
         ids = list(self.eos_token_ids or ([] if self.eos_token_id is None
                                           else [self.eos_token_id]))
         ids += [t for t in extra if t not in ids]
@@ -272,10 +289,12 @@ class ModelConfig:
             tie_word_embeddings=tied,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-            # llama.cpp's end-of-turn token (Llama 3's <|eot_id|>) ends a generation too.
+            # llama.cpp's end-of-turn and end-of-message tokens (Llama 3's <|eot_id|>,
+            # <|eom_id|>) end a generation too.
             eos_token_ids=tuple(dict.fromkeys(
                 t for t in (meta.get("tokenizer.ggml.eos_token_id"),
-                            meta.get("tokenizer.ggml.eot_token_id")) if t is not None)),
+                            meta.get("tokenizer.ggml.eot_token_id"),
+                            meta.get("tokenizer.ggml.eom_token_id")) if t is not None)),
             architecture=GGUF_ARCHITECTURES[arch],
             attention_bias=attention_bias,
             rope_scaling=scaling,

@@ -63,9 +63,9 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
                              f"{draft.vocab_size} tokens, the target {target.vocab_size}: a "
                              f"draft model must share the target's vocabulary")
-        if draft.max_position_embeddings < max_model_len:
+        if draft.max_context_len < max_model_len:
             raise ValueError(f"speculative_config.model {spec.model!r} handles "
-                             f"{draft.max_position_embeddings} positions, fewer than "
+                             f"{draft.max_context_len} positions, fewer than "
                              f"max_model_len={max_model_len}")
         self.k = spec.num_speculative_tokens
         self.max_model_len = max_model_len

@@ -57,7 +57,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxllm.config import DEFAULT_CPU_KV_BYTES, kv_budget_bytes
+from jaxllm.config import DEFAULT_CPU_KV_BYTES, kv_budget_bytes, resolve_attention_impl
 from jaxllm.distributed.tensor_parallel import (
     KV_SPEC,
     LOGITS_SPEC,
@@ -193,8 +193,8 @@ class ModelRunner:
                  num_speculative_tokens: int = 0, pallas_gemv_max_rows: int = 0,
                  attention_impl: str | None = None) -> None:
         """`gemv_max_rows`, `kv_cache_dtype`, `activation_dtype`, `matmul_precision` and
-        `attention_impl` as EngineConfig resolved them (None: `dtype`; the kernel backend's
-        attention); with `gemv_max_rows` and no `gemv_params`, the GEMV buckets run on float32
+        `attention_impl` as EngineConfig resolved them (None: `dtype`; as the config would
+        resolve it); with `gemv_max_rows` and no `gemv_params`, the GEMV buckets run on float32
         copies of `params`."""
         self.config = config
         self.local_config = config  # one device's slice of the model
@@ -238,8 +238,12 @@ class ModelRunner:
                               if (t := s * self.spec_query_len) <= max_num_batched_tokens
                               and not (t == self.spec_query_len and t in self.buckets)]
                              if num_speculative_tokens else [])
-        self.attention_impl = fit_attention_impl(attention_impl or kernel_backend,
-                                                 kernel_backend, config.head_dim)
+        if attention_impl is None:  # built without an engine config: as it would resolve
+            attention_impl = resolve_attention_impl(
+                kernel_backend, jax.default_backend(), jnp.dtype(self.kv_cache_dtype).name,
+                tensor_parallel_size)
+        self.attention_impl = fit_attention_impl(attention_impl, kernel_backend,
+                                                 config.head_dim)
         self.model = get_model_class(config.architecture)(
             self.local_config, dtype=dtype, kernel_backend=kernel_backend,
             activation_dtype=self.activation_dtype,

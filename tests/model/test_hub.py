@@ -353,3 +353,16 @@ def test_serve_parses_revision_and_download_dir():
     engine_args = EngineArgs.from_cli_args(args, model=args.model_tag)
     assert (engine_args.model, engine_args.revision, engine_args.download_dir) == \
         (f"{GGUF_ID}:Q4_K_M", "v1", "/models")
+
+
+def test_a_quantization_type_is_matched_as_a_whole_word_first():
+    from jaxllm.model_executor.model_loader.hub import pick_gguf
+
+    files = ["m-BF16.gguf", "m-F16.gguf", "m-IQ4_0.gguf", "m-Q4_0.gguf", "m-Q4_K_M.gguf"]
+    assert pick_gguf("o/m", files, "F16") == "m-F16.gguf"
+    assert pick_gguf("o/m", files, "q4_0") == "m-Q4_0.gguf"
+    assert pick_gguf("o/m", files, "Q4_K_M") == "m-Q4_K_M.gguf"
+    # No whole-word match: a part of a name still picks it when only one file holds it.
+    assert pick_gguf("o/m", files, "K_M") == "m-Q4_K_M.gguf"
+    with pytest.raises(ModelLoadError, match="exactly one .gguf file must contain 'Q4'"):
+        pick_gguf("o/m", files, "Q4")

@@ -129,3 +129,28 @@ def test_gguf_metadata_of_each_family():
     with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported "
                                          r"\(supported: qwen2, qwen3, llama\)"):
         ModelConfig.from_gguf_metadata({"general.architecture": "gpt2"}, 64, tied=True)
+
+
+def test_linear_and_yarn_scalings_stretch_the_context():
+    """vLLM's reading: YaRN's trained length times its factor, linear's max_position_embeddings
+    times its factor; Llama 3's config already names the stretched length."""
+    yarn = _cfg(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 256})
+    assert yarn.max_context_len == 1024
+    assert _cfg(rope_scaling={"rope_type": "linear", "factor": 2.0}).max_context_len == 512
+    llama3 = _cfg(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 64})
+    assert llama3.max_context_len == 256
+    assert _cfg().max_context_len == 256
+    from jaxllm.model_executor.layers.rotary_embedding import rope_variables
+
+    assert rope_variables(yarn)["cos_sin_cache"].shape == (1024, 8)
+
+
+def test_a_mistral_config_without_a_window_has_mistrals_default_one():
+    # transformers' MistralConfig fills in 4096 when the file names no sliding_window.
+    config = _cfg(model_type="mistral", max_position_embeddings=32768)
+    assert config.sliding_window == 4096
+    with pytest.raises(ValueError, match="sliding_window 4096"):
+        check_supported(config)

@@ -88,8 +88,9 @@ def _yarn(inv_freq: np.ndarray, s: RopeScaling, base: float, dim: int
 
 
 def rope_variables(config: ModelConfig) -> dict[str, jax.Array]:
-    """The model's "rope" collection: {"cos_sin_cache": [max_position, head_dim] float32}."""
+    """The model's "rope" collection: {"cos_sin_cache": [max_context_len, head_dim]
+    float32}."""
     inv_freq, attention_factor = inv_frequencies(config)
     return {"cos_sin_cache": rope_cos_sin_cache(
-        config.head_dim, config.max_position_embeddings, config.rope_theta, jnp.float32,
+        config.head_dim, config.max_context_len, config.rope_theta, jnp.float32,
         inv_freq=inv_freq, attention_factor=attention_factor)}

@@ -76,7 +76,10 @@ def pick_gguf(model: str, files: list[str], quant: str | None) -> str | None:
     if not ggufs:
         raise ModelLoadError(f"{model!r}: ':{quant}' picks a .gguf file, but the repo has none; "
                              f"its files: {', '.join(sorted(files)) or 'none'}")
-    matches = [f for f in ggufs if quant.lower() in f.lower()]
+    # The type as a whole word first: ":F16" is not "BF16", ":Q4_0" not "IQ4_0".
+    word = re.compile(rf"(?<![a-z0-9]){re.escape(quant.lower())}(?![a-z0-9])")
+    matches = [f for f in ggufs if word.search(f.lower())] \
+        or [f for f in ggufs if quant.lower() in f.lower()]
     if len(matches) != 1:
         found = "none" if not matches else f"{len(matches)} ({', '.join(matches)})"
         raise ModelLoadError(f"{model!r}: exactly one .gguf file must contain {quant!r}, "

@@ -48,15 +48,21 @@ class LoadedModel:
 
 def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True,
                quantization: str | None = None,
-               kernel_backend: str = "reference", gguf_layout: str = "rows") -> LoadedModel:
+               kernel_backend: str = "reference", gguf_layout: str | None = None) -> LoadedModel:
     """Load a checkpoint of a supported architecture (models/registry.py): a directory with
     config.json + *.safetensors, or a .gguf file.
     quantization="gguf" (GGUF only) also keeps the GGUF's block weights quantized, laid out as
     `gguf_layout` says (EngineConfig.gguf_layout; gguf_params.py): our CPU kernel's panels for
     every bucket; else rows, for every bucket with a Pallas backend (the fused dequant matmul
     kernel, which also takes bfloat16 activations), for the small decode buckets with the
-    "reference" backend (XLA)."""
+    "reference" backend (XLA). None: as EngineConfig resolves it for this platform.
+    """
     fused = kernel_backend != "reference"
+    if gguf_layout is None:  # a caller without an engine config: as the config would resolve it
+        from jaxllm.config import resolve_gguf_layout
+
+        gguf_layout = resolve_gguf_layout("gguf", jax.default_backend(), kernel_backend, False,
+                                          False)
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
@@ -206,13 +212,15 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
     vocab_size = int(by_name["token_embd.weight"].shape[-1])
     freqs = by_name.get("rope_freqs.weight")
     try:
-        factors = None if freqs is None else tuple(
-            float(f) for f in np.asarray(freqs.data, np.float32).reshape(-1))
+        factors = None if freqs is None else _rope_freq_factors(freqs.data)
         config = ModelConfig.from_gguf_metadata(meta, vocab_size,
                                                 tied="output.weight" not in by_name,
                                                 attention_bias="blk.0.attn_q.bias" in by_name,
                                                 rope_freq_factors=factors)
         check_supported(config)
+        if factors is not None and len(factors) != config.head_dim // 2:
+            raise ValueError(f"rope_freqs.weight holds {len(factors)} factors, head_dim "
+                             f"{config.head_dim} needs {config.head_dim // 2}")
     except (ValueError, TypeError, OverflowError) as e:  # metadata of the wrong type or size
         raise ModelLoadError(f"{path}: {e}") from e
 
@@ -243,6 +251,15 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
         layout, row_order=lambda hf_name: gguf_row_order(config, hf_name))
     _release_freed_memory()
     return LoadedModel(config, params, path, "gguf", gemv_params)
+
+
+def _rope_freq_factors(data: Any) -> tuple[float, ...]:
+    """A `rope_freqs` tensor's factors; a ValueError unless each is a finite number > 0 (the
+    frequencies are divided by them)."""
+    factors = np.asarray(data, np.float32).reshape(-1)
+    if not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise ValueError("rope_freqs.weight holds a factor that is not a finite number > 0")
+    return tuple(float(f) for f in factors)
 
 
 def _release_freed_memory() -> None:

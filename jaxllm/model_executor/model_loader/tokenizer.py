@@ -19,15 +19,18 @@ def _gguf_cache_key(path: Path) -> str:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """A checkpoint directory's tokenizer, or a .gguf file's: the tokenizer files beside it
-    when there are (a Hub GGUF repo that ships the original tokenizer), else the one embedded in
-    the GGUF.
+    """A checkpoint directory's tokenizer, or a .gguf file's: the tokenizer files beside it in
+    a Hub snapshot when there are (a GGUF repo that ships the original tokenizer), else the one
+    embedded in the GGUF.
 
     Converting a GGUF vocabulary takes many seconds, so the converted tokenizer is saved under
     the cache directory and reloaded from there next time.
     """
     path = Path(path).expanduser()
-    if path.is_file() and (path.parent / "tokenizer_config.json").is_file():
+    # Only in a Hub snapshot (.../snapshots/<commit>/) are the files beside a .gguf its own
+    # tokenizer; elsewhere they may be any model's.
+    if path.is_file() and path.parent.parent.name == "snapshots" \
+            and (path.parent / "tokenizer_config.json").is_file():
         path = path.parent
     if path.is_dir():
         try:

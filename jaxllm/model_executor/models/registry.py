@@ -37,10 +37,10 @@ def check_supported(config: ModelConfig) -> None:
     """A ValueError naming what of `config` no model here runs."""
     get_model_class(config.architecture)
     window = config.sliding_window
-    if window is not None and window < config.max_position_embeddings:
+    if window is not None and window < config.max_context_len:
         raise ValueError(f"{config.architecture}: sliding-window attention (sliding_window "
-                         f"{window}, shorter than max_position_embeddings "
-                         f"{config.max_position_embeddings}) is not supported")
+                         f"{window}, shorter than the model's {config.max_context_len} "
+                         f"positions) is not supported")
 
 
 def abstract_params(model: LlamaForCausalLM) -> dict:
