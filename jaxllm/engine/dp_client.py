@@ -182,7 +182,10 @@ class DPLBClient(EngineCoreClient):
             try:
                 out = self.cores[i].get_output_nowait()
             except EngineDeadError:
-                raise self._core_died(i) from None
+                err = self._core_died(i)
+                if isinstance(err, EngineCoreDeadError) and not err.request_ids:
+                    continue  # it held nothing: nobody to tell
+                raise err from None
             if out is not None:
                 self._next = (i + 1) % n
                 for o in out.outputs:
