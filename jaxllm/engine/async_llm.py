@@ -4,8 +4,9 @@
     async for out in engine.generate(prompt, SamplingParams(...), request_id):
         ...  # RequestOutputs as tokens arrive (SamplingParams.output_kind)
 
-The engine core runs in its own process (AsyncMPClient) unless multiprocess_mode=False (then each
-step runs inline on the event loop: for debugging). One output-handler task per engine moves the
+The engine core runs in its own process (AsyncMPClient), or several in theirs with
+data_parallel_size > 1 (DPLBClient), unless multiprocess_mode=False (then each step runs inline
+on the event loop: for debugging). One output-handler task per engine moves the
 core's outputs through the OutputProcessor (detokenizing, stop strings) into per-request queues;
 `generate` reads its queue. A consumer that stops early (cancelled, or the generator closed)
 aborts its request in the core, which frees its KV blocks.

@@ -178,6 +178,7 @@ class EngineFrontend:
             "enable_prefix_caching": config.enable_prefix_caching,
             "multiprocess_mode": config.launch_config.multiprocess_mode,
             "platform": config.platform,
+            "data_parallel_size": config.launch_config.parallel_config.data_parallel_size,
         }
 
 

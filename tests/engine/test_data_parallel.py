@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -24,6 +25,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.engine import EngineDeadError
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.engine.dp_client import DPLBClient
+from jaxllm.sampling_params import StructuredOutputsParams
 from tests.server.openai_server import http, metric, serve_tiny, stream_text
 
 ENGINE = dict(max_model_len=128, max_num_seqs=32, max_num_batched_tokens=128, num_kv_blocks=256,
@@ -97,10 +99,18 @@ def test_offline_same_tokens_as_one_core(dp_llm, reference):
     client = dp_llm.llm_engine.engine_core_client
     assert isinstance(client, DPLBClient) and len(set(client.core_pids)) == 2
     assert dp_llm.llm_engine.multiprocess_mode
-    sps = [params(i) for i in range(len(PROMPTS))]
-    outs = dp_llm.generate([token_prompt(p) for p in PROMPTS], sps, use_tqdm=False)
+    # Each core has its own grammar manager: two constrained requests, one per core.
+    constrained = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                       structured_outputs=StructuredOutputsParams(regex="[a-z]{2,5}")),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
+                       structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
+    prompts = PROMPTS + PROMPTS[:2]
+    sps = [params(i) for i in range(len(PROMPTS))] + constrained
+    outs = dp_llm.generate([token_prompt(p) for p in prompts], sps, use_tqdm=False)
     got = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
-    assert got == reference(PROMPTS, sps)
+    assert got == reference(prompts, sps)
+    assert re.fullmatch("[a-z]{2,5}", got[-2][1]) and got[-1][1] in ("yes", "no"), got[-2:]
     # Utility calls answer per core; the engine's info is core 0's.
     states = dp_llm.llm_engine.engine_core_client.call_utility("get_scheduler_state")
     assert len(states) == 2 and all(s["num_requests"] == 0 for s in states)
