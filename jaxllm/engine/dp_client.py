@@ -7,7 +7,7 @@ drafter: the same model, so EngineCoreInfo comes from core 0. One client object 
 blocking and the `*_async` calls; the frontend (LLMEngine, AsyncLLM) is unchanged but for the
 one error below.
 
-Routing, per request (`_pick`), over the live cores:
+Routing, per request (DPRouter.pick), over the live cores:
   siblings  an n > 1 request's sequences go where its first one went (the later ones reuse its
             prompt's KV blocks there; processor.child_request_ids names them `{i}_{parent}`)
   prefix    the hashes of its first full KV blocks: the longest one a recent request had names
@@ -68,6 +68,69 @@ class EngineState:
     num_routed: int  # requests routed to it since start
 
 
+class DPRouter:
+    """Which core each request goes to, and each core's load as the client counts it (plain
+    bookkeeping, no processes: the client tells it which cores live)."""
+
+    def __init__(self, num_engines: int, block_size: int, load_margin: int) -> None:
+        self.block_size = block_size
+        self.load_margin = load_margin
+        self.request_core: dict[str, int] = {}
+        self.loads = [0] * num_engines
+        self.routed = [0] * num_engines
+        self._prefixes: OrderedDict[int, int] = OrderedDict()
+        self._parents: OrderedDict[str, int] = OrderedDict()
+
+    def prefix_hashes(self, token_ids: Sequence[int]) -> list[int]:
+        """Chained hashes of the first full KV blocks: the i-th covers blocks 0..i."""
+        bs = self.block_size
+        hashes, h = [], 0
+        for b in range(min(len(token_ids) // bs, PREFIX_ROUTING_BLOCKS)):
+            h = hash((h, tuple(token_ids[b * bs:(b + 1) * bs])))
+            hashes.append(h)
+        return hashes
+
+    def pick(self, request_id: str, hashes: list[int], live: list[int]) -> int:
+        """The core for a new request, among the `live` ones (not empty)."""
+        least = min(live, key=lambda i: (self.loads[i], self.routed[i]))
+        parent = _parent_of_sibling(request_id)
+        if parent is not None:
+            core = self._parents.get(parent)
+            if core is not None and core in live:
+                return core
+        for h in reversed(hashes):  # the longest shared prefix first
+            core = self._prefixes.get(h)
+            if core is not None:
+                if core in live and self.loads[core] - self.loads[least] <= self.load_margin:
+                    return core
+                break
+        return least
+
+    def add(self, request_id: str, core: int, hashes: list[int]) -> None:
+        self.request_core[request_id] = core
+        self.loads[core] += 1
+        self.routed[core] += 1
+        _remember(self._prefixes, hashes, core, RECENT_PREFIXES)
+        head, sep, rest = request_id.partition("_")
+        if sep and head == "0":
+            _remember(self._parents, [rest], core, RECENT_PARENTS)
+
+    def remove(self, request_id: str) -> int | None:
+        """A request finished or was aborted: the core that held it (None: not known)."""
+        core = self.request_core.pop(request_id, None)
+        if core is not None:
+            self.loads[core] -= 1
+        return core
+
+    def drop_engine(self, core: int) -> list[str]:
+        """A core died: the requests it held, forgotten."""
+        ids = [rid for rid, c in self.request_core.items() if c == core]
+        for rid in ids:
+            del self.request_core[rid]
+        self.loads[core] = 0
+        return ids
+
+
 class DPLBClient(EngineCoreClient):
     """`engine_args.data_parallel_size` core processes; `shutdown()`, or garbage collection of
     the client, ends them all."""
@@ -75,15 +138,9 @@ class DPLBClient(EngineCoreClient):
     def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig) -> None:
         self.cores = start_cores(engine_args, launch_config)
         self._finalizer = weakref.finalize(self, close_cores, self.cores)
-        n = len(self.cores)
-        self.block_size = engine_args.block_size
         # A quarter of a batch: the prefix's core still takes the request into its next steps.
-        self.load_margin = max(2, engine_args.max_num_seqs // 4)
-        self.request_core: dict[str, int] = {}
-        self.loads = [0] * n
-        self.routed = [0] * n
-        self._prefixes: OrderedDict[int, int] = OrderedDict()
-        self._parents: OrderedDict[str, int] = OrderedDict()
+        self.router = DPRouter(len(self.cores), engine_args.block_size,
+                               load_margin=max(2, engine_args.max_num_seqs // 4))
         self._reported: set[int] = set()  # dead cores whose requests were failed
         self._next = 0  # the core polled first: each in turn, so that none starves
         # Wake-ups from the cores' threads; the closure holds no reference to the client.
@@ -107,7 +164,8 @@ class DPLBClient(EngineCoreClient):
         return sum(core.dead is None for core in self.cores)
 
     def engine_states(self) -> list[EngineState]:
-        return [EngineState(i, core.ready.pid, core.dead is None, self.loads[i], self.routed[i])
+        r = self.router
+        return [EngineState(i, core.ready.pid, core.dead is None, r.loads[i], r.routed[i])
                 for i, core in enumerate(self.cores)]
 
     def shutdown(self) -> None:
@@ -115,57 +173,26 @@ class DPLBClient(EngineCoreClient):
 
     # --- routing ------------------------------------------------------------------------------
 
-    def prefix_hashes(self, token_ids: Sequence[int]) -> list[int]:
-        """Chained hashes of the first full KV blocks: the i-th covers blocks 0..i."""
-        bs = self.block_size
-        hashes, h = [], 0
-        for b in range(min(len(token_ids) // bs, PREFIX_ROUTING_BLOCKS)):
-            h = hash((h, tuple(token_ids[b * bs:(b + 1) * bs])))
-            hashes.append(h)
-        return hashes
-
-    def _pick(self, request: EngineCoreRequest, hashes: list[int]) -> int:
-        live = [i for i, core in enumerate(self.cores) if core.dead is None]
-        if not live:
-            raise self._dead_error()
-        least = min(live, key=lambda i: (self.loads[i], self.routed[i]))
-        parent = _parent_of_sibling(request.request_id)
-        if parent is not None:
-            core = self._parents.get(parent)
-            if core is not None and core in live:
-                return core
-        for h in reversed(hashes):  # the longest shared prefix first
-            core = self._prefixes.get(h)
-            if core is not None:
-                if core in live and self.loads[core] - self.loads[least] <= self.load_margin:
-                    return core
-                break
-        return least
-
     def _add(self, request: EngineCoreRequest) -> None:
-        hashes = self.prefix_hashes(request.prompt_token_ids)
+        rid = request.request_id
+        hashes = self.router.prefix_hashes(request.prompt_token_ids)
         while True:
-            i = self._pick(request, hashes)
+            live = [i for i, core in enumerate(self.cores) if core.dead is None]
+            if not live:
+                raise self._dead_error()
+            i = self.router.pick(rid, hashes, live)
             try:
                 self.cores[i].send(RequestType.ADD, request)
                 break
             except EngineDeadError:
                 continue  # it died just now: the next pick passes it over
-        rid = request.request_id
-        self.request_core[rid] = i
-        self.loads[i] += 1
-        self.routed[i] += 1
-        _remember(self._prefixes, hashes, i, RECENT_PREFIXES)
-        head, sep, rest = rid.partition("_")
-        if sep and head == "0":
-            _remember(self._parents, [rest], i, RECENT_PARENTS)
+        self.router.add(rid, i, hashes)
 
     def _abort(self, request_ids: list[str]) -> None:
         by_core: dict[int, list[str]] = {}
         for rid in request_ids:
-            i = self.request_core.pop(rid, None)
+            i = self.router.remove(rid)
             if i is not None:
-                self.loads[i] -= 1
                 by_core.setdefault(i, []).append(rid)
         for i, ids in by_core.items():
             self.cores[i].send(RequestType.ABORT, ids)  # nothing to do for a dead core
@@ -189,8 +216,8 @@ class DPLBClient(EngineCoreClient):
             if out is not None:
                 self._next = (i + 1) % n
                 for o in out.outputs:
-                    if o.finished and self.request_core.pop(o.request_id, None) is not None:
-                        self.loads[i] -= 1
+                    if o.finished:
+                        self.router.remove(o.request_id)
                 if out.scheduler_stats is not None:
                     out.scheduler_stats.engine_index = i
                 return out
@@ -200,10 +227,7 @@ class DPLBClient(EngineCoreClient):
 
     def _core_died(self, i: int) -> EngineDeadError:
         self._reported.add(i)
-        ids = [rid for rid, core in self.request_core.items() if core == i]
-        for rid in ids:
-            del self.request_core[rid]
-        self.loads[i] = 0
+        ids = self.router.drop_engine(i)
         if len(self._reported) == len(self.cores):
             return self._dead_error()
         return EngineCoreDeadError(f"data-parallel engine core {i} died: "

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import time
+from typing import Any
 
 import numpy as np
 import openai
@@ -24,12 +25,12 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine import EngineDeadError
 from jaxllm.engine.async_llm import AsyncLLM
-from jaxllm.engine.dp_client import DPLBClient
+from jaxllm.engine.dp_client import DPLBClient, DPRouter
 from jaxllm.sampling_params import StructuredOutputsParams
 from tests.server.openai_server import http, metric, serve_tiny, stream_text
 
-ENGINE = dict(max_model_len=128, max_num_seqs=32, max_num_batched_tokens=128, num_kv_blocks=256,
-              show_progress=False)
+ENGINE: dict[str, Any] = dict(max_model_len=128, max_num_seqs=32, max_num_batched_tokens=128,
+                              num_kv_blocks=256, show_progress=False)
 MAX_TOKENS = 8
 _rng = np.random.default_rng(7)
 # Distinct prompts (none shares a full block with another) and a prefix of three full blocks.
@@ -83,6 +84,39 @@ def wait_until(cond, timeout: float = 30.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+# --- routing, without processes ---------------------------------------------------------------
+
+
+def test_router_load_prefix_siblings_and_margin():
+    r = DPRouter(2, block_size=16, load_margin=2)
+    live = [0, 1]
+    prefix = list(range(32))
+    assert r.prefix_hashes(prefix[:15]) == [] and len(r.prefix_hashes(prefix * 9)) == 8
+
+    def add(rid: str, tokens: list[int], alive: list[int] = live) -> int:
+        hashes = r.prefix_hashes(tokens)
+        core = r.pick(rid, hashes, alive)
+        r.add(rid, core, hashes)
+        return core
+
+    # No shared prefix: the least-loaded core, then the one routed to less.
+    assert [add(f"a{i}", [i]) for i in range(4)] == [0, 1, 0, 1]
+    # A shared prefix follows its first request while the load gap stays within the margin.
+    first = add("p0", prefix + [1])
+    assert [add(f"p{i}", prefix + [i + 1]) for i in range(1, 3)] == [first, first]
+    assert add("p3", prefix + [9]) == 1 - first  # 3 more than the other: over the margin
+    # The longest known prefix wins: one block in common with `prefix` only.
+    assert add("q", prefix[:16] + [99] * 16) in (0, 1)
+    # An n > 1 request's later sequences follow its first, whatever the load.
+    core = add("0_par", [5])
+    assert [add(f"{i}_par", [5]) for i in (1, 2, 3)] == [core] * 3
+    # Finished and aborted requests leave the load; a dead core's are dropped and skipped.
+    assert r.remove("a0") == 0 and r.remove("a0") is None
+    held = set(r.drop_engine(1))
+    assert held and all(r.request_core.get(rid) is None for rid in held)
+    assert r.loads[1] == 0 and add("p9", prefix + [7], alive=[0]) == 0
 
 
 # --- offline ------------------------------------------------------------------------------------
@@ -224,7 +258,7 @@ def test_async_llm_same_tokens_and_a_killed_core(reference):
             firsts = [await anext(g) for g in gens]
             assert not any(o.finished for o in firsts)
             os.kill(pids[0], signal.SIGSTOP)
-            on_core = dict(client.request_core)
+            on_core = dict(client.router.request_core)
             os.kill(pids[0], signal.SIGKILL)
 
             async def rest(g):
