@@ -351,25 +351,31 @@ def _waker(event: threading.Event,
 
 
 def start_cores(engine_args: EngineArgs, launch_config: LaunchConfig) -> list[CoreProcess]:
-    """Start every core at once (each loads and compiles in its own process); if one fails,
-    the others are abandoned and closed, and its error is raised."""
+    """Start every core at once (each loads and compiles in its own process); if one fails (or
+    the start is interrupted), the others are abandoned and closed, and its error raised."""
     n = launch_config.parallel_config.data_parallel_size
     cancel = threading.Event()
-    with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="EngineCoreStart") as pool:
-        futures = [pool.submit(CoreProcess, engine_args, launch_config, i, cancel) for i in range(n)]
+    pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="EngineCoreStart")
+    futures = [pool.submit(CoreProcess, engine_args, launch_config, i, cancel)
+               for i in range(n)]
+    # Those that failed on their own: none is abandoned before `wait` returns.
+    failed: list[int] = [-1]
+    try:
         done, _ = concurrent.futures.wait(futures,
                                           return_when=concurrent.futures.FIRST_EXCEPTION)
-        failed = [f for f in futures if f in done and f.exception() is not None]
+        failed = [i for i, f in enumerate(futures) if f in done and f.exception() is not None]
+    finally:
         if failed:
             cancel.set()
-    # Every start has ended here.
+        pool.shutdown(wait=True)  # every start has ended (an abandoned one within a poll)
+        if failed:
+            for f in futures:
+                if f.exception() is None:
+                    f.result().close()
     if failed:
-        for f in futures:
-            if f.exception() is None:
-                f.result().close()
-        i = futures.index(failed[0])
-        raise RuntimeError(f"data-parallel engine core {i} failed to start: "
-                           f"{failed[0].exception()}") from failed[0].exception()
+        err = futures[failed[0]].exception()
+        raise RuntimeError(f"data-parallel engine core {failed[0]} failed to start: "
+                           f"{err}") from err
     return [f.result() for f in futures]
 
 
