@@ -132,8 +132,8 @@ class DPRouter:
 
 
 class DPLBClient(EngineCoreClient):
-    """`engine_args.data_parallel_size` core processes; `shutdown()`, or garbage collection of
-    the client, ends them all."""
+    """The launch config's `data_parallel_size` core processes; `shutdown()`, or garbage
+    collection of the client, ends them all."""
 
     def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig) -> None:
         self.cores = start_cores(engine_args, launch_config)

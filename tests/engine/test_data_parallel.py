@@ -24,6 +24,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine import EngineDeadError
+from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.engine.dp_client import DPLBClient, DPRouter
 from jaxllm.sampling_params import StructuredOutputsParams
@@ -119,6 +120,19 @@ def test_router_load_prefix_siblings_and_margin():
     assert r.loads[1] == 0 and add("p9", prefix + [7], alive=[0]) == 0
 
 
+def test_launch_config(monkeypatch):
+    monkeypatch.setenv("JAXLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    launch = EngineArgs(data_parallel_size=2, tensor_parallel_size=2).create_launch_config()
+    assert launch.multiprocess_mode  # whatever else says otherwise: a process per core
+    assert (launch.parallel_config.data_parallel_size,
+            launch.parallel_config.tensor_parallel_size) == (2, 2)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        EngineArgs(data_parallel_size=0)
+    with pytest.raises(ValueError, match="multi-host"):
+        EngineArgs(data_parallel_size=2, coordinator_address="10.0.0.1:1234", num_processes=2,
+                    process_id=0).create_launch_config()
+
+
 # --- offline ------------------------------------------------------------------------------------
 
 
@@ -132,7 +146,7 @@ def dp_llm():
 def test_offline_same_tokens_as_one_core(dp_llm, reference):
     client = dp_llm.llm_engine.engine_core_client
     assert isinstance(client, DPLBClient) and len(set(client.core_pids)) == 2
-    assert dp_llm.llm_engine.multiprocess_mode
+    assert dp_llm.llm_engine.launch_config.multiprocess_mode
     # Each core has its own grammar manager: two constrained requests, one per core.
     constrained = [
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
