@@ -104,6 +104,8 @@ class ParallelConfig:
     coordinator_address: str | None = None  # None: one process
     num_processes: int = 1
     process_id: int = 0  # 0 runs the engine, the others follow its device calls
+    # Engine cores on this host, each on its own tensor_parallel_size devices (dp_client.py).
+    data_parallel_size: int = 1
 
     @property
     def multihost(self) -> bool:

@@ -89,6 +89,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Which data-parallel engine core stepped (set by the frontend's DP client on receipt).
+    engine_index: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
@@ -127,5 +129,18 @@ class EngineDeadError(RuntimeError):
     waiting on it gets this instead of waiting forever. The engine cannot be used again."""
 
 
-__all__ = ["UTILITY_METHODS", "EngineCoreInfo", "EngineCoreOutput", "EngineCoreOutputs",
-           "EngineCoreRequest", "EngineDeadError", "LogprobsLists", "SchedulerStats"]
+class EngineCoreDeadError(EngineDeadError):
+    """One of several data-parallel engine cores died: the requests it held (`request_ids`,
+    the core's sequence ids) end with this error, while the engine serves on with the others.
+    Raised once per dead core by the DP client's get_output; the frontend fails those requests
+    alone."""
+
+    def __init__(self, message: str, engine_index: int, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.engine_index = engine_index
+        self.request_ids = request_ids
+
+
+__all__ = ["UTILITY_METHODS", "EngineCoreDeadError", "EngineCoreInfo", "EngineCoreOutput",
+           "EngineCoreOutputs", "EngineCoreRequest", "EngineDeadError", "LogprobsLists",
+           "SchedulerStats"]

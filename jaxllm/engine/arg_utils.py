@@ -136,6 +136,11 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(
         1, "devices the model is split over (Megatron-style tensor parallelism on a JAX mesh; "
            "must divide the query heads, intermediate size and vocabulary)")
+    data_parallel_size: int = _arg(
+        1, "engine cores on this host, each with its own tensor_parallel_size devices, "
+           "scheduler and KV cache, behind one frontend that routes each request by load and "
+           "prompt prefix (vLLM's data parallelism); above 1 the cores run in their own "
+           "processes")
     coordinator_address: str | None = _arg(
         None, "several hosts: host:port of process 0's jax.distributed coordinator (or "
               "JAXLLM_COORDINATOR_ADDRESS)")
@@ -179,6 +184,7 @@ class EngineArgs:
                 ("max_num_batched_tokens", 1, False, "a positive integer"),
                 ("max_n", 1, False, "a positive integer"),
                 ("tensor_parallel_size", 1, False, "a positive integer"),
+                ("data_parallel_size", 1, False, "a positive integer"),
                 ("num_processes", 1, True, "a positive integer or None"),
                 ("process_id", 0, True, "a non-negative integer or None"),
                 ("seed", 0, False, "a non-negative integer"),
@@ -279,13 +285,21 @@ class EngineArgs:
                              ) -> LaunchConfig:
         """Resolve what must be known before a JAX backend starts, without starting one, for
         the frontend `usage_context` (the frontend calls it; EngineCore when built alone)."""
+        parallel = dataclasses.replace(
+            resolve_parallel_config(self.tensor_parallel_size, self.coordinator_address,
+                                    self.num_processes, self.process_id),
+            data_parallel_size=self.data_parallel_size)
+        if parallel.data_parallel_size > 1 and parallel.multihost:
+            raise ValueError("data_parallel_size > 1 runs its engine cores on this host; it "
+                             "does not combine with a multi-host job (a coordinator address) "
+                             "yet")
         return LaunchConfig(
             usage_context=usage_context,
-            multiprocess_mode=resolve_multiprocess_mode(self.multiprocess_mode, usage_context),
+            # Several cores each need a process of their own (their own devices).
+            multiprocess_mode=resolve_multiprocess_mode(self.multiprocess_mode, usage_context)
+            or parallel.data_parallel_size > 1,
             cuda_graph_triton=resolve_cuda_graph_triton(self.cuda_graph_triton),
-            parallel_config=resolve_parallel_config(self.tensor_parallel_size,
-                                                    self.coordinator_address,
-                                                    self.num_processes, self.process_id))
+            parallel_config=parallel)
 
     def create_engine_config(self, platform: str | None = None,
                              launch_config: LaunchConfig | None = None) -> EngineConfig:

@@ -4,8 +4,9 @@
     async for out in engine.generate(prompt, SamplingParams(...), request_id):
         ...  # RequestOutputs as tokens arrive (SamplingParams.output_kind)
 
-The engine core runs in its own process (AsyncMPClient) unless multiprocess_mode=False (then each
-step runs inline on the event loop: for debugging). One output-handler task per engine moves the
+The engine core runs in its own process (AsyncMPClient), or several in theirs with
+data_parallel_size > 1 (DPLBClient), unless multiprocess_mode=False (then each step runs inline
+on the event loop: for debugging). One output-handler task per engine moves the
 core's outputs through the OutputProcessor (detokenizing, stop strings) into per-request queues;
 `generate` reads its queue. A consumer that stops early (cancelled, or the generator closed)
 aborts its request in the core, which frees its KV blocks.
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxllm.config import UsageContext
-from jaxllm.engine import EngineDeadError, SchedulerStats
+from jaxllm.engine import EngineCoreDeadError, EngineDeadError, SchedulerStats
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.frontend import EngineFrontend, ParentRequests
@@ -62,6 +63,18 @@ async def _abort(state: _OutputState, request_id: str) -> None:
         await state.client.abort_requests_async(child_ids)
 
 
+async def _fail_requests(state: _OutputState, err: EngineCoreDeadError) -> None:
+    """End the requests a dead data-parallel core held: their streams raise EngineDeadError,
+    as every stream does when the only core dies."""
+    for request_id in state.parent_requests.parents_of(err.request_ids):
+        child_ids, _ = state.parent_requests.abort(request_id, stream=True)
+        queue = state.queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(EngineDeadError(*err.args))
+        if child_ids:
+            await state.client.abort_requests_async(child_ids)
+
+
 async def _output_handler(state: _OutputState) -> None:
     client, output_processor = state.client, state.parent_requests.output_processor
     try:
@@ -70,7 +83,11 @@ async def _output_handler(state: _OutputState) -> None:
                 # Idle: an in-process core would otherwise step in a busy loop.
                 state.has_requests.clear()
                 await state.has_requests.wait()
-            outs = await client.get_output_async()
+            try:
+                outs = await client.get_output_async()
+            except EngineCoreDeadError as e:  # one of several cores: its requests alone end
+                await _fail_requests(state, e)
+                continue
             if outs.scheduler_stats is not None:
                 state.last_scheduler_stats = outs.scheduler_stats
                 for log in state.stat_loggers:

@@ -93,6 +93,11 @@ class ParentRequests:
         self._waiting.pop(parent.children[0].request_id, None)
         return child_ids, self.output_processor.abort_parent(request_id, stream=stream)
 
+    def parents_of(self, child_ids: list[str]) -> list[str]:
+        """The live requests these sequence ids belong to (each once, in order)."""
+        children = self.output_processor.children
+        return list(dict.fromkeys(children[c].parent_id for c in child_ids if c in children))
+
     def release_siblings(self, outputs: list[EngineCoreOutput]) -> list[ParentRequest]:
         """The parents whose first sequence computed the whole prompt in this step: their
         siblings go to the core now."""
@@ -109,9 +114,14 @@ class ParentRequests:
 
 def make_client(launch_config: LaunchConfig, engine_args: EngineArgs) -> EngineCoreClient:
     """The client of a new engine core: in this process (InprocClient), or in its own process
-    with blocking (SyncMPClient) or asyncio (AsyncMPClient, for AsyncLLM) calls (vLLM's
-    EngineCoreClient.make_client). The core is imported only when it runs here (it brings
-    JAX), the multiprocess clients only when picked (they bring ZMQ)."""
+    with blocking (SyncMPClient) or asyncio (AsyncMPClient, for AsyncLLM) calls, or several
+    data-parallel cores in processes of their own (DPLBClient) (vLLM's
+    EngineCoreClient.make_client). The core is imported only when it runs here (it brings JAX),
+    the multiprocess clients only when picked (they bring ZMQ)."""
+    if launch_config.parallel_config.data_parallel_size > 1:
+        from jaxllm.engine.dp_client import DPLBClient
+
+        return DPLBClient(engine_args, launch_config)  # blocking and asyncio calls both
     if launch_config.multiprocess_mode:
         from jaxllm.engine.mp_client import AsyncMPClient, SyncMPClient
 
@@ -168,6 +178,7 @@ class EngineFrontend:
             "enable_prefix_caching": config.enable_prefix_caching,
             "multiprocess_mode": config.launch_config.multiprocess_mode,
             "platform": config.platform,
+            "data_parallel_size": config.launch_config.parallel_config.data_parallel_size,
         }
 
 

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from jaxllm.config import UsageContext
-from jaxllm.engine import SchedulerStats
+from jaxllm.engine import EngineCoreDeadError, SchedulerStats
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.frontend import EngineFrontend
 from jaxllm.engine.processor import ProcessedRequest, PromptType
@@ -89,7 +89,13 @@ class LLMEngine(EngineFrontend):
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""
-        core_outputs = self.engine_core_client.get_output()
+        try:
+            core_outputs = self.engine_core_client.get_output()
+        except EngineCoreDeadError as e:
+            # One of several cores died: its requests end here, the engine serves on.
+            for request_id in self.parent_requests.parents_of(e.request_ids):
+                self.parent_requests.abort(request_id)
+            raise
         if core_outputs.scheduler_stats is not None:
             self.last_scheduler_stats = core_outputs.scheduler_stats
         outputs = core_outputs.outputs

@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from jaxllm.config import LaunchConfig, platform_env
+from jaxllm.config import LaunchConfig, gpu_platform_installed, platform_env, xla_flags_with
 from jaxllm.engine import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, EngineDeadError
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient, check_utility
@@ -62,14 +62,39 @@ SHUTDOWN_TIMEOUT_S = 5.0
 _POLL_MS = 100
 
 
-def _child_env(launch_config: LaunchConfig) -> dict[str, str]:
+def _child_env(launch_config: LaunchConfig, engine_index: int = 0) -> dict[str, str]:
     """The child must import the same jaxllm as this process, installed or not, and find in
-    its environment the XLA flags its backend must start with."""
+    its environment the XLA flags its backend must start with, and, one of several
+    data-parallel cores, its own devices."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.update(platform_env(launch_config, env))
+    parallel = launch_config.parallel_config
+    if parallel.data_parallel_size > 1:
+        env.update(data_parallel_device_env(env, engine_index, parallel.tensor_parallel_size))
     return env
+
+
+def data_parallel_device_env(env: dict[str, str], engine_index: int, tp: int
+                             ) -> dict[str, str]:
+    """The environment that gives data-parallel core `engine_index` its own `tp` devices: on a
+    GPU host devices [index * tp, (index + 1) * tp) of those this process may use (each core
+    then sees its own as devices 0..tp-1); on CPU each core is a process with its own host
+    platform, which needs only its device count (XLA's flag, as for tensor parallelism)."""
+    if gpu_platform_installed():
+        visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+        ids = visible.split(",") if visible else [str(i) for i in range((engine_index + 1) * tp)]
+        mine = ids[engine_index * tp:(engine_index + 1) * tp]
+        if len(mine) < tp:
+            raise ValueError(f"data-parallel engine core {engine_index} needs devices "
+                             f"[{engine_index * tp}, {(engine_index + 1) * tp}) of "
+                             f"CUDA_VISIBLE_DEVICES={visible!r}")
+        return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+    if tp == 1:
+        return {}
+    return {"XLA_FLAGS": xla_flags_with(env.get("XLA_FLAGS", ""),
+                                        (f"--xla_force_host_platform_device_count={tp}",))}
 
 
 def _compilation_cache_dir() -> str | None:
@@ -80,9 +105,14 @@ def _compilation_cache_dir() -> str | None:
 
 
 class CoreProcess:
-    """The child process, its sockets and this side's threads; closed exactly once."""
+    """The child process, its sockets and this side's threads; closed exactly once.
+    `engine_index`: which of several data-parallel cores (its devices); `cancel`: set by
+    another thread, abandons the start (a sibling core failed to start)."""
 
-    def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig) -> None:
+    def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig,
+                 engine_index: int = 0, cancel: threading.Event | None = None) -> None:
+        self.engine_index = engine_index
+        self.cancel = cancel
         self.closed = False
         self.closing = False
         self.dead: EngineDeadError | None = None
@@ -123,7 +153,7 @@ class CoreProcess:
         try:
             # The child's stdout goes to our stderr: a CLI's stdout carries only its results.
             proc = self.proc = subprocess.Popen(
-                cmd, pass_fds=(death_r,), env=_child_env(launch_config),
+                cmd, pass_fds=(death_r,), env=_child_env(launch_config, self.engine_index),
                 stdin=subprocess.DEVNULL,
                 stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
         finally:
@@ -152,6 +182,8 @@ class CoreProcess:
             if rc is not None:
                 raise RuntimeError(f"the engine core process exited with code {rc} during "
                                    f"start-up (its log is above, on stderr)")
+            if self.cancel is not None and self.cancel.is_set():
+                raise RuntimeError("the engine core's start was abandoned")
 
     # --- this side's threads ------------------------------------------------------------------
 
@@ -258,18 +290,34 @@ class CoreProcess:
             raise self.dead_error()
         return item
 
+    def _send_shutdown(self) -> None:
+        with self._send_lock:
+            self.input_socket.send_multipart((RequestType.SHUTDOWN.value, b""),
+                                             flags=zmq.NOBLOCK)
+
+    def request_shutdown(self) -> None:
+        """Ask the core to exit without waiting (close() then waits): several cores wind down
+        together."""
+        if self.closing or self.proc is None or self.proc.poll() is not None:
+            return
+        self.closing = True
+        try:
+            self._send_shutdown()
+        except zmq.ZMQError:
+            pass  # close() terminates it
+
     def close(self) -> None:
         """Ask the core to exit (terminate / kill it if it does not in time), stop the threads,
         close the sockets and remove their directory. Idempotent."""
         if self.closed:
             return
-        self.closed = self.closing = True
+        self.closed = True
+        asked, self.closing = self.closing, True
         proc = self.proc
         if proc is not None and proc.poll() is None:
             try:
-                with self._send_lock:
-                    self.input_socket.send_multipart((RequestType.SHUTDOWN.value, b""),
-                                                     flags=zmq.NOBLOCK)
+                if not asked:
+                    self._send_shutdown()
                 proc.wait(SHUTDOWN_TIMEOUT_S)
             except (zmq.ZMQError, subprocess.TimeoutExpired):
                 proc.terminate()

@@ -158,6 +158,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     pid = getattr(engine.engine_core, "core_pid", None)
     if pid is not None:
         log.info("engine core process pid %d", pid)
+    pids = getattr(engine.engine_core, "core_pids", None)
+    if pids is not None:
+        log.info("data-parallel engine core process pids %s", pids)
     engine_config = engine.engine_config
     limits = ServerLimits(
         max_structured_output_bytes=args.max_structured_output_bytes,

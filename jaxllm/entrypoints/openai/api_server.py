@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jaxllm
 from jaxllm.engine import EngineDeadError
 from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.engine.dp_client import DPLBClient
 from jaxllm.entrypoints.openai.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.protocol import (
     APIError,
@@ -74,9 +75,17 @@ class ServerState:
 
 def engine_dead(engine: AsyncLLM) -> bool:
     """The output handler saw the core die, or the client's monitor did (an idle engine's
-    handler is not waiting on the core)."""
-    resources = getattr(engine.engine_core, "resources", None)
+    handler is not waiting on the core); with data parallelism, every core."""
+    client = engine.engine_core
+    if isinstance(client, DPLBClient):
+        return engine.errored or client.num_live_engines == 0
+    resources = getattr(client, "resources", None)
     return engine.errored or getattr(resources, "dead", None) is not None
+
+
+def num_engines(engine: AsyncLLM) -> int:
+    client = engine.engine_core
+    return len(client.cores) if isinstance(client, DPLBClient) else 1
 
 
 def check_content_type(request: Request) -> None:
@@ -236,7 +245,8 @@ def openapi_schema(app: FastAPI, api_key: bool, model_name: str) -> dict[str, An
                 responses["200"] = {"description": "Prometheus text", "content": {
                     "text/plain": {"schema": {"type": "string"}}}}
             elif path == "/health":
-                responses["200"] = {"description": "OK, no body"}
+                responses["200"] = {"description": "OK, no body (with data parallelism: "
+                                                   "each engine core, live or dead, as JSON)"}
             elif ok is not None:
                 content = {"application/json": {"schema": ok}}
                 if path.startswith("/v1/") and method == "post":
@@ -313,10 +323,22 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if engine_dead(state.engine):
-            return JSONResponse(APIError(503, "the engine core process is dead", None,
-                                         "EngineDeadError").body(), status_code=503)
-        return Response(status_code=200)
+        client = state.engine.engine_core
+        dead = engine_dead(state.engine)
+        if not isinstance(client, DPLBClient):
+            if dead:
+                return JSONResponse(APIError(503, "the engine core process is dead", None,
+                                             "EngineDeadError").body(), status_code=503)
+            return Response(status_code=200)
+        # Data parallelism: healthy while one core lives; the body says which do.
+        engines = [{"engine": e.engine_index, "pid": e.pid, "alive": e.alive and not dead}
+                   for e in client.engine_states()]
+        body = {"num_live_engines": sum(e["alive"] for e in engines), "engines": engines}
+        if dead:
+            return JSONResponse({**APIError(503, "every engine core process is dead", None,
+                                            "EngineDeadError").body(), **body},
+                                status_code=503)
+        return JSONResponse(body)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -324,18 +346,30 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        client = state.engine.engine_core
+        if isinstance(client, DPLBClient):
+            state.metrics.record_engines([(e.engine_index, e.alive, e.num_routed)
+                                          for e in client.engine_states()])
         if engine_dead(state.engine):
-            state.metrics.record_engine_dead()
+            for i in range(num_engines(state.engine)):
+                state.metrics.record_engine_dead(i)
         else:
             try:
                 # The core answers between steps; a long one (a first compile) must not hold
                 # the scrape past a scraper's timeout: the gauges keep their last values.
-                state.metrics.record_scheduler_state(await asyncio.wait_for(
-                    state.engine.call_utility("get_scheduler_state"), METRICS_STATE_TIMEOUT_S))
+                answer = await asyncio.wait_for(
+                    state.engine.call_utility("get_scheduler_state"), METRICS_STATE_TIMEOUT_S)
+                # One answer per core with data parallelism (None: a dead one).
+                for i, sched in enumerate(answer if isinstance(answer, list) else [answer]):
+                    if sched is None:
+                        state.metrics.record_engine_dead(i)
+                    else:
+                        state.metrics.record_scheduler_state(sched, i)
             except TimeoutError:
                 pass
             except EngineDeadError:  # it died in between: it holds nothing any more
-                state.metrics.record_engine_dead()
+                for i in range(num_engines(state.engine)):
+                    state.metrics.record_engine_dead(i)
             except Exception:  # a bug, not a death: say so, and still serve the counters
                 logger.exception("reading the scheduler for /metrics failed")
         return Response(state.metrics.render(),

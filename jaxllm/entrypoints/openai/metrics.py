@@ -1,10 +1,10 @@
 """Prometheus metrics for `GET /metrics`, with vLLM's names under our prefix.
 
-Three feeds: the core's SchedulerStats of every step (AsyncLLM's stat loggers: running and
-waiting requests, KV usage, prefix-cache lookups, preemptions), the scheduler's state read at
-scrape time (the gauges: no step runs once aborts have emptied the engine, so the last step's
-numbers would stay), and each request as it ends in the server (prompt and generation tokens,
-TTFT, TPOT, end-to-end latency, finish reason). Counting
+Three feeds: each engine core's SchedulerStats of every step (AsyncLLM's stat loggers: running
+and waiting requests, KV usage, prefix-cache lookups, preemptions; labelled `engine`, the core's
+index), the schedulers' state read at scrape time (the gauges: no step runs once aborts have
+emptied the engine, so the last step's numbers would stay), and each request as it ends in the
+server (prompt and generation tokens, TTFT, TPOT, end-to-end latency, finish reason). Counting
 tokens per served request makes the counters move by exactly what the responses report.
 A registry per server, not prometheus_client's global one: several servers can live in one
 process (tests) without clashing names.
@@ -12,12 +12,15 @@ process (tests) without clashing names.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from jaxllm.engine import SchedulerStats
 from jaxllm.outputs import RequestMetrics
 
 PREFIX = "jaxllm:"
+_M = TypeVar("_M", Gauge, Counter)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0, 640.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -40,16 +43,34 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets,
                              registry=reg).labels(model_name)
 
-        self.running = gauge("num_requests_running", "Sequences in the core's running batch.")
-        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
-        self.prefix_queries = counter("prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache.")
-        self.prefix_hit_rate = gauge("prefix_cache_hit_rate",
-                                     "Prefix-cache hits / queries since start.")
-        self.preemptions = counter("num_preemptions", "Preempted sequences.")
+        # What each engine core reports, labelled by its index as vLLM does (engine="0" with
+        # one core); sum over `engine` for the whole server.
+        engine_labels = ["model_name", "engine"]
+        self._running = Gauge(PREFIX + "num_requests_running",
+                              "Sequences in the core's running batch.", engine_labels,
+                              registry=reg)
+        self._waiting = Gauge(PREFIX + "num_requests_waiting",
+                              "Sequences waiting to be scheduled.", engine_labels, registry=reg)
+        self._kv_usage = Gauge(PREFIX + "kv_cache_usage_perc",
+                               "Fraction of the core's KV blocks in use (0-1).", engine_labels,
+                               registry=reg)
+        self._prefix_queries = Counter(PREFIX + "prefix_cache_queries",
+                                       "Prompt tokens looked up in the prefix cache.",
+                                       engine_labels, registry=reg)
+        self._prefix_hits = Counter(PREFIX + "prefix_cache_hits",
+                                    "Prompt tokens found in the prefix cache.", engine_labels,
+                                    registry=reg)
+        self._prefix_hit_rate = Gauge(PREFIX + "prefix_cache_hit_rate",
+                                      "Prefix-cache hits / queries since start.", engine_labels,
+                                      registry=reg)
+        self._preemptions = Counter(PREFIX + "num_preemptions", "Preempted sequences.",
+                                    engine_labels, registry=reg)
+        # Data parallelism: what the frontend's client counts per core.
+        self._routed = Gauge(PREFIX + "engine_requests_routed",
+                             "Requests routed to this engine core since start.", engine_labels,
+                             registry=reg)
+        self._alive = Gauge(PREFIX + "engine_alive", "1 while this engine core lives, else 0.",
+                            engine_labels, registry=reg)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of served requests.")
         self.generation_tokens = counter("generation_tokens",
                                          "Generated tokens of served requests.")
@@ -70,38 +91,51 @@ class ServerMetrics:
                                          "Draft tokens verified.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
                                             "Draft tokens accepted.")
-        self._queries = self._hits = 0
+        self._queries: dict[int, int] = {}
+        self._hits: dict[int, int] = {}
+
+    def _engine(self, metric: _M, engine_index: int) -> _M:
+        return metric.labels(self.model_name, str(engine_index))
 
     def record_stats(self, stats: SchedulerStats) -> None:
-        """A stat logger for AsyncLLM: called with every step's stats."""
-        self.running.set(stats.num_running_reqs)
-        self.waiting.set(stats.num_waiting_reqs)
-        self.kv_usage.set(stats.kv_cache_usage)
+        """A stat logger for AsyncLLM: called with every step's stats (of the core
+        `stats.engine_index`)."""
+        i = stats.engine_index
+        self._engine(self._running, i).set(stats.num_running_reqs)
+        self._engine(self._waiting, i).set(stats.num_waiting_reqs)
+        self._engine(self._kv_usage, i).set(stats.kv_cache_usage)
         if stats.prefix_cache_queries:
-            self.prefix_queries.inc(stats.prefix_cache_queries)
-            self.prefix_hits.inc(stats.prefix_cache_hits)
-            self._queries += stats.prefix_cache_queries
-            self._hits += stats.prefix_cache_hits
-            self.prefix_hit_rate.set(self._hits / self._queries)
+            self._engine(self._prefix_queries, i).inc(stats.prefix_cache_queries)
+            self._engine(self._prefix_hits, i).inc(stats.prefix_cache_hits)
+            self._queries[i] = self._queries.get(i, 0) + stats.prefix_cache_queries
+            self._hits[i] = self._hits.get(i, 0) + stats.prefix_cache_hits
+            self._engine(self._prefix_hit_rate, i).set(self._hits[i] / self._queries[i])
         if stats.num_preemptions:
-            self.preemptions.inc(stats.num_preemptions)
+            self._engine(self._preemptions, i).inc(stats.num_preemptions)
         if stats.spec_num_drafts:
             self.spec_drafts.inc(stats.spec_num_drafts)
             self.spec_draft_tokens.inc(stats.spec_num_draft_tokens)
             self.spec_accepted_tokens.inc(stats.spec_num_accepted_tokens)
 
-    def record_scheduler_state(self, state: dict[str, int]) -> None:
+    def record_scheduler_state(self, state: dict[str, int], engine_index: int = 0) -> None:
         """The gauges as the core's `get_scheduler_state` reports them now."""
-        self.running.set(state["num_running_reqs"])
-        self.waiting.set(state["num_waiting_reqs"])
+        self._engine(self._running, engine_index).set(state["num_running_reqs"])
+        self._engine(self._waiting, engine_index).set(state["num_waiting_reqs"])
         usable = state["num_usable_blocks"]
-        self.kv_usage.set(0.0 if usable <= 0 else 1.0 - state["num_free_blocks"] / usable)
+        self._engine(self._kv_usage, engine_index).set(
+            0.0 if usable <= 0 else 1.0 - state["num_free_blocks"] / usable)
 
-    def record_engine_dead(self) -> None:
+    def record_engine_dead(self, engine_index: int = 0) -> None:
         """A dead core holds no requests and no blocks: the gauges say so rather than keep the
         values of its last step."""
-        for gauge in (self.running, self.waiting, self.kv_usage):
-            gauge.set(0)
+        for gauge in (self._running, self._waiting, self._kv_usage):
+            self._engine(gauge, engine_index).set(0)
+
+    def record_engines(self, engines: list[tuple[int, bool, int]]) -> None:
+        """Data parallelism: each core's (index, alive, requests routed to it)."""
+        for i, alive, routed in engines:
+            self._engine(self._alive, i).set(int(alive))
+            self._engine(self._routed, i).set(routed)
 
     def record_request(self, num_prompt: int, num_generated: int,
                        times: RequestMetrics | None, finish_reason: str | None,

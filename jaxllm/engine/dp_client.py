@@ -1,0 +1,387 @@
+"""DPLBClient: several data-parallel engine cores on this host behind one frontend (vLLM's
+DPLBAsyncMPClient idea: the client balances the load itself, without a coordinator process).
+
+Each core is a CoreProcess (mp_client.py) of its own, on its own devices
+(`data_parallel_device_env`), with its own scheduler, KV cache, structured-output manager and
+drafter: the same model, so EngineCoreInfo comes from core 0. One client object answers both the
+blocking and the `*_async` calls; the frontend (LLMEngine, AsyncLLM) is unchanged but for the
+one error below.
+
+Routing, per request (DPRouter.pick), over the live cores:
+  siblings  an n > 1 request's sequences go where its first one went (the later ones reuse its
+            prompt's KV blocks there; processor.child_request_ids names them `{i}_{parent}`)
+  prefix    the hashes of its first full KV blocks: the longest one a recent request had names
+            that request's core, taken unless that core's load exceeds the least-loaded one's
+            by more than `load_margin` (its prefix cache then saves less than the wait costs)
+  load      else the core with the fewest unfinished requests (then the fewest routed so far)
+A core's load is counted here: one more at add, one less when the request's final output
+arrives or it is aborted. Aborts go to the core that holds the request.
+
+Faults: a core that dies fails the requests it held, and only those: get_output raises
+EngineCoreDeadError (their ids) once for it, the frontend ends those requests with it, and new
+requests go to the other cores. Once every core is dead, every call raises EngineDeadError as a
+single dead core does. Utility calls go to every core: a list in engine-index order, None for
+a dead core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jaxllm.config import LaunchConfig
+from jaxllm.engine import (
+    EngineCoreDeadError,
+    EngineCoreInfo,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDeadError,
+)
+from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.engine.core_client import EngineCoreClient, check_utility
+from jaxllm.engine.mp_client import CoreProcess
+from jaxllm.engine.serial_utils import RequestType
+
+# Full KV blocks of a prompt hashed for prefix routing: the head of a prompt (a system prompt, a
+# shared document) is what requests share; hashing the whole prompt would cost every request.
+PREFIX_ROUTING_BLOCKS = 8
+# Block hashes and n > 1 parents remembered (the oldest forgotten first): recent requests are
+# the ones whose KV blocks are likely still in their core's prefix cache.
+RECENT_PREFIXES = 1 << 16
+RECENT_PARENTS = 1 << 12
+
+
+@dataclass
+class EngineState:
+    """One core as the client sees it (for /health, /metrics and tests)."""
+
+    engine_index: int
+    pid: int
+    alive: bool
+    num_requests: int  # unfinished requests routed to it
+    num_routed: int  # requests routed to it since start
+
+
+class DPRouter:
+    """Which core each request goes to, and each core's load as the client counts it (plain
+    bookkeeping, no processes: the client tells it which cores live)."""
+
+    def __init__(self, num_engines: int, block_size: int, load_margin: int) -> None:
+        self.block_size = block_size
+        self.load_margin = load_margin
+        self.request_core: dict[str, int] = {}
+        self.loads = [0] * num_engines
+        self.routed = [0] * num_engines
+        self._prefixes: OrderedDict[int, int] = OrderedDict()
+        self._parents: OrderedDict[str, int] = OrderedDict()
+
+    def prefix_hashes(self, token_ids: Sequence[int]) -> list[int]:
+        """Chained hashes of the first full KV blocks: the i-th covers blocks 0..i."""
+        bs = self.block_size
+        hashes, h = [], 0
+        for b in range(min(len(token_ids) // bs, PREFIX_ROUTING_BLOCKS)):
+            h = hash((h, tuple(token_ids[b * bs:(b + 1) * bs])))
+            hashes.append(h)
+        return hashes
+
+    def pick(self, request_id: str, hashes: list[int], live: list[int]) -> int:
+        """The core for a new request, among the `live` ones (not empty)."""
+        least = min(live, key=lambda i: (self.loads[i], self.routed[i]))
+        parent = _parent_of_sibling(request_id)
+        if parent is not None:
+            core = self._parents.get(parent)
+            if core is not None and core in live:
+                return core
+        for h in reversed(hashes):  # the longest shared prefix first
+            core = self._prefixes.get(h)
+            if core is not None:
+                if core in live and self.loads[core] - self.loads[least] <= self.load_margin:
+                    return core
+                break
+        return least
+
+    def add(self, request_id: str, core: int, hashes: list[int]) -> None:
+        self.request_core[request_id] = core
+        self.loads[core] += 1
+        self.routed[core] += 1
+        _remember(self._prefixes, hashes, core, RECENT_PREFIXES)
+        head, sep, rest = request_id.partition("_")
+        if sep and head == "0":
+            _remember(self._parents, [rest], core, RECENT_PARENTS)
+
+    def remove(self, request_id: str) -> int | None:
+        """A request finished or was aborted: the core that held it (None: not known)."""
+        core = self.request_core.pop(request_id, None)
+        if core is not None:
+            self.loads[core] -= 1
+        return core
+
+    def drop_engine(self, core: int) -> list[str]:
+        """A core died: the requests it held, forgotten."""
+        ids = [rid for rid, c in self.request_core.items() if c == core]
+        for rid in ids:
+            del self.request_core[rid]
+        self.loads[core] = 0
+        return ids
+
+
+class DPLBClient(EngineCoreClient):
+    """The launch config's `data_parallel_size` core processes; `shutdown()`, or garbage
+    collection of the client, ends them all."""
+
+    def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig) -> None:
+        self.cores = start_cores(engine_args, launch_config)
+        self._finalizer = weakref.finalize(self, close_cores, self.cores)
+        # A quarter of a batch: the prefix's core still takes the request into its next steps.
+        self.router = DPRouter(len(self.cores), engine_args.block_size,
+                               load_margin=max(2, engine_args.max_num_seqs // 4))
+        self._reported: set[int] = set()  # dead cores whose requests were failed
+        self._next = 0  # the core polled first: each in turn, so that none starves
+        # Wake-ups from the cores' threads; the closure holds no reference to the client.
+        self._event = threading.Event()
+        self._async_slot: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        wake = _waker(self._event, self._async_slot)
+        for core in self.cores:
+            core.wakeups[:] = [wake]
+
+    # --- what the frontend and the server read ----------------------------------------------
+
+    def get_engine_info(self) -> EngineCoreInfo:
+        return self.cores[0].ready.info
+
+    @property
+    def core_pids(self) -> list[int]:
+        return [core.ready.pid for core in self.cores]
+
+    @property
+    def num_live_engines(self) -> int:
+        return sum(core.dead is None for core in self.cores)
+
+    def engine_states(self) -> list[EngineState]:
+        r = self.router
+        return [EngineState(i, core.ready.pid, core.dead is None, r.loads[i], r.routed[i])
+                for i, core in enumerate(self.cores)]
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    # --- routing ------------------------------------------------------------------------------
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        rid = request.request_id
+        hashes = self.router.prefix_hashes(request.prompt_token_ids)
+        while True:
+            live = [i for i, core in enumerate(self.cores) if core.dead is None]
+            if not live:
+                raise self._dead_error()
+            i = self.router.pick(rid, hashes, live)
+            try:
+                self.cores[i].send(RequestType.ADD, request)
+                break
+            except EngineDeadError:
+                continue  # it died just now: the next pick passes it over
+        self.router.add(rid, i, hashes)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        by_core: dict[int, list[str]] = {}
+        for rid in request_ids:
+            i = self.router.remove(rid)
+            if i is not None:
+                by_core.setdefault(i, []).append(rid)
+        for i, ids in by_core.items():
+            self.cores[i].send(RequestType.ABORT, ids)  # nothing to do for a dead core
+
+    # --- outputs ------------------------------------------------------------------------------
+
+    def _poll(self) -> EngineCoreOutputs | None:
+        """The next outputs of any core, or None; a dead core's requests fail once."""
+        n = len(self.cores)
+        for k in range(n):
+            i = (self._next + k) % n
+            if i in self._reported:
+                continue
+            try:
+                out = self.cores[i].get_output_nowait()
+            except EngineDeadError:
+                err = self._core_died(i)
+                if isinstance(err, EngineCoreDeadError) and not err.request_ids:
+                    continue  # it held nothing: nobody to tell
+                raise err from None
+            if out is not None:
+                self._next = (i + 1) % n
+                for o in out.outputs:
+                    if o.finished:
+                        self.router.remove(o.request_id)
+                if out.scheduler_stats is not None:
+                    out.scheduler_stats.engine_index = i
+                return out
+        if len(self._reported) == n:
+            raise self._dead_error()
+        return None
+
+    def _core_died(self, i: int) -> EngineDeadError:
+        self._reported.add(i)
+        ids = self.router.drop_engine(i)
+        if len(self._reported) == len(self.cores):
+            return self._dead_error()
+        return EngineCoreDeadError(f"data-parallel engine core {i} died: "
+                                   f"{self.cores[i].dead}", i, ids)
+
+    def _dead_error(self) -> EngineDeadError:
+        """Every core is dead: the last one's error, fresh each time (see dead_error)."""
+        for core in reversed(self.cores):
+            if core.dead is not None:
+                return core.dead_error()
+        return EngineDeadError("no engine core is alive")
+
+    # --- utility calls ------------------------------------------------------------------------
+
+    def _call_all(self, method: str, args: tuple) -> list[concurrent.futures.Future | None]:
+        check_utility(method)
+        futures: list[concurrent.futures.Future | None] = []
+        for core in self.cores:
+            try:
+                futures.append(core.call_utility(method, args))
+            except EngineDeadError:
+                futures.append(None)
+        return futures
+
+    def _results(self, results: list[Any]) -> list[Any]:
+        """Per core: its result, None for a dead one; raises the first other error, and
+        EngineDeadError when no core answered."""
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, EngineDeadError):
+                raise r
+        out = [None if r is None or isinstance(r, BaseException) else r for r in results]
+        if all(r is None or isinstance(r, BaseException) for r in results):
+            raise self._dead_error()
+        return out
+
+    # --- the blocking API ---------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._abort(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        while True:
+            self._event.clear()  # before looking: an output put after the look sets it
+            out = self._poll()
+            if out is not None:
+                return out
+            self._event.wait()
+
+    def call_utility(self, method: str, *args: Any) -> list[Any]:
+        results: list[Any] = []
+        for fut in self._call_all(method, args):
+            try:
+                results.append(None if fut is None else fut.result())
+            except EngineDeadError as e:
+                results.append(e)
+        return self._results(results)
+
+    # --- the asyncio API ----------------------------------------------------------------------
+
+    def _bind_loop(self) -> asyncio.Event:
+        loop = asyncio.get_running_loop()
+        if self._async_slot and self._async_slot[0][0] is loop:
+            return self._async_slot[0][1]
+        event = asyncio.Event()
+        self._async_slot[:] = [(loop, event)]
+        return event
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._add(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self._abort(request_ids)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        event = self._bind_loop()
+        while True:
+            event.clear()
+            out = self._poll()
+            if out is not None:
+                return out
+            await event.wait()
+
+    async def call_utility_async(self, method: str, *args: Any) -> list[Any]:
+        self._bind_loop()
+        futures = self._call_all(method, args)
+        results = await asyncio.gather(
+            *(asyncio.wrap_future(f) for f in futures if f is not None), return_exceptions=True)
+        it = iter(results)
+        return self._results([None if f is None else next(it) for f in futures])
+
+
+def _parent_of_sibling(request_id: str) -> str | None:
+    """The parent id of an n > 1 request's later sequence (`{i}_{parent}`, i > 0)."""
+    head, sep, rest = request_id.partition("_")
+    return rest if sep and head.isdigit() and head != "0" else None
+
+
+def _remember(table: OrderedDict, keys: list, value: int, bound: int) -> None:
+    for key in keys:
+        table[key] = value
+        table.move_to_end(key)
+    while len(table) > bound:
+        table.popitem(last=False)
+
+
+def _waker(event: threading.Event,
+           async_slot: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]
+           ) -> Callable[[], None]:
+    def wake() -> None:  # from a core's output or monitor thread
+        event.set()
+        for loop, async_event in list(async_slot):
+            try:
+                loop.call_soon_threadsafe(async_event.set)
+            except RuntimeError:  # the loop was closed
+                pass
+
+    return wake
+
+
+def start_cores(engine_args: EngineArgs, launch_config: LaunchConfig) -> list[CoreProcess]:
+    """Start every core at once (each loads and compiles in its own process); if one fails (or
+    the start is interrupted), the others are abandoned and closed, and its error raised."""
+    n = launch_config.parallel_config.data_parallel_size
+    cancel = threading.Event()
+    pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="EngineCoreStart")
+    futures = [pool.submit(CoreProcess, engine_args, launch_config, i, cancel)
+               for i in range(n)]
+    # Those that failed on their own: none is abandoned before `wait` returns.
+    failed: list[int] = [-1]
+    try:
+        done, _ = concurrent.futures.wait(futures,
+                                          return_when=concurrent.futures.FIRST_EXCEPTION)
+        failed = [i for i, f in enumerate(futures) if f in done and f.exception() is not None]
+    finally:
+        if failed:
+            cancel.set()
+        pool.shutdown(wait=True)  # every start has ended (an abandoned one within a poll)
+        if failed:
+            for f in futures:
+                if f.exception() is None:
+                    f.result().close()
+    if failed:
+        err = futures[failed[0]].exception()
+        raise RuntimeError(f"data-parallel engine core {failed[0]} failed to start: "
+                           f"{err}") from err
+    return [f.result() for f in futures]
+
+
+def close_cores(cores: list[CoreProcess]) -> None:
+    """Ask every core to exit first, so that they wind down together, then close each."""
+    for core in cores:
+        core.request_shutdown()
+    for core in cores:
+        core.close()
