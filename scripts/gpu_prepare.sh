@@ -66,8 +66,10 @@ DEST="$(cd "$DEST" && pwd)"
 # test holds every runtime dependency in pyproject.toml to one of the two lists; the script
 # itself does not read the first).
 # shellcheck disable=SC2034
+# huggingface_hub comes with transformers; its version there is not checked: the GPU machine
+# reaches no network, so no Hub id is fetched on it.
 GPU_IMAGE_HAS=(jax jaxlib torch transformers flax jinja2 tokenizers safetensors numpy tqdm
-               pyyaml requests prometheus-client)
+               pyyaml requests prometheus-client huggingface-hub)
 RUNTIME_WHEELS=(msgspec==0.22.0 pyzmq==27.3.0 gguf==0.19.0 llguidance==1.9.1)
 # `jaxllm serve` and `jaxllm bench serve`: with --serve only. Their wheels' Requires-Dist,
 # closed over, less what the image's package list names (anyio, annotated-doc, click, h11,
