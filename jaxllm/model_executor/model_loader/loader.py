@@ -48,21 +48,17 @@ class LoadedModel:
 
 def load_model(path: str | Path, dtype: Any = jnp.float32, progress: bool = True,
                quantization: str | None = None,
-               kernel_backend: str = "reference", gguf_layout: str | None = None) -> LoadedModel:
+               kernel_backend: str = "reference", gguf_layout: str = "rows") -> LoadedModel:
     """Load a checkpoint of a supported architecture (models/registry.py): a directory with
     config.json + *.safetensors, or a .gguf file.
     quantization="gguf" (GGUF only) also keeps the GGUF's block weights quantized, laid out as
     `gguf_layout` says (EngineConfig.gguf_layout; gguf_params.py): our CPU kernel's panels for
     every bucket; else rows, for every bucket with a Pallas backend (the fused dequant matmul
     kernel, which also takes bfloat16 activations), for the small decode buckets with the
-    "reference" backend (XLA). None: as EngineConfig resolves it for this platform.
+    "reference" backend (XLA). A caller without an engine config passes what
+    `jaxllm.config.resolve_gguf_layout` gives for its platform (our CPU kernel's panels on CPU).
     """
     fused = kernel_backend != "reference"
-    if gguf_layout is None:  # a caller without an engine config: as the config would resolve it
-        from jaxllm.config import resolve_gguf_layout
-
-        gguf_layout = resolve_gguf_layout("gguf", jax.default_backend(), kernel_backend, False,
-                                          False)
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
