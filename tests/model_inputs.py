@@ -1,4 +1,5 @@
-"""Builds paged-attention inputs for a batch of whole prompts (contiguous block runs)."""
+"""Builds paged-attention inputs for a batch of whole prompts (contiguous block runs), and a
+model's logits over such a batch."""
 
 from __future__ import annotations
 
@@ -27,3 +28,19 @@ def prefill_inputs(config, prompts: list[list[int]], block_size: int = 16, dtype
     kv = jnp.zeros(kv_cache_shape(config, block_tables.size, block_size), dtype)
     ids = jnp.asarray(np.concatenate(prompts), jnp.int32)
     return ids, jnp.asarray(positions), kv, md
+
+
+def prefill_logits(loaded, prompts: list[list[int]], **model_kw) -> list[np.ndarray]:
+    """The registry's class for a loaded checkpoint's architecture (`model_kw`: its fields,
+    e.g. kernel_backend), applied to a batch of whole prompts: per-prompt logits of every
+    token."""
+    from jaxllm.model_executor.layers.rotary_embedding import rope_variables
+    from jaxllm.model_executor.models.registry import get_model_class
+
+    model = get_model_class(loaded.config.architecture)(loaded.config, **model_kw)
+    ids, pos, kv, md = prefill_inputs(loaded.config, prompts)
+    logits, _, _ = model.apply({"params": loaded.params, "rope": rope_variables(loaded.config)},
+                               ids, pos, kv, md)
+    logits = np.asarray(logits)
+    bounds = np.cumsum([0] + [len(p) for p in prompts])
+    return [logits[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]

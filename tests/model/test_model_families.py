@@ -25,7 +25,7 @@ import torch
 from jaxllm import SamplingParams
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.loader import load_model
-from tests.model_inputs import prefill_inputs
+from tests.model_inputs import prefill_logits
 from tests.utils import (
     YARN_ROPE,
     hf_greedy_tokens,
@@ -90,19 +90,7 @@ def hf_logits(hf, prompt: list[int]) -> np.ndarray:
 
 
 def our_logits(loaded, prompts: list[list[int]], kernel_backend: str) -> list[np.ndarray]:
-    """The registry's class for the checkpoint's architecture, applied to a batch of whole
-    prompts; per-prompt logits of every token."""
-    from jaxllm.model_executor.layers.rotary_embedding import rope_variables
-    from jaxllm.model_executor.models.registry import get_model_class
-
-    model = get_model_class(loaded.config.architecture)(loaded.config,
-                                                        kernel_backend=kernel_backend)
-    ids, pos, kv, md = prefill_inputs(loaded.config, prompts)
-    logits, _, _ = model.apply({"params": loaded.params, "rope": rope_variables(loaded.config)},
-                               ids, pos, kv, md)
-    logits = np.asarray(logits)
-    bounds = np.cumsum([0] + [len(p) for p in prompts])
-    return [logits[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return prefill_logits(loaded, prompts, kernel_backend=kernel_backend)
 
 
 def _greedy(llm, prompts: list[list[int]]):

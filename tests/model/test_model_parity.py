@@ -11,7 +11,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.model_executor.layers.rotary_embedding import rope_variables
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
-from tests.model_inputs import prefill_inputs
+from tests.model_inputs import prefill_inputs, prefill_logits
 from tests.utils import hf_greedy_tokens, kv_budget_kwargs, make_tiny_checkpoint, runner_of
 
 PROMPT_LENS = [1, 5, 16, 23, 40]
@@ -23,14 +23,7 @@ def _hf_logits(hf, prompt: list[int]) -> np.ndarray:
 
 
 def _our_logits(path, prompts, **model_kw) -> list[np.ndarray]:
-    loaded = load_model(path, progress=False)
-    model = Qwen2ForCausalLM(loaded.config, **model_kw)
-    ids, pos, kv, md = prefill_inputs(loaded.config, prompts)
-    logits, _, _ = model.apply({"params": loaded.params, "rope": rope_variables(loaded.config)},
-                            ids, pos, kv, md)
-    logits = np.asarray(logits)
-    bounds = np.cumsum([0] + [len(p) for p in prompts])
-    return [logits[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return prefill_logits(load_model(path, progress=False), prompts, **model_kw)
 
 
 @pytest.mark.parametrize("variant", ["tied", "untied"])
