@@ -366,3 +366,26 @@ def test_a_quantization_type_is_matched_as_a_whole_word_first():
     assert pick_gguf("o/m", files, "K_M") == "m-Q4_K_M.gguf"
     with pytest.raises(ModelLoadError, match="exactly one .gguf file must contain 'Q4'"):
         pick_gguf("o/m", files, "Q4")
+
+
+def test_a_sharded_repo_fetches_the_shards_its_index_names(hub, checkpoint, tmp_path):
+    """A repo with an index and a consolidated copy beside the shards (as Mistral's): only
+    the index and its shards are fetched, and they load as the local checkpoint."""
+    import json
+
+    from safetensors import safe_open
+
+    files = read_files(checkpoint)
+    weights = files.pop("model.safetensors")
+    with safe_open(checkpoint / "model.safetensors", framework="numpy") as st:
+        names = list(st.keys())
+    shard = "model-00001-of-00001.safetensors"
+    index = {"metadata": {}, "weight_map": {name: shard for name in names}}
+    repo = "tiny-org/tiny-sharded"
+    hub.add(repo, {**files, shard: weights, "consolidated.safetensors": weights,
+                   "model.safetensors.index.json": json.dumps(index).encode()})
+    start = len(hub.requests)
+    snapshot = resolve_model(repo, None, str(tmp_path))
+    assert "consolidated.safetensors" not in hub.fetched(repo, start)
+    assert (snapshot / shard).read_bytes() == weights
+    assert not (snapshot / "consolidated.safetensors").exists()

@@ -12,6 +12,7 @@ the same file from the cache."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -25,7 +26,7 @@ from jaxllm.model_executor.model_loader.tiny_model import TINY_MODEL_NAME
 # Everything but the weights: config, tokenizer, chat templates.
 CONFIG_PATTERNS = ["config.json", "generation_config.json", "tokenizer*", "vocab*", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template*",
-                   "additional_chat_templates/*"]
+                   "additional_chat_templates/*", "model.safetensors.index.json"]
 SAFETENSORS_PATTERNS = ["*.safetensors", "model.safetensors.index.json"]
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
@@ -118,6 +119,19 @@ def _repo_files(repo_id: str, commit: str | None, cache_dir: str | None, folder:
         return [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
 
 
+def _safetensors_files(folder: Path) -> list[str]:
+    """The safetensors a checkpoint loads: those its index names where it has one (repos that
+    also ship a consolidated copy, as Mistral's do, would otherwise fetch the model twice),
+    else every one."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted({name for name in weight_map.values() if isinstance(name, str)})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return SAFETENSORS_PATTERNS  # no usable index: the loader says what is wrong
+    return ["model.safetensors.index.json", *shards]
+
+
 def download_model(model: str, revision: str | None = None,
                    download_dir: str | None = None) -> Path:
     """The local snapshot of Hub id `model` at `revision` (None: the default branch) under
@@ -145,7 +159,7 @@ def download_model(model: str, revision: str | None = None,
         commit = folder.name if _COMMIT.fullmatch(folder.name) else revision
         files = _repo_files(repo_id, commit, download_dir, folder)
         gguf = pick_gguf(model, files, quant)
-        weights = SAFETENSORS_PATTERNS if gguf is None else [gguf]
+        weights = _safetensors_files(folder) if gguf is None else [gguf]
         folder = Path(snapshot_download(repo_id, revision=commit, cache_dir=download_dir,
                                         allow_patterns=weights))
     except GatedRepoError as e:
