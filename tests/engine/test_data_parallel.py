@@ -216,13 +216,18 @@ def test_offline_dead_core_and_shutdown(dp_llm, reference):
 
 def test_a_core_that_cannot_start_fails_the_start(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # a checkpoint that is not one
+
+    def cores() -> set[int]:  # other tests' engines may hold cores of their own meanwhile
+        return {c.pid for c in psutil.Process().children(recursive=True)
+                if "jaxllm.engine.core_proc" in " ".join(c.cmdline())}
+
+    before = cores()
     t = time.monotonic()
     with pytest.raises(RuntimeError, match="failed to start") as e:
         LLM(str(tmp_path), data_parallel_size=2, skip_tokenizer_init=True, **ENGINE)
     assert "num_attention_heads" in str(e.value)  # the core's own error
     assert time.monotonic() - t < 120
-    assert not [c for c in psutil.Process().children(recursive=True)
-                if "jaxllm.engine.core_proc" in " ".join(c.cmdline())]
+    assert not cores() - before
 
 
 def test_data_and_tensor_parallel(reference):
