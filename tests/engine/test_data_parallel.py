@@ -80,6 +80,19 @@ def alive(pid: int) -> bool:
         return False
 
 
+def core_children(process: psutil.Process, recursive: bool = False) -> list[int]:
+    """Pids of `process`'s live engine-core children (a killed core not yet reaped is a zombie,
+    whose command line cannot be read: not a live core)."""
+    pids = []
+    for child in process.children(recursive=recursive):
+        try:
+            if "jaxllm.engine.core_proc" in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
 def wait_until(cond, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -218,8 +231,7 @@ def test_a_core_that_cannot_start_fails_the_start(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # a checkpoint that is not one
 
     def cores() -> set[int]:  # other tests' engines may hold cores of their own meanwhile
-        return {c.pid for c in psutil.Process().children(recursive=True)
-                if "jaxllm.engine.core_proc" in " ".join(c.cmdline())}
+        return set(core_children(psutil.Process(), recursive=True))
 
     before = cores()
     t = time.monotonic()
@@ -317,8 +329,7 @@ def server(tmp_path_factory):
 
 
 def core_pids(server) -> list[int]:
-    return sorted(c.pid for c in psutil.Process(server.proc.pid).children()
-                  if "jaxllm.engine.core_proc" in " ".join(c.cmdline()))
+    return sorted(core_children(psutil.Process(server.proc.pid)))
 
 
 def test_server_streams_same_as_one_core(server, reference):
