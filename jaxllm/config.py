@@ -94,6 +94,11 @@ def config_dict(value: Any, name: str, known: set[str]) -> dict[str, Any]:
     return value
 
 
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+# "prefix": by the prompt's first KV blocks, then by load; "load": by load alone.
+DATA_PARALLEL_ROUTINGS = ("prefix", "load")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the engine is spread over devices and hosts (vLLM's ParallelConfig). Several hosts:
@@ -104,8 +109,23 @@ class ParallelConfig:
     coordinator_address: str | None = None  # None: one process
     num_processes: int = 1
     process_id: int = 0  # 0 runs the engine, the others follow its device calls
-    # Engine cores on this host, each on its own tensor_parallel_size devices (dp_client.py).
+    # Data-parallel engine cores, each on its own tensor_parallel_size devices (dp_client.py):
+    # `data_parallel_size` in all, ranks [start_rank, start_rank + size_local) on this host; the
+    # others join the frontend over TCP at `data_parallel_address`:`data_parallel_rpc_port`
+    # (headless hosts, or Ray actors with backend "ray").
     data_parallel_size: int = 1
+    data_parallel_size_local: int = 1
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 13345
+    data_parallel_backend: str = "mp"
+    data_parallel_routing: str = "prefix"
+
+    @property
+    def data_parallel_remote(self) -> bool:
+        """Whether the frontend waits for cores that join over TCP (not all on this host)."""
+        return self.data_parallel_backend == "ray" \
+            or self.data_parallel_size_local < self.data_parallel_size
 
     @property
     def multihost(self) -> bool:
@@ -312,6 +332,41 @@ def resolve_parallel_config(tensor_parallel_size: int, coordinator_address: str 
     if n < 1 or not 0 <= pid < n:
         raise ValueError(f"process_id {pid} is not in [0, num_processes {n})")
     return ParallelConfig(tensor_parallel_size, addr, n, pid)
+
+
+def resolve_data_parallel(parallel: ParallelConfig, size: int, size_local: int | None,
+                          start_rank: int, address: str | None, rpc_port: int, backend: str,
+                          routing: str) -> ParallelConfig:
+    """`parallel` with the data-parallel settings: not given, this host runs every core
+    (backend "mp") or none (backend "ray": every core a Ray actor); the frontend's address
+    defaults to the loopback, where a core on this host or a local Ray cluster reaches it."""
+    if backend not in DATA_PARALLEL_BACKENDS:
+        raise ValueError(f"data_parallel_backend {backend!r} is not one of "
+                         f"{DATA_PARALLEL_BACKENDS}")
+    if routing not in DATA_PARALLEL_ROUTINGS:
+        raise ValueError(f"data_parallel_routing {routing!r} is not one of "
+                         f"{DATA_PARALLEL_ROUTINGS}")
+    if backend == "ray":
+        if size_local not in (None, 0) or start_rank != 0:
+            raise ValueError("data_parallel_backend 'ray' places every engine core itself: "
+                             "leave data_parallel_size_local and data_parallel_start_rank unset")
+        size_local = 0
+    elif size_local is None:
+        size_local = size - start_rank
+    if not 0 <= start_rank < size or start_rank + size_local > size:
+        raise ValueError(f"this host's engine cores, ranks [{start_rank}, "
+                         f"{start_rank + size_local}) (data_parallel_start_rank, "
+                         f"data_parallel_size_local), must lie in [0, {size}) "
+                         f"(data_parallel_size)")
+    if size > 1 and parallel.multihost:
+        raise ValueError("data_parallel_size > 1 does not combine with a multi-host tensor-"
+                         "parallel job (a coordinator address) yet: each data-parallel core "
+                         "runs its tensor parallelism on one host")
+    return dataclasses.replace(
+        parallel, data_parallel_size=size, data_parallel_size_local=size_local,
+        data_parallel_start_rank=start_rank, data_parallel_address=address or "127.0.0.1",
+        data_parallel_rpc_port=rpc_port, data_parallel_backend=backend,
+        data_parallel_routing=routing)
 
 
 def resolve_dtype(dtype: str | None, platform: str) -> str:
@@ -524,6 +579,40 @@ def platform_env(launch_config: LaunchConfig, environ: Mapping[str, str]) -> dic
     current = environ.get("XLA_FLAGS", "")
     wanted = xla_flags_with(current, CUDA_GRAPH_TRITON_XLA_FLAGS)
     return {} if wanted == current.strip() else {"XLA_FLAGS": wanted}
+
+
+# The CPUs a data-parallel core on CPU keeps to ("0,1"), set before it starts JAX, whose thread
+# pools size themselves to the CPUs the process may run on.
+CPU_AFFINITY_ENV = "JAXLLM_CPU_AFFINITY"
+
+
+def data_parallel_device_env(env: dict[str, str], local_index: int, num_local: int, tp: int
+                             ) -> dict[str, str]:
+    """The environment that gives this host's data-parallel core `local_index` (of
+    `num_local`) its own `tp` devices: on a GPU host devices [index * tp, (index + 1) * tp) of
+    those this process may use (each core then sees its own as devices 0..tp-1); on CPU each
+    core is a process with its own host platform, which needs its device count (XLA's flag, as
+    for tensor parallelism) and its own share of the CPUs (cores sharing every CPU would slow
+    each other's steps)."""
+    if gpu_platform_installed():
+        visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+        ids = visible.split(",") if visible else [str(i) for i in range((local_index + 1) * tp)]
+        mine = ids[local_index * tp:(local_index + 1) * tp]
+        if len(mine) < tp:
+            raise ValueError(f"data-parallel engine core {local_index} of this host needs "
+                             f"devices [{local_index * tp}, {(local_index + 1) * tp}) of "
+                             f"CUDA_VISIBLE_DEVICES={visible!r}")
+        return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+    out = {}
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // max(num_local, 1)
+    if share >= 1 and num_local > 1:
+        out[CPU_AFFINITY_ENV] = ",".join(map(str, cpus[local_index * share:
+                                                        (local_index + 1) * share]))
+    if tp > 1:
+        out["XLA_FLAGS"] = xla_flags_with(env.get("XLA_FLAGS", ""),
+                                          (f"--xla_force_host_platform_device_count={tp}",))
+    return out
 
 
 def kv_budget_bytes(total: int, in_use: int, utilization: float, weights: int,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxllm.config import (
+    DATA_PARALLEL_BACKENDS,
+    DATA_PARALLEL_ROUTINGS,
     DTYPES,
     KERNEL_BACKENDS,
     MATMUL_PRECISIONS,
@@ -26,6 +28,7 @@ from jaxllm.config import (
     resolve_attention_impl,
     resolve_cpu_int8_activations,
     resolve_cuda_graph_triton,
+    resolve_data_parallel,
     resolve_draft_model_config,
     resolve_dtype,
     resolve_gemv_max_rows,
@@ -137,10 +140,35 @@ class EngineArgs:
         1, "devices the model is split over (Megatron-style tensor parallelism on a JAX mesh; "
            "must divide the query heads, intermediate size and vocabulary)")
     data_parallel_size: int = _arg(
-        1, "engine cores on this host, each with its own tensor_parallel_size devices, "
-           "scheduler and KV cache, behind one frontend that routes each request by load and "
-           "prompt prefix (vLLM's data parallelism); above 1 the cores run in their own "
-           "processes")
+        1, "data-parallel engine cores in all (over every host), each with its own "
+           "tensor_parallel_size devices, scheduler and KV cache, behind one frontend that "
+           "routes each request by prompt prefix and load (vLLM's data parallelism); above 1 "
+           "the cores run in their own processes")
+    data_parallel_size_local: int | None = _arg(
+        None, "data-parallel engine cores this host runs, ranks data_parallel_start_rank "
+              "onwards; the others join the frontend from other hosts (`jaxllm serve "
+              "--headless`); not given: all of them not on another host's ranks (none with "
+              "data_parallel_backend 'ray')")
+    data_parallel_start_rank: int = _arg(
+        0, "the rank of this host's first data-parallel engine core (0 on the frontend's "
+           "host; a --headless host's first rank)")
+    data_parallel_address: str | None = _arg(
+        None, "the frontend's host address, which engine cores on other hosts and Ray actors "
+              "connect to (the frontend binds its handshake and core sockets there); not "
+              "given: 127.0.0.1")
+    data_parallel_rpc_port: int = _arg(
+        13345, "the frontend's TCP port for the handshakes of engine cores on other hosts or "
+               "in Ray actors")
+    data_parallel_backend: str = _arg(
+        "mp", "how data-parallel engine cores start: 'mp', processes on this host (and "
+              "--headless hosts), or 'ray', one Ray actor per core placed by Ray on a node with "
+              "the devices it needs (the `ray` extra; joins the running Ray cluster, else starts "
+              "one on this host)")
+    data_parallel_routing: str = _arg(
+        "prefix", "how the frontend picks a data-parallel engine core for a request: "
+                  "'prefix', the core that recently served a prompt with the same first KV "
+                  "blocks unless it is much busier than the least-loaded one, else the "
+                  "least-loaded; 'load', the least-loaded one alone")
     coordinator_address: str | None = _arg(
         None, "several hosts: host:port of process 0's jax.distributed coordinator (or "
               "JAXLLM_COORDINATOR_ADDRESS)")
@@ -185,6 +213,9 @@ class EngineArgs:
                 ("max_n", 1, False, "a positive integer"),
                 ("tensor_parallel_size", 1, False, "a positive integer"),
                 ("data_parallel_size", 1, False, "a positive integer"),
+                ("data_parallel_size_local", 0, True, "a non-negative integer or None"),
+                ("data_parallel_start_rank", 0, False, "a non-negative integer"),
+                ("data_parallel_rpc_port", 1, False, "a TCP port (1-65535)"),
                 ("num_processes", 1, True, "a positive integer or None"),
                 ("process_id", 0, True, "a non-negative integer or None"),
                 ("seed", 0, False, "a non-negative integer"),
@@ -199,6 +230,9 @@ class EngineArgs:
                     or value < low:
                 raise ValueError(f"{name} must be {why}, got {value!r}")
             setattr(self, name, int(value))  # numpy integers stay out of the messages
+        if self.data_parallel_rpc_port > 65535:
+            raise ValueError(f"data_parallel_rpc_port must be a TCP port (1-65535), got "
+                             f"{self.data_parallel_rpc_port}")
         if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision {self.matmul_precision!r} is not one of "
                              f"{MATMUL_PRECISIONS} or None (per platform)")
@@ -251,12 +285,14 @@ class EngineArgs:
                 continue
             kind: Any = {"gpu_memory_utilization": float}.get(f.name, int)
             if f.name in ("model", "revision", "download_dir", "dtype", "kernel_backend",
-                          "quantization",
+                          "quantization", "data_parallel_address", "data_parallel_backend",
+                          "data_parallel_routing",
                           "coordinator_address", "matmul_precision", "speculative_config"):
                 kind = str
             choices = {"dtype": DTYPES, "kernel_backend": KERNEL_BACKENDS,
                        "quantization": QUANTIZATIONS, "matmul_precision": MATMUL_PRECISIONS,
-                       "block_size": (16, 32)}.get(f.name)
+                       "block_size": (16, 32), "data_parallel_backend": DATA_PARALLEL_BACKENDS,
+                       "data_parallel_routing": DATA_PARALLEL_ROUTINGS}.get(f.name)
             shown = "" if default is None or f.name in overrides else f" (default: {default})"
             group.add_argument(flag, type=kind, default=default, choices=choices,
                                help=help_text + shown)
@@ -285,14 +321,12 @@ class EngineArgs:
                              ) -> LaunchConfig:
         """Resolve what must be known before a JAX backend starts, without starting one, for
         the frontend `usage_context` (the frontend calls it; EngineCore when built alone)."""
-        parallel = dataclasses.replace(
+        parallel = resolve_data_parallel(
             resolve_parallel_config(self.tensor_parallel_size, self.coordinator_address,
                                     self.num_processes, self.process_id),
-            data_parallel_size=self.data_parallel_size)
-        if parallel.data_parallel_size > 1 and parallel.multihost:
-            raise ValueError("data_parallel_size > 1 runs its engine cores on this host; it "
-                             "does not combine with a multi-host job (a coordinator address) "
-                             "yet")
+            self.data_parallel_size, self.data_parallel_size_local,
+            self.data_parallel_start_rank, self.data_parallel_address,
+            self.data_parallel_rpc_port, self.data_parallel_backend, self.data_parallel_routing)
         return LaunchConfig(
             usage_context=usage_context,
             # Several cores each need a process of their own (their own devices).

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from jaxllm.config import LaunchConfig
+from jaxllm.config import CPU_AFFINITY_ENV, LaunchConfig
 from jaxllm.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import check_utility
@@ -224,6 +224,13 @@ def _watch_parent(death_fd: int, socket_dir: str | None) -> None:
     os._exit(1)
 
 
+def _apply_cpu_affinity() -> None:
+    """Keep to the CPUs the client gave this core (before JAX sizes its thread pools)."""
+    cpus = os.environ.get(CPU_AFFINITY_ENV)
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
 def _ipc_dir(address: str) -> str | None:
     return os.path.dirname(address[len("ipc://"):]) if address.startswith("ipc://") else None
 
@@ -256,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=_watch_parent, args=(a.death_fd, _ipc_dir(a.input_address)),
                      daemon=True,
                      name="ParentWatch").start()
+    _apply_cpu_affinity()
     import jax
 
     if a.compilation_cache_dir:

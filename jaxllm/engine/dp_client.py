@@ -141,6 +141,8 @@ class DPLBClient(EngineCoreClient):
         # A quarter of a batch: the prefix's core still takes the request into its next steps.
         self.router = DPRouter(len(self.cores), engine_args.block_size,
                                load_margin=max(2, engine_args.max_num_seqs // 4))
+        parallel = launch_config.parallel_config
+        self._prefix_routing = parallel.data_parallel_routing == "prefix"
         self._reported: set[int] = set()  # dead cores whose requests were failed
         self._next = 0  # the core polled first: each in turn, so that none starves
         # Wake-ups from the cores' threads; the closure holds no reference to the client.
@@ -175,7 +177,8 @@ class DPLBClient(EngineCoreClient):
 
     def _add(self, request: EngineCoreRequest) -> None:
         rid = request.request_id
-        hashes = self.router.prefix_hashes(request.prompt_token_ids)
+        hashes = self.router.prefix_hashes(request.prompt_token_ids) if self._prefix_routing \
+            else []
         while True:
             live = [i for i, core in enumerate(self.cores) if core.dead is None]
             if not live:

@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from jaxllm.config import LaunchConfig, gpu_platform_installed, platform_env, xla_flags_with
+from jaxllm.config import LaunchConfig, data_parallel_device_env, platform_env
 from jaxllm.engine import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, EngineDeadError
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient, check_utility
@@ -62,7 +62,7 @@ SHUTDOWN_TIMEOUT_S = 5.0
 _POLL_MS = 100
 
 
-def _child_env(launch_config: LaunchConfig, engine_index: int = 0) -> dict[str, str]:
+def _child_env(launch_config: LaunchConfig, local_index: int = 0) -> dict[str, str]:
     """The child must import the same jaxllm as this process, installed or not, and find in
     its environment the XLA flags its backend must start with, and, one of several
     data-parallel cores, its own devices."""
@@ -72,29 +72,9 @@ def _child_env(launch_config: LaunchConfig, engine_index: int = 0) -> dict[str, 
     env.update(platform_env(launch_config, env))
     parallel = launch_config.parallel_config
     if parallel.data_parallel_size > 1:
-        env.update(data_parallel_device_env(env, engine_index, parallel.tensor_parallel_size))
+        env.update(data_parallel_device_env(env, local_index, parallel.data_parallel_size_local,
+                                            parallel.tensor_parallel_size))
     return env
-
-
-def data_parallel_device_env(env: dict[str, str], engine_index: int, tp: int
-                             ) -> dict[str, str]:
-    """The environment that gives data-parallel core `engine_index` its own `tp` devices: on a
-    GPU host devices [index * tp, (index + 1) * tp) of those this process may use (each core
-    then sees its own as devices 0..tp-1); on CPU each core is a process with its own host
-    platform, which needs only its device count (XLA's flag, as for tensor parallelism)."""
-    if gpu_platform_installed():
-        visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
-        ids = visible.split(",") if visible else [str(i) for i in range((engine_index + 1) * tp)]
-        mine = ids[engine_index * tp:(engine_index + 1) * tp]
-        if len(mine) < tp:
-            raise ValueError(f"data-parallel engine core {engine_index} needs devices "
-                             f"[{engine_index * tp}, {(engine_index + 1) * tp}) of "
-                             f"CUDA_VISIBLE_DEVICES={visible!r}")
-        return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
-    if tp == 1:
-        return {}
-    return {"XLA_FLAGS": xla_flags_with(env.get("XLA_FLAGS", ""),
-                                        (f"--xla_force_host_platform_device_count={tp}",))}
 
 
 def _compilation_cache_dir() -> str | None:
