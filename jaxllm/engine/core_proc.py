@@ -23,38 +23,56 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import sys
 import threading
+import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import zmq
 
-from jaxllm.config import CPU_AFFINITY_ENV, LaunchConfig
+from jaxllm.config import (
+    CPU_AFFINITY_ENV,
+    LaunchConfig,
+    data_parallel_device_env,
+    platform_env,
+)
 from jaxllm.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import check_utility
 from jaxllm.engine.gc_utils import freeze_gc_heap
 from jaxllm.engine.serial_utils import (
+    HEARTBEAT_INTERVAL_S,
     REQUEST_DECODERS,
+    CoreHello,
+    CoreWelcome,
     MsgpackEncoder,
     OutputType,
     ReadyMessage,
     RequestType,
     UtilityOutput,
     UtilityRequest,
+    engine_ready_timeout_s,
+    heartbeat_timeout_s,
 )
 from jaxllm.structured_output.validator import COMPILE_STACK_BYTES
 
 logger = logging.getLogger("jaxllm.engine.core_proc")
+
+_POLL_MS = 100
 
 
 class EngineCoreProc:
     """Runs an EngineCore behind two sockets; `run_busy_loop` returns on a SHUTDOWN message."""
 
     def __init__(self, engine_args: EngineArgs, input_address: str, output_address: str,
-                 launch_config: LaunchConfig | None = None) -> None:
+                 launch_config: LaunchConfig | None = None, heartbeat: bool = False) -> None:
+        """`heartbeat`: the frontend is on another host or this is a Ray actor (the core joined
+        over TCP): send heartbeats while idle, and exit once the frontend's stop."""
+        self.heartbeat = heartbeat
         # (None, the exception): the input thread failed.
         self.input_queue: queue.Queue[tuple[RequestType | None, Any]] = queue.Queue()
         # None: no more outputs, the output thread closes its socket.
@@ -156,10 +174,20 @@ class EngineCoreProc:
         input_queue (off the busy loop's thread, so decoding overlaps the steps)."""
         sock = self.ctx.socket(zmq.PULL)
         sock.connect(address)
+        timeout = heartbeat_timeout_s()
+        last_heard = time.monotonic()
         try:
             while True:
+                if self.heartbeat and not sock.poll(_POLL_MS):
+                    if time.monotonic() - last_heard > timeout:
+                        raise RuntimeError(f"the frontend sent nothing for {timeout:.0f} s: it "
+                                           f"or its host is gone")
+                    continue
                 kind_frame, payload = sock.recv_multipart(copy=False)
+                last_heard = time.monotonic()
                 kind = RequestType(kind_frame.bytes)
+                if kind is RequestType.HEARTBEAT:
+                    continue
                 if kind is RequestType.SHUTDOWN:
                     self.input_queue.put((kind, None))
                     break
@@ -200,7 +228,12 @@ class EngineCoreProc:
         sock = self.ctx.socket(zmq.PUSH)
         sock.connect(address)
         while True:
-            item = self.output_queue.get()
+            try:
+                item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S if self.heartbeat
+                                             else None)
+            except queue.Empty:
+                sock.send_multipart((OutputType.HEARTBEAT.value, b""))
+                continue
             if item is None:
                 break
             kind, obj = item
@@ -235,17 +268,76 @@ def _ipc_dir(address: str) -> str | None:
     return os.path.dirname(address[len("ipc://"):]) if address.startswith("ipc://") else None
 
 
+def join_frontend(handshake_address: str, engine_index: int, model: str | None
+                  ) -> CoreWelcome:
+    """Say who this core is at the frontend's handshake address and get its welcome: the
+    addresses to connect to and the engine's settings. The frontend not answering in time, or
+    refusing, ends the process with the reason."""
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.IPV6, int(handshake_address.startswith("tcp://[")))
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(handshake_address)
+    timeout = engine_ready_timeout_s()
+    try:
+        sock.send(msgspec.msgpack.encode(CoreHello(engine_index, socket.gethostname(),
+                                                   os.getpid(), model)))
+        if not sock.poll(int(timeout * 1000)):
+            raise SystemExit(f"engine core {engine_index}: no frontend answered at "
+                             f"{handshake_address} within {timeout:.0f} s")
+        welcome = msgspec.msgpack.decode(sock.recv(), type=CoreWelcome)
+    finally:
+        ctx.destroy(linger=0)
+    if welcome.error is not None:
+        raise SystemExit(f"engine core {engine_index}: the frontend at {handshake_address} "
+                         f"refused it: {welcome.error}")
+    return welcome
+
+
+def run_joined_core(handshake_address: str, engine_index: int, local_index: int = 0,
+                    num_local: int = 1, model: str | None = None) -> None:
+    """A data-parallel core on another host than its frontend's, or in a Ray actor: join the
+    frontend, take this host's share of devices (local core `local_index` of `num_local`),
+    start JAX and serve until told to stop or the frontend goes silent. Runs in a process that
+    has not started JAX yet."""
+    welcome = join_frontend(handshake_address, engine_index, model)
+    engine_args = msgspec.json.decode(welcome.engine_args_json, type=EngineArgs)
+    launch_config = msgspec.json.decode(welcome.launch_config_json, type=LaunchConfig)
+    os.environ.update(platform_env(launch_config, os.environ))
+    os.environ.update(data_parallel_device_env(
+        dict(os.environ), local_index, num_local,
+        launch_config.parallel_config.tensor_parallel_size))
+    _apply_cpu_affinity()
+    logger.info("engine core %d joined the frontend at %s", engine_index, handshake_address)
+    proc = EngineCoreProc(engine_args, welcome.input_address, welcome.output_address,
+                          launch_config, heartbeat=True)
+    proc.run_busy_loop()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="jaxllm engine core process (started by the "
-                                "multiprocess engine-core clients)")
-    p.add_argument("--input-address", required=True)
-    p.add_argument("--output-address", required=True)
-    p.add_argument("--death-fd", type=int, required=True)
-    p.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
-    p.add_argument("--launch-config", required=True,
-                   help="LaunchConfig as JSON, the frontend's decisions")
+                                "multiprocess engine-core clients, or by `jaxllm serve "
+                                "--headless` to join a frontend on another host)")
+    p.add_argument("--input-address")
+    p.add_argument("--output-address")
+    p.add_argument("--death-fd", type=int, default=None)
+    p.add_argument("--engine-args", help="EngineArgs as JSON")
+    p.add_argument("--launch-config", help="LaunchConfig as JSON, the frontend's decisions")
     p.add_argument("--compilation-cache-dir", default=None)
+    joined = p.add_argument_group("a core that joins its frontend over TCP")
+    joined.add_argument("--handshake-address", default=None,
+                        help="the frontend's handshake socket (tcp://host:port)")
+    joined.add_argument("--engine-index", type=int, default=0, help="this core's rank")
+    joined.add_argument("--local-index", type=int, default=0,
+                        help="which of this host's cores (its devices)")
+    joined.add_argument("--num-local", type=int, default=1, help="this host's cores")
+    joined.add_argument("--model", default=None,
+                        help="the model this host was started with (checked against the "
+                             "frontend's)")
     a = p.parse_args(argv)
+    if a.handshake_address is None and None in (a.input_address, a.output_address,
+                                                 a.engine_args, a.launch_config, a.death_fd):
+        p.error("give --handshake-address, or every one of --input-address, --output-address, "
+                "--engine-args, --launch-config and --death-fd")
     # Our own logger only (JAX's INFO lines about absent backends are noise), to the inherited
     # stderr: the parent's.
     handler = logging.StreamHandler(sys.stderr)
@@ -260,24 +352,39 @@ def main(argv: list[str] | None = None) -> None:
     # Grammar compilations recurse as deep as the grammar nests: this process's threads get a
     # stack well beyond the one the server's validator accepted the grammar with.
     threading.stack_size(COMPILE_STACK_BYTES)
-    threading.Thread(target=_watch_parent, args=(a.death_fd, _ipc_dir(a.input_address)),
-                     daemon=True,
-                     name="ParentWatch").start()
-    _apply_cpu_affinity()
-    import jax
-
-    if a.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", a.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if a.death_fd is not None:
+        socket_dir = None if a.input_address is None else _ipc_dir(a.input_address)
+        threading.Thread(target=_watch_parent, args=(a.death_fd, socket_dir), daemon=True,
+                         name="ParentWatch").start()
+    if a.handshake_address is not None:
+        _run(lambda: run_joined_core(a.handshake_address, a.engine_index, a.local_index,
+                                     a.num_local, a.model), a.compilation_cache_dir)
+        return
     engine_args = msgspec.json.decode(a.engine_args, type=EngineArgs)
     launch_config = msgspec.json.decode(a.launch_config, type=LaunchConfig)
+    _apply_cpu_affinity()
+
+    def run() -> None:
+        EngineCoreProc(engine_args, a.input_address, a.output_address,
+                       launch_config).run_busy_loop()
+
+    _run(run, a.compilation_cache_dir)
+
+
+def _run(run: Callable[[], None], compilation_cache_dir: str | None) -> None:
+    """`run` the core; a failure is logged and ends the process with exit code 1."""
+    import jax
+
+    if compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     try:
-        proc = EngineCoreProc(engine_args, a.input_address, a.output_address, launch_config)
-    except BaseException:
-        logger.exception("engine core failed to start")
-        sys.exit(1)
-    try:
-        proc.run_busy_loop()
+        run()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            logger.error("%s", e.code)
+            sys.exit(1)
+        raise
     except BaseException:
         logger.exception("engine core died")
         # Skip interpreter teardown: the socket threads may be blocked in ZMQ calls.

@@ -33,7 +33,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from jaxllm.config import LaunchConfig
 from jaxllm.engine import (
@@ -45,7 +45,7 @@ from jaxllm.engine import (
 )
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient, check_utility
-from jaxllm.engine.mp_client import CoreProcess
+from jaxllm.engine.mp_client import CoreConnection, CoreProcess
 from jaxllm.engine.serial_utils import RequestType
 
 # Full KV blocks of a prompt hashed for prefix routing: the head of a prompt (a system prompt, a
@@ -62,10 +62,12 @@ class EngineState:
     """One core as the client sees it (for /health, /metrics and tests)."""
 
     engine_index: int
+    host: str  # the host name the core's process runs on
     pid: int
     alive: bool
     num_requests: int  # unfinished requests routed to it
     num_routed: int  # requests routed to it since start
+    placement: str | None = None  # where its launcher put it (a Ray node id)
 
 
 class DPRouter:
@@ -135,9 +137,11 @@ class DPLBClient(EngineCoreClient):
     """The launch config's `data_parallel_size` core processes; `shutdown()`, or garbage
     collection of the client, ends them all."""
 
-    def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig) -> None:
-        self.cores = start_cores(engine_args, launch_config)
-        self._finalizer = weakref.finalize(self, close_cores, self.cores)
+    def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig,
+                 remote_engine_args: EngineArgs | None = None) -> None:
+        self.cores, self.launchers = start_cores(engine_args, launch_config,
+                                                 remote_engine_args)
+        self._finalizer = weakref.finalize(self, close_cores, self.cores, self.launchers)
         # A quarter of a batch: the prefix's core still takes the request into its next steps.
         self.router = DPRouter(len(self.cores), engine_args.block_size,
                                load_margin=max(2, engine_args.max_num_seqs // 4))
@@ -167,8 +171,16 @@ class DPLBClient(EngineCoreClient):
 
     def engine_states(self) -> list[EngineState]:
         r = self.router
-        return [EngineState(i, core.ready.pid, core.dead is None, r.loads[i], r.routed[i])
+        return [EngineState(i, core.host, core.ready.pid, core.dead is None, r.loads[i],
+                            r.routed[i], self._placement(i))
                 for i, core in enumerate(self.cores)]
+
+    def _placement(self, engine_index: int) -> str | None:
+        for launcher in self.launchers:
+            where = launcher.placement(engine_index)
+            if where is not None:
+                return where
+        return None
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -353,17 +365,39 @@ def _waker(event: threading.Event,
     return wake
 
 
-def start_cores(engine_args: EngineArgs, launch_config: LaunchConfig) -> list[CoreProcess]:
-    """Start every core at once (each loads and compiles in its own process); if one fails (or
-    the start is interrupted), the others are abandoned and closed, and its error raised."""
-    n = launch_config.parallel_config.data_parallel_size
+def start_cores(engine_args: EngineArgs, launch_config: LaunchConfig,
+                remote_engine_args: EngineArgs | None = None
+                ) -> tuple[list[CoreConnection], list[Launcher]]:
+    """Start every core at once (each loads and compiles in its own process): this host's as
+    child processes, the others as they join over TCP (headless hosts; Ray actors, which are
+    launched here); in rank order, with the launchers to close after them. If one fails (or the
+    start is interrupted), the others are abandoned and closed, and its error raised.
+    `remote_engine_args`: what the joining cores run (the model as the user named it)."""
+    parallel = launch_config.parallel_config
+    n = parallel.data_parallel_size
+    if parallel.data_parallel_start_rank != 0:
+        raise ValueError("data_parallel_start_rank is the first rank of a --headless host; the "
+                         "frontend's host runs ranks from 0")
+    local = range(parallel.data_parallel_size_local)
+    remote = list(range(len(local), n))
     cancel = threading.Event()
-    pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="EngineCoreStart")
-    futures = [pool.submit(CoreProcess, engine_args, launch_config, i, cancel)
-               for i in range(n)]
+    launchers: list[Launcher] = []
+    pool = concurrent.futures.ThreadPoolExecutor(len(local) + 1,
+                                                 thread_name_prefix="EngineCoreStart")
+    futures: list[concurrent.futures.Future[Any]] = [
+        pool.submit(CoreProcess, engine_args, launch_config, i, cancel) for i in local]
+    if remote:
+        from jaxllm.engine.remote_core import start_remote_cores
+
+        futures.append(pool.submit(start_remote_cores, remote_engine_args or engine_args,
+                                   launch_config, remote, cancel))
     # Those that failed on their own: none is abandoned before `wait` returns.
     failed: list[int] = [-1]
     try:
+        if parallel.data_parallel_backend == "ray":
+            from jaxllm.engine.ray_launcher import RayLauncher
+
+            launchers.append(RayLauncher(launch_config, remote))
         done, _ = concurrent.futures.wait(futures,
                                           return_when=concurrent.futures.FIRST_EXCEPTION)
         failed = [i for i, f in enumerate(futures) if f in done and f.exception() is not None]
@@ -374,17 +408,40 @@ def start_cores(engine_args: EngineArgs, launch_config: LaunchConfig) -> list[Co
         if failed:
             for f in futures:
                 if f.exception() is None:
-                    f.result().close()
+                    result = f.result()
+                    for core in result if isinstance(result, list) else [result]:
+                        core.close()
+            for launcher in launchers:
+                launcher.close()
     if failed:
         err = futures[failed[0]].exception()
+        if failed[0] >= len(local):  # the joining cores: the error names which
+            raise RuntimeError(str(err)) from err
         raise RuntimeError(f"data-parallel engine core {failed[0]} failed to start: "
                            f"{err}") from err
-    return [f.result() for f in futures]
+    cores: list[CoreConnection] = []
+    for f in futures:
+        result = f.result()
+        cores.extend(result if isinstance(result, list) else [result])
+    return cores, launchers
 
 
-def close_cores(cores: list[CoreProcess]) -> None:
-    """Ask every core to exit first, so that they wind down together, then close each."""
+class Launcher(Protocol):
+    """What started cores elsewhere (Ray's actors), closed once its cores are."""
+
+    def close(self) -> None: ...
+
+    def placement(self, engine_index: int) -> str | None:
+        """Where the core runs (a Ray node), if the launcher knows."""
+        ...
+
+
+def close_cores(cores: list[CoreConnection], launchers: list[Launcher]) -> None:
+    """Ask every core to exit first, so that they wind down together, then close each, then
+    what launched them."""
     for core in cores:
         core.request_shutdown()
     for core in cores:
         core.close()
+    for launcher in launchers:
+        launcher.close()

@@ -112,7 +112,8 @@ class ParentRequests:
         return released
 
 
-def make_client(launch_config: LaunchConfig, engine_args: EngineArgs) -> EngineCoreClient:
+def make_client(launch_config: LaunchConfig, engine_args: EngineArgs,
+                remote_engine_args: EngineArgs | None = None) -> EngineCoreClient:
     """The client of a new engine core: in this process (InprocClient), or in its own process
     with blocking (SyncMPClient) or asyncio (AsyncMPClient, for AsyncLLM) calls, or several
     data-parallel cores in processes of their own (DPLBClient) (vLLM's
@@ -121,7 +122,8 @@ def make_client(launch_config: LaunchConfig, engine_args: EngineArgs) -> EngineC
     if launch_config.parallel_config.data_parallel_size > 1:
         from jaxllm.engine.dp_client import DPLBClient
 
-        return DPLBClient(engine_args, launch_config)  # blocking and asyncio calls both
+        # Cores on other hosts get the model as the user named it (each resolves a Hub id).
+        return DPLBClient(engine_args, launch_config, remote_engine_args)
     if launch_config.multiprocess_mode:
         from jaxllm.engine.mp_client import AsyncMPClient, SyncMPClient
 
@@ -146,7 +148,7 @@ class EngineFrontend:
         # A Hub id is looked up (and downloaded) here, once: the core loads the local snapshot.
         core_args = dataclasses.replace(args, model=str(path)) if is_hub_id(args.model) \
             else args
-        self.engine_core_client = make_client(self.launch_config, core_args)
+        self.engine_core_client = make_client(self.launch_config, core_args, args)
         info: EngineCoreInfo = self.engine_core_client.get_engine_info()
         if core_args is not args:  # named as the user named it, not by its snapshot directory
             info.config = dataclasses.replace(info.config, model=args.model)

@@ -28,10 +28,12 @@ import logging
 import os
 import queue
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -59,10 +61,11 @@ logger = logging.getLogger(__name__)
 
 # How long a clean shutdown waits for the core to exit before it is terminated, then killed.
 SHUTDOWN_TIMEOUT_S = 5.0
+
 _POLL_MS = 100
 
 
-def _child_env(launch_config: LaunchConfig, local_index: int = 0) -> dict[str, str]:
+def child_env(launch_config: LaunchConfig, local_index: int = 0) -> dict[str, str]:
     """The child must import the same jaxllm as this process, installed or not, and find in
     its environment the XLA flags its backend must start with, and, one of several
     data-parallel cores, its own devices."""
@@ -84,15 +87,15 @@ def _compilation_cache_dir() -> str | None:
     return None if jax is None else jax.config.jax_compilation_cache_dir
 
 
-class CoreProcess:
-    """The child process, its sockets and this side's threads; closed exactly once.
-    `engine_index`: which of several data-parallel cores (its devices); `cancel`: set by
-    another thread, abandons the start (a sibling core failed to start)."""
+class CoreConnection:
+    """This side of one engine core: the two sockets this process binds, the output thread,
+    the outputs queue and the utility futures. How the core starts and how its death is
+    noticed are the subclass's: a child process here (CoreProcess), or a core that joined over
+    TCP (remote_core.RemoteCore). `engine_index`: which of several data-parallel cores."""
 
-    def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig,
-                 engine_index: int = 0, cancel: threading.Event | None = None) -> None:
+    def __init__(self, engine_index: int = 0) -> None:
         self.engine_index = engine_index
-        self.cancel = cancel
+        self.host = socket.gethostname()  # where the core runs
         self.closed = False
         self.closing = False
         self.dead: EngineDeadError | None = None
@@ -102,68 +105,44 @@ class CoreProcess:
         self._call_ids = itertools.count()
         self._send_lock = threading.Lock()
         self._encoder = MsgpackEncoder()
-        self.proc: subprocess.Popen | None = None
-        self.death_w: int | None = None
-        self.tmpdir = tempfile.mkdtemp(prefix="jaxllm-core-")
+        self.last_heard = time.monotonic()  # any message from the core
+        self.ready: ReadyMessage  # set once the core is ready
         self.ctx = zmq.Context()
-        try:
-            self._start(engine_args, launch_config)
-        except BaseException:
-            self.close()
-            raise
 
-    def _start(self, engine_args: EngineArgs, launch_config: LaunchConfig) -> None:
-        input_address = f"ipc://{self.tmpdir}/input"
-        output_address = f"ipc://{self.tmpdir}/output"
+    def bind(self, input_address: str, output_address: str) -> tuple[str, str]:
+        """Bind the input (PUSH) and output (PULL) sockets; the addresses bound (a TCP port 0
+        becomes the one the system chose)."""
         self.input_socket = self.ctx.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.SNDHWM, 0)  # unbounded: a send never blocks
         self.input_socket.bind(input_address)
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
         self.output_socket.bind(output_address)
-        death_r, self.death_w = os.pipe()
-        cmd = [sys.executable, "-m", "jaxllm.engine.core_proc",
-               "--input-address", input_address, "--output-address", output_address,
-               "--death-fd", str(death_r),
-               "--engine-args", msgspec.json.encode(engine_args).decode(),
-               "--launch-config", msgspec.json.encode(launch_config).decode()]
-        cache = _compilation_cache_dir()
-        if cache:
-            cmd += ["--compilation-cache-dir", cache]
-        try:
-            # The child's stdout goes to our stderr: a CLI's stdout carries only its results.
-            proc = self.proc = subprocess.Popen(
-                cmd, pass_fds=(death_r,), env=_child_env(launch_config, self.engine_index),
-                stdin=subprocess.DEVNULL,
-                stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
-        finally:
-            os.close(death_r)
-        self.ready = self._wait_ready(proc)
-        self.output_thread = threading.Thread(target=self._process_output_socket, daemon=True,
-                                              name="EngineCoreClientOutputThread")
-        self.output_thread.start()
-        self.monitor_thread = threading.Thread(target=self._monitor, args=(proc,), daemon=True,
-                                               name="EngineCoreMonitor")
-        self.monitor_thread.start()
+        return (self.input_socket.getsockopt_string(zmq.LAST_ENDPOINT),
+                self.output_socket.getsockopt_string(zmq.LAST_ENDPOINT))
 
-    def _wait_ready(self, proc: subprocess.Popen) -> ReadyMessage:
-        """The handshake: the core's first message, once it loaded, sized KV and compiled."""
+    def wait_ready(self, alive: Callable[[], None]) -> ReadyMessage:
+        """The handshake: the core's first message, once it loaded, sized KV and compiled.
+        `alive` raises when the core can no longer answer (or the start must end)."""
         while True:
             if self.output_socket.poll(_POLL_MS):
                 kind_frame, payload = self.output_socket.recv_multipart()
+                self.last_heard = time.monotonic()
                 kind = OutputType(kind_frame)
+                if kind is OutputType.HEARTBEAT:
+                    continue
                 msg = OUTPUT_DECODERS[kind].decode(payload)
                 if kind is OutputType.READY:
                     return msg
                 if kind is OutputType.STARTUP_FAILED:
                     raise RuntimeError(f"the engine core failed to start:\n{msg}")
                 raise RuntimeError(f"unexpected {kind.name} message before the handshake")
-            rc = proc.poll()
-            if rc is not None:
-                raise RuntimeError(f"the engine core process exited with code {rc} during "
-                                   f"start-up (its log is above, on stderr)")
-            if self.cancel is not None and self.cancel.is_set():
-                raise RuntimeError("the engine core's start was abandoned")
+            alive()
+
+    def start_output_thread(self) -> None:
+        self.output_thread = threading.Thread(target=self._process_output_socket, daemon=True,
+                                              name="EngineCoreClientOutputThread")
+        self.output_thread.start()
 
     # --- this side's threads ------------------------------------------------------------------
 
@@ -174,7 +153,10 @@ class CoreProcess:
                 if not sock.poll(_POLL_MS):
                     continue
                 kind_frame, payload = sock.recv_multipart(copy=False)
+                self.last_heard = time.monotonic()
                 kind = OutputType(kind_frame.bytes)
+                if kind is OutputType.HEARTBEAT:
+                    continue
                 msg = OUTPUT_DECODERS[kind].decode(payload.buffer)
                 if kind is OutputType.OUTPUTS:
                     self.outputs.put(msg)
@@ -202,13 +184,6 @@ class CoreProcess:
             fut.set_result(decoder.decode(msg.result))
         except Exception as e:
             fut.set_exception(e)
-
-    def _monitor(self, proc: subprocess.Popen) -> None:
-        rc = proc.wait()
-        if not self.closing:
-            logger.error("engine core process %d died (exit code %s)", proc.pid, rc)
-            self._fail(EngineDeadError(f"the engine core process ({proc.pid}) died with "
-                                       f"exit code {rc}; see its log on stderr"))
 
     def _fail(self, err: EngineDeadError) -> None:
         """Every waiting and every later caller gets `err`."""
@@ -278,13 +253,92 @@ class CoreProcess:
     def request_shutdown(self) -> None:
         """Ask the core to exit without waiting (close() then waits): several cores wind down
         together."""
-        if self.closing or self.proc is None or self.proc.poll() is not None:
+        if self.closing or self.dead is not None:
             return
         self.closing = True
         try:
             self._send_shutdown()
-        except zmq.ZMQError:
-            pass  # close() terminates it
+        except (zmq.ZMQError, AttributeError):  # no socket yet: close() ends it
+            pass
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _close_connection(self, linger_ms: int = 0) -> None:
+        """This side's part of close(): the output thread, the callers, the sockets (what is
+        queued on them is sent for up to `linger_ms`)."""
+        thread = getattr(self, "output_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5 * _POLL_MS / 1000)
+        self._fail(EngineDeadError("the engine core was shut down"))
+        self.ctx.destroy(linger=linger_ms)
+
+
+class CoreProcess(CoreConnection):
+    """A core in a child process of this one, over IPC sockets in a private temporary
+    directory; closed exactly once. `cancel`: set by another thread, abandons the start (a
+    sibling core failed to start)."""
+
+    def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig,
+                 engine_index: int = 0, cancel: threading.Event | None = None) -> None:
+        super().__init__(engine_index)
+        self.cancel = cancel
+        self.proc: subprocess.Popen | None = None
+        self.death_w: int | None = None
+        self.tmpdir = tempfile.mkdtemp(prefix="jaxllm-core-")
+        try:
+            self._start(engine_args, launch_config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, engine_args: EngineArgs, launch_config: LaunchConfig) -> None:
+        input_address, output_address = self.bind(f"ipc://{self.tmpdir}/input",
+                                                  f"ipc://{self.tmpdir}/output")
+        death_r, self.death_w = os.pipe()
+        cmd = [sys.executable, "-m", "jaxllm.engine.core_proc",
+               "--input-address", input_address, "--output-address", output_address,
+               "--death-fd", str(death_r),
+               "--engine-args", msgspec.json.encode(engine_args).decode(),
+               "--launch-config", msgspec.json.encode(launch_config).decode()]
+        cache = _compilation_cache_dir()
+        if cache:
+            cmd += ["--compilation-cache-dir", cache]
+        parallel = launch_config.parallel_config
+        local_index = self.engine_index - parallel.data_parallel_start_rank
+        try:
+            # The child's stdout goes to our stderr: a CLI's stdout carries only its results.
+            proc = self.proc = subprocess.Popen(
+                cmd, pass_fds=(death_r,), env=child_env(launch_config, local_index),
+                stdin=subprocess.DEVNULL,
+                stdout=sys.stderr.fileno() if has_fileno(sys.stderr) else None)
+        finally:
+            os.close(death_r)
+        self.ready = self.wait_ready(lambda: self._check_starting(proc))
+        self.start_output_thread()
+        self.monitor_thread = threading.Thread(target=self._monitor, args=(proc,), daemon=True,
+                                               name="EngineCoreMonitor")
+        self.monitor_thread.start()
+
+    def _check_starting(self, proc: subprocess.Popen) -> None:
+        rc = proc.poll()
+        if rc is not None:
+            raise RuntimeError(f"the engine core process exited with code {rc} during "
+                               f"start-up (its log is above, on stderr)")
+        if self.cancel is not None and self.cancel.is_set():
+            raise RuntimeError("the engine core's start was abandoned")
+
+    def _monitor(self, proc: subprocess.Popen) -> None:
+        rc = proc.wait()
+        if not self.closing:
+            logger.error("engine core process %d died (exit code %s)", proc.pid, rc)
+            self._fail(EngineDeadError(f"the engine core process ({proc.pid}) died with "
+                                       f"exit code {rc}; see its log on stderr"))
+
+    def request_shutdown(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        super().request_shutdown()
 
     def close(self) -> None:
         """Ask the core to exit (terminate / kill it if it does not in time), stop the threads,
@@ -309,15 +363,11 @@ class CoreProcess:
         if self.death_w is not None:
             os.close(self.death_w)
             self.death_w = None
-        thread = getattr(self, "output_thread", None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5 * _POLL_MS / 1000)
-        self._fail(EngineDeadError("the engine core was shut down"))
-        self.ctx.destroy(linger=0)
+        self._close_connection()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-def _has_fileno(stream: Any) -> bool:
+def has_fileno(stream: Any) -> bool:
     try:
         stream.fileno()
     except (AttributeError, OSError, ValueError):

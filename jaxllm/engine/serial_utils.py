@@ -9,12 +9,31 @@ which struct to decode, so neither side needs tagged unions or pickle.
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from jaxllm.engine import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest
+
+# A core that joined over TCP (another host, a Ray actor) and its frontend each send a heartbeat
+# when they have sent nothing else for this long: ZMQ never reports a dead peer, and neither
+# side has the other's process to watch.
+HEARTBEAT_INTERVAL_S = 1.0
+# Seconds of silence after which either side counts the other as dead.
+HEARTBEAT_TIMEOUT_ENV = "JAXLLM_DP_HEARTBEAT_TIMEOUT_S"
+# Seconds a data-parallel start waits for its cores to join and finish loading (vLLM's name).
+ENGINE_READY_TIMEOUT_ENV = "JAXLLM_ENGINE_READY_TIMEOUT_S"
+
+
+def heartbeat_timeout_s() -> float:
+    return float(os.environ.get(HEARTBEAT_TIMEOUT_ENV, "30"))
+
+
+def engine_ready_timeout_s() -> float:
+    return float(os.environ.get(ENGINE_READY_TIMEOUT_ENV, "600"))
+
 
 # msgpack extension code of a numpy array: header (dtype str, shape) + raw bytes.
 _NDARRAY_EXT = 1
@@ -27,6 +46,7 @@ class RequestType(bytes, enum.Enum):
     ABORT = b"\x01"  # payload: list[str] of request ids
     UTILITY = b"\x02"  # payload: UtilityRequest
     SHUTDOWN = b"\x03"  # payload: empty; the core finishes its step and exits 0
+    HEARTBEAT = b"\x04"  # payload: empty; to a core on another host: the frontend lives
 
 
 class OutputType(bytes, enum.Enum):
@@ -36,6 +56,7 @@ class OutputType(bytes, enum.Enum):
     OUTPUTS = b"\x11"  # payload: EngineCoreOutputs
     UTILITY = b"\x12"  # payload: UtilityOutput
     STARTUP_FAILED = b"\x13"  # payload: str (the exception, formatted)
+    HEARTBEAT = b"\x14"  # payload: empty; from a core on another host: the core lives
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):
@@ -60,6 +81,26 @@ class ReadyMessage(msgspec.Struct):
 
     info: EngineCoreInfo  # with the core's platform and dtype
     pid: int
+
+
+class CoreHello(msgspec.Struct):
+    """A core that joins the frontend over TCP (another host, a Ray actor) says who it is."""
+
+    engine_index: int
+    host: str
+    pid: int
+    model: str | None = None  # the model its host was started with, if any (must match)
+
+
+class CoreWelcome(msgspec.Struct, omit_defaults=True):
+    """The frontend's answer: where to connect, and the engine's settings (the frontend's, so
+    that every core runs the same engine); or why it is refused."""
+
+    input_address: str = ""
+    output_address: str = ""
+    engine_args_json: str = ""
+    launch_config_json: str = ""
+    error: str | None = None
 
 
 # Utility results that are structs; the rest are plain msgpack values.

@@ -21,6 +21,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="checkpoint directory, .gguf file, Hugging Face Hub model id "
                         "(owner/name, owner/name:QUANT for one file of a GGUF repo) or "
                         "tiny-qwen2 (same as --model)")
+    p.add_argument("--headless", action="store_true",
+                   help="run only this host's data-parallel engine cores, ranks "
+                        "--data-parallel-start-rank onwards (--data-parallel-size-local of "
+                        "them), for the frontend at --data-parallel-address:"
+                        "--data-parallel-rpc-port; they take every other engine setting from "
+                        "the frontend; no HTTP server")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (vLLM binds 0.0.0.0; we do only when asked)")
     p.add_argument("--port", type=int, default=8000)
@@ -131,6 +137,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     tag = args.model_tag or args.model
+    if args.headless:
+        from jaxllm.config import UsageContext
+        from jaxllm.engine.headless import run_headless
+
+        engine_args = EngineArgs.from_cli_args(args, model=tag)
+        return run_headless(engine_args.create_launch_config(UsageContext.ASYNC_LLM),
+                            tag)
     if args.skip_tokenizer_init:
         raise ValueError("the server needs the tokenizer (drop --skip-tokenizer-init)")
     for flag in ("max_request_bytes", "request_body_timeout", "request_header_timeout",

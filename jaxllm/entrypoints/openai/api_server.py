@@ -331,7 +331,9 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
                                              "EngineDeadError").body(), status_code=503)
             return Response(status_code=200)
         # Data parallelism: healthy while one core lives; the body says which do.
-        engines = [{"engine": e.engine_index, "pid": e.pid, "alive": e.alive and not dead}
+        engines = [{"engine": e.engine_index, "host": e.host, "pid": e.pid,
+                    "alive": e.alive and not dead,
+                    **({} if e.placement is None else {"placement": e.placement})}
                    for e in client.engine_states()]
         body = {"num_live_engines": sum(e["alive"] for e in engines), "engines": engines}
         if dead:

@@ -1,0 +1,217 @@
+"""Data-parallel engine cores that join the frontend over TCP: cores on other hosts (`jaxllm
+serve --headless`) and Ray actors (vLLM's multi-node data parallelism).
+
+The frontend binds a handshake socket (ROUTER) at `data_parallel_address`:`data_parallel_rpc_port`
+and waits for the ranks no local process runs. Each such core connects (DEALER), says who it is
+(CoreHello), and gets a CoreWelcome: the addresses of two sockets the frontend bound for it alone
+on TCP, and the frontend's engine settings (every core runs the same engine), or the reason it is
+refused (a rank nobody waits for, or taken; another model). It then connects to them and the
+rest is as for a core on this host (mp_client.CoreConnection): the ready handshake, then
+requests and outputs.
+
+Neither side has the other's process to watch, so each sends a heartbeat when it has sent
+nothing else for HEARTBEAT_INTERVAL_S, and counts the other as dead after
+heartbeat_timeout_s() of silence: the frontend fails the core's requests (as for a dead local
+core), the core exits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+
+import msgspec
+import zmq
+
+from jaxllm.config import LaunchConfig
+from jaxllm.engine import EngineDeadError
+from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.engine.mp_client import SHUTDOWN_TIMEOUT_S, CoreConnection
+from jaxllm.engine.serial_utils import (
+    ENGINE_READY_TIMEOUT_ENV,
+    HEARTBEAT_INTERVAL_S,
+    CoreHello,
+    CoreWelcome,
+    RequestType,
+    engine_ready_timeout_s,
+    heartbeat_timeout_s,
+)
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+
+
+def tcp_address(host: str, port: int | str) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class RemoteCore(CoreConnection):
+    """A core that joined over TCP: its sockets, bound on `bind_host` at ports the system picks,
+    and a monitor thread that sends heartbeats and watches for the core's."""
+
+    def __init__(self, hello: CoreHello, bind_host: str) -> None:
+        super().__init__(hello.engine_index)
+        self.host = hello.host
+        self.pid = hello.pid
+        self.ctx.setsockopt(zmq.IPV6, int(":" in bind_host))  # the sockets' default
+        self.input_address, self.output_address = self.bind(tcp_address(bind_host, "*"),
+                                                            tcp_address(bind_host, "*"))
+
+    def describe(self) -> str:
+        return f"data-parallel engine core {self.engine_index} (host {self.host}, pid {self.pid})"
+
+    def start(self, deadline: float, cancel: threading.Event) -> None:
+        """Wait for the core's ready message (it loads and compiles meanwhile), then watch it."""
+        timeout = heartbeat_timeout_s()
+
+        def alive() -> None:
+            silent = time.monotonic() - self.last_heard
+            if silent > timeout:
+                raise RuntimeError(f"{self.describe()} sent nothing for {silent:.0f} s while "
+                                   f"starting: its process or host is gone (its log is there)")
+            if cancel.is_set():
+                raise RuntimeError("the engine core's start was abandoned")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.describe()} did not finish starting within "
+                                   f"{engine_ready_timeout_s():.0f} s "
+                                   f"({ENGINE_READY_TIMEOUT_ENV})")
+
+        self.ready = self.wait_ready(alive)
+        self.start_output_thread()
+        self.monitor_thread = threading.Thread(target=self._monitor, daemon=True,
+                                               name="RemoteEngineCoreMonitor")
+        self.monitor_thread.start()
+
+    def _monitor(self) -> None:
+        timeout = heartbeat_timeout_s()
+        while not self.closing and self.dead is None:
+            time.sleep(HEARTBEAT_INTERVAL_S)
+            silent = time.monotonic() - self.last_heard
+            if silent > timeout and not self.closing:
+                logger.error("%s sent nothing for %.0f s: counted as dead", self.describe(),
+                             silent)
+                self._fail(EngineDeadError(f"{self.describe()} sent nothing for {silent:.0f} "
+                                           f"s: its process or host is gone"))
+                return
+            try:
+                self.send(RequestType.HEARTBEAT)
+            except (EngineDeadError, zmq.ZMQError):
+                return
+
+    def close(self) -> None:
+        """Ask the core to exit (it also exits once our heartbeats stop), stop the threads and
+        close the sockets, letting the request to exit go out. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        asked, self.closing = self.closing, True
+        if not asked and self.dead is None:
+            try:
+                self._send_shutdown()
+            except (zmq.ZMQError, AttributeError):
+                pass
+        self._close_connection(linger_ms=int(SHUTDOWN_TIMEOUT_S * 1000))
+
+
+def start_remote_cores(engine_args: EngineArgs, launch_config: LaunchConfig, ranks: list[int],
+                       cancel: threading.Event) -> list[RemoteCore]:
+    """Wait at the handshake address for the cores of `ranks` to join, welcome each, then wait
+    for every one to be ready (they load and compile at once); in rank order. A core that
+    fails, or the deadline (`ENGINE_READY_TIMEOUT_ENV`), or `cancel` ends the start: the cores
+    that joined are closed and the error raised. `engine_args`: what every core runs, the model
+    as the user named it (each host resolves a Hub id itself)."""
+    parallel = launch_config.parallel_config
+    host = parallel.data_parallel_address
+    address = tcp_address(host, parallel.data_parallel_rpc_port)
+    welcome_args = msgspec.json.encode(engine_args).decode()
+    welcome_launch = msgspec.json.encode(launch_config).decode()
+    deadline = time.monotonic() + engine_ready_timeout_s()
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.IPV6, int(":" in host))
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        ctx.destroy(linger=0)
+        raise RuntimeError(f"the frontend cannot listen for data-parallel engine cores at "
+                           f"{address} (data_parallel_address, data_parallel_rpc_port): "
+                           f"{e}") from None
+    logger.info("waiting for data-parallel engine cores %s to join at %s", ranks, address)
+    waiting = set(ranks)
+    cores: dict[int, RemoteCore] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max(len(ranks), 1),
+                                                 thread_name_prefix="RemoteCoreStart")
+    starts: dict[int, concurrent.futures.Future] = {}
+    ok = False
+    try:
+        while waiting:
+            if cancel.is_set():
+                raise RuntimeError("the engine cores' start was abandoned")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"data-parallel engine core(s) {sorted(waiting)} did not join the frontend "
+                    f"at {address} within {engine_ready_timeout_s():.0f} s "
+                    f"({ENGINE_READY_TIMEOUT_ENV}); start them on their hosts with `jaxllm "
+                    f"serve --headless --data-parallel-size {parallel.data_parallel_size} "
+                    f"--data-parallel-size-local K --data-parallel-start-rank R "
+                    f"--data-parallel-address {host} --data-parallel-rpc-port "
+                    f"{parallel.data_parallel_rpc_port}`")
+            _raise_failed(starts)
+            if not sock.poll(_POLL_MS):
+                continue
+            ident, payload = sock.recv_multipart()
+            welcome, core = _answer(payload, waiting, engine_args, host)
+            if core is not None:
+                welcome = CoreWelcome(core.input_address, core.output_address, welcome_args,
+                                      welcome_launch)
+                cores[core.engine_index] = core
+                waiting.discard(core.engine_index)
+                logger.info("%s joined", core.describe())
+                starts[core.engine_index] = pool.submit(core.start, deadline, cancel)
+            sock.send_multipart((ident, msgspec.msgpack.encode(welcome)))
+        concurrent.futures.wait(starts.values(),
+                                return_when=concurrent.futures.FIRST_EXCEPTION)
+        _raise_failed(starts)
+        ok = True
+        return [cores[r] for r in sorted(cores)]
+    finally:
+        if not ok:
+            cancel.set()
+        pool.shutdown(wait=True)
+        if not ok:
+            for core in cores.values():
+                core.close()
+        # Refusals still queued go out; the port is free again once every core joined.
+        ctx.destroy(linger=1000)
+
+
+def _raise_failed(starts: dict[int, concurrent.futures.Future]) -> None:
+    for rank, fut in sorted(starts.items()):
+        if fut.done() and fut.exception() is not None:
+            raise RuntimeError(f"data-parallel engine core {rank} failed to start: "
+                               f"{fut.exception()}") from fut.exception()
+
+
+def _answer(payload: bytes, waiting: set[int], engine_args: EngineArgs, bind_host: str
+            ) -> tuple[CoreWelcome, RemoteCore | None]:
+    """A refusal, or the new core (its welcome is the caller's)."""
+    try:
+        hello = msgspec.msgpack.decode(payload, type=CoreHello)
+    except msgspec.DecodeError as e:
+        logger.warning("refused a data-parallel handshake that could not be read: %s", e)
+        return CoreWelcome(error=f"the frontend could not read the handshake: {e}"), None
+    if hello.engine_index not in waiting:
+        error = (f"engine core rank {hello.engine_index} is not one the frontend waits for "
+                 f"(it waits for {sorted(waiting)}): check --data-parallel-start-rank and "
+                 f"--data-parallel-size-local")
+    elif hello.model is not None and hello.model != engine_args.model:
+        error = (f"this host was started with model {hello.model!r}, the frontend serves "
+                 f"{engine_args.model!r}")
+    else:
+        return CoreWelcome(), RemoteCore(hello, bind_host)
+    logger.warning("refused data-parallel engine core %d from %s (pid %d): %s",
+                   hello.engine_index, hello.host, hello.pid, error)
+    return CoreWelcome(error=error), None
