@@ -79,6 +79,7 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[tuple[OutputType, Any] | None] = queue.Queue()
         self.ctx = zmq.Context()
         self._encoder = MsgpackEncoder()
+        self._input_connected = threading.Event()
         # The output thread starts first, so that a start-up failure can still be reported.
         self.output_thread = threading.Thread(target=self.process_output_socket,
                                               args=(output_address,), daemon=True,
@@ -96,13 +97,16 @@ class EngineCoreProc:
         # Loaded and compiled: a full collection of that heap would stall every running
         # request's next step.
         freeze_gc_heap()
-        self.output_queue.put((OutputType.READY, ReadyMessage(
-            info=self.engine_core.get_engine_info(), pid=os.getpid())))
+        self._shutdown = False
+        # Connected before READY goes out: the frontend's first request finds the socket (its
+        # sends count a core that is not connected as dead).
         self.input_thread = threading.Thread(target=self.process_input_socket,
                                              args=(input_address,), daemon=True,
                                              name="EngineCoreInputThread")
         self.input_thread.start()
-        self._shutdown = False
+        self._input_connected.wait(timeout=5)
+        self.output_queue.put((OutputType.READY, ReadyMessage(
+            info=self.engine_core.get_engine_info(), pid=os.getpid())))
 
     # --- the busy loop (main thread) ----------------------------------------------------------
 
@@ -174,6 +178,7 @@ class EngineCoreProc:
         input_queue (off the busy loop's thread, so decoding overlaps the steps)."""
         sock = self.ctx.socket(zmq.PULL)
         sock.connect(address)
+        self._input_connected.set()
         timeout = heartbeat_timeout_s()
         last_heard = time.monotonic()
         try:

@@ -63,6 +63,8 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 5.0
 
 _POLL_MS = 100
+# How long a send waits for the core's connection (see CoreConnection._send_frames).
+SEND_WAIT_S = 1.0
 
 
 def child_env(launch_config: LaunchConfig, local_index: int = 0) -> dict[str, str]:
@@ -216,7 +218,29 @@ class CoreConnection:
             raise self.dead_error()
         data = b"" if payload is None else self._encoder.encode(payload)
         with self._send_lock:
-            self.input_socket.send_multipart((kind.value, data), copy=False)
+            try:
+                self._send_frames((kind.value, data))
+            except EngineDeadError:
+                if kind is not RequestType.ABORT:
+                    raise
+
+    def _send_frames(self, frames: tuple[bytes, bytes]) -> None:
+        """Send without blocking for long: a PUSH socket whose core is not connected (its
+        connection dropped: it died) would wait forever. One that gets no core within
+        SEND_WAIT_S counts as dead (the monitor may not have seen it yet)."""
+        sock = self.input_socket
+        deadline = time.monotonic() + SEND_WAIT_S
+        while self.dead is None:
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    self._fail(EngineDeadError(f"engine core {self.engine_index} cannot be "
+                                               f"reached: its connection is gone"))
+                    break
+                sock.poll(_POLL_MS, zmq.POLLOUT)
+        raise self.dead_error()
 
     def call_utility(self, method: str, args: tuple) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()

@@ -96,10 +96,16 @@ class RemoteCore(CoreConnection):
                 self._fail(EngineDeadError(f"{self.describe()} sent nothing for {silent:.0f} "
                                            f"s: its process or host is gone"))
                 return
-            try:
-                self.send(RequestType.HEARTBEAT)
-            except (EngineDeadError, zmq.ZMQError):
-                return
+            # Never waits: a send in progress (a heartbeat enough) or no connection (the
+            # core's silence will tell) skips this one.
+            if self._send_lock.acquire(blocking=False):
+                try:
+                    self.input_socket.send_multipart((RequestType.HEARTBEAT.value, b""),
+                                                     flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                finally:
+                    self._send_lock.release()
 
     def close(self) -> None:
         """Ask the core to exit (it also exits once our heartbeats stop), stop the threads and

@@ -256,6 +256,24 @@ def test_data_and_tensor_parallel(reference):
         llm.llm_engine.shutdown()
 
 
+def test_speculative_decoding_on_each_core(reference):
+    """n-gram drafts on both cores: the greedy tokens of one core without them."""
+    llm = LLM("tiny-qwen2", data_parallel_size=2, **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        # Repeating prompts: the tiny model continues them, so prompt lookup finds drafts.
+        prompts = [[300 + i, 301 + i, 302 + i] * 6 for i in range(6)]
+        sps = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * 6
+        outs = llm.generate([token_prompt(p) for p in prompts], sps, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == \
+            [t for t, _ in reference(prompts, sps)]
+        client = llm.llm_engine.engine_core_client
+        assert isinstance(client, DPLBClient) and min(routed(client)) > 0
+        assert llm.llm_engine.core_info.config.speculative_config is not None
+    finally:
+        llm.llm_engine.shutdown()
+
+
 # --- AsyncLLM -----------------------------------------------------------------------------------
 
 
@@ -333,7 +351,7 @@ def core_pids(server) -> list[int]:
 
 
 def test_server_streams_same_as_one_core(server, reference):
-    n = 48
+    n = 64
     prompts = [PROMPTS[i % len(PROMPTS)] + [3000 + i] for i in range(n)]
     sps = [params(i) for i in range(n)]
     want = reference(prompts, sps)
@@ -365,6 +383,7 @@ def test_server_streams_same_as_one_core(server, reference):
     for i in range(2):
         assert metric(server, "jaxllm:engine_requests_routed", f'engine="{i}"') > n // 4
         assert metric(server, "jaxllm:engine_alive", f'engine="{i}"') == 1
+    assert metric(server, "jaxllm:num_engines_alive") == 2
     status, body = http("GET", server.url + "/health")
     health = json.loads(body)
     assert status == 200 and health["num_live_engines"] == 2, health
@@ -408,6 +427,7 @@ def test_server_killed_cores(server):
     health = json.loads(body)
     assert status == 200 and health["num_live_engines"] == 1, health
     assert sorted(e["alive"] for e in health["engines"]) == [False, True]
+    assert metric(server, "jaxllm:num_engines_alive") == 1
     # The live core serves every new request.
     for i in range(4):
         out = client.completions.create(model="tiny-qwen2", prompt=[40 + i], max_tokens=3)

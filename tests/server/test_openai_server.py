@@ -368,6 +368,7 @@ def test_metrics_count_exactly_the_tokens_served(server, client):
         assert after[n] - before[n] == 3, n
     assert metric(server, "jaxllm:num_requests_running") == 0
     assert metric(server, "jaxllm:prefix_cache_queries_total") > 0
+    assert metric(server, "jaxllm:num_engines_alive") == 1
 
 
 def test_n_siblings_hit_the_prefix_cache(server, client):
@@ -501,5 +502,5 @@ def test_engine_death_gives_5xx_not_a_hang(server, client):
         status, raw = http(method, server.url + path, body, auth)
         assert status == 503 and json.loads(raw)["error"]["type"] == "EngineDeadError", path
     for name in ("jaxllm:num_requests_running", "jaxllm:num_requests_waiting",
-                 "jaxllm:kv_cache_usage_perc"):
+                 "jaxllm:kv_cache_usage_perc", "jaxllm:num_engines_alive"):
         assert metric(server, name) == 0, name

@@ -352,6 +352,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         if isinstance(client, DPLBClient):
             state.metrics.record_engines([(e.engine_index, e.alive, e.num_routed)
                                           for e in client.engine_states()])
+        else:
+            state.metrics.engines_alive.set(int(not engine_dead(state.engine)))
         if engine_dead(state.engine):
             for i in range(num_engines(state.engine)):
                 state.metrics.record_engine_dead(i)

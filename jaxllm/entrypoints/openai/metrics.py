@@ -71,6 +71,7 @@ class ServerMetrics:
                              registry=reg)
         self._alive = Gauge(PREFIX + "engine_alive", "1 while this engine core lives, else 0.",
                             engine_labels, registry=reg)
+        self.engines_alive = gauge("num_engines_alive", "Engine cores alive.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of served requests.")
         self.generation_tokens = counter("generation_tokens",
                                          "Generated tokens of served requests.")
@@ -136,6 +137,7 @@ class ServerMetrics:
         for i, alive, routed in engines:
             self._engine(self._alive, i).set(int(alive))
             self._engine(self._routed, i).set(routed)
+        self.engines_alive.set(sum(alive for _, alive, _ in engines))
 
     def record_request(self, num_prompt: int, num_generated: int,
                        times: RequestMetrics | None, finish_reason: str | None,
