@@ -122,6 +122,11 @@ class ParallelConfig:
     data_parallel_routing: str = "prefix"
 
     @property
+    def local_devices(self) -> int:
+        """The devices of the model on this process's host (all of them on one host)."""
+        return self.tensor_parallel_size // self.num_processes
+
+    @property
     def data_parallel_remote(self) -> bool:
         """Whether the frontend waits for cores that join over TCP (not all on this host)."""
         return self.data_parallel_backend == "ray" \
@@ -358,10 +363,10 @@ def resolve_data_parallel(parallel: ParallelConfig, size: int, size_local: int |
                          f"{start_rank + size_local}) (data_parallel_start_rank, "
                          f"data_parallel_size_local), must lie in [0, {size}) "
                          f"(data_parallel_size)")
-    if size > 1 and parallel.multihost:
-        raise ValueError("data_parallel_size > 1 does not combine with a multi-host tensor-"
-                         "parallel job (a coordinator address) yet: each data-parallel core "
-                         "runs its tensor parallelism on one host")
+    if size > 1 and parallel.multihost and (backend == "ray" or size_local > 1):
+        raise ValueError("a data-parallel engine core that spans hosts (a coordinator address: "
+                         "tensor parallelism over jax.distributed) is the only core of its "
+                         "host: data_parallel_size_local must be 1, and the backend 'mp'")
     return dataclasses.replace(
         parallel, data_parallel_size=size, data_parallel_size_local=size_local,
         data_parallel_start_rank=start_rank, data_parallel_address=address or "127.0.0.1",
@@ -589,8 +594,9 @@ CPU_AFFINITY_ENV = "JAXLLM_CPU_AFFINITY"
 def data_parallel_device_env(env: dict[str, str], local_index: int, num_local: int, tp: int
                              ) -> dict[str, str]:
     """The environment that gives this host's data-parallel core `local_index` (of
-    `num_local`) its own `tp` devices: on a GPU host devices [index * tp, (index + 1) * tp) of
-    those this process may use (each core then sees its own as devices 0..tp-1); on CPU each
+    `num_local`) its own `tp` devices (`ParallelConfig.local_devices`): on a GPU host devices
+    [index * tp, (index + 1) * tp) of those this process may use (each core then sees its own
+    as devices 0..tp-1); on CPU each
     core is a process with its own host platform, which needs its device count (XLA's flag, as
     for tensor parallelism) and its own share of the CPUs (cores sharing every CPU would slow
     each other's steps)."""
@@ -609,9 +615,8 @@ def data_parallel_device_env(env: dict[str, str], local_index: int, num_local: i
     if share >= 1 and num_local > 1:
         out[CPU_AFFINITY_ENV] = ",".join(map(str, cpus[local_index * share:
                                                         (local_index + 1) * share]))
-    if tp > 1:
-        out["XLA_FLAGS"] = xla_flags_with(env.get("XLA_FLAGS", ""),
-                                          (f"--xla_force_host_platform_device_count={tp}",))
+    out["XLA_FLAGS"] = xla_flags_with(env.get("XLA_FLAGS", ""),
+                                      (f"--xla_force_host_platform_device_count={tp}",))
     return out
 
 

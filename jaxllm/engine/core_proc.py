@@ -18,6 +18,7 @@ end a watcher thread here blocks on; EOF means the parent is gone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import queue
@@ -37,6 +38,7 @@ import zmq
 from jaxllm.config import (
     CPU_AFFINITY_ENV,
     LaunchConfig,
+    ParallelConfig,
     data_parallel_device_env,
     platform_env,
 )
@@ -299,18 +301,25 @@ def join_frontend(handshake_address: str, engine_index: int, model: str | None
 
 
 def run_joined_core(handshake_address: str, engine_index: int, local_index: int = 0,
-                    num_local: int = 1, model: str | None = None) -> None:
+                    num_local: int = 1, model: str | None = None,
+                    multihost: ParallelConfig | None = None) -> None:
     """A data-parallel core on another host than its frontend's, or in a Ray actor: join the
     frontend, take this host's share of devices (local core `local_index` of `num_local`),
-    start JAX and serve until told to stop or the frontend goes silent. Runs in a process that
-    has not started JAX yet."""
+    start JAX and serve until told to stop or the frontend goes silent. `multihost`: the
+    jax.distributed job this core leads (process 0; its followers run on other hosts), else
+    one process. Runs in a process that has not started JAX yet."""
     welcome = join_frontend(handshake_address, engine_index, model)
     engine_args = msgspec.json.decode(welcome.engine_args_json, type=EngineArgs)
     launch_config = msgspec.json.decode(welcome.launch_config_json, type=LaunchConfig)
+    # The frontend's own job (if its core spans hosts) is not this core's.
+    own = multihost or ParallelConfig()
+    parallel = dataclasses.replace(launch_config.parallel_config,
+                                   coordinator_address=own.coordinator_address,
+                                   num_processes=own.num_processes, process_id=own.process_id)
+    launch_config = dataclasses.replace(launch_config, parallel_config=parallel)
     os.environ.update(platform_env(launch_config, os.environ))
-    os.environ.update(data_parallel_device_env(
-        dict(os.environ), local_index, num_local,
-        launch_config.parallel_config.tensor_parallel_size))
+    os.environ.update(data_parallel_device_env(dict(os.environ), local_index, num_local,
+                                               parallel.local_devices))
     _apply_cpu_affinity()
     logger.info("engine core %d joined the frontend at %s", engine_index, handshake_address)
     proc = EngineCoreProc(engine_args, welcome.input_address, welcome.output_address,
@@ -338,6 +347,9 @@ def main(argv: list[str] | None = None) -> None:
     joined.add_argument("--model", default=None,
                         help="the model this host was started with (checked against the "
                              "frontend's)")
+    joined.add_argument("--coordinator-address", default=None,
+                        help="the jax.distributed job this core leads (a core spanning hosts)")
+    joined.add_argument("--num-processes", type=int, default=1)
     a = p.parse_args(argv)
     if a.handshake_address is None and None in (a.input_address, a.output_address,
                                                  a.engine_args, a.launch_config, a.death_fd):
@@ -362,8 +374,10 @@ def main(argv: list[str] | None = None) -> None:
         threading.Thread(target=_watch_parent, args=(a.death_fd, socket_dir), daemon=True,
                          name="ParentWatch").start()
     if a.handshake_address is not None:
+        multihost = None if a.coordinator_address is None else ParallelConfig(
+            coordinator_address=a.coordinator_address, num_processes=a.num_processes)
         _run(lambda: run_joined_core(a.handshake_address, a.engine_index, a.local_index,
-                                     a.num_local, a.model), a.compilation_cache_dir)
+                                     a.num_local, a.model, multihost), a.compilation_cache_dir)
         return
     engine_args = msgspec.json.decode(a.engine_args, type=EngineArgs)
     launch_config = msgspec.json.decode(a.launch_config, type=LaunchConfig)

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxllm.config import LaunchConfig
+from jaxllm.config import LaunchConfig, ParallelConfig
 from jaxllm.engine.mp_client import has_fileno
 from jaxllm.engine.remote_core import tcp_address
 
@@ -28,13 +28,18 @@ _POLL_S = 0.2
 
 
 def core_command(handshake_address: str, engine_index: int, local_index: int, num_local: int,
-                 model: str | None, death_fd: int | None) -> list[str]:
-    """The command line of one core that joins the frontend at `handshake_address`."""
+                 model: str | None, death_fd: int | None,
+                 multihost: ParallelConfig | None = None) -> list[str]:
+    """The command line of one core that joins the frontend at `handshake_address`
+    (`multihost`: the jax.distributed job it leads)."""
     cmd = [sys.executable, "-m", "jaxllm.engine.core_proc",
            "--handshake-address", handshake_address, "--engine-index", str(engine_index),
            "--local-index", str(local_index), "--num-local", str(num_local)]
     if model is not None:
         cmd += ["--model", model]
+    if multihost is not None and multihost.coordinator_address is not None:
+        cmd += ["--coordinator-address", multihost.coordinator_address,
+                "--num-processes", str(multihost.num_processes)]
     if death_fd is not None:
         cmd += ["--death-fd", str(death_fd)]
     return cmd
@@ -58,6 +63,9 @@ def run_headless(launch_config: LaunchConfig, model: str | None) -> int:
     num_local, start = parallel.data_parallel_size_local, parallel.data_parallel_start_rank
     if num_local < 1:
         raise ValueError("--headless with data_parallel_size_local 0 has no engine core to run")
+    if parallel.multihost and parallel.process_id != 0:
+        raise ValueError("--headless runs process 0 of a core that spans hosts; its other "
+                         "processes run `python -m jaxllm.entrypoints.multihost_follower`")
     address = tcp_address(parallel.data_parallel_address, parallel.data_parallel_rpc_port)
     logger.info("starting data-parallel engine cores %s of %d for the frontend at %s",
                 list(range(start, start + num_local)), parallel.data_parallel_size, address)
@@ -68,7 +76,7 @@ def run_headless(launch_config: LaunchConfig, model: str | None) -> int:
     try:
         for i in range(num_local):
             procs.append(subprocess.Popen(
-                core_command(address, start + i, i, num_local, model, death_r),
+                core_command(address, start + i, i, num_local, model, death_r, parallel),
                 pass_fds=(death_r,), env=core_env(), stdin=subprocess.DEVNULL,
                 stdout=sys.stderr.fileno() if has_fileno(sys.stderr) else None))
         os.close(death_r)

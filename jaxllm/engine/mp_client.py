@@ -78,7 +78,7 @@ def child_env(launch_config: LaunchConfig, local_index: int = 0) -> dict[str, st
     parallel = launch_config.parallel_config
     if parallel.data_parallel_size > 1:
         env.update(data_parallel_device_env(env, local_index, parallel.data_parallel_size_local,
-                                            parallel.tensor_parallel_size))
+                                            parallel.local_devices))
     return env
 
 

@@ -141,9 +141,14 @@ def test_launch_config(monkeypatch):
             launch.parallel_config.tensor_parallel_size) == (2, 2)
     with pytest.raises(ValueError, match="data_parallel_size"):
         EngineArgs(data_parallel_size=0)
-    with pytest.raises(ValueError, match="multi-host"):
+    with pytest.raises(ValueError, match="only core of its host"):
         EngineArgs(data_parallel_size=2, coordinator_address="10.0.0.1:1234", num_processes=2,
                     process_id=0).create_launch_config()
+    # A core that spans two hosts, one device of its model on each.
+    parallel = EngineArgs(data_parallel_size=2, data_parallel_size_local=1,
+                          tensor_parallel_size=2, coordinator_address="10.0.0.1:1234",
+                          num_processes=2, process_id=0).create_launch_config().parallel_config
+    assert parallel.multihost and parallel.local_devices == 1
 
 
 # --- offline ------------------------------------------------------------------------------------

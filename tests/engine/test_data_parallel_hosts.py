@@ -19,11 +19,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jaxllm import LLM
+from jaxllm import LLM, SamplingParams
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.dp_client import DPLBClient
 from tests.engine.test_data_parallel import (
     ENGINE,
+    MAX_TOKENS,
     PROMPTS,
     alive,
     core_children,
@@ -206,3 +207,62 @@ def test_refused_and_missing_cores_fail_the_start(tmp_path, monkeypatch):
     finally:
         wrong_rank.close()
         wrong_model.close()
+
+
+def engine_flags(engine: dict) -> list[str]:
+    flags = []
+    for key, value in engine.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + key.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def test_a_core_that_spans_two_hosts(tmp_path, reference):  # noqa: F811
+    """DP = 2 x TP = 2: rank 0 beside the frontend on two devices; rank 1 a jax.distributed job
+    of two processes with one device each, its process 0 a headless core, its process 1 a
+    multi-host follower."""
+    port, coordinator = free_port(), free_port()
+    job = {"JAXLLM_COORDINATOR_ADDRESS": f"127.0.0.1:{coordinator}",
+           "JAXLLM_NUM_PROCESSES": "2"}
+    host_b = Headless(tmp_path / "headless.log", "tiny-qwen2", *headless_args(port, 2, 1, 1),
+                      "--tensor-parallel-size", "2", env={**job, "JAXLLM_PROCESS_ID": "0"})
+    follower_log = open(tmp_path / "follower.log", "wb")
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "jaxllm.entrypoints.multihost_follower", "--model", "tiny-qwen2",
+         "--tensor-parallel-size", "2", *engine_flags(ENGINE)],
+        env={**os.environ, **job, "JAXLLM_PROCESS_ID": "1",
+             "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                           if p)},
+        stdout=follower_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        llm = LLM("tiny-qwen2", data_parallel_size=2, data_parallel_size_local=1,
+                  tensor_parallel_size=2, data_parallel_rpc_port=port, **ENGINE)
+        try:
+            client = llm.llm_engine.engine_core_client
+            assert isinstance(client, DPLBClient)
+            assert llm.llm_engine.core_info.config.tensor_parallel_size == 2
+            prompts = PROMPTS + [[700 + i, 8, 9] for i in range(8)]
+            sps = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * \
+                len(prompts)
+            outs = llm.generate([token_prompt(p) for p in prompts], sps, use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outs] == \
+                [t for t, _ in reference(prompts, sps)]
+            assert min(routed(client)) >= 4, routed(client)
+        finally:
+            llm.llm_engine.shutdown()
+        # Rank 1's process 0 stops, and tells its follower to.
+        assert host_b.wait(60) == 0, host_b.log()
+        assert follower.wait(60) == 0, (tmp_path / "follower.log").read_text()[-3000:]
+    finally:
+        host_b.close()
+        if follower.poll() is None:
+            os.killpg(follower.pid, signal.SIGKILL)
+            follower.wait()
+        follower_log.close()
