@@ -93,6 +93,33 @@ def synthetic_workload(sampler: TokenSampler, num_prompts: int, input_len: int, 
     return Workload(prompts, out_lens, f"{num_prompts} random prompts, {ins}, {outs}")
 
 
+def prefix_repetition_workload(sampler: TokenSampler, num_prompts: int, prefix_len: int,
+                               suffix_len: int, num_prefixes: int, output_len: int,
+                               seed: int) -> Workload:
+    """vLLM's `prefix_repetition` dataset: `num_prefixes` random prefixes of `prefix_len` tokens
+    (shared system prompts), each opening `num_prompts // num_prefixes` prompts that go on with
+    a random suffix of their own (`suffix_len` tokens), in a seeded random order so that the
+    prefix groups interleave as independent users' requests would."""
+    if num_prefixes < 1:
+        raise ValueError(f"--prefix-repetition-num-prefixes must be >= 1, got {num_prefixes}")
+    per_prefix = num_prompts // num_prefixes
+    if per_prefix < 1:
+        raise ValueError(f"--num-prompts ({num_prompts}) must be at least "
+                         f"--prefix-repetition-num-prefixes ({num_prefixes})")
+    if prefix_len < 1 or suffix_len < 0 or output_len < 1:
+        raise ValueError("--prefix-repetition-prefix-len and -output-len must be >= 1 and "
+                         "-suffix-len >= 0")
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(num_prefixes):
+        prefix = sampler.sample(rng, prefix_len)
+        prompts += [prefix + sampler.sample(rng, suffix_len) for _ in range(per_prefix)]
+    order = rng.permutation(len(prompts))
+    return Workload([prompts[i] for i in order], [output_len] * len(prompts),
+                    f"{len(prompts)} prompts, {num_prefixes} shared prefixes of {prefix_len} "
+                    f"tokens + {suffix_len} random, output {output_len}")
+
+
 def read_records(path: str | Path) -> list[dict[str, Any]]:
     """The records of a JSON (a list of objects) or JSONL (one object a line) file."""
     path = Path(path)

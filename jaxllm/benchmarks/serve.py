@@ -5,9 +5,11 @@ between its chunks (ITL), a TPOT and an end-to-end latency; the run reports thei
 and p99 with request and token throughput.
 
 Workloads: `random` (prompts of random ordinary token ids sent as token-id prompts, exact
-lengths, `ignore_eos` so each produces exactly its output length) or `sharegpt` (a ShareGPT-style
-JSON: each record's first human turn is the prompt, the reply's token count its output length;
-records with "prompt" / "output_len" are read too).
+lengths, `ignore_eos` so each produces exactly its output length), `prefix_repetition` (vLLM's:
+the same, but --prefix-repetition-num-prefixes random prefixes each open an equal share of the
+prompts, shared system prompts for the prefix cache and prefix routing, in shuffled order) or
+`sharegpt` (a ShareGPT-style JSON: each record's first human turn is the prompt, the reply's
+token count its output length; records with "prompt" / "output_len" are read too).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxllm.benchmarks.datasets import TokenSampler, read_records
+from jaxllm.benchmarks.datasets import TokenSampler, prefix_repetition_workload, read_records
+
+# Random token ids: exact lengths, sent as token-id prompts with ignore_eos.
+SYNTHETIC_DATASETS = ("random", "prefix_repetition")
 
 
 @dataclass
@@ -50,6 +55,16 @@ def _tokenizer(path: str | None) -> Any:
     return load_tokenizer(default_model_path() if path is None else path)
 
 
+def _as_text_for_chat(args: argparse.Namespace, tokenizer: Any, reqs: list[BenchRequest]
+                      ) -> list[BenchRequest]:
+    if args.endpoint == "/v1/chat/completions":
+        # Chat messages are text: the ids' text (its length in tokens may differ a little, and
+        # the chat template adds its own).
+        for r in reqs:
+            r.prompt = tokenizer.decode(r.prompt)
+    return reqs
+
+
 def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
@@ -60,12 +75,15 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[BenchReques
         sampler = TokenSampler(len(tokenizer), tokenizer)
         reqs = [BenchRequest(sampler.sample(rng, args.random_input_len), args.random_input_len,
                              args.random_output_len) for _ in range(args.num_prompts)]
-        if args.endpoint == "/v1/chat/completions":
-            # Chat messages are text: the ids' text (its length in tokens may differ a little,
-            # and the chat template adds its own).
-            for r in reqs:
-                r.prompt = tokenizer.decode(r.prompt)
-        return reqs
+        return _as_text_for_chat(args, tokenizer, reqs)
+    if args.dataset_name == "prefix_repetition":
+        wl = prefix_repetition_workload(
+            TokenSampler(len(tokenizer), tokenizer), args.num_prompts,
+            args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len, args.seed)
+        reqs = [BenchRequest(p, len(p), n) for p, n in
+                zip(wl.prompts, wl.output_lens, strict=True)]
+        return _as_text_for_chat(args, tokenizer, reqs)
     if args.dataset_path is None:
         raise ValueError("--dataset-name sharegpt needs --dataset-path")
     out = []
@@ -158,7 +176,7 @@ async def run_benchmark(args: argparse.Namespace, workload: list[BenchRequest]
     client = AsyncOpenAI(base_url=base.rstrip("/") + "/v1", api_key=args.api_key or "EMPTY",
                          max_retries=0, timeout=3600.0)
     model = args.model or (await client.models.list()).data[0].id
-    ignore_eos = args.dataset_name == "random"
+    ignore_eos = args.dataset_name in SYNTHETIC_DATASETS
     rng = np.random.default_rng(args.seed)
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     bar = tqdm(total=len(workload), disable=args.disable_tqdm, desc="requests")

@@ -129,13 +129,24 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory for the workload (default: the embedded model's)")
-    p.add_argument("--dataset-name", default="random", choices=("random", "sharegpt"))
+    p.add_argument("--dataset-name", default="random",
+                   choices=("random", "prefix_repetition", "sharegpt"))
     p.add_argument("--dataset-path", default=None, help="the sharegpt JSON / JSONL file")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="override each record's output length")
+    g = p.add_argument_group("prefix_repetition dataset (random prompts that share prefixes)")
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                   help="tokens of each shared prefix")
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                   help="random tokens after the prefix, each prompt its own")
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                   help="distinct prefixes; each opens num-prompts / num-prefixes prompts "
+                        "(rounded down)")
+    g.add_argument("--prefix-repetition-output-len", type=int, default=128,
+                   help="generated tokens per request (EOS ignored)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals; inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
