@@ -7,13 +7,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The second lane: the whole suite but the modules that import torch (the Hugging Face oracle,
-# not installed there: its cp313 wheel is a CUDA build) and the real-model tests. Tests whose
-# oracle is HF skip with that reason; those needing only a tiny checkpoint have it written by
-# .venv/'s interpreter (save_tiny_checkpoint in tests/utils.py).
+# not installed there: its cp313 wheel is a CUDA build), the real-model tests and the Ray data-
+# parallel test (Ray is the first lane's, extra "test"). Tests whose oracle is HF skip with that
+# reason; those needing only a tiny checkpoint have it written by .venv/'s interpreter
+# (save_tiny_checkpoint in tests/utils.py).
 JAX011_IGNORE=(
     tests/model/test_gguf_quant.py tests/model/test_model_parity.py tests/model/test_real_model.py
     tests/engine/test_backends_e2e.py tests/kernels/test_gguf_kernel.py
     tests/model/test_cpu_int8_activations.py tests/model/test_model_families.py
+    tests/engine/test_data_parallel_ray.py
 )
 
 if [ "${1:-}" = "--jax011" ]; then

@@ -295,7 +295,11 @@ class CoreConnection:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5 * _POLL_MS / 1000)
         self._fail(EngineDeadError("the engine core was shut down"))
-        self.ctx.destroy(linger=linger_ms)
+        # ZMQ sockets are not thread-safe: under the send lock, no other thread (a heartbeat,
+        # a caller that passed the dead check just before) is sending while they close; a send
+        # after it finds them closed (ZMQError).
+        with self._send_lock:
+            self.ctx.destroy(linger=linger_ms)
 
 
 class CoreProcess(CoreConnection):

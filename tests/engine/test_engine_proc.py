@@ -546,3 +546,43 @@ def test_the_core_process_freezes_its_start_up_heap(monkeypatch, tmp_path):
     proc.ctx.term()
     assert kind is OutputType.READY and ready.pid == os.getpid()
     assert seen["frozen while building"] == 0 and seen["frozen when ready"] > 0, seen
+
+
+def test_closing_a_connection_while_another_thread_sends():
+    """ZMQ sockets are not thread-safe: a close that destroyed them while another thread was
+    sending (a joined core's heartbeat thread) could crash the process. In a child process of
+    its own, so that a crash fails this test alone."""
+    code = textwrap.dedent("""
+        import threading, time, zmq
+        from jaxllm.engine import EngineDeadError
+        from jaxllm.engine.mp_client import CoreConnection
+        from jaxllm.engine.serial_utils import RequestType
+
+        for _ in range(100):
+            conn = CoreConnection()
+            input_address, _ = conn.bind("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+            peer_ctx = zmq.Context()
+            peer = peer_ctx.socket(zmq.PULL)  # a core that reads nothing: sends never block
+            peer.connect(input_address)
+
+            def heartbeats():
+                while True:
+                    try:
+                        conn.send(RequestType.HEARTBEAT)
+                    except (EngineDeadError, zmq.ZMQError):
+                        return
+
+            sender = threading.Thread(target=heartbeats, daemon=True)
+            sender.start()
+            time.sleep(0.002)
+            conn.closing = True
+            conn._close_connection()
+            sender.join(5)
+            assert not sender.is_alive()
+            peer_ctx.destroy(linger=0)
+        print("closed")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "closed", (out.returncode,
+                                                                     out.stderr[-2000:])
