@@ -390,7 +390,8 @@ def start_cores(engine_args: EngineArgs, launch_config: LaunchConfig,
         from jaxllm.engine.remote_core import start_remote_cores
 
         futures.append(pool.submit(start_remote_cores, remote_engine_args or engine_args,
-                                   launch_config, remote, cancel))
+                                   launch_config, remote, cancel,
+                                   lambda: [launcher.check() for launcher in launchers]))
     # Those that failed on their own: none is abandoned before `wait` returns.
     failed: list[int] = [-1]
     try:
@@ -430,6 +431,10 @@ class Launcher(Protocol):
     """What started cores elsewhere (Ray's actors), closed once its cores are."""
 
     def close(self) -> None: ...
+
+    def check(self) -> None:
+        """Raise if a core it started ended (while the cores start)."""
+        ...
 
     def placement(self, engine_index: int) -> str | None:
         """Where the core runs (a Ray node), if the launcher knows."""

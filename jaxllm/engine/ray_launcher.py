@@ -121,6 +121,7 @@ class RayLauncher:
         self._runs: dict[int, ObjectRef] = {}
         self._where: dict[int, tuple[str, str, int]] = {}
         self._watcher: threading.Thread | None = None
+        self._failure: str | None = None  # an actor's core that ended, while not closed
         parallel = launch_config.parallel_config
         self.address = tcp_address(parallel.data_parallel_address,
                                    parallel.data_parallel_rpc_port)
@@ -220,8 +221,8 @@ class RayLauncher:
         self._watcher.start()
 
     def _watch(self) -> None:
-        """Log each actor whose core ended other than by close() (the frontend itself learns
-        it from the heartbeats)."""
+        """Log each actor whose core ended other than by close(), and keep the first for
+        check() (once started, the frontend learns it from the heartbeats)."""
         ray = self._ray
         pending = {ref: rank for rank, ref in self._runs.items()}
         while pending and not self._closed:
@@ -233,12 +234,22 @@ class RayLauncher:
                 rank = pending.pop(ref)
                 try:
                     ray.get(ref)
+                    error = "it stopped"
                 except Exception as e:
-                    if not self._closed:
-                        logger.error("the Ray actor of data-parallel engine core %d ended: %s",
-                                     rank, e)
+                    error = str(e)
+                if not self._closed:
+                    logger.error("the Ray actor of data-parallel engine core %d ended: %s",
+                                 rank, error)
+                    self._failure = self._failure or (
+                        f"the Ray actor of data-parallel engine core {rank} ended: {error}")
 
     # --- the Launcher protocol -----------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise if an actor's core ended (a core that fails before it joins the frontend
+        then fails the start at once, not at the ready timeout)."""
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
 
     def placement(self, engine_index: int) -> str | None:
         """The Ray node id of the core's actor."""

@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -123,12 +124,14 @@ class RemoteCore(CoreConnection):
 
 
 def start_remote_cores(engine_args: EngineArgs, launch_config: LaunchConfig, ranks: list[int],
-                       cancel: threading.Event) -> list[RemoteCore]:
+                       cancel: threading.Event, check: Callable[[], object] = lambda: None
+                       ) -> list[RemoteCore]:
     """Wait at the handshake address for the cores of `ranks` to join, welcome each, then wait
     for every one to be ready (they load and compile at once); in rank order. A core that
     fails, or the deadline (`ENGINE_READY_TIMEOUT_ENV`), or `cancel` ends the start: the cores
     that joined are closed and the error raised. `engine_args`: what every core runs, the model
-    as the user named it (each host resolves a Hub id itself)."""
+    as the user named it (each host resolves a Hub id itself). `check` raises when what
+    launched the cores knows one ended (a Ray actor)."""
     parallel = launch_config.parallel_config
     host = parallel.data_parallel_address
     address = tcp_address(host, parallel.data_parallel_rpc_port)
@@ -166,6 +169,7 @@ def start_remote_cores(engine_args: EngineArgs, launch_config: LaunchConfig, ran
                     f"--data-parallel-address {host} --data-parallel-rpc-port "
                     f"{parallel.data_parallel_rpc_port}`")
             _raise_failed(starts)
+            check()
             if not sock.poll(_POLL_MS):
                 continue
             ident, payload = sock.recv_multipart()
@@ -178,9 +182,14 @@ def start_remote_cores(engine_args: EngineArgs, launch_config: LaunchConfig, ran
                 logger.info("%s joined", core.describe())
                 starts[core.engine_index] = pool.submit(core.start, deadline, cancel)
             sock.send_multipart((ident, msgspec.msgpack.encode(welcome)))
-        concurrent.futures.wait(starts.values(),
-                                return_when=concurrent.futures.FIRST_EXCEPTION)
-        _raise_failed(starts)
+        while True:  # every core loads and compiles; any may fail meanwhile
+            _, loading = concurrent.futures.wait(
+                starts.values(), timeout=_POLL_MS / 1000,
+                return_when=concurrent.futures.FIRST_EXCEPTION)
+            _raise_failed(starts)
+            if not loading:
+                break
+            check()
         ok = True
         return [cores[r] for r in sorted(cores)]
     finally:
