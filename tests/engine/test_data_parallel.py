@@ -305,6 +305,19 @@ def test_async_llm_same_tokens_and_a_killed_core(reference):
                 _collect(engine, p, sp, f"r{i}")
                 for i, (p, sp) in enumerate(zip(PROMPTS, sps, strict=True))]), 120)
             assert got == want
+            # An abort goes to the core that holds the request: right after it, neither core
+            # holds one (each handles the abort before the state query sent after it).
+            gens = [engine.generate(token_prompt([1500 + i, 5, 6]), long_sp, f"ab{i}")
+                    for i in range(2)]
+            assert not any([(await anext(g)).finished for g in gens])
+            assert sorted(client.router.request_core[f"ab{i}"] for i in range(2)) == [0, 1]
+            await engine.abort(["ab0", "ab1"])
+            states = await client.call_utility_async("get_scheduler_state")
+            assert [s["num_requests"] for s in states] == [0, 0], states
+            for g in gens:
+                outs = [o async for o in g]
+                assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+            assert client.router.loads == [0, 0]
             # Four long requests, two per core; once each has a token, core 0 is stopped (so
             # its requests are surely unfinished) and killed.
             gens = [engine.generate(token_prompt([2000 + i, 5, 6]), long_sp, f"long{i}")
