@@ -63,7 +63,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -332,7 +332,7 @@ def measure(a: argparse.Namespace, info: dict[str, Any], workload: str, round_: 
 
 
 def run_group(a: argparse.Namespace, group: str, log_dir: Path, report: dict[str, Any],
-              save) -> None:
+              save: Callable[[], None]) -> None:
     """The group's servers all up at once, its workload on each in turn, round after round
     (the order rotating), so that the machine's drift and its other jobs land on all of
     them."""

@@ -127,12 +127,6 @@ class ParallelConfig:
         return self.tensor_parallel_size // self.num_processes
 
     @property
-    def data_parallel_remote(self) -> bool:
-        """Whether the frontend waits for cores that join over TCP (not all on this host)."""
-        return self.data_parallel_backend == "ray" \
-            or self.data_parallel_size_local < self.data_parallel_size
-
-    @property
     def multihost(self) -> bool:
         return self.coordinator_address is not None
 
@@ -351,7 +345,14 @@ def resolve_data_parallel(parallel: ParallelConfig, size: int, size_local: int |
     if routing not in DATA_PARALLEL_ROUTINGS:
         raise ValueError(f"data_parallel_routing {routing!r} is not one of "
                          f"{DATA_PARALLEL_ROUTINGS}")
+    if address is not None and address.strip("[]") in ("0.0.0.0", "::", "*", ""):
+        raise ValueError(f"data_parallel_address {address!r} is a wildcard: give the address of "
+                         f"this host that the engine cores' hosts reach (the frontend binds "
+                         f"it and tells the cores)")
     if backend == "ray":
+        if size == 1:
+            raise ValueError("data_parallel_backend 'ray' starts data-parallel engine cores: "
+                             "give data_parallel_size > 1")
         if size_local not in (None, 0) or start_rank != 0:
             raise ValueError("data_parallel_backend 'ray' places every engine core itself: "
                              "leave data_parallel_size_local and data_parallel_start_rank unset")

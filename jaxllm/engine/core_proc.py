@@ -13,6 +13,11 @@ so socket I/O and (de)serialization never wait on the device step, and the step 
 slow reader. The first message on the output socket is the ready handshake (or the start-up
 error). The child exits when its parent dies: the parent holds the write end of a pipe whose read
 end a watcher thread here blocks on; EOF means the parent is gone.
+
+A data-parallel core on another host than its frontend's (`jaxllm serve --headless`) or in a Ray
+actor starts with `--handshake-address` instead (`run_joined_core`): it joins the frontend over
+TCP (remote_core.py), takes the engine's settings from it, and, with no parent process to
+watch, sends heartbeats while its busy loop runs and exits once the frontend falls silent.
 """
 
 from __future__ import annotations
@@ -58,7 +63,6 @@ from jaxllm.engine.serial_utils import (
     UtilityOutput,
     UtilityRequest,
     engine_ready_timeout_s,
-    heartbeat_timeout_s,
 )
 from jaxllm.structured_output.validator import COMPILE_STACK_BYTES
 
@@ -71,17 +75,20 @@ class EngineCoreProc:
     """Runs an EngineCore behind two sockets; `run_busy_loop` returns on a SHUTDOWN message."""
 
     def __init__(self, engine_args: EngineArgs, input_address: str, output_address: str,
-                 launch_config: LaunchConfig | None = None, heartbeat: bool = False) -> None:
-        """`heartbeat`: the frontend is on another host or this is a Ray actor (the core joined
-        over TCP): send heartbeats while idle, and exit once the frontend's stop."""
-        self.heartbeat = heartbeat
+                 launch_config: LaunchConfig | None = None,
+                 heartbeat_timeout: float | None = None) -> None:
+        """`heartbeat_timeout`: the core joined over TCP (the frontend is on another host, or
+        this is a Ray actor): send heartbeats while the busy loop runs and has nothing else to
+        send, and fail once the frontend is silent for this long."""
+        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat = heartbeat_timeout is not None
         # (None, the exception): the input thread failed.
         self.input_queue: queue.Queue[tuple[RequestType | None, Any]] = queue.Queue()
         # None: no more outputs, the output thread closes its socket.
         self.output_queue: queue.Queue[tuple[OutputType, Any] | None] = queue.Queue()
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.IPV6, int(input_address.startswith("tcp://[")))
         self._encoder = MsgpackEncoder()
-        self._input_connected = threading.Event()
         # The output thread starts first, so that a start-up failure can still be reported.
         self.output_thread = threading.Thread(target=self.process_output_socket,
                                               args=(output_address,), daemon=True,
@@ -100,24 +107,29 @@ class EngineCoreProc:
         # request's next step.
         freeze_gc_heap()
         self._shutdown = False
-        # Connected before READY goes out: the frontend's first request finds the socket (its
-        # sends count a core that is not connected as dead).
+        # Connecting before READY goes out: the frontend waits for this connection before it
+        # sends.
         self.input_thread = threading.Thread(target=self.process_input_socket,
                                              args=(input_address,), daemon=True,
                                              name="EngineCoreInputThread")
         self.input_thread.start()
-        self._input_connected.wait(timeout=5)
         self.output_queue.put((OutputType.READY, ReadyMessage(
             info=self.engine_core.get_engine_info(), pid=os.getpid())))
 
     # --- the busy loop (main thread) ----------------------------------------------------------
 
     def run_busy_loop(self) -> None:
-        while not self._shutdown:
-            self._process_input_queue()
-            if self._shutdown:
-                break
-            self._process_engine_step()
+        try:
+            while not self._shutdown:
+                self._process_input_queue()
+                if self._shutdown:
+                    break
+                self._process_engine_step()
+        except BaseException:
+            # A dead loop must not look alive: without heartbeats the frontend counts this
+            # core as dead even if the process lingers (a Ray actor's).
+            self.heartbeat = False
+            raise
         self.output_queue.put(None)
         self.output_thread.join(timeout=5)
 
@@ -180,8 +192,7 @@ class EngineCoreProc:
         input_queue (off the busy loop's thread, so decoding overlaps the steps)."""
         sock = self.ctx.socket(zmq.PULL)
         sock.connect(address)
-        self._input_connected.set()
-        timeout = heartbeat_timeout_s()
+        timeout = self.heartbeat_timeout or 0.0
         last_heard = time.monotonic()
         try:
             while True:
@@ -239,7 +250,8 @@ class EngineCoreProc:
                 item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S if self.heartbeat
                                              else None)
             except queue.Empty:
-                sock.send_multipart((OutputType.HEARTBEAT.value, b""))
+                if self.heartbeat:
+                    sock.send_multipart((OutputType.HEARTBEAT.value, b""))
                 continue
             if item is None:
                 break
@@ -323,7 +335,7 @@ def run_joined_core(handshake_address: str, engine_index: int, local_index: int 
     _apply_cpu_affinity()
     logger.info("engine core %d joined the frontend at %s", engine_index, handshake_address)
     proc = EngineCoreProc(engine_args, welcome.input_address, welcome.output_address,
-                          launch_config, heartbeat=True)
+                          launch_config, heartbeat_timeout=welcome.heartbeat_timeout_s)
     proc.run_busy_loop()
 
 

@@ -1,11 +1,12 @@
-"""DPLBClient: several data-parallel engine cores on this host behind one frontend (vLLM's
+"""DPLBClient: several data-parallel engine cores behind one frontend (vLLM's
 DPLBAsyncMPClient idea: the client balances the load itself, without a coordinator process).
 
-Each core is a CoreProcess (mp_client.py) of its own, on its own devices
-(`data_parallel_device_env`), with its own scheduler, KV cache, structured-output manager and
-drafter: the same model, so EngineCoreInfo comes from core 0. One client object answers both the
-blocking and the `*_async` calls; the frontend (LLMEngine, AsyncLLM) is unchanged but for the
-one error below.
+Each core is a process of its own on its own devices (`data_parallel_device_env`), with its own
+scheduler, KV cache, structured-output manager and drafter: this host's are CoreProcesses
+(mp_client.py), the others RemoteCores that joined over TCP from other hosts or Ray actors
+(remote_core.py); the same model, so EngineCoreInfo comes from core 0. One client object
+answers both the blocking and the `*_async` calls; the frontend (LLMEngine, AsyncLLM) is
+unchanged but for the one error below.
 
 Routing, per request (DPRouter.pick), over the live cores:
   siblings  an n > 1 request's sequences go where its first one went (the later ones reuse its

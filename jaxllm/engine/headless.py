@@ -16,10 +16,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from jaxllm.config import LaunchConfig, ParallelConfig
-from jaxllm.engine.mp_client import has_fileno
+from jaxllm.engine.mp_client import has_fileno, with_jaxllm_path
 from jaxllm.engine.remote_core import tcp_address
 
 logger = logging.getLogger(__name__)
@@ -43,14 +42,6 @@ def core_command(handshake_address: str, engine_index: int, local_index: int, nu
     if death_fd is not None:
         cmd += ["--death-fd", str(death_fd)]
     return cmd
-
-
-def core_env() -> dict[str, str]:
-    """A joined core must import the same jaxllm as this process, installed or not."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
 
 
 def run_headless(launch_config: LaunchConfig, model: str | None) -> int:
@@ -77,7 +68,8 @@ def run_headless(launch_config: LaunchConfig, model: str | None) -> int:
         for i in range(num_local):
             procs.append(subprocess.Popen(
                 core_command(address, start + i, i, num_local, model, death_r, parallel),
-                pass_fds=(death_r,), env=core_env(), stdin=subprocess.DEVNULL,
+                pass_fds=(death_r,), env=with_jaxllm_path(dict(os.environ)),
+                stdin=subprocess.DEVNULL,
                 stdout=sys.stderr.fileno() if has_fileno(sys.stderr) else None))
         os.close(death_r)
         death_r = -1

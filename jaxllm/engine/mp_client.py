@@ -71,14 +71,20 @@ def child_env(launch_config: LaunchConfig, local_index: int = 0) -> dict[str, st
     """The child must import the same jaxllm as this process, installed or not, and find in
     its environment the XLA flags its backend must start with, and, one of several
     data-parallel cores, its own devices."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env = with_jaxllm_path(dict(os.environ))
     env.update(platform_env(launch_config, env))
     parallel = launch_config.parallel_config
     if parallel.data_parallel_size > 1:
         env.update(data_parallel_device_env(env, local_index, parallel.data_parallel_size_local,
                                             parallel.local_devices))
+    return env
+
+
+def with_jaxllm_path(env: dict[str, str]) -> dict[str, str]:
+    """`env` with this jaxllm first on PYTHONPATH: a core process must import the same jaxllm
+    as its parent, installed or not."""
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -139,6 +145,12 @@ class CoreConnection:
                 if kind is OutputType.STARTUP_FAILED:
                     raise RuntimeError(f"the engine core failed to start:\n{msg}")
                 raise RuntimeError(f"unexpected {kind.name} message before the handshake")
+            alive()
+
+    def wait_connected(self, alive: Callable[[], None]) -> None:
+        """Until the core's connection to the input socket is up (it connects before READY,
+        but a connection completes in the background): a send then finds it."""
+        while not self.input_socket.poll(_POLL_MS, zmq.POLLOUT):
             alive()
 
     def start_output_thread(self) -> None:
@@ -293,7 +305,8 @@ class CoreConnection:
         queued on them is sent for up to `linger_ms`)."""
         thread = getattr(self, "output_thread", None)
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5 * _POLL_MS / 1000)
+            # It looks at `closing` between polls; the sockets close once it stopped.
+            thread.join(timeout=SHUTDOWN_TIMEOUT_S)
         self._fail(EngineDeadError("the engine core was shut down"))
         # ZMQ sockets are not thread-safe: under the send lock, no other thread (a heartbeat,
         # a caller that passed the dead check just before) is sending while they close; a send
@@ -343,6 +356,7 @@ class CoreProcess(CoreConnection):
         finally:
             os.close(death_r)
         self.ready = self.wait_ready(lambda: self._check_starting(proc))
+        self.wait_connected(lambda: self._check_starting(proc))
         self.start_output_thread()
         self.monitor_thread = threading.Thread(target=self._monitor, args=(proc,), daemon=True,
                                                name="EngineCoreMonitor")

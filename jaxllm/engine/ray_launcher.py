@@ -103,8 +103,12 @@ class EngineCoreActor:
         threading.stack_size(COMPILE_STACK_BYTES)
         try:
             run_joined_core(handshake_address, engine_index, 0, 1, None)
-        except SystemExit as e:  # a refusal: its reason, not an actor that exits
-            raise RuntimeError(str(e.code)) from None
+        except BaseException:
+            # As a core process does: a core whose loop died must not linger (its socket
+            # threads, its devices); the frontend sees the silence, the launcher the exit.
+            logging.getLogger(__name__).exception("engine core %d died", engine_index)
+            sys.stderr.flush()
+            os._exit(1)
 
 
 class RayLauncher:

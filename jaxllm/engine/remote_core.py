@@ -9,10 +9,12 @@ refused (a rank nobody waits for, or taken; another model). It then connects to 
 rest is as for a core on this host (mp_client.CoreConnection): the ready handshake, then
 requests and outputs.
 
-Neither side has the other's process to watch, so each sends a heartbeat when it has sent
-nothing else for HEARTBEAT_INTERVAL_S, and counts the other as dead after
-heartbeat_timeout_s() of silence: the frontend fails the core's requests (as for a dead local
-core), the core exits.
+Neither side has the other's process to watch: the frontend sends a heartbeat every
+HEARTBEAT_INTERVAL_S, the core one when it has sent nothing else for that long, and each counts
+the other as dead after the frontend's heartbeat_timeout_s() of silence (the core gets it in its
+welcome): the frontend fails the core's requests (as for a dead local core), the core exits.
+
+The port and the core sockets take any peer: run them on a trusted network only.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import zmq
 from jaxllm.config import LaunchConfig
 from jaxllm.engine import EngineDeadError
 from jaxllm.engine.arg_utils import EngineArgs
-from jaxllm.engine.mp_client import SHUTDOWN_TIMEOUT_S, CoreConnection
+from jaxllm.engine.mp_client import CoreConnection
 from jaxllm.engine.serial_utils import (
     ENGINE_READY_TIMEOUT_ENV,
     HEARTBEAT_INTERVAL_S,
@@ -43,30 +45,48 @@ from jaxllm.engine.serial_utils import (
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+# How long a closing connection still tries to deliver the request to exit (a core that does
+# not get it exits once the heartbeats stop).
+SHUTDOWN_LINGER_MS = 1000
 
 
 def tcp_address(host: str, port: int | str) -> str:
+    host = host.strip("[]")
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def endpoint_port(endpoint: str) -> str:
+    """The port of a bound ZMQ endpoint (`tcp://127.0.0.1:40123`)."""
+    return endpoint.rsplit(":", 1)[1]
 
 
 class RemoteCore(CoreConnection):
     """A core that joined over TCP: its sockets, bound on `bind_host` at ports the system picks,
     and a monitor thread that sends heartbeats and watches for the core's."""
 
-    def __init__(self, hello: CoreHello, bind_host: str) -> None:
+    def __init__(self, hello: CoreHello, bind_host: str, heartbeat_timeout: float) -> None:
         super().__init__(hello.engine_index)
         self.host = hello.host
         self.pid = hello.pid
-        self.ctx.setsockopt(zmq.IPV6, int(":" in bind_host))  # the sockets' default
-        self.input_address, self.output_address = self.bind(tcp_address(bind_host, "*"),
-                                                            tcp_address(bind_host, "*"))
+        self.heartbeat_timeout = heartbeat_timeout
+        try:
+            self.ctx.setsockopt(zmq.IPV6, int(":" in bind_host))  # the sockets' default
+            bound = self.bind(tcp_address(bind_host, "*"), tcp_address(bind_host, "*"))
+        except BaseException:
+            self.ctx.destroy(linger=0)
+            raise
+        # Told as the address the frontend was given: the bound one may be a wildcard's or a
+        # name's resolution, not what the core's host reaches.
+        self.input_address, self.output_address = (
+            tcp_address(bind_host, endpoint_port(e)) for e in bound)
 
     def describe(self) -> str:
         return f"data-parallel engine core {self.engine_index} (host {self.host}, pid {self.pid})"
 
     def start(self, deadline: float, cancel: threading.Event) -> None:
-        """Wait for the core's ready message (it loads and compiles meanwhile), then watch it."""
-        timeout = heartbeat_timeout_s()
+        """Wait for the core's ready message (it loads and compiles meanwhile) and for its
+        connection to the input socket, then watch it."""
+        timeout = self.heartbeat_timeout
 
         def alive() -> None:
             silent = time.monotonic() - self.last_heard
@@ -81,13 +101,14 @@ class RemoteCore(CoreConnection):
                                    f"({ENGINE_READY_TIMEOUT_ENV})")
 
         self.ready = self.wait_ready(alive)
+        self.wait_connected(alive)
         self.start_output_thread()
         self.monitor_thread = threading.Thread(target=self._monitor, daemon=True,
                                                name="RemoteEngineCoreMonitor")
         self.monitor_thread.start()
 
     def _monitor(self) -> None:
-        timeout = heartbeat_timeout_s()
+        timeout = self.heartbeat_timeout
         while not self.closing and self.dead is None:
             time.sleep(HEARTBEAT_INTERVAL_S)
             silent = time.monotonic() - self.last_heard
@@ -120,7 +141,7 @@ class RemoteCore(CoreConnection):
                 self._send_shutdown()
             except (zmq.ZMQError, AttributeError):
                 pass
-        self._close_connection(linger_ms=int(SHUTDOWN_TIMEOUT_S * 1000))
+        self._close_connection(linger_ms=SHUTDOWN_LINGER_MS)
 
 
 def start_remote_cores(engine_args: EngineArgs, launch_config: LaunchConfig, ranks: list[int],
@@ -138,6 +159,7 @@ def start_remote_cores(engine_args: EngineArgs, launch_config: LaunchConfig, ran
     welcome_args = msgspec.json.encode(engine_args).decode()
     welcome_launch = msgspec.json.encode(launch_config).decode()
     deadline = time.monotonic() + engine_ready_timeout_s()
+    heartbeat_timeout = heartbeat_timeout_s()
     ctx = zmq.Context()
     ctx.setsockopt(zmq.IPV6, int(":" in host))
     sock = ctx.socket(zmq.ROUTER)
@@ -148,8 +170,14 @@ def start_remote_cores(engine_args: EngineArgs, launch_config: LaunchConfig, ran
         raise RuntimeError(f"the frontend cannot listen for data-parallel engine cores at "
                            f"{address} (data_parallel_address, data_parallel_rpc_port): "
                            f"{e}") from None
+    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    if _is_loopback(bound) and not _is_loopback(address):
+        logger.warning("data_parallel_address %s is a loopback address here (%s): engine cores "
+                       "on other hosts cannot reach it; give this host's address in their "
+                       "network", host, bound)
     logger.info("waiting for data-parallel engine cores %s to join at %s", ranks, address)
     waiting = set(ranks)
+    joined: dict[int, CoreHello] = {}
     cores: dict[int, RemoteCore] = {}
     pool = concurrent.futures.ThreadPoolExecutor(max(len(ranks), 1),
                                                  thread_name_prefix="RemoteCoreStart")
@@ -172,11 +200,18 @@ def start_remote_cores(engine_args: EngineArgs, launch_config: LaunchConfig, ran
             check()
             if not sock.poll(_POLL_MS):
                 continue
-            ident, payload = sock.recv_multipart()
-            welcome, core = _answer(payload, waiting, engine_args, host)
+            frames = sock.recv_multipart()
+            if len(frames) != 2:  # not a core's DEALER: nobody to answer
+                logger.warning("ignored a message of %d frames at the data-parallel handshake "
+                               "address", len(frames))
+                continue
+            ident, payload = frames
+            welcome, core = _answer(payload, waiting, joined, engine_args, host,
+                                    heartbeat_timeout)
             if core is not None:
                 welcome = CoreWelcome(core.input_address, core.output_address, welcome_args,
-                                      welcome_launch)
+                                      welcome_launch, heartbeat_timeout)
+                joined[core.engine_index] = CoreHello(core.engine_index, core.host, core.pid)
                 cores[core.engine_index] = core
                 waiting.discard(core.engine_index)
                 logger.info("%s joined", core.describe())
@@ -210,7 +245,13 @@ def _raise_failed(starts: dict[int, concurrent.futures.Future]) -> None:
                                f"{fut.exception()}") from fut.exception()
 
 
-def _answer(payload: bytes, waiting: set[int], engine_args: EngineArgs, bind_host: str
+def _is_loopback(address: str) -> bool:
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host.startswith("127.") or host in ("::1", "localhost")
+
+
+def _answer(payload: bytes, waiting: set[int], joined: dict[int, CoreHello],
+            engine_args: EngineArgs, bind_host: str, heartbeat_timeout: float
             ) -> tuple[CoreWelcome, RemoteCore | None]:
     """A refusal, or the new core (its welcome is the caller's)."""
     try:
@@ -218,7 +259,11 @@ def _answer(payload: bytes, waiting: set[int], engine_args: EngineArgs, bind_hos
     except msgspec.DecodeError as e:
         logger.warning("refused a data-parallel handshake that could not be read: %s", e)
         return CoreWelcome(error=f"the frontend could not read the handshake: {e}"), None
-    if hello.engine_index not in waiting:
+    taken = joined.get(hello.engine_index)
+    if taken is not None:
+        error = (f"engine core rank {hello.engine_index} joined already (host {taken.host}, "
+                 f"pid {taken.pid}): check --data-parallel-start-rank")
+    elif hello.engine_index not in waiting:
         error = (f"engine core rank {hello.engine_index} is not one the frontend waits for "
                  f"(it waits for {sorted(waiting)}): check --data-parallel-start-rank and "
                  f"--data-parallel-size-local")
@@ -226,7 +271,7 @@ def _answer(payload: bytes, waiting: set[int], engine_args: EngineArgs, bind_hos
         error = (f"this host was started with model {hello.model!r}, the frontend serves "
                  f"{engine_args.model!r}")
     else:
-        return CoreWelcome(), RemoteCore(hello, bind_host)
+        return CoreWelcome(), RemoteCore(hello, bind_host, heartbeat_timeout)
     logger.warning("refused data-parallel engine core %d from %s (pid %d): %s",
                    hello.engine_index, hello.host, hello.pid, error)
     return CoreWelcome(error=error), None

@@ -17,22 +17,37 @@ import numpy as np
 
 from jaxllm.engine import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest
 
-# A core that joined over TCP (another host, a Ray actor) and its frontend each send a heartbeat
-# when they have sent nothing else for this long: ZMQ never reports a dead peer, and neither
-# side has the other's process to watch.
+# A core that joined over TCP (another host, a Ray actor) sends a heartbeat when it has sent
+# nothing else for this long, and its frontend sends one this often: ZMQ never reports a dead
+# peer, and neither side has the other's process to watch.
 HEARTBEAT_INTERVAL_S = 1.0
-# Seconds of silence after which either side counts the other as dead.
+# Seconds of silence after which either side counts the other as dead (the frontend's value:
+# its cores get it in the welcome).
 HEARTBEAT_TIMEOUT_ENV = "JAXLLM_DP_HEARTBEAT_TIMEOUT_S"
 # Seconds a data-parallel start waits for its cores to join and finish loading (vLLM's name).
 ENGINE_READY_TIMEOUT_ENV = "JAXLLM_ENGINE_READY_TIMEOUT_S"
 
 
+def _seconds(name: str, default: float, low: float) -> float:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+    if not value >= low:
+        raise ValueError(f"{name}={text!r} must be at least {low:g} seconds")
+    return value
+
+
 def heartbeat_timeout_s() -> float:
-    return float(os.environ.get(HEARTBEAT_TIMEOUT_ENV, "30"))
+    """At least two heartbeat intervals: one late heartbeat is not a death."""
+    return _seconds(HEARTBEAT_TIMEOUT_ENV, 30.0, 2 * HEARTBEAT_INTERVAL_S)
 
 
 def engine_ready_timeout_s() -> float:
-    return float(os.environ.get(ENGINE_READY_TIMEOUT_ENV, "600"))
+    return _seconds(ENGINE_READY_TIMEOUT_ENV, 600.0, 1.0)
 
 
 # msgpack extension code of a numpy array: header (dtype str, shape) + raw bytes.
@@ -100,6 +115,7 @@ class CoreWelcome(msgspec.Struct, omit_defaults=True):
     output_address: str = ""
     engine_args_json: str = ""
     launch_config_json: str = ""
+    heartbeat_timeout_s: float = 0.0
     error: str | None = None
 
 

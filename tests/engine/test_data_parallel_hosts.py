@@ -36,7 +36,7 @@ from tests.engine.test_data_parallel import (
 )
 from tests.server.openai_server import ROOT, ServerProcess, free_port, http
 
-HEARTBEAT_TIMEOUT_S = 4
+HEARTBEAT_TIMEOUT_S = 8
 
 
 @pytest.fixture(autouse=True)
@@ -96,7 +96,12 @@ def test_settings_are_checked():
         EngineArgs(data_parallel_rpc_port=70000)
     parallel = EngineArgs(data_parallel_size=4, data_parallel_size_local=1
                           ).create_launch_config().parallel_config
-    assert parallel.data_parallel_remote and parallel.data_parallel_address == "127.0.0.1"
+    assert (parallel.data_parallel_size_local, parallel.data_parallel_address) == \
+        (1, "127.0.0.1")
+    with pytest.raises(ValueError, match="wildcard"):
+        EngineArgs(data_parallel_size=2, data_parallel_address="0.0.0.0").create_launch_config()
+    with pytest.raises(ValueError, match="data_parallel_size > 1"):
+        EngineArgs(data_parallel_backend="ray").create_launch_config()
     with pytest.raises(ValueError, match="first rank of a --headless host"):
         LLM("tiny-qwen2", data_parallel_size=2, data_parallel_start_rank=1, **ENGINE)
 
@@ -128,9 +133,8 @@ def test_two_hosts_same_tokens_a_killed_remote_core_and_shutdown(tmp_path, refer
             # A remote core killed: its heartbeats stop, the frontend counts it as dead and
             # serves on with the other two.
             os.kill(client.core_pids[2], signal.SIGKILL)
-            t = time.monotonic()
-            wait_until(lambda: client.num_live_engines == 2, timeout=HEARTBEAT_TIMEOUT_S + 20)
-            assert time.monotonic() - t >= HEARTBEAT_TIMEOUT_S - 1
+            wait_until(lambda: client.num_live_engines == 2, timeout=HEARTBEAT_TIMEOUT_S + 30)
+            assert "sent nothing for" in str(client.cores[2].dead)
             before = routed(client)
             outs = llm.generate([token_prompt(p) for p in PROMPTS[:6]], sps[:6],
                                 use_tqdm=False)

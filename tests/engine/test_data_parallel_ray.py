@@ -15,66 +15,36 @@ import logging
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
-from typing import Any
 
-import numpy as np
-import psutil
 import pytest
 import ray
 from ray._private.state import actors as ray_actors
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM
 from jaxllm.engine import ray_launcher
 from jaxllm.engine.dp_client import DPLBClient
 from jaxllm.engine.serial_utils import ENGINE_READY_TIMEOUT_ENV
+from tests.engine.test_data_parallel import (
+    ENGINE,
+    PROMPTS,
+    alive,
+    params,
+    token_prompt,
+    wait_until,
+)
+from tests.server.openai_server import free_port
 
-ENGINE: dict[str, Any] = dict(max_model_len=128, max_num_seqs=32, max_num_batched_tokens=128,
-                              num_kv_blocks=256, show_progress=False)
-MAX_TOKENS = 8
-_rng = np.random.default_rng(7)
-PROMPTS = [_rng.integers(100, 20000, n).tolist() for n in (3, 70, 17, 40, 9, 33, 20, 5)]
-# Just over Ray's smallest object store (75 MiB): the engine moves nothing through it.
+# Just over Ray's smallest object store: the engine moves nothing through it.
 OBJECT_STORE_BYTES = 80 << 20
 ACTOR_CLASS = "EngineCoreActor"
-
-
-def params(i: int) -> SamplingParams:
-    """Greedy for even i, seeded sampling for odd i."""
-    return SamplingParams(temperature=0 if i % 2 == 0 else 1.0, seed=None if i % 2 == 0 else i,
-                          max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def token_prompt(ids: list[int]) -> dict:
-    return {"prompt_token_ids": ids}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def live_core_actors() -> list[dict]:
     return [a for a in ray_actors().values()
             if a["ActorClassName"].endswith(ACTOR_CLASS) and a["State"] != "DEAD"]
-
-
-def wait_until(cond, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def test_without_ray_the_start_says_what_to_install(monkeypatch):
