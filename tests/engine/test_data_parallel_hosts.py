@@ -153,17 +153,17 @@ def test_two_hosts_same_tokens_a_killed_remote_core_and_shutdown(tmp_path, refer
 
 
 def test_headless_cores_end_with_their_frontend(tmp_path):
-    """The server and a headless host; the server killed outright: the remote core exits once
-    the heartbeats stop, and its launcher with it."""
+    """The server and a headless host, over IPv6; the server killed outright: the remote core
+    exits once the heartbeats stop, and its launcher with it."""
     port = free_port()
     host_b = Headless(tmp_path / "headless.log", *headless_args(port, 2, 1, 1),
-                      env={"JAXLLM_DP_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S)})
+                      "--data-parallel-address", "::1")
     server = None
     try:
         server = ServerProcess(["tiny-qwen2", "--no-show-progress", "--max-model-len", "128",
                                 "--num-kv-blocks", "64", "--data-parallel-size", "2",
-                                "--data-parallel-size-local", "1",
-                                "--data-parallel-rpc-port", str(port)],
+                                "--data-parallel-size-local", "1", "--data-parallel-address",
+                                "::1", "--data-parallel-rpc-port", str(port)],
                                tmp_path / "server.log")
         status, body = http("GET", server.url + "/health")
         health = json.loads(body)
