@@ -339,6 +339,16 @@ def run_joined_core(handshake_address: str, engine_index: int, local_index: int 
     proc.run_busy_loop()
 
 
+def log_to_stderr(name: str) -> None:
+    """jaxllm's log lines, named `name`, to this process's stderr (its parent's or Ray's): our
+    own logger only, JAX's INFO lines about absent backends are noise."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"({name}) %(levelname)s %(message)s"))
+    jaxllm_logger = logging.getLogger("jaxllm")
+    jaxllm_logger.addHandler(handler)
+    jaxllm_logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="jaxllm engine core process (started by the "
                                 "multiprocess engine-core clients, or by `jaxllm serve "
@@ -367,14 +377,7 @@ def main(argv: list[str] | None = None) -> None:
                                                  a.engine_args, a.launch_config, a.death_fd):
         p.error("give --handshake-address, or every one of --input-address, --output-address, "
                 "--engine-args, --launch-config and --death-fd")
-    # Our own logger only (JAX's INFO lines about absent backends are noise), to the inherited
-    # stderr: the parent's.
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(
-        f"(EngineCore pid={os.getpid()}) %(levelname)s %(message)s"))
-    jaxllm_logger = logging.getLogger("jaxllm")
-    jaxllm_logger.addHandler(handler)
-    jaxllm_logger.setLevel(logging.INFO)
+    log_to_stderr(f"EngineCore pid={os.getpid()}")
     # Ctrl-C in a terminal reaches the whole process group: the user means the frontend (whose
     # generate() then aborts its requests), not the core; it ends with its parent.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -90,15 +90,10 @@ class EngineCoreActor:
     def run(self, handshake_address: str, engine_index: int) -> None:
         """Join the frontend and serve until the core stops (the frontend's SHUTDOWN, or its
         heartbeats stop)."""
-        from jaxllm.engine.core_proc import run_joined_core
+        from jaxllm.engine.core_proc import log_to_stderr, run_joined_core
         from jaxllm.structured_output.validator import COMPILE_STACK_BYTES
 
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(
-            f"(EngineCore rank={engine_index} pid={os.getpid()}) %(levelname)s %(message)s"))
-        jaxllm_logger = logging.getLogger("jaxllm")
-        jaxllm_logger.addHandler(handler)
-        jaxllm_logger.setLevel(logging.INFO)
+        log_to_stderr(f"EngineCore rank={engine_index} pid={os.getpid()}")
         # As in a core process: grammar compilations recurse as deep as the grammar nests.
         threading.stack_size(COMPILE_STACK_BYTES)
         try:
