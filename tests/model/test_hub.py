@@ -236,17 +236,19 @@ def test_the_core_is_handed_the_snapshot_not_the_id(hub, monkeypatch, tmp_path):
 
     handed = []
 
-    def capture(launch_config, engine_args):
-        handed.append(engine_args)
+    def capture(launch_config, engine_args, remote_engine_args):
+        handed.append((engine_args, remote_engine_args))
         raise RuntimeError("captured")
 
     monkeypatch.setattr(frontend, "make_client", capture)
     with pytest.raises(RuntimeError, match="captured"):
         frontend.EngineFrontend(EngineArgs(model=MODEL_ID, download_dir=str(tmp_path),
                                            skip_tokenizer_init=True), UsageContext.LLM_CLASS)
-    (args,) = handed
+    ((args, remote_args),) = handed
     snapshot = resolve_model(MODEL_ID, None, str(tmp_path))
     assert args.model == str(snapshot) and snapshot.is_dir()
+    # Data-parallel cores on other hosts get the id: each host resolves it in its own cache.
+    assert remote_args.model == MODEL_ID
 
 
 def test_revision_is_passed_to_the_hub(hub, checkpoint, tmp_path):
