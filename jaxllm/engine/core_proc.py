@@ -74,6 +74,9 @@ _POLL_MS = 100
 class EngineCoreProc:
     """Runs an EngineCore behind two sockets; `run_busy_loop` returns on a SHUTDOWN message."""
 
+    heartbeat_timeout: float | None = None
+    heartbeat = False
+
     def __init__(self, engine_args: EngineArgs, input_address: str, output_address: str,
                  launch_config: LaunchConfig | None = None,
                  heartbeat_timeout: float | None = None) -> None:
@@ -192,8 +195,7 @@ class EngineCoreProc:
         input_queue (off the busy loop's thread, so decoding overlaps the steps)."""
         sock = self.ctx.socket(zmq.PULL)
         sock.connect(address)
-        timeout = self.heartbeat_timeout or 0.0
-        last_heard = time.monotonic()
+        timeout, last_heard = self.heartbeat_timeout or 0.0, time.monotonic()
         try:
             while True:
                 if self.heartbeat and not sock.poll(_POLL_MS):
