@@ -22,14 +22,14 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.dp_client import DPLBClient
-from tests.engine.test_data_parallel import (
+from tests.engine.dp_cases import (
     ENGINE,
     MAX_TOKENS,
     PROMPTS,
     alive,
     core_children,
     params,
-    reference,  # noqa: F401 - the module fixture
+    reference_runner,
     routed,
     token_prompt,
     wait_until,
@@ -37,6 +37,11 @@ from tests.engine.test_data_parallel import (
 from tests.server.openai_server import ROOT, ServerProcess, free_port, http
 
 HEARTBEAT_TIMEOUT_S = 8
+
+
+@pytest.fixture(scope="module")
+def reference():
+    yield from reference_runner()
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +111,7 @@ def test_settings_are_checked():
         LLM("tiny-qwen2", data_parallel_size=2, data_parallel_start_rank=1, **ENGINE)
 
 
-def test_two_hosts_same_tokens_a_killed_remote_core_and_shutdown(tmp_path, reference):  # noqa: F811
+def test_two_hosts_same_tokens_a_killed_remote_core_and_shutdown(tmp_path, reference):
     """Ranks 1 and 2 on the headless "host", rank 0 beside the frontend."""
     port = free_port()
     host_b = Headless(tmp_path / "headless.log", "tiny-qwen2", *headless_args(port, 3, 2, 1))
@@ -226,7 +231,7 @@ def engine_flags(engine: dict) -> list[str]:
     return flags
 
 
-def test_a_core_that_spans_two_hosts(tmp_path, reference):  # noqa: F811
+def test_a_core_that_spans_two_hosts(tmp_path, reference):
     """DP = 2 x TP = 2: rank 0 beside the frontend on two devices; rank 1 a jax.distributed job
     of two processes with one device each, its process 0 a headless core, its process 1 a
     multi-host follower."""

@@ -27,7 +27,7 @@ from jaxllm import LLM
 from jaxllm.engine import ray_launcher
 from jaxllm.engine.dp_client import DPLBClient
 from jaxllm.engine.serial_utils import ENGINE_READY_TIMEOUT_ENV
-from tests.engine.test_data_parallel import (
+from tests.engine.dp_cases import (
     ENGINE,
     PROMPTS,
     alive,
