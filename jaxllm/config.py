@@ -163,14 +163,15 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): up to `num_speculative_tokens`
     drafts per request and step, proposed by `ngram` (prompt lookup: the sequence's last
     `prompt_lookup_max` down to `prompt_lookup_min` tokens matched against its earlier tokens)
-    or `draft_model` (`model`: a checkpoint directory or .gguf file of a smaller model with the
-    target's vocabulary)."""
+    or `draft_model` (`model`: a checkpoint directory, .gguf file or Hugging Face Hub id of a
+    smaller model with the target's vocabulary, `revision` its Hub revision)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None
+    revision: str | None = None
     # Resolved by EngineArgs.create_engine_config (method "draft_model"), not an argument.
     draft_model_config: DraftModelConfig | None = None
 
@@ -199,9 +200,14 @@ class SpeculativeConfig:
         model = value.get("model")
         if method == "draft_model" and (not isinstance(model, str) or not model):
             raise ValueError(f"{name}: method 'draft_model' needs 'model', the draft model's "
-                             f"checkpoint directory or .gguf file, got {model!r}")
-        if method == "ngram" and model is not None:
-            raise ValueError(f"{name}: method 'ngram' takes no 'model', got {model!r}")
+                             f"checkpoint directory, .gguf file or Hub id, got {model!r}")
+        revision = value.get("revision")
+        if revision is not None and (not isinstance(revision, str) or not revision):
+            raise ValueError(f"{name}.revision must be a branch, tag or commit of the draft "
+                             f"model's Hub repo, got {revision!r}")
+        if method == "ngram" and (model is not None or revision is not None):
+            raise ValueError(f"{name}: method 'ngram' takes no 'model' or 'revision', got "
+                             f"{model or revision!r}")
         config = cls(**value)
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError(f"{name}: prompt_lookup_min ({config.prompt_lookup_min}) exceeds "
@@ -552,12 +558,14 @@ def resolve_cuda_graph_triton(cuda_graph_triton: bool | None) -> bool:
 
 
 def resolve_draft_model_config(spec: SpeculativeConfig, dtype: str, kernel_backend: str,
-                               platform: str, compact: bool, int8: bool) -> DraftModelConfig:
-    """The draft model's settings: its quantization automatic (one device), its GGUF blocks in
-    the target's layout choices (`compact`, `int8` as resolved for the target), its own GEMV
-    rows; the target's dtype and kernel backend."""
+                               platform: str, compact: bool, int8: bool,
+                               download_dir: str | None = None) -> DraftModelConfig:
+    """The draft model's settings: its checkpoint (a Hub id fetched into `download_dir` like the
+    target's), its quantization automatic (one device), its GGUF blocks in the target's layout
+    choices (`compact`, `int8` as resolved for the target), its own GEMV rows; the target's
+    dtype and kernel backend."""
     assert spec.model is not None  # checked by SpeculativeConfig.from_dict
-    path = Path(spec.model).expanduser()
+    path = resolve_model(spec.model, spec.revision, download_dir)
     quantization = resolve_quantization(None, path, dtype, kernel_backend, 1, platform)
     gguf = quantization == "gguf"
     return DraftModelConfig(

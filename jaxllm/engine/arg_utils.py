@@ -180,8 +180,9 @@ class EngineArgs:
         None, "speculative decoding, a dict or its JSON text: {\"method\": \"ngram\", "
               "\"num_speculative_tokens\": k, \"prompt_lookup_min\": 2, "
               "\"prompt_lookup_max\": 5} proposes up to k draft tokens per step by prompt "
-              "lookup, {\"method\": \"draft_model\", \"model\": path, "
-              "\"num_speculative_tokens\": k} by a smaller model with the same vocabulary; "
+              "lookup, {\"method\": \"draft_model\", \"model\": path or Hub id, "
+              "\"num_speculative_tokens\": k} (and \"revision\") by a smaller model with the "
+              "same vocabulary; "
               "the target verifies them in one step (greedy output unchanged, sampling exact by "
               "rejection sampling); steps then run without async scheduling. Not given: off")
 
@@ -374,7 +375,7 @@ class EngineArgs:
                                             backend)
         if spec is not None and spec.method == "draft_model":
             spec = dataclasses.replace(spec, draft_model_config=resolve_draft_model_config(
-                spec, dtype, backend, platform, self.gguf_compact, int8))
+                spec, dtype, backend, platform, self.gguf_compact, int8, self.download_dir))
         return EngineConfig(
             model=name, model_path=str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
             activation_dtype=resolve_activation_dtype(dtype, kv_cache_dtype, backend),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -135,6 +136,31 @@ def make_client(launch_config: LaunchConfig, engine_args: EngineArgs,
     return InprocClient(EngineCore(engine_args, launch_config))
 
 
+def local_core_args(args: EngineArgs, path: Path) -> EngineArgs:
+    """The engine arguments of this host's cores: Hub ids (the model, resolved to `path`, and
+    a draft model) looked up and downloaded here, once, so that the cores load local snapshots
+    (cores on other hosts get the ids as named and resolve them themselves)."""
+    changes: dict[str, Any] = {}
+    if is_hub_id(args.model):
+        changes["model"] = str(path)
+    spec = args.speculative_config
+    if spec is not None and is_hub_id(spec.get("model")):
+        draft = resolve_model(spec["model"], spec.get("revision"), args.download_dir)
+        changes["speculative_config"] = {**spec, "model": str(draft), "revision": None}
+    return dataclasses.replace(args, **changes) if changes else args
+
+
+def named_as_given(config: EngineConfig, args: EngineArgs) -> EngineConfig:
+    """`config` of cores that loaded local snapshots, with the models named as in `args`."""
+    spec = config.speculative_config
+    if spec is not None and args.speculative_config is not None:
+        given = args.speculative_config
+        spec = dataclasses.replace(spec, model=given.get("model"),
+                                   revision=given.get("revision"))
+    return dataclasses.replace(config, model=args.model or config.model,
+                               speculative_config=spec)
+
+
 class EngineFrontend:
     """The frontend of one engine; `usage_context` names the shell (LLMEngine or AsyncLLM)."""
 
@@ -145,13 +171,11 @@ class EngineFrontend:
         path = resolve_model(args.model, args.revision, args.download_dir)
         # The tokenizer first: a missing one fails in seconds, not after minutes of compiling.
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path)
-        # A Hub id is looked up (and downloaded) here, once: the core loads the local snapshot.
-        core_args = dataclasses.replace(args, model=str(path)) if is_hub_id(args.model) \
-            else args
+        core_args = local_core_args(args, path)
         self.engine_core_client = make_client(self.launch_config, core_args, args)
         info: EngineCoreInfo = self.engine_core_client.get_engine_info()
-        if core_args is not args:  # named as the user named it, not by its snapshot directory
-            info.config = dataclasses.replace(info.config, model=args.model)
+        if core_args is not args:  # named as the user named them, not by snapshot directories
+            info.config = named_as_given(info.config, args)
         self.core_info = info
         eos = set(info.eos_token_ids)
         tokenizer_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id

@@ -263,7 +263,7 @@ def test_gguf_layout_and_draft_model_config_resolve_in_the_config(tmp_path):
         SpeculativeConfig.from_dict({**spec(path), "draft_model_config": None})
     assert EngineArgs(speculative_config=spec(path)).speculative_config == \
         {"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
-         "prompt_lookup_max": 5, "model": path}
+         "prompt_lookup_max": 5, "model": path, "revision": None}
 
 
 def test_config_changes_no_environment():

@@ -321,6 +321,10 @@ def test_aborts_mid_run_leave_every_block_free(self_spec, prompts, plain_greedy)
      r"speculative_config: method 'draft_model' needs 'model'.*5"),
     ({"method": "ngram", "num_speculative_tokens": 3, "model": "/some/draft"},
      r"speculative_config: method 'ngram' takes no 'model'.*/some/draft"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "revision": "v1"},
+     r"speculative_config: method 'ngram' takes no 'model' or 'revision'.*v1"),
+    ({"method": "draft_model", "num_speculative_tokens": 3, "model": "o/m", "revision": 1},
+     r"speculative_config.revision must be a branch, tag or commit.*got 1"),
 ])
 def test_config_refusals(value, match):
     with pytest.raises(ValueError, match=match):

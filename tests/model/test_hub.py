@@ -251,6 +251,61 @@ def test_the_core_is_handed_the_snapshot_not_the_id(hub, monkeypatch, tmp_path):
     assert remote_args.model == MODEL_ID
 
 
+def test_the_core_is_handed_the_draft_models_snapshot(hub, checkpoint, monkeypatch, tmp_path):
+    from jaxllm.engine import frontend
+
+    handed = []
+
+    def capture(launch_config, engine_args, remote_engine_args):
+        handed.append((engine_args, remote_engine_args))
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(frontend, "make_client", capture)
+    spec = {"method": "draft_model", "model": MODEL_ID, "revision": "v1",
+            "num_speculative_tokens": 2}
+    with pytest.raises(RuntimeError, match="captured"):
+        frontend.EngineFrontend(EngineArgs(model=str(checkpoint), download_dir=str(tmp_path),
+                                           skip_tokenizer_init=True, speculative_config=spec),
+                                UsageContext.LLM_CLASS)
+    ((args, remote_args),) = handed
+    snapshot = resolve_model(MODEL_ID, "v1", str(tmp_path))
+    assert args.model == remote_args.model == str(checkpoint)  # a local target stays as given
+    assert args.speculative_config == {**spec, "model": str(snapshot), "revision": None,
+                                       "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    assert remote_args.speculative_config["model"] == MODEL_ID
+    assert remote_args.speculative_config["revision"] == "v1"
+
+
+def test_a_draft_model_by_hub_id_at_a_revision(hub, checkpoint, tmp_path):
+    """The draft fetched by Hub id at the tag v1 (other weights than the target's): the
+    engine drafts with that snapshot and its greedy tokens are the target's alone."""
+    from tests.engine.spec_decode_utils import SpecCounters
+
+    prompts = [[1, 2, 3, 4], [7, 300, 12, 9, 45, 2, 100]]
+    small = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
+    plain = make_llm(checkpoint, **small)
+    expected = greedy_tokens(plain, prompts)
+    plain.shutdown()
+    spec = {"method": "draft_model", "model": MODEL_ID, "revision": "v1",
+            "num_speculative_tokens": 3}
+    start = len(hub.requests)
+    llm = make_llm(checkpoint, download_dir=str(tmp_path), speculative_config=spec, **small)
+    try:
+        counters = SpecCounters(llm)
+        assert greedy_tokens(llm, prompts) == expected
+        assert counters.delta()["num_spec_draft_tokens"] > 0  # drafts were verified
+        config = llm.llm_engine.engine_config.speculative_config
+        assert (config.model, config.revision) == (MODEL_ID, "v1")  # named as given
+        draft = Path(config.draft_model_config.model_path)
+        assert draft.is_relative_to(tmp_path)
+        weights = "model.safetensors"
+        assert read_files(draft)[weights] == hub.commits[hub.refs[(MODEL_ID, "v1")]][weights] \
+            != read_files(checkpoint)[weights]
+    finally:
+        llm.shutdown()
+    assert hub.requests[start:].count(("GET", f"/api/models/{MODEL_ID}/revision/v1")) == 1
+
+
 def test_revision_is_passed_to_the_hub(hub, checkpoint, tmp_path):
     main = resolve_model(MODEL_ID, None, str(tmp_path))
     tagged = resolve_model(MODEL_ID, "v1", str(tmp_path))
