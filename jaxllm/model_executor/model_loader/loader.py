@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
-from jaxllm.model_executor.model_loader.gguf_check import check_gguf_layout
+from jaxllm.model_executor.model_loader.gguf_file import read_gguf
 from jaxllm.model_executor.model_loader.gguf_params import quantized_param_trees
 from jaxllm.model_executor.model_loader.gguf_repack import FLOAT_TYPES, SUPPORTED_TYPES
 from jaxllm.model_executor.models.registry import (
@@ -94,18 +94,14 @@ def is_gguf_model(path: str | Path) -> bool:
 def gguf_keeps_quantized(path: str | Path) -> bool:
     """Whether quantization="gguf" can load this GGUF: some block-format tensor, and every one
     a format gguf_repack keeps exactly (reads the header only; the data is memory-mapped)."""
-    import gguf
-
-
     file = _gguf_file(Path(path).expanduser())
     if file is None:
         return False
     try:
-        check_gguf_layout(file)
-        reader = gguf.GGUFReader(str(file))
-    except Exception:  # noqa: BLE001 - load_model names what is wrong with the file
+        tensors = read_gguf(file).tensors
+    except (ModelLoadError, OSError, ValueError):  # load_model names what is wrong
         return False
-    types = {t.tensor_type.name for t in reader.tensors} - set(FLOAT_TYPES)
+    types = {t.tensor_type.name for t in tensors} - set(FLOAT_TYPES)
     return bool(types) and types <= set(SUPPORTED_TYPES)
 
 
@@ -188,20 +184,11 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
         raise ModelLoadError(f"{path}: quantization='gguf' with the reference backend computes "
                              f"in float32 (the exact dequantized values); got dtype "
                              f"{jnp.dtype(dtype).name} (a Pallas kernel_backend takes bfloat16)")
-    check_gguf_layout(path)
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises assorted errors on a short or corrupt file
-        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") \
-            from e
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type")):
-            continue  # large arrays the config does not need
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: BLE001 - an undecodable field the config does not need
-            pass
+        reader = read_gguf(path)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read the GGUF file ({e})") from e
+    meta = reader.metadata
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")

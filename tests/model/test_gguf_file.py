@@ -1,0 +1,78 @@
+"""Our GGUF reader (jaxllm/model_executor/model_loader/gguf_file.py) against gguf's own
+`GGUFReader`: the same metadata values (`ReaderField.contents()`), the same tensors (name, type,
+shape, dtype, shape of the data and every byte), in both byte orders and with a custom
+alignment; and on the embedded model's file. Damaged files are tests/model/test_loader_fuzz.py's."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from jaxllm.model_executor.model_loader.gguf_file import read_gguf
+from tests.gguf_models import quantized_bytes
+
+
+def assert_same_as_gguf_reader(path) -> None:
+    ours = read_gguf(path)
+    reader = gguf.GGUFReader(str(path))
+    # The reader adds the header's counts as fields of its own.
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.metadata) == list(fields)
+    for key, field in fields.items():
+        assert ours.metadata[key] == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in reader.tensors]
+    for mine, theirs in zip(ours.tensors, reader.tensors, strict=True):
+        assert mine.tensor_type == theirs.tensor_type, mine.name
+        assert mine.shape == tuple(int(d) for d in theirs.shape), mine.name
+        assert mine.data.dtype == theirs.data.dtype, mine.name
+        assert mine.data.shape == theirs.data.shape, mine.name
+        assert np.array_equal(mine.data, theirs.data, equal_nan=True), mine.name
+        assert not mine.data.flags.writeable
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_every_value_and_tensor_type_as_gguf_reads_them(tmp_path, endian):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "all.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2", endianess=endian)
+    writer.add_custom_alignment(64)
+    writer.add_uint8("t.u8", 200)
+    writer.add_int8("t.i8", -100)
+    writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000)
+    writer.add_uint32("t.u32", 4_000_000_000)
+    writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_float32("t.f32", 0.1)
+    writer.add_uint64("t.u64", 2**63 + 5)
+    writer.add_int64("t.i64", -(2**62))
+    writer.add_float64("t.f64", 0.1)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "naïve 例 <0x0A>")
+    writer.add_array("t.ints", [3, -1, 7])
+    writer.add_array("t.floats", [0.5, -2.25])
+    writer.add_array("t.strs", ["a", "", "ü" * 40])
+    writer.add_array("t.empty", [])
+    writer.add_tensor("f32", rng.standard_normal((3, 32)).astype(np.float32))
+    writer.add_tensor("f16", rng.standard_normal((5, 64)).astype(np.float16))
+    writer.add_tensor("i32", rng.integers(-9, 9, (7,)).astype(np.int32))
+    for fmt in ("Q8_0", "Q4_K", "Q6_K", "Q5_0"):
+        writer.add_tensor(fmt.lower(), quantized_bytes(rng, fmt, 2, 256),
+                          raw_dtype=gguf.GGMLQuantizationType[fmt])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_same_as_gguf_reader(path)
+    ours = read_gguf(path)
+    assert ours.metadata["t.u64"] == 2**63 + 5 and ours.metadata["t.bool"] is True
+    assert ours.metadata["t.strs"] == ["a", "", "ü" * 40]
+    q8 = next(t for t in ours.tensors if t.name == "q8_0")
+    assert q8.shape == (256, 2) and q8.data.shape == (2, 256 // 32 * 34)
+
+
+@pytest.mark.real_model
+def test_the_embedded_model_as_gguf_reads_it():
+    from jaxllm.model_executor.model_loader.default_model import default_model_path
+
+    assert_same_as_gguf_reader(default_model_path())
