@@ -124,10 +124,11 @@ class RayLauncher:
         parallel = launch_config.parallel_config
         self.address = tcp_address(parallel.data_parallel_address,
                                    parallel.data_parallel_rpc_port)
-        self.resources = core_resources(gpu_platform_installed(),
-                                        parallel.tensor_parallel_size)
         self._connect()
         try:
+            self.resources = core_resources(
+                cores_use_gpus(ray.cluster_resources().get("GPU", 0.0)),
+                parallel.tensor_parallel_size)
             check_capacity(available_per_node(), self.resources, len(ranks))
             check_reachable(parallel.data_parallel_address, ray)
             self._start(ranks)
@@ -278,6 +279,15 @@ class RayLauncher:
             self._watcher.join(timeout=2 * _WATCH_S)
         self._actors.clear()
         self._disconnect()
+
+
+def cores_use_gpus(cluster_gpus: float) -> bool:
+    """Whether each core asks Ray for GPUs: as JAX_PLATFORMS says when it is set, else when
+    this host would run JAX on a GPU or the cluster has GPUs (a head node without one, in
+    front of GPU nodes, is a common set-up)."""
+    if os.environ.get("JAX_PLATFORMS", "").strip():
+        return gpu_platform_installed()
+    return gpu_platform_installed() or cluster_gpus > 0
 
 
 def core_resources(gpu: bool, tensor_parallel_size: int) -> dict[str, float]:

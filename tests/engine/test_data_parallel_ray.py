@@ -146,6 +146,19 @@ def test_capacity_is_counted_per_node():
         ray_launcher.check_capacity(one_gpu, ray_launcher.core_resources(True, 1), 3)
 
 
+def test_cores_ask_for_gpus_where_the_cluster_has_them(monkeypatch):
+    """A frontend host without a GPU (a CPU head node) in front of GPU nodes: the cores ask for
+    GPUs; JAX_PLATFORMS, when set, decides alone."""
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(ray_launcher, "gpu_platform_installed", lambda: False)
+    assert ray_launcher.cores_use_gpus(8.0) and not ray_launcher.cores_use_gpus(0.0)
+    monkeypatch.setattr(ray_launcher, "gpu_platform_installed", lambda: True)
+    assert ray_launcher.cores_use_gpus(0.0)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setattr(ray_launcher, "gpu_platform_installed", lambda: False)
+    assert not ray_launcher.cores_use_gpus(8.0)
+
+
 @pytest.fixture(scope="module")
 def ray_llm(cluster):
     llm = LLM("tiny-qwen2", data_parallel_size=2, data_parallel_backend="ray",
