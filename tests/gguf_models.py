@@ -175,11 +175,11 @@ def llama3_rope_factors(head_dim: int, theta: float, rope: dict) -> np.ndarray:
 
 def write_gguf_from_hf(path, hf_model, ftype: str = "F32") -> None:
     """Convert a tiny HF Qwen2 / Qwen3 / Llama / Mistral model to a GGUF as llama.cpp does:
-    tensors renamed by gguf's own name map; Llama's q and k rows permuted for its interleaved
-    RoPE; Qwen3's per-head q/k norms as attn_q_norm / attn_k_norm; no output.weight when the
-    embeddings are tied; RoPE scaling as metadata (linear, yarn) or, for Llama 3's, the
-    `rope_freqs` tensor. `ftype`: the matrices' type, F32, F16 or Q8_0 (gguf's own quantizer);
-    vectors stay F32. No tokenizer: prompts go in as token ids."""
+    tensors renamed by gguf's own name map; Llama's q and k rows (weights and biases) permuted
+    for its interleaved RoPE; Qwen3's per-head q/k norms as attn_q_norm / attn_k_norm; no
+    output.weight when the embeddings are tied; RoPE scaling as metadata (linear, yarn) or, for
+    Llama 3's, the `rope_freqs` tensor. `ftype`: the matrices' type, F32, F16 or Q8_0 (gguf's
+    own quantizer); vectors stay F32. No tokenizer: prompts go in as token ids."""
     import gguf as g
 
     cfg = hf_model.config
@@ -226,9 +226,11 @@ def write_gguf_from_hf(path, hf_model, ftype: str = "F32") -> None:
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         data = tensor.detach().float().numpy().copy()
-        if arch == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
+        if arch == "llama" and hf_name.endswith(("self_attn.q_proj.weight",
+                                                 "self_attn.q_proj.bias")):
             data = llama_permute(data, n_head)
-        elif arch == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
+        elif arch == "llama" and hf_name.endswith(("self_attn.k_proj.weight",
+                                                   "self_attn.k_proj.bias")):
             data = llama_permute(data, n_kv)
         if data.ndim == 1 or ftype == "F32":
             writer.add_tensor(name, data.astype(np.float32))

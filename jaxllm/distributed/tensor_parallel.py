@@ -97,7 +97,7 @@ def _leaf_spec(path: tuple[str, ...]) -> P:
     if name in ("embed_tokens", "lm_head") or parent in ("qkv_proj", "gate_up_proj"):
         return P(TP_AXIS) if name == "bias" else P(TP_AXIS, None)
     if parent in ("o_proj", "down_proj"):
-        return P(None, TP_AXIS)
+        return P() if name == "bias" else P(None, TP_AXIS)  # the bias: added after the sum
     return P()  # norms: replicated
 
 

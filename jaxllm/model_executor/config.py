@@ -102,6 +102,7 @@ class ModelConfig:
     # The Hugging Face architecture (`architectures[0]`), which picks the model class.
     architecture: str = "Qwen2ForCausalLM"
     attention_bias: bool = True  # q, k and v projections with biases (Qwen2's always have)
+    o_proj_bias: bool = False  # the attention's output projection with a bias (Llama, Qwen3)
     rope_scaling: RopeScaling | None = None
     # A GGUF's `rope_freqs` tensor (llama.cpp's form of Llama 3's scaling): each frequency is
     # divided by its factor.
@@ -187,8 +188,10 @@ class ModelConfig:
         if cfg.get("mlp_bias"):
             raise ValueError("model config: mlp_bias (biases on the MLP projections) is not "
                              "supported")
-        # Qwen2's q/k/v always carry biases; the other families say so in `attention_bias`.
-        bias = architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+        # Qwen2's q/k/v always carry biases and its o_proj none; Llama's and Qwen3's
+        # `attention_bias` puts one on all four; Mistral's projections have none.
+        bias = architecture == "Qwen2ForCausalLM" or (
+            architecture != "MistralForCausalLM" and bool(cfg.get("attention_bias", False)))
         # Mistral's config class fills in a 4096-token window when the file names none.
         window = cfg.get("sliding_window", 4096 if architecture == "MistralForCausalLM" else None)
         if architecture != "MistralForCausalLM" and not cfg.get("use_sliding_window", False):
@@ -210,6 +213,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             architecture=architecture,
             attention_bias=bias,
+            o_proj_bias=bias and architecture != "Qwen2ForCausalLM",
             rope_scaling=RopeScaling.from_hf(rope_params, max_pos,
                                              cfg.get("original_max_position_embeddings")),
             sliding_window=window,
@@ -249,10 +253,10 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], vocab_size: int, tied: bool,
-                           attention_bias: bool = True,
+                           attention_bias: bool = True, o_proj_bias: bool = False,
                            rope_freq_factors: tuple[float, ...] | None = None) -> ModelConfig:
-        """`meta` maps GGUF keys (e.g. 'qwen2.block_count') to values; `attention_bias`:
-        whether the file has q/k/v biases."""
+        """`meta` maps GGUF keys (e.g. 'qwen2.block_count') to values; `attention_bias`,
+        `o_proj_bias`: whether the file has q/k/v biases, an attention output bias."""
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
@@ -297,6 +301,7 @@ class ModelConfig:
                             meta.get("tokenizer.ggml.eom_token_id")) if t is not None)),
             architecture=GGUF_ARCHITECTURES[arch],
             attention_bias=attention_bias,
+            o_proj_bias=o_proj_bias,
             rope_scaling=scaling,
             rope_freq_factors=rope_freq_factors,
             sliding_window=meta.get(f"{arch}.attention.sliding_window"),

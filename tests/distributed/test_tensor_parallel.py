@@ -60,9 +60,11 @@ def tp_pallas_results(tmp_path_factory):
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def tp_family_results(request, tmp_path_factory):
     """TP 1 and 2 over a tiny Qwen3 (per-head q/k norms, head_dim 32) and a tiny Llama 3 (scaled
-    RoPE): 4 query heads and 2 KV heads, one KV head per device at TP 2."""
+    RoPE; biases on q, k, v and o_proj, the last added once after the sum): 4 query heads and 2
+    KV heads, one KV head per device at TP 2."""
     path = tmp_path_factory.mktemp(f"tp_tiny_{request.param}")
-    save_tiny_checkpoint(path, tied=False, seed=6, arch=request.param)
+    bias = {"attention_bias": True} if request.param == "llama" else {}
+    save_tiny_checkpoint(path, tied=False, seed=6, arch=request.param, **bias)
     out = path / "results.npz"
     run_child([str(path), str(out), "1,2", '{"max_num_seqs": 2, "max_num_batched_tokens": 16}'],
               timeout=400, devices=2)

@@ -69,6 +69,31 @@ def test_missing_tensor_is_named(tiny_dir, tmp_path):
         load_model(d)
 
 
+def test_weights_without_a_place_are_named(tiny_dir, tmp_path):
+    """A checkpoint with more weights than its config describes (one layer fewer configured;
+    an extra tensor) is refused naming them; RoPE's saved buffers are not weights."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy(tiny_dir, tmp_path / "more_layers")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] -= 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    last = cfg["num_hidden_layers"]
+    with pytest.raises(ModelLoadError, match=rf"has no place for: layers\.{last}\.input_layernorm"
+                                             rf"\.weight, .* and \d+ more"):
+        load_model(d)
+    d = _copy(tiny_dir, tmp_path / "buffers")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
+    save_file(tensors, d / "model.safetensors")
+    load_model(d, progress=False)
+    tensors["model.extra.weight"] = np.ones(8, np.float32)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"has no place for: extra\.weight$"):
+        load_model(d, progress=False)
+
+
 def test_foreign_architecture_is_named_with_the_supported_ones(tiny_dir, tmp_path):
     d = _copy(tiny_dir, tmp_path / "gpt2")
     cfg = json.loads((d / "config.json").read_text())

@@ -1,7 +1,8 @@
 """Every supported family against Hugging Face transformers on tiny random checkpoints.
 
 Qwen3 (per-head q/k RMSNorm before RoPE, no q/k/v biases, head_dim 32 where hidden_size /
-num_attention_heads is 16), Llama 3 (its scaled RoPE, untied; a tied one with linear scaling),
+num_attention_heads is 16), Llama 3 (its scaled RoPE, untied; a tied one with linear scaling
+and `attention_bias`: biases on q, k, v and o_proj),
 YaRN (a tied Qwen3) and Mistral without a sliding window, each chosen by the checkpoint's
 `architectures` through the model registry: batch logits with the reference and the Pallas
 (interpret) kernels, greedy tokens through LLM, and the same tokens under preemption, chunked
@@ -40,7 +41,7 @@ FAMILIES = {
     "qwen3_yarn_tied": dict(arch="qwen3", tied=True, seed=12, rope_scaling=YARN_ROPE,
                             max_position_embeddings=256),
     "llama3": dict(arch="llama", tied=False, seed=13),
-    "llama_linear_tied": dict(arch="llama", tied=True, seed=14,
+    "llama_linear_tied": dict(arch="llama", tied=True, seed=14, attention_bias=True,
                               rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "mistral": dict(arch="mistral", tied=False, seed=15),
 }
@@ -123,6 +124,9 @@ def test_tiny_families_exercise_their_features(family):
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     path, mistral = family("mistral")
     assert json.loads((path / "config.json").read_text())["sliding_window"] is None
+    attn = family("llama_linear_tied")[1].model.layers[0].self_attn
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+        assert proj.bias is not None and proj.bias.abs().min() > 0
 
 
 # --- (a) logits, both kernel backends --------------------------------------------------------

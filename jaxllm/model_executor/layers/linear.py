@@ -109,17 +109,22 @@ class LinearDeferredBias(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """A bias-free `Linear` whose input features are split over `tp_axis` (o_proj, down_proj):
-    each device multiplies its slice, one all-reduce sums them."""
+    """A `Linear` whose input features are split over `tp_axis` (o_proj, down_proj): each
+    device multiplies its slice, one all-reduce sums them; the bias, whole on every device, is
+    added once, after the sum."""
 
     features: int
     dtype: Any
     backend: str = "reference"
     gemv_rows: int = 0
     tp_axis: str | None = None
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = weight_param(self, "weight", (self.features, x.shape[-1]), self.dtype,
                               nn.initializers.normal(0.02))
-        return all_reduce(linear(x, weight, self.backend, self.gemv_rows), self.tp_axis)
+        y = all_reduce(linear(x, weight, self.backend, self.gemv_rows), self.tp_axis)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y

@@ -154,6 +154,10 @@ def _iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, 
                 raise ModelLoadError(f"{f}: truncated or damaged safetensors file ({e})") from e
 
 
+# Buffers of Hugging Face's rotary embedding that older checkpoints saved.
+_ROPE_BUFFERS = ("inv_freq", "cos_cached", "sin_cached")
+
+
 def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -170,6 +174,13 @@ def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
         tensors[name.removeprefix("model.")] = arr
     params = _assemble_params(config, lambda n: tensors.pop(n, None), dtype, path,
                               hf_names=True)
+    # A weight left over has no place in the model: running without it would be silently wrong
+    # (RoPE's precomputed buffers, which some checkpoints carry, are recomputed instead).
+    unused = sorted(n for n in tensors if not n.rsplit(".", 1)[-1].endswith(_ROPE_BUFFERS))
+    if unused:
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        raise ModelLoadError(f"{path}: weights that a {config.architecture} as configured has "
+                             f"no place for: {shown}")
     return LoadedModel(config, params, path, "hf")
 
 
@@ -199,6 +210,7 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
         config = ModelConfig.from_gguf_metadata(meta, vocab_size,
                                                 tied="output.weight" not in by_name,
                                                 attention_bias="blk.0.attn_q.bias" in by_name,
+                                                o_proj_bias="blk.0.attn_output.bias" in by_name,
                                                 rope_freq_factors=factors)
         check_supported(config)
         if factors is not None and len(factors) != config.head_dim // 2:
@@ -265,6 +277,7 @@ _GGUF_LAYER_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -332,6 +345,8 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
                                  axis=0)
         attn: dict[str, Any] = {
             "qkv_proj": qkv, "o_proj": {"weight": dev(need(p + "self_attn.o_proj.weight"))}}
+        if config.o_proj_bias:
+            attn["o_proj"]["bias"] = dev(need(p + "self_attn.o_proj.bias"))
         if qk_norm:
             for norm in ("q_norm", "k_norm"):
                 attn[norm] = {"weight": dev(need(p + f"self_attn.{norm}.weight"))}

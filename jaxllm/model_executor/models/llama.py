@@ -70,7 +70,7 @@ class LlamaAttention(nn.Module):
             qkv, bias, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len,
             num_splits)
         out = RowParallelLinear(cfg.hidden_size, self.dtype, self.backend, self.gemv_rows,
-                                self.tp_axis, name="o_proj")(out)
+                                self.tp_axis, cfg.o_proj_bias, name="o_proj")(out)
         return out, kv_cache
 
 
