@@ -99,8 +99,9 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(
         0.9, "GPU: fraction of device memory for weights, activations and the KV array")
     kv_cache_memory_bytes: int | None = _arg(
-        None, "byte budget for the KV array; not given: 1 GiB on CPU (over all devices), "
-              "from gpu_memory_utilization on GPU")
+        None, "byte budget for the KV array, per device (with tensor parallelism each device "
+              "holds its KV heads' share); not given: 1 GiB on CPU (over all devices), from "
+              "gpu_memory_utilization on GPU")
     max_model_len: int | None = _arg(
         None, "longest prompt + output; not given: the positions the model takes (its "
               "max_position_embeddings, times the factor of a linear or YaRN RoPE scaling)")
@@ -113,7 +114,8 @@ class EngineArgs:
     skip_tokenizer_init: bool = _arg(False, "no tokenizer: token-id prompts only, no text")
     show_progress: bool = _arg(True, "loading and compiling progress bars")
     async_scheduling: bool | None = _arg(
-        None, "schedule and prepare step N+1 while step N runs on the device; not given: on")
+        None, "schedule and prepare step N+1 while step N runs on the device; not given: on; "
+              "always off with speculative_config")
     topk_sampling: bool | None = _arg(
         None, "the device returns each sampled row's top-64 logits and log-sum-exp; the host "
               "samples from them when exact; not given: on for GPU, off on CPU, where the "
@@ -413,9 +415,13 @@ def engine_args_markdown() -> str:
              "`python scripts/generate_engine_args_doc.py`; edit the field's help there, not "
              "this file.", "",
              "Every argument is a keyword of `LLM(...)` and `AsyncLLM(...)` and a field of "
-             "`EngineArgs`, and its flag is an option of `jaxllm generate`, `chat`, `serve` and "
-             "`bench`. A boolean that is on by default is turned off with `--no-...`; one whose "
-             "default is `None` (decided per platform) takes `--flag` or `--no-flag`.", "",
+             "`EngineArgs`, and its flag is an option of `jaxllm serve` and of the multi-host "
+             "follower (`python -m jaxllm.entrypoints.multihost_follower`); `jaxllm generate`, "
+             "`chat` and `bench throughput | latency | sweep` take every flag but "
+             "`--no-show-progress` (`bench` has `--no-progress`), and `jaxllm bench serve`, a "
+             "client of a running server, takes none. A boolean that is on by default is turned "
+             "off with `--no-...`; one whose default is `None` (decided per platform) takes "
+             "`--flag` or `--no-flag`.", "",
              "| argument | flag | type | default | what it does |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(EngineArgs):
         flag = ("--no-" if f.default is True else "--") + f.name.replace("_", "-")

@@ -12,10 +12,10 @@ Per step, the masks of all constrained sampled rows are filled by one batched ca
 bit t of a row says token t is allowed. EOS is allowed only where the grammar accepts, since
 the LLTokenizer knows the EOS ids.
 
-Speculative decoding plugs in here: to verify k draft tokens per step, the masks of every
-verified position come from `fill_next_token_bitmask_par_with_draft_tokens` (one row per
-position), and after acceptance each matcher is rolled back by the number of rejected draft
-tokens (`LLMatcher.rollback`) before the accepted ones are consumed.
+Speculative decoding: to verify k draft tokens per step, `draft_bitmasks` gives the masks of
+every verified position (one row per position, the matcher advanced through the drafts and
+rolled back with `LLMatcher.rollback`); the engine core then feeds the matcher the accepted
+tokens (`StructuredOutputRequest.accept_tokens`).
 """
 
 from __future__ import annotations

@@ -72,9 +72,10 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     # The engine's own options and defaults (EngineArgs); the bench sizes max_num_seqs to its
     # workload unless told, and its --seed also seeds the synthetic prompts.
     EngineArgs.add_cli_args(p, skip=("show_progress",), help_overrides={
-        "model": "checkpoint directory or .gguf file, or `tiny-qwen2`: a random 2-layer Qwen2 "
-                 "with the real vocabulary and tokenizer, whose nearly free device step leaves "
-                 "the host path to measure (default: the embedded model)",
+        "model": "checkpoint directory, .gguf file, Hugging Face Hub model id, or "
+                 "`tiny-qwen2`: a random 2-layer Qwen2 with the real vocabulary and tokenizer, "
+                 "whose nearly free device step leaves the host path to measure (default: the "
+                 "embedded model)",
         "max_num_seqs": "default: what the workload runs at once (throughput: the number of "
                         "prompts, at most 256; latency: the batch size; sweep: the largest "
                         "batch), raised to the largest --profile-batch-sizes with --profile",
