@@ -511,16 +511,17 @@ def resolve_matmul_precision(matmul_precision: str | None, dtype: str, platform:
 
 
 def resolve_pallas_gemv_max_rows(rows: int | None, kernel_backend: str, dtype: str) -> int:
-    """None -> 0: XLA's dots, until the Pallas GEMV is measured faster on a GPU (the lease
-    plan's A/B, docs/gpu.md). A kernel for 1-16 rows of bfloat16 or float32, on a Pallas
-    backend only."""
+    """None -> 0: XLA's dots (the Pallas GEMV measured no faster on an H200: BENCHMARKS.md). A
+    kernel for 1-16 rows of bfloat16 or float32, on a Pallas backend only."""
     from pallas_kernels.skinny_matmul import MAX_ROWS
 
-    if rows is None or rows == 0:
+    if rows is None:
         return 0
     if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_ROWS:
         raise ValueError(f"pallas_gemv_max_rows must be an integer from 0 to {MAX_ROWS}, got "
                          f"{rows!r}")
+    if rows == 0:
+        return 0
     if kernel_backend == "reference":
         raise ValueError(f"pallas_gemv_max_rows={rows} needs a Pallas kernel backend (pallas, "
                          f"or interpret on CPU); this engine's is 'reference'")

@@ -71,8 +71,9 @@ def test_per_platform_defaults_resolve_in_one_config():
     with pytest.raises(ValueError, match="pallas_gemv_max_rows=8 needs a Pallas kernel "
                                          "backend"):
         EngineArgs(model=path, pallas_gemv_max_rows=8).create_engine_config("cpu")
-    with pytest.raises(ValueError, match="from 0 to 16, got 17"):
-        EngineArgs(model=path, pallas_gemv_max_rows=17).create_engine_config("gpu")
+    for bad in (17, False, 0.0):
+        with pytest.raises(ValueError, match=f"from 0 to 16, got {bad}"):
+            EngineArgs(model=path, pallas_gemv_max_rows=bad).create_engine_config("gpu")
 
 
 def test_model_names_resolve_in_one_function(tmp_path):
