@@ -78,14 +78,15 @@ def _tiny_shapes() -> dict[str, tuple[int, int] | tuple[int]]:
 
 
 def write_tiny_gguf(path, seed: int = 0, formats: dict[str, str] | None = None,
-                    tied: bool = False) -> dict:
+                    tied: bool = False, arch: str = "qwen2") -> dict:
     """Write a 2-layer Qwen2 GGUF (architecture qwen2, no tokenizer; `tied`: no output.weight)
     and return its tensors as gguf dequantizes them, {GGUF name: float32 array in numpy
-    order}: the HF oracle's weights."""
+    order}: the HF oracle's weights. `arch` "llama": the same tensors but the q/k/v biases,
+    which Llama has not (its q and k rows are random, so their order is the file's)."""
     rng = np.random.default_rng(seed)
     formats = {**TINY_FORMATS, **(formats or {})}
     c = TINY_CONFIG
-    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c["num_hidden_layers"])
     writer.add_context_length(c["max_position_embeddings"])
     writer.add_embedding_length(c["hidden_size"])
@@ -95,7 +96,7 @@ def write_tiny_gguf(path, seed: int = 0, formats: dict[str, str] | None = None,
     writer.add_rope_freq_base(c["rope_theta"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     for name, shape in _tiny_shapes().items():
-        if tied and name == "output.weight":
+        if (tied and name == "output.weight") or (arch == "llama" and name.endswith(".bias")):
             continue
         fmt = formats.get(name, "F32")
         if len(shape) == 1:  # norms near 1, biases that matter

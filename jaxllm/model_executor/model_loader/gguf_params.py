@@ -2,7 +2,7 @@
 
 Where a kernel reads GGUF blocks at every row count there is one tree, every GGUF block weight
 quantized (the LM head and down_proj included) for every bucket, so no float copy of a quantized
-weight exists:
+weight exists, not even while loading (its blocks go straight from the file to their layout):
 - on CPU our fused dequant matmul (layers/quantization/cpu_dequant_matmul.py), with the blocks
   in its panel layout (`cpu_dequant_matmul.pack`; a weight whose rows no panel width divides
   stays float32);
@@ -66,44 +66,54 @@ def _device(r: RepackedBlocks, packed: bool, compact: bool, int8: bool = False) 
                       None if offset is None else jnp.asarray(offset))
 
 
-def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[str], Any],
-                          path: Path, fused_kernel: bool = False,
+def quantized_param_trees(config: ModelConfig,
+                          assemble: Callable[[Callable[[list[str]], GGUFWeight | None]], dict],
+                          tensor: Callable[[str], Any], path: Path, fused_kernel: bool = False,
                           layout: str = "rows",
                           row_order: Callable[[str], Any] | None = None
                           ) -> tuple[dict, dict | None]:
-    """(params, gemv_params) from the dense float32 tree and `tensor(hf_name)`, the GGUF reader's
-    tensor of that name (None if absent); with `fused_kernel` or a layout of our CPU kernel, (one
-    tree for every bucket, every GGUF block weight the kernel can read quantized, None).
+    """(params, gemv_params); with `fused_kernel` or a layout of our CPU kernel, (one tree for
+    every bucket, every GGUF block weight the kernel can read quantized, None).
+    `assemble(quantized)`: the loader's param tree, each weight matrix the `GGUFWeight`
+    `quantized(hf_names)` gives for the tensors stacked into it, dequantized to float32 where it
+    gives None; so a weight kept quantized is dequantized only where a float32 tree also keeps
+    it. `tensor(hf_name)`: the GGUF reader's tensor of that name (None if absent).
     `layout` as resolved in the config: "panels", our CPU kernel's; "compact", its 4- and 5-bit
     values in 5-bit panels; "int8", its integer path's for the matmul weights whose values it
     takes (the embedding, only gathered, keeps the exact one); "rows", the blocks as rows.
     `row_order(hf_name)`: the rows of that tensor in the dense tree's order (None: as stored),
-    applied to its blocks as the dense loader applied it to its values."""
-    def quantized(hf_names: list[str], dense: Any, matmul: bool = True) -> GGUFWeight | None:
-        if cpu_kernel and cpu_dequant_matmul.panel_size(dense.shape[0]) is None:
+    applied to its blocks as the dense loader applies it to its values."""
+    def quantized(hf_names: list[str]) -> GGUFWeight | None:
+        tensors = [tensor(name) for name in hf_names]
+        if any(t is None or t.tensor_type.name in FLOAT_TYPES for t in tensors):
+            return None  # absent (the dense loader names it) or float: the weight stays float32
+        # The stacked weight's shape from the headers: the data is read only if it is kept.
+        shapes = [tuple(reversed([int(d) for d in t.shape])) for t in tensors]
+        if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
+            raise ModelLoadError(f"{path}: {', '.join(hf_names)}: shapes {shapes} do not stack "
+                                 f"into one weight")
+        if cpu_kernel and cpu_dequant_matmul.panel_size(sum(s[0] for s in shapes)) is None:
             return None  # rows the kernel's panels cannot split: the weight stays float32
         parts = []
-        for name in hf_names:
-            t = tensor(name)
-            type_name = t.tensor_type.name
-            if type_name in FLOAT_TYPES:
-                return None  # a float tensor in the group: the group stays float32
-            shape = tuple(reversed([int(d) for d in t.shape]))
+        for name, t, shape in zip(hf_names, tensors, shapes, strict=True):
             try:
-                part = repack(t.data, type_name, shape, t.name)
+                part = repack(t.data, t.tensor_type.name, shape, t.name)
             except (UnsupportedGGUFType, ValueError) as e:
                 raise ModelLoadError(f"{path}: {e}") from e
             rows = None if row_order is None else row_order(name)
             if rows is not None:  # blocks run along a row, so rows move whole
+                if len(rows) != shape[0]:
+                    raise ModelLoadError(f"{path}: {t.name}: {shape[0]} rows, the config's "
+                                         f"heads take {len(rows)}")
                 part = RepackedBlocks(part.qweight[rows], part.scale[rows],
                                       None if part.offset is None else part.offset[rows])
             parts.append(part)
         blocks = parts[0] if len(parts) == 1 else concat_rows(parts)
-        # The CPU kernel reads the blocks by these shapes: they must be the checked dense ones.
-        shape, dense_shape = blocks.qweight.shape, tuple(dense.shape)
-        if shape != dense_shape or blocks.block_size not in (16, 32) or shape[1] % 32:
+        # The kernels read whole blocks of these sizes along a row.
+        if blocks.block_size not in (16, 32) or blocks.qweight.shape[1] % 32:
             raise ModelLoadError(f"{path}: {', '.join(hf_names)}: quantized blocks of shape "
-                                 f"{shape} (block {blocks.block_size}) for weight {dense_shape}")
+                                 f"{blocks.qweight.shape} (block {blocks.block_size})")
+        matmul = hf_names != ["embed_tokens.weight"]  # the embedding is also gathered
         try:
             return _device(blocks, packed=cpu_kernel, compact=compact,
                            int8=int8 and cpu_kernel and matmul)
@@ -122,30 +132,32 @@ def quantized_param_trees(config: ModelConfig, params: dict, tensor: Callable[[s
     if int8 and not cpu_dequant_matmul.int8_supported():
         raise ModelLoadError(f"{path}: cpu_int8_activations: our CPU kernel has no integer path "
                              f"on this machine (it needs x86 with AVX2)")
+    if fused_kernel or cpu_kernel:  # one tree: no float32 copy of a quantized weight exists
+        return assemble(quantized), None
+    # Two trees: the float32 one keeps every weight dense but an untied embedding (gathered in
+    # both trees), which the GEMV tree then shares.
+    tied = config.tie_word_embeddings
+    params = assemble(lambda hf_names: None if tied or hf_names != ["embed_tokens.weight"]
+                      else quantized(hf_names))
     gemv = {k: v for k, v in params.items()}
-    # Our CPU kernel takes rows of any width; XLA's fused GEMV lost to float32 on down_proj's.
-    any_width = fused_kernel or cpu_kernel
     for i in range(config.num_hidden_layers):
         layer = {group: dict(mods) for group, mods in params[f"layers_{i}"].items()}
         for group in ("self_attn", "mlp"):
             layer[group] = {name: dict(p) for name, p in layer[group].items()}
         for (group, mod), hf_names in _LAYER_WEIGHTS.items():
-            if not any_width and not single_chunk(layer[group][mod]["weight"].shape[1]):
+            # XLA's fused GEMV lost to float32 on rows as wide as down_proj's.
+            if not single_chunk(layer[group][mod]["weight"].shape[1]):
                 continue
-            weight = quantized([f"layers.{i}.{n}" for n in hf_names],
-                               layer[group][mod]["weight"])
+            weight = quantized([f"layers.{i}.{n}" for n in hf_names])
             if weight is not None:
                 layer[group][mod]["weight"] = weight
         gemv[f"layers_{i}"] = layer
-    embed = quantized(["embed_tokens.weight"], params["embed_tokens"], matmul=False)
-    if embed is not None:
-        gemv["embed_tokens"] = embed
-        if not config.tie_word_embeddings:
-            params = {**params, "embed_tokens": embed}
-    if not config.tie_word_embeddings:
-        head = quantized(["lm_head.weight"], params["lm_head"])
+    if tied:  # the float32 head needs the float32 table; the GEMV tree gathers the blocks
+        embed = quantized(["embed_tokens.weight"])
+        if embed is not None:
+            gemv["embed_tokens"] = embed
+    else:
+        head = quantized(["lm_head.weight"])
         if head is not None:
             gemv["lm_head"] = head
-    if fused_kernel or cpu_kernel:
-        return gemv, None
     return params, gemv

@@ -4,8 +4,9 @@ Both paths produce the param tree of the checkpoint's model class (models/regist
 and gate/up fused, linear weights kept [out, in] as checkpoints store them, rows in Hugging
 Face's order); the tree is checked against the model's abstract shapes so a foreign or
 damaged file fails with its path and what is wrong, never deep inside jit. With
-quantization="gguf" a GGUF's block weights are also kept quantized (gguf_params.py): a second
-tree for the small decode buckets.
+quantization="gguf" a GGUF's block weights are also kept quantized (gguf_params.py), built from
+the file's blocks: such a weight is dequantized only for a float32 tree that keeps it too (the
+larger buckets' where XLA's GEMVs run the small decode buckets).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.gguf_file import read_gguf
 from jaxllm.model_executor.model_loader.gguf_params import quantized_param_trees
@@ -219,31 +221,42 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
     except (ValueError, TypeError, OverflowError) as e:  # metadata of the wrong type or size
         raise ModelLoadError(f"{path}: {e}") from e
 
-    bar = tqdm(total=len(by_name), desc="dequantizing GGUF", unit="tensor", disable=not progress)
+    bar = tqdm(total=len(by_name), desc="loading GGUF", unit="tensor", disable=not progress)
+    counted: set[str] = set()
+
+    def tensor(hf_name: str) -> Any:
+        """The reader's tensor (None if absent), counted on the bar when first read."""
+        t = by_name.get(_gguf_name(hf_name))
+        if t is not None and t.name not in counted:
+            counted.add(t.name)
+            bar.update(1)
+        return t
 
     def get(hf_name: str) -> np.ndarray | None:
-        tensor = by_name.get(_gguf_name(hf_name))
-        if tensor is None:
+        t = tensor(hf_name)
+        if t is None:
             return None
         try:
-            arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:  # noqa: BLE001
-            raise ModelLoadError(f"{path}: cannot dequantize {tensor.name}: {e}") from e
-        bar.update(1)
+            raise ModelLoadError(f"{path}: cannot dequantize {t.name}: {e}") from e
         # GGUF lists dims fastest-first; numpy wants them reversed ([out, in] for a weight).
-        arr = np.asarray(arr).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        arr = np.asarray(arr).reshape(tuple(reversed([int(d) for d in t.shape])))
         rows = gguf_row_order(config, hf_name)
         return arr if rows is None else arr[rows]
 
+    def assemble(quantized: Callable[[list[str]], GGUFWeight | None] | None = None) -> dict:
+        return _assemble_params(config, get, dtype, path, hf_names=False, quantized=quantized)
+
     try:
-        params = _assemble_params(config, get, dtype, path, hf_names=False)
+        if quantization != "gguf":
+            return LoadedModel(config, assemble(), path, "gguf")
+        # The weights kept quantized are built from the file's blocks, never dequantized.
+        params, gemv_params = quantized_param_trees(
+            config, assemble, tensor, path, fused_kernel, layout,
+            row_order=lambda hf_name: gguf_row_order(config, hf_name))
     finally:
         bar.close()
-    if quantization != "gguf":
-        return LoadedModel(config, params, path, "gguf")
-    params, gemv_params = quantized_param_trees(
-        config, params, lambda hf_name: by_name.get(_gguf_name(hf_name)), path, fused_kernel,
-        layout, row_order=lambda hf_name: gguf_row_order(config, hf_name))
     _release_freed_memory()
     return LoadedModel(config, params, path, "gguf", gemv_params)
 
@@ -258,9 +271,9 @@ def _rope_freq_factors(data: Any) -> tuple[float, ...]:
 
 
 def _release_freed_memory() -> None:
-    """Hand the float32 weights the quantized blocks replaced back to the OS: glibc keeps freed
-    heap memory mapped (the process's resident memory stays as if they were alive). A no-op
-    where the C library is not glibc."""
+    """Hand the buffers a load freed (blocks unpacked before their layout, float32 weights a
+    GEMV tree replaced) back to the OS: glibc keeps freed heap memory mapped (the process's
+    resident memory stays as if they were alive). A no-op where the C library is not glibc."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -319,32 +332,44 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | None], dtype: Any,
-                     path: Path, hf_names: bool) -> dict:
-    """Build the param tree from tensors fetched by their HF name (minus the `model.` prefix)."""
+                     path: Path, hf_names: bool,
+                     quantized: Callable[[list[str]], GGUFWeight | None] | None = None
+                     ) -> dict:
+    """Build the param tree from tensors fetched by their HF name (minus the `model.` prefix).
+    `quantized(names)`: a weight matrix kept quantized (a `GGUFWeight`, gguf_params.py) from the
+    tensors stacked into it, or None to take them dense; never asked for norms and biases."""
 
     def need(name: str) -> np.ndarray:
         arr = take(name)
         if arr is None:
             shown = name if hf_names else f"{name} (GGUF {_gguf_name(name)})"
+            if name == "lm_head.weight":
+                shown += " (the config does not tie word embeddings)"
             raise ModelLoadError(f"{path}: missing tensor {shown}")
         return arr
 
     def dev(arr: np.ndarray) -> jax.Array:
         return jnp.asarray(arr, dtype=dtype)
 
+    def matrix(names: list[str]) -> Any:
+        """The weight of these tensors stacked along rows (q/k/v, gate/up fused)."""
+        kept = None if quantized is None else quantized(names)
+        if kept is not None:
+            return kept  # its tensors are not taken: nothing is dequantized for it
+        parts = [need(name) for name in names]
+        return dev(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
+
     qk_norm = get_model_class(config.architecture).QK_NORM
-    params: dict[str, Any] = {"embed_tokens": dev(need("embed_tokens.weight"))}
+    params: dict[str, Any] = {"embed_tokens": matrix(["embed_tokens.weight"])}
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
-        qkv_w = np.concatenate([need(p + f"self_attn.{x}_proj.weight") for x in "qkv"], axis=0)
-        qkv = {"weight": dev(qkv_w)}
+        qkv = {"weight": matrix([p + f"self_attn.{x}_proj.weight" for x in "qkv"])}
         if config.attention_bias:
             qkv["bias"] = dev(np.concatenate([need(p + f"self_attn.{x}_proj.bias")
                                               for x in "qkv"], axis=0))
-        gate_up = np.concatenate([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")],
-                                 axis=0)
+        gate_up = matrix([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         attn: dict[str, Any] = {
-            "qkv_proj": qkv, "o_proj": {"weight": dev(need(p + "self_attn.o_proj.weight"))}}
+            "qkv_proj": qkv, "o_proj": {"weight": matrix([p + "self_attn.o_proj.weight"])}}
         if config.o_proj_bias:
             attn["o_proj"]["bias"] = dev(need(p + "self_attn.o_proj.bias"))
         if qk_norm:
@@ -356,20 +381,18 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
                 "weight": dev(need(p + "post_attention_layernorm.weight"))},
             "self_attn": attn,
             "mlp": {
-                "gate_up_proj": {"weight": dev(gate_up)},
-                "down_proj": {"weight": dev(need(p + "mlp.down_proj.weight"))},
+                "gate_up_proj": {"weight": gate_up},
+                "down_proj": {"weight": matrix([p + "mlp.down_proj.weight"])},
             },
         }
     params["norm"] = {"weight": dev(need("norm.weight"))}
-    lm_head = take("lm_head.weight")
     if not config.tie_word_embeddings:
-        if lm_head is None:
-            raise ModelLoadError(f"{path}: missing tensor lm_head.weight (the config does not "
-                                 f"tie word embeddings)")
-        params["lm_head"] = dev(lm_head)
-    elif lm_head is not None and not np.array_equal(np.asarray(lm_head, np.float32),
-                                                    np.asarray(params["embed_tokens"], np.float32)):
-        raise ModelLoadError(f"{path}: config ties word embeddings but lm_head.weight differs")
+        params["lm_head"] = matrix(["lm_head.weight"])
+    else:
+        lm_head = take("lm_head.weight")
+        if lm_head is not None and not np.array_equal(
+                np.asarray(lm_head, np.float32), np.asarray(params["embed_tokens"], np.float32)):
+            raise ModelLoadError(f"{path}: config ties word embeddings but lm_head.weight differs")
     _check_against_model(config, params, dtype, path)
     return params
 
@@ -378,8 +401,9 @@ def _check_against_model(config: ModelConfig, params: dict, dtype: Any, path: Pa
     expected = abstract_params(get_model_class(config.architecture)(config, dtype=dtype))
     want = {jax.tree_util.keystr(k): v.shape
             for k, v in jax.tree_util.tree_leaves_with_path(expected)}
-    got = {jax.tree_util.keystr(k): v.shape
-           for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    # A weight kept quantized has the shape of the matrix it holds, whatever its layout.
+    got = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(
+        params, is_leaf=lambda x: isinstance(x, GGUFWeight))}
     for key in sorted(set(want) | set(got)):
         if key not in got:
             raise ModelLoadError(f"{path}: missing weight {key}")
