@@ -37,7 +37,7 @@ def plain():
 
 @pytest.fixture(scope="module")
 def spec():
-    return make(speculative_config=ngram(4))
+    return make(speculative_config=ngram(4), topk_sampling=True)
 
 
 def tokens(llm: LLM, prompts, params) -> list[list[int]]:
@@ -112,10 +112,17 @@ def test_speculation_gives_the_same_tokens(plain, spec):
     tok = plain.get_tokenizer()
     longer = [w for w in words if len(tok.encode(w.lstrip())) > 1]
     assert longer
+    # A one-token word the model repeats, six times over: banned only after five of it, so a
+    # step may start clean (its first position needs no processing) while the drafts, the
+    # repetition that prompt lookup proposes, complete the word.
+    single = next(w for w in words if len(tok.encode(w.lstrip())) == 1)
+    six = single.lstrip() * 6
+    assert [len(w) for w in plain.llm_engine.processor.bad_words_token_ids([six]) or []][0] == 6
     # The two-token words leave the repeated token allowed after anything else: the drafts
     # that prompt lookup proposes (the repetition) hold the banned pair.
     params = [SamplingParams(**GREEDY, bad_words=words),
               SamplingParams(**GREEDY, bad_words=longer),
+              SamplingParams(**GREEDY, bad_words=[six]),
               SamplingParams(**GREEDY, allowed_token_ids=sorted({t for o in base for t in o}
                                                                 | set(range(200, 260))))]
     batch = [p for p in PROMPTS for _ in params]
@@ -124,6 +131,9 @@ def test_speculation_gives_the_same_tokens(plain, spec):
     counters = SpecCounters(spec)
     got = tokens(spec, batch, all_params)
     assert got == want
+    # One at a time too: the steps, so where drafts start and stop, differ from the batch's.
+    for k, (prompt, p) in enumerate(zip(batch, all_params, strict=True)):
+        assert tokens(spec, [prompt], p) == [want[k]], (prompt, p)
     counters.assert_exercised()
     assert_pool_free(spec)
 

@@ -137,13 +137,20 @@ def test_processor_tokenizes_bad_words_as_vllm():
     req = proc.process_inputs("r", {"prompt_token_ids": [1, 2, 3]},
                               SamplingParams(bad_words=["ab"], n=2))
     assert [c.sampling_params.bad_words_token_ids for c in req.child_requests] == [[[12], [112]]] * 2
-    # A word whose spaced spelling has more tokens than the plain one keeps only the plain one.
+    # A word whose spaced spelling has more tokens than the plain one keeps only the plain one,
+    # and one whose spaced spelling starts with the same token too.
 
     class Merging(FakeTokenizer):
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-            return [5, 6] if text.startswith(" ") else [5]
+            return [7, 6] if text.startswith(" ") else [5]
 
     assert make_processor(Merging()).bad_words_token_ids(["w"]) == [[5]]
+
+    class SameStart(FakeTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [5, 9] if text.startswith(" ") else [5, 8]
+
+    assert make_processor(SameStart()).bad_words_token_ids(["w"]) == [[5, 8]]
 
 
 def test_processor_refuses_what_it_cannot_serve():
