@@ -151,9 +151,8 @@ def test_truncate_prompt_tokens_equals_the_truncated_prompt(plain):
     long = (ids * 20)[:300]
     with pytest.raises(ValueError, match="max_model_len"):
         plain.generate({"prompt_token_ids": long}, SamplingParams(**GREEDY), use_tqdm=False)
-    out = plain.generate({"prompt_token_ids": long},
-                         SamplingParams(temperature=0.0, max_tokens=None, truncate_prompt_tokens=-1),
-                         use_tqdm=False)[0]
+    whole = SamplingParams(temperature=0.0, max_tokens=None, truncate_prompt_tokens=-1)
+    out = plain.generate({"prompt_token_ids": long}, whole, use_tqdm=False)[0]
     assert list(out.prompt_token_ids) == long[-127:] and len(out.outputs[0].token_ids) == 1
     chat = plain.chat([{"role": "user", "content": "hello " * 200}],
                       SamplingParams(**GREEDY, truncate_prompt_tokens=20), use_tqdm=False)[0]

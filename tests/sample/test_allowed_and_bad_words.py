@@ -48,7 +48,8 @@ def reference_processed(raw: np.ndarray, row: SamplingRow) -> np.ndarray:
     seen = set(row.prompt_token_ids) | set(out)
     for t in seen:
         if params.repetition_penalty != 1.0:
-            z[t] = z[t] / params.repetition_penalty if z[t] > 0 else z[t] * params.repetition_penalty
+            rep = params.repetition_penalty
+            z[t] = z[t] / rep if z[t] > 0 else z[t] * rep
     for t in set(out):
         z[t] -= params.frequency_penalty * out.count(t) + params.presence_penalty
     return z
@@ -136,7 +137,8 @@ def test_processor_tokenizes_bad_words_as_vllm():
     assert proc.bad_words_token_ids(["ab", "  ab cd"]) == [[12], [112], [12, 112], [112, 112]]
     req = proc.process_inputs("r", {"prompt_token_ids": [1, 2, 3]},
                               SamplingParams(bad_words=["ab"], n=2))
-    assert [c.sampling_params.bad_words_token_ids for c in req.child_requests] == [[[12], [112]]] * 2
+    children = req.child_requests
+    assert [c.sampling_params.bad_words_token_ids for c in children] == [[[12], [112]]] * 2
     # A word whose spaced spelling has more tokens than the plain one keeps only the plain one,
     # and one whose spaced spelling starts with the same token too.
 
@@ -220,15 +222,17 @@ def test_random_rows_match_the_reference(rng):
             kw["allowed_token_ids"] = rng.choice(vocab, int(rng.integers(1, 30)),
                                                  replace=False).tolist()
         if i % 4 == 1:
-            kw.update(logit_bias={int(t): float(rng.normal(0, 5)) for t in rng.integers(0, vocab, 5)},
-                      repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=-0.3)
+            bias = {int(t): float(rng.normal(0, 5)) for t in rng.integers(0, vocab, 5)}
+            kw.update(logit_bias=bias, repetition_penalty=1.4, frequency_penalty=0.5,
+                      presence_penalty=-0.3)
         if i % 5 == 2:
             kw.update(min_tokens=10, stop_token_ids=[int(rng.integers(0, vocab))])
         sp = with_bad_words(words, **kw) if words else SamplingParams(**kw)
         row = SamplingRow(sp, np.random.default_rng(i), rng.integers(0, vocab, 5).tolist(), output,
                           frozenset({vocab - 1}))
         for w in words:
-            if len(w) > 1 and len(w) - 1 <= len(output) and output[len(output) - len(w) + 1:] == w[:-1]:
+            ends = len(w) - 1 <= len(output) and output[len(output) - len(w) + 1:] == w[:-1]
+            if len(w) > 1 and ends:
                 matched += 1
             elif len(w) > 1:
                 unmatched += 1
@@ -315,11 +319,10 @@ def test_verify_sees_the_draft_prefix(rng, temperature):
         sp = with_bad_words(words, **kw)
         output = rng.integers(0, vocab, 3).tolist()
 
-        def row() -> SamplingRow:
-            return SamplingRow(sp, np.random.default_rng(trial), [1, 2], output)
-
-        got = verify(logits, drafts, row())
-        want = sequential(logits, row(), drafts)
+        got = verify(logits, drafts,
+                     SamplingRow(sp, np.random.default_rng(trial), [1, 2], output))
+        want = sequential(logits, SamplingRow(sp, np.random.default_rng(trial), [1, 2], output),
+                          drafts)
         assert got.token_ids == want
         assert got.num_accepted == len(want) - 1
         if len(want) >= 3 and words[1][0] != drafts[2] and drafts[2] != drafts[0]:
