@@ -150,6 +150,18 @@ class SamplingParams:
     its fields) constrains the output to a JSON schema, regex, choice or grammar: tokens it
     forbids are masked before any other logits processing, EOS is allowed only where the
     constraint is complete, and logprobs stay those of the raw distribution.
+
+    As in vLLM V1, the logits are processed in this order: the structured-output mask and
+    `allowed_token_ids` (every other token -inf), `bad_words`, logit_bias, min_tokens, then the
+    penalties. `allowed_token_ids` (a non-empty list of token ids in the vocabulary): only these
+    may be sampled. `bad_words` (strings): never generated; each is tokenized (without special
+    tokens) as given, its leading whitespace removed, and again after one space when that
+    spelling starts with another token but has as many (vLLM's rule); at each step, for each such
+    token sequence whose all-but-last tokens are the last output tokens, its last token is -inf
+    (a one-token word is always banned). Tokenizing takes the engine's tokenizer, so they are
+    refused under skip_tokenizer_init. `truncate_prompt_tokens` k keeps only the last k prompt
+    tokens (k >= 1; -1: the most the model takes, max_model_len - 1), before the prompt's
+    length is checked; the output's prompt_token_ids are the kept ones.
     """
 
     n: int = 1
@@ -173,6 +185,14 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # The bad words as token-id sequences, filled by the frontend's Processor (where the
+    # tokenizer lives) and sent with the request, so the engine core never tokenizes (vLLM's
+    # `_bad_words_token_ids`).
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False,
+                                                          compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -202,6 +222,7 @@ class SamplingParams:
         self.stop_token_ids = stop_token_ids
         if self.logit_bias is not None:
             self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        self._verify_token_lists()
         self._verify()
         if self.greedy:
             # As vLLM: greedy ignores the truncation knobs.
@@ -256,6 +277,37 @@ class SamplingParams:
             out[tok] = value
         return out
 
+    def _verify_token_lists(self) -> None:
+        if self.allowed_token_ids is not None:
+            why = f"must be a non-empty list of integer token ids in [0, {TOKEN_ID_MAX}]"
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise self._bad("allowed_token_ids", why)
+            self.allowed_token_ids = [self._int(t, "allowed_token_ids", why, 0, TOKEN_ID_MAX)
+                                      for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            why = "must be a list of strings with a non-whitespace character"
+            # One string is refused rather than read as a list of its characters.
+            if not isinstance(self.bad_words, (list, tuple)):
+                raise self._bad("bad_words", why)
+            if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise self._bad("bad_words", why)
+            self.bad_words = list(self.bad_words)
+        ids = self._bad_words_token_ids
+        if ids is not None:
+            why = (f"token ids must be non-empty lists of integers in [0, {TOKEN_ID_MAX}] "
+                   f"(one per bad word spelling)")
+            if not isinstance(ids, (list, tuple)) or any(
+                    not isinstance(w, (list, tuple)) or not w for w in ids):
+                raise self._bad("bad_words", why, ids)
+            self._bad_words_token_ids = [
+                [self._int(t, "bad_words", why, 0, TOKEN_ID_MAX) for t in w] for w in ids]
+        if self.truncate_prompt_tokens is not None:
+            why = f"must be -1 (max_model_len - 1), an integer in [1, {INT64_MAX}] or None"
+            k = self._int(self.truncate_prompt_tokens, "truncate_prompt_tokens", why, -1)
+            if k == 0:
+                raise self._bad("truncate_prompt_tokens", why)
+            self.truncate_prompt_tokens = k
+
     def _verify(self) -> None:
         self.n = self._int(self.n, "n", f"must be an integer in [1, {INT64_MAX}]", 1)
         for name in ("presence_penalty", "frequency_penalty"):
@@ -302,6 +354,16 @@ class SamplingParams:
             raise self._bad("n", "must be 1 when using greedy sampling (temperature 0)")
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """The bad words' token-id sequences (set by the Processor; None before)."""
+        return self._bad_words_token_ids
+
+    @bad_words_token_ids.setter
+    def bad_words_token_ids(self, ids: list[list[int]] | None) -> None:
+        self._bad_words_token_ids = ids
+        self._verify_token_lists()
 
     @property
     def greedy(self) -> bool:

@@ -105,7 +105,9 @@ class Processor:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         params = SamplingParams() if params is None else params
         self.check_params(params)
-        processed = self.process_prompt(prompt)
+        bad_words_ids = self.bad_words_token_ids(params.bad_words)
+        processed = self.process_prompt(prompt,
+                                        truncate_prompt_tokens=params.truncate_prompt_tokens)
         num_prompt = len(processed.prompt_token_ids)
         room = self.max_model_len - num_prompt
         if params.min_tokens > room:
@@ -123,6 +125,7 @@ class Processor:
         for i, cid in enumerate(child_request_ids(request_id, params.n)):
             # A copy: the caller may change or reuse its SamplingParams while this one runs.
             sp = params.clone()
+            sp.bad_words_token_ids = bad_words_ids
             if params.n > 1:
                 sp.n = 1
                 # Child i's seed is the request's + i, wrapped into the seeds' range [0,
@@ -140,11 +143,12 @@ class Processor:
         return ProcessedRequest(request_id, processed.prompt, processed.prompt_token_ids,
                                 children, arrival_time)
 
-    def process_prompt(self, prompt: PromptType,
-                       add_special_tokens: bool = True) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True,
+                       truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         """Tokenize and validate one prompt; ValueError names what is wrong.
         `add_special_tokens=False` for text a chat template rendered: it holds the template's
-        own BOS, which the tokenizer would add again."""
+        own BOS, which the tokenizer would add again. `truncate_prompt_tokens` k: only the last
+        k tokens are kept (-1: max_model_len - 1), before the length is checked."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass "
@@ -155,7 +159,8 @@ class Processor:
                                  f"({prompt[at]!a}) at character {at}, which is not valid "
                                  f"Unicode text")
             limit = self.max_prompt_chars
-            if limit is not None and len(prompt) > limit:
+            # A text that is to be truncated may be as long as it likes.
+            if limit is not None and len(prompt) > limit and truncate_prompt_tokens is None:
                 raise ValueError(f"the prompt has {len(prompt)} characters, more than "
                                  f"max_model_len ({self.max_model_len}) tokens of this "
                                  f"vocabulary can hold")
@@ -175,7 +180,8 @@ class Processor:
                     raise ValueError("prompt_token_ids must be integers")
                 token_ids = [int(t) for t in raw]
             elif isinstance(prompt["prompt"], str):
-                return self.process_prompt(prompt["prompt"], add_special_tokens)
+                return self.process_prompt(prompt["prompt"], add_special_tokens,
+                                           truncate_prompt_tokens)
             else:
                 # Only text: a dict nested in a dict would recurse as deep as the caller built it.
                 raise ValueError(f"a prompt dict's 'prompt' must be a str, got "
@@ -185,6 +191,10 @@ class Processor:
                              f"{type(prompt).__name__}")
         if not token_ids:
             raise ValueError("the prompt is empty (0 tokens)")
+        if truncate_prompt_tokens is not None:
+            keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 \
+                else truncate_prompt_tokens
+            token_ids = token_ids[-keep:]
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
@@ -202,7 +212,8 @@ class Processor:
             raise ValueError(f"SamplingParams.n must be at most the engine's max_n "
                              f"({self.max_n}), got {params.n}")
         for name, ids in (("stop_token_ids", params.stop_token_ids or ()),
-                          ("logit_bias", (params.logit_bias or {}).keys())):
+                          ("logit_bias", (params.logit_bias or {}).keys()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"SamplingParams.{name} has token ids {bad[:5]} outside the "
@@ -217,3 +228,37 @@ class Processor:
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("SamplingParams.structured_outputs needs a tokenizer (its grammar "
                              "constrains text); drop skip_tokenizer_init")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.bad_words needs a tokenizer (the words are "
+                             f"tokenized); drop skip_tokenizer_init, got {params.bad_words!r}")
+        k = params.truncate_prompt_tokens
+        if k is not None and k > self.max_model_len:
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens must be at most "
+                             f"max_model_len ({self.max_model_len}) or -1, got {k}")
+
+    def bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]] | None:
+        """vLLM's tokenization of bad words: each word without its leading whitespace, and
+        again after one space (a word inside the text, where the tokenizer merges the space
+        into its first token) when that spelling starts with a different token and has as
+        many tokens; special tokens are not added."""
+        if not bad_words:
+            return None
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer (the words are "
+                             "tokenized); drop skip_tokenizer_init")
+        out: list[list[int]] = []
+        for word in bad_words:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not plain:
+                raise ValueError(f"SamplingParams.bad_words has a word with no tokens, got "
+                                 f"{word!r}")
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        bad = sorted({t for w in out for t in w if not 0 <= t < self.vocab_size})
+        if bad:
+            raise ValueError(f"SamplingParams.bad_words tokenize to ids {bad[:5]} outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+        return out

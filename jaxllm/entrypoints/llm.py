@@ -134,8 +134,15 @@ class LLM:
         processor = self.llm_engine.processor
         prompts: list[PromptType] = []
         for i, text in enumerate(texts):
+            params = sampling_params
+            if params is not None and not isinstance(params, SamplingParams):
+                params = params[i] if i < len(params) else None  # generate() names the mismatch
+            # Truncated here too: the whole conversation may be longer than the model takes.
+            truncate = params.truncate_prompt_tokens \
+                if isinstance(params, SamplingParams) else None
             try:
-                ids = processor.process_prompt(text, add_special_tokens=False).prompt_token_ids
+                ids = processor.process_prompt(text, add_special_tokens=False,
+                                               truncate_prompt_tokens=truncate).prompt_token_ids
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
             prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -229,8 +229,11 @@ class HostSampler:
                                        "(dead end)")
                 continue
             metadata = inputs.metadata
+            # `processed` is the first position's; a bad word's prefix may end inside the
+            # drafts, so later positions may need processing where the first does not.
+            bad_words = inputs.requests[j].sampling_params.bad_words_token_ids
             if topk is not None and metadata.greedy[j] and not inputs.processed[j] \
-                    and masks is None and metadata.num_logprobs[j] < 0:
+                    and not bad_words and masks is None and metadata.num_logprobs[j] < 0:
                 # Greedy rows without processing: the device's top candidate is each row's
                 # argmax, no full row is fetched.
                 result = self._verify_greedy_candidates(topk, rows, drafts,

@@ -27,7 +27,8 @@ class SamplingMetadata:
     log_min_p: np.ndarray  # [R] float64
     num_logprobs: np.ndarray  # [R] int64, -1 for none
     greedy: np.ndarray  # [R] bool
-    # The request has bias, penalties or min_tokens: its row may need logits processing.
+    # The request has allowed_token_ids, bad words, bias, penalties or min_tokens: its row may
+    # need logits processing.
     maybe_processed: np.ndarray  # [R] bool
 
     def __len__(self) -> int:
@@ -54,7 +55,8 @@ class SamplingMetadata:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.greedy[row] = params.greedy
         self.maybe_processed[row] = bool(
-            params.logit_bias or params.min_tokens or params.repetition_penalty != 1.0
+            params.allowed_token_ids or params.bad_words_token_ids or params.logit_bias
+            or params.min_tokens or params.repetition_penalty != 1.0
             or params.frequency_penalty or params.presence_penalty)
 
     @classmethod

@@ -5,9 +5,10 @@ Per row, in order (vLLM's `Sampler.forward`):
 1. raw log-softmax statistics of the unprocessed logits (vLLM's default `raw_logprobs`): the
    sampled token's logprob and the requested top-N logprobs come from these, so a constrained
    row reports the model's own distribution, not the one its grammar left;
-2. the structured-output mask (`SamplingRow.mask`): disallowed tokens -inf, before anything
-   else, so bias, penalties and the draw see only what the grammar allows;
-   then logit_bias added;
+2. the structured-output mask (`SamplingRow.mask`) and `allowed_token_ids`: disallowed tokens
+   -inf, before anything else, so bias, penalties and the draw see only what is allowed;
+   then `bad_words` (`banned_tokens`: the last token of each bad-word sequence whose prefix
+   ends the output) -inf; then logit_bias added;
 3. min_tokens: while fewer than `min_tokens` tokens were generated, the row's eos ids and its
    `stop_token_ids` are set to -inf (vLLM masks every stop id, eos included, even with ignore_eos);
 4. penalties: repetition (tokens seen in prompt or output: positive logits divided, negative
@@ -86,12 +87,38 @@ class SamplerOutput:
 
 
 # ---------------------------------------------------------------------------------------------
-# Logits processing (bias, min_tokens, penalties)
+# Logits processing (allowed tokens, bad words, bias, min_tokens, penalties)
+
+
+def banned_tokens(bad_words: Sequence[Sequence[int]] | None,
+                  output_token_ids: Sequence[int]) -> list[int]:
+    """vLLM V1's bad-words rule: for each bad-word token sequence, its last token when the
+    output so far ends with the rest of it (always, for a one-token word). Only output tokens
+    count, never the prompt's."""
+    if not bad_words:
+        return []
+    n = len(output_token_ids)
+    banned = []
+    for word in bad_words:
+        k = len(word) - 1
+        if k > n:
+            continue
+        if all(output_token_ids[n - k + i] == word[i] for i in range(k)):
+            banned.append(word[-1])
+    return banned
+
+
+def _banned(row: SamplingRow) -> list[int]:
+    return banned_tokens(row.params.bad_words_token_ids, row.output_token_ids)
 
 
 def needs_processing(row: SamplingRow) -> bool:
+    return _needs_processing(row, _banned(row))
+
+
+def _needs_processing(row: SamplingRow, banned: list[int]) -> bool:
     params = row.params
-    return bool(row.mask is not None or params.logit_bias
+    return bool(row.mask is not None or params.allowed_token_ids or banned or params.logit_bias
                 or (params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens)
                 or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                 or params.presence_penalty != 0.0)
@@ -104,11 +131,19 @@ def _ids_in_vocab(ids: Sequence[int] | np.ndarray, vocab: int) -> np.ndarray:
 
 def _process_row(raw: np.ndarray, row: SamplingRow) -> np.ndarray | None:
     """The processed copy of one raw logits row, or None when nothing applies to it."""
-    if not needs_processing(row):
+    banned = _banned(row)
+    if not _needs_processing(row, banned):
         return None
     params = row.params
     vocab = raw.shape[0]
     z = np.array(raw, dtype=np.float32, copy=True) if row.mask is None else row.mask.apply(raw)
+    if params.allowed_token_ids:
+        allowed = _ids_in_vocab(params.allowed_token_ids, vocab)
+        kept = z[allowed]
+        z.fill(-np.inf)
+        z[allowed] = kept
+    if banned:
+        z[_ids_in_vocab(banned, vocab)] = -np.inf
     bias = params.logit_bias
     if bias:
         ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
@@ -142,7 +177,8 @@ def _process_row(raw: np.ndarray, row: SamplingRow) -> np.ndarray | None:
 
 
 def process_logits(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
-    """[R, vocab] logits after logit_bias, min_tokens and penalties (before temperature): the
+    """[R, vocab] logits after the masks, bad words, logit_bias, min_tokens and penalties
+    (before temperature): the
     logits greedy rows take the argmax of. A copy; `sample` does the same row by row."""
     x = np.asarray(logits, dtype=np.float32)
     out = np.array(x, copy=True)

@@ -275,6 +275,31 @@ def test_penalties_bias_and_min_tokens(client, tokenizer):
     assert rep.choices[0].text != plain.choices[0].text
 
 
+def test_allowed_token_ids_bad_words_and_truncation(client, tokenizer):
+    """vLLM's extra sampling fields, on completions and chat completions."""
+    base = dict(model="tiny-qwen2", max_tokens=6, temperature=0)
+    word = tokenizer.decode([9707])
+    assert tokenizer.encode(word, add_special_tokens=False) == [9707]
+    # Two tokens allowed, one of them a bad word: only the other is left, EOS included.
+    other = tokenizer.encode(" x", add_special_tokens=False)[0]
+    extra = {"allowed_token_ids": [9707, other], "bad_words": [word]}
+    out = client.completions.create(**base, prompt=PROMPTS[0], extra_body=extra)
+    assert out.choices[0].text == tokenizer.decode([other] * 6)
+    chat = client.chat.completions.create(
+        **base, messages=[{"role": "user", "content": "hi"}],
+        extra_body={"allowed_token_ids": [9707]})
+    assert chat.choices[0].message.content == word * 6
+    # Truncation keeps the prompt's last tokens, before the length check.
+    ids = (tokenizer.encode(PROMPTS[3]) * 60)[:MAX_MODEL_LEN + 50]
+    cut = client.completions.create(**base, prompt=ids, extra_body={"truncate_prompt_tokens": 10})
+    direct = client.completions.create(**base, prompt=ids[-10:])
+    assert cut.usage.prompt_tokens == 10 and cut.choices[0].text == direct.choices[0].text
+    chat = client.chat.completions.create(
+        **base, messages=[{"role": "user", "content": "hello " * 300}],
+        extra_body={"truncate_prompt_tokens": 7})
+    assert chat.usage.prompt_tokens == 7
+
+
 # --- bad requests ---------------------------------------------------------------------------
 
 

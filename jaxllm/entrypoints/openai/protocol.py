@@ -93,6 +93,10 @@ class _SamplingFields(_Strict):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's extras: only these tokens; never these words; only the prompt's last k tokens.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own logs; nothing to do here

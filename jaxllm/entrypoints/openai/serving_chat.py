@@ -289,7 +289,8 @@ class OpenAIServingChat(OpenAIServing):
                                               req.chat_template_kwargs, tool_use.tools,
                                               req.chat_template)
         # The template wrote the BOS it wants; the tokenizer must not add another.
-        prompt = await self.tokenize(text, "messages", add_special_tokens=False)
+        prompt = await self.tokenize(text, "messages", add_special_tokens=False,
+                                     truncate_prompt_tokens=self.truncate_prompt_tokens(req))
         max_tokens, max_tokens_field = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"

@@ -96,7 +96,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if prompt_logprobs is None and req.echo:
             prompt_logprobs = req.logprobs
         prompts = self._prompts(req.prompt)
-        tokenized = [await self.tokenize(p) for p in prompts]
+        truncate = self.truncate_prompt_tokens(req)
+        tokenized = [await self.tokenize(p, truncate_prompt_tokens=truncate) for p in prompts]
         self.check_prompt_logprob_work(req, tokenized, prompt_logprobs)
         structured_outputs = await self.structured_outputs(constraint)  # once for all prompts
         params = [self.sampling_params(req, req.max_tokens, len(t.token_ids), req.logprobs,

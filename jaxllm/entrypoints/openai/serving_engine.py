@@ -218,17 +218,29 @@ class OpenAIServing:
                                 f"`{self.model_name}`", "model", "NotFoundError")
 
     async def tokenize(self, prompt: str | list[int], param: str = "prompt",
-                       add_special_tokens: bool = True) -> TokenizedPrompt:
+                       add_special_tokens: bool = True,
+                       truncate_prompt_tokens: int | None = None) -> TokenizedPrompt:
         """Token ids for a text or token-id prompt, validated by the engine's processor (which
-        refuses a text too long to fit before tokenizing it). In a worker thread: a long text
-        takes a while, and the event loop serves every other connection meanwhile."""
+        refuses a text too long to fit before tokenizing it, unless it is to be truncated to
+        its last `truncate_prompt_tokens`). In a worker thread: a long text takes a while, and
+        the event loop serves every other connection meanwhile."""
         value: Any = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         try:
             p = await asyncio.to_thread(self.engine.processor.process_prompt, value,
-                                        add_special_tokens)
+                                        add_special_tokens, truncate_prompt_tokens)
         except ValueError as e:
             raise APIError(400, str(e), param) from None
         return TokenizedPrompt(p.prompt, p.prompt_token_ids)
+
+    def truncate_prompt_tokens(self, req: Any) -> int | None:
+        """The request's truncate_prompt_tokens, checked before the prompt is tokenized (the
+        truncation decides whether a long prompt fits)."""
+        k = req.truncate_prompt_tokens
+        if k is not None and not (k == -1 or 1 <= k <= self.max_model_len):
+            raise APIError(400, f"truncate_prompt_tokens must be -1 or an integer in [1, "
+                                f"max_model_len ({self.max_model_len})], got {k}",
+                           "truncate_prompt_tokens")
+        return k
 
     def check_schema_depth(self, schema: Any, param: str, what: str) -> None:
         """A 400 naming `param` when a JSON schema nests deeper than the server allows (the
@@ -324,6 +336,8 @@ class OpenAIServing:
             structured_outputs=structured_outputs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -333,6 +347,7 @@ class OpenAIServing:
         try:
             params = SamplingParams(**kw)
             self.engine.processor.check_params(params)
+            self.engine.processor.bad_words_token_ids(params.bad_words)  # a word without tokens
         except ValueError as e:
             m = _SAMPLING_PARAM.search(str(e))
             param = m.group(1) if m else None
