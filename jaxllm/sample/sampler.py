@@ -178,8 +178,8 @@ def _process_row(raw: np.ndarray, row: SamplingRow) -> np.ndarray | None:
 
 def process_logits(logits: np.ndarray, rows: Sequence[SamplingRow]) -> np.ndarray:
     """[R, vocab] logits after the masks, bad words, logit_bias, min_tokens and penalties
-    (before temperature): the
-    logits greedy rows take the argmax of. A copy; `sample` does the same row by row."""
+    (before temperature): the logits greedy rows take the argmax of. A copy; `sample` does the
+    same row by row."""
     x = np.asarray(logits, dtype=np.float32)
     out = np.array(x, copy=True)
     for i, row in enumerate(rows):
