@@ -11,7 +11,7 @@ import numbers
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from jaxllm.engine import EngineCoreInfo, EngineCoreRequest
 from jaxllm.sampling_params import INT64_MAX, SamplingParams
@@ -194,7 +194,11 @@ class Processor:
         if truncate_prompt_tokens is not None:
             keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 \
                 else truncate_prompt_tokens
-            token_ids = token_ids[-keep:]
+            if len(token_ids) > keep:
+                token_ids = token_ids[-keep:]
+                # The text of what is kept, so that an echo, its logprobs and offsets agree.
+                text = None if self.tokenizer is None \
+                    else cast(str, self.tokenizer.decode(token_ids))
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "

@@ -135,17 +135,18 @@ class LLM:
         prompts: list[PromptType] = []
         for i, text in enumerate(texts):
             params = sampling_params
-            if params is not None and not isinstance(params, SamplingParams):
+            if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
                 params = params[i] if i < len(params) else None  # generate() names the mismatch
             # Truncated here too: the whole conversation may be longer than the model takes.
+            # Anything but SamplingParams is left for generate() to refuse by name.
             truncate = params.truncate_prompt_tokens \
                 if isinstance(params, SamplingParams) else None
             try:
-                ids = processor.process_prompt(text, add_special_tokens=False,
-                                               truncate_prompt_tokens=truncate).prompt_token_ids
+                kept = processor.process_prompt(text, add_special_tokens=False,
+                                                truncate_prompt_tokens=truncate)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompts.append({"prompt": kept.prompt, "prompt_token_ids": kept.prompt_token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -147,6 +147,8 @@ def test_truncate_prompt_tokens_equals_the_truncated_prompt(plain):
                           use_tqdm=False)[0]
     assert list(got.prompt_token_ids) == ids[-12:]
     assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    # The prompt's text is what was kept (an echo matches its tokens).
+    assert got.prompt == plain.get_tokenizer().decode(ids[-12:]) != PROMPTS[1]
     # A prompt longer than the model takes fits once truncated; -1 keeps max_model_len - 1.
     long = (ids * 20)[:300]
     with pytest.raises(ValueError, match="max_model_len"):
@@ -157,6 +159,7 @@ def test_truncate_prompt_tokens_equals_the_truncated_prompt(plain):
     chat = plain.chat([{"role": "user", "content": "hello " * 200}],
                       SamplingParams(**GREEDY, truncate_prompt_tokens=20), use_tqdm=False)[0]
     assert len(chat.prompt_token_ids) == 20
+    assert chat.prompt == plain.get_tokenizer().decode(chat.prompt_token_ids)
     assert_pool_free(plain)
 
 

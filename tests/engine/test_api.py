@@ -115,6 +115,14 @@ def test_chat_with_a_lone_surrogate_is_a_value_error(tiny_llm):
     assert not tiny_llm.llm_engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("params, kind", [({"temperature": 0}, "dict"), (5, "int")])
+def test_chat_names_sampling_params_of_the_wrong_type(tiny_llm, params, kind):
+    with pytest.raises(TypeError, match=rf"sampling_params must be SamplingParams or a "
+                                        rf"sequence of them, got {kind}"):
+        tiny_llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("params, match", [
     (SamplingParams(stop=["ok", "\ud800"]), r"SamplingParams\.stop .*surrogate"),
     (SamplingParams(stop_token_ids=[151936]), r"SamplingParams\.stop_token_ids .*151936"),
