@@ -136,15 +136,16 @@ def make_client(launch_config: LaunchConfig, engine_args: EngineArgs,
     return InprocClient(EngineCore(engine_args, launch_config))
 
 
-def local_core_args(args: EngineArgs, path: Path) -> EngineArgs:
+def local_core_args(args: EngineArgs, path: Path, num_local_cores: int) -> EngineArgs:
     """The engine arguments of this host's cores: Hub ids (the model, resolved to `path`, and
     a draft model) looked up and downloaded here, once, so that the cores load local snapshots
-    (cores on other hosts get the ids as named and resolve them themselves)."""
+    (cores on other hosts get the ids as named and resolve them themselves). A draft only where
+    this host runs cores: elsewhere its name may be a path that exists on the cores' hosts."""
     changes: dict[str, Any] = {}
     if is_hub_id(args.model):
         changes["model"] = str(path)
     spec = args.speculative_config
-    if spec is not None and is_hub_id(spec.get("model")):
+    if spec is not None and num_local_cores > 0 and is_hub_id(spec.get("model")):
         draft = resolve_model(spec["model"], spec.get("revision"), args.download_dir)
         changes["speculative_config"] = {**spec, "model": str(draft), "revision": None}
     return dataclasses.replace(args, **changes) if changes else args
@@ -171,7 +172,8 @@ class EngineFrontend:
         path = resolve_model(args.model, args.revision, args.download_dir)
         # The tokenizer first: a missing one fails in seconds, not after minutes of compiling.
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path)
-        core_args = local_core_args(args, path)
+        core_args = local_core_args(
+            args, path, self.launch_config.parallel_config.data_parallel_size_local)
         self.engine_core_client = make_client(self.launch_config, core_args, args)
         info: EngineCoreInfo = self.engine_core_client.get_engine_info()
         if core_args is not args:  # named as the user named them, not by snapshot directories

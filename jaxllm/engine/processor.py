@@ -106,6 +106,11 @@ class Processor:
         params = SamplingParams() if params is None else params
         self.check_params(params)
         bad_words_ids = self.bad_words_token_ids(params.bad_words)
+        always_banned = {w[0] for w in bad_words_ids or () if len(w) == 1}
+        if params.allowed_token_ids and set(params.allowed_token_ids) <= always_banned:
+            raise ValueError(f"SamplingParams.allowed_token_ids leaves no token: each of "
+                             f"{params.allowed_token_ids} is a one-token bad word of "
+                             f"{params.bad_words!r}")
         processed = self.process_prompt(prompt,
                                         truncate_prompt_tokens=params.truncate_prompt_tokens)
         num_prompt = len(processed.prompt_token_ids)

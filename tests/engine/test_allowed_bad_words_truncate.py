@@ -21,7 +21,7 @@ PROMPTS = ["Repeat after me: one two three, one two three, one two three,",
            "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n\ndef h(x):",
            "The capital of France is"]
 GREEDY = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
-# Few buckets: the 151,936-token vocabulary makes each one slow to compile.
+# Few buckets: with the real vocabulary each one is slow to compile.
 KW = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
           multiprocess_mode=False, show_progress=False)
 
@@ -170,4 +170,11 @@ def test_refusals(plain):
     with pytest.raises(ValueError, match=r"SamplingParams\.truncate_prompt_tokens must be at "
                                          r"most max_model_len \(128\)"):
         plain.generate("x", SamplingParams(truncate_prompt_tokens=129), use_tqdm=False)
+    tokenizer = plain.get_tokenizer()
+    word = next(w for w in ("hello", "the", "a") if len(tokenizer.encode(w)) == 1)
+    ids = sorted({tokenizer.encode(w)[0] for w in (word, " " + word)
+                  if len(tokenizer.encode(w)) == 1})
+    with pytest.raises(ValueError, match=r"SamplingParams\.allowed_token_ids leaves no token"):
+        plain.generate("x", SamplingParams(allowed_token_ids=ids, bad_words=[word]),
+                       use_tqdm=False)
     assert_pool_free(plain)

@@ -5,6 +5,8 @@ alignment; and on the embedded model's file. Damaged files are tests/model/test_
 
 from __future__ import annotations
 
+import struct
+
 import gguf
 import numpy as np
 import pytest
@@ -52,7 +54,6 @@ def test_every_value_and_tensor_type_as_gguf_reads_them(tmp_path, endian):
     writer.add_array("t.ints", [3, -1, 7])
     writer.add_array("t.floats", [0.5, -2.25])
     writer.add_array("t.strs", ["a", "", "ü" * 40])
-    writer.add_array("t.empty", [])
     writer.add_tensor("f32", rng.standard_normal((3, 32)).astype(np.float32))
     writer.add_tensor("f16", rng.standard_normal((5, 64)).astype(np.float16))
     writer.add_tensor("i32", rng.integers(-9, 9, (7,)).astype(np.int32))
@@ -69,6 +70,60 @@ def test_every_value_and_tensor_type_as_gguf_reads_them(tmp_path, endian):
     assert ours.metadata["t.strs"] == ["a", "", "ü" * 40]
     q8 = next(t for t in ours.tensors if t.name == "q8_0")
     assert q8.shape == (256, 2) and q8.data.shape == (2, 256 // 32 * 34)
+    assert ours.byte_order == ("<" if endian == gguf.GGUFEndian.LITTLE else ">")
+
+
+def _kv(key: str, vtype: int, payload: bytes) -> bytes:
+    return struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", vtype) + payload
+
+
+def _array(itype: int, items: list[bytes]) -> bytes:
+    return struct.pack("<IQ", itype, len(items)) + b"".join(items)
+
+
+def _string(raw: bytes) -> bytes:
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def test_empty_and_nested_arrays_and_undecodable_text(tmp_path):
+    """A header gguf's writer does not produce: empty arrays, an array of arrays, a string that
+    is not UTF-8 (kept with replacement characters; gguf's reader raises on it)."""
+    u32, string, array = 4, 8, 9
+    entries = [
+        _kv("t.empty_u32", array, _array(u32, [])),
+        _kv("t.empty_str", array, _array(string, [])),
+        _kv("t.nested", array, _array(array, [_array(u32, [struct.pack("<I", 1),
+                                                           struct.pack("<I", 2)]),
+                                              _array(u32, [struct.pack("<I", 3)])])),
+    ]
+    bad = _kv("t.bad", string, _string(b"ok\xff"))
+    for name, kvs in (("odd", entries), ("bad", [*entries, bad])):
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs))
+        ours = read_gguf(path)
+        assert ours.tensors == []
+        assert ours.metadata["t.empty_u32"] == [] and ours.metadata["t.empty_str"] == []
+        assert ours.metadata["t.nested"] == [1, 2, 3]
+    assert ours.metadata["t.bad"] == "ok\ufffd"
+    reader = gguf.GGUFReader(str(tmp_path / "odd.gguf"))
+    for key in ("t.empty_u32", "t.empty_str", "t.nested"):
+        assert read_gguf(tmp_path / "odd.gguf").metadata[key] == reader.fields[key].contents()
+
+
+def test_a_big_endian_model_is_refused(tmp_path):
+    from jaxllm.model_executor.model_loader.errors import ModelLoadError
+    from jaxllm.model_executor.model_loader.loader import load_model
+
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2", endianess=gguf.GGUFEndian.BIG)
+    writer.add_tensor("token_embd.weight", np.ones((8, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"big\.gguf: a big-endian GGUF file is not "
+                                             r"supported"):
+        load_model(path, progress=False)
 
 
 @pytest.mark.real_model

@@ -274,6 +274,16 @@ def test_the_core_is_handed_the_draft_models_snapshot(hub, checkpoint, monkeypat
                                        "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     assert remote_args.speculative_config["model"] == MODEL_ID
     assert remote_args.speculative_config["revision"] == "v1"
+    # A frontend that runs no core (every core on another host) leaves the draft as named.
+    start = len(hub.requests)
+    handed.clear()
+    with pytest.raises(RuntimeError, match="captured"):
+        frontend.EngineFrontend(EngineArgs(model=str(checkpoint), download_dir=str(tmp_path / "x"),
+                                           skip_tokenizer_init=True, speculative_config=spec,
+                                           data_parallel_size=2, data_parallel_size_local=0),
+                                UsageContext.LLM_CLASS)
+    ((args, _),) = handed
+    assert args.speculative_config["model"] == MODEL_ID and len(hub.requests) == start
 
 
 def test_a_draft_model_by_hub_id_at_a_revision(hub, checkpoint, tmp_path):

@@ -88,10 +88,37 @@ def test_weights_without_a_place_are_named(tiny_dir, tmp_path):
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
     save_file(tensors, d / "model.safetensors")
     load_model(d, progress=False)
+    # Mistral's own copy of the weights beside the Hugging Face one is not read.
+    save_file({"layers.0.attention.wq.weight": np.ones(8, np.float32)},
+              d / "consolidated.safetensors")
+    load_model(d, progress=False)
     tensors["model.extra.weight"] = np.ones(8, np.float32)
     save_file(tensors, d / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"has no place for: extra\.weight$"):
         load_model(d, progress=False)
+
+
+def test_attention_bias_without_o_proj_biases_loads_as_zero_biases(tmp_path):
+    """A Llama checkpoint whose config says attention_bias but which holds q/k/v biases only
+    (a conversion): as transformers, the absent o_proj biases are zeros."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from tests.model_inputs import prefill_logits
+
+    save_tiny_checkpoint(tmp_path / "full", tied=False, seed=16, arch="llama",
+                         attention_bias=True)
+    tensors = load_file(tmp_path / "full" / "model.safetensors")
+    zero = {k: np.zeros_like(v) if k.endswith("o_proj.bias") else v for k, v in tensors.items()}
+    save_file(zero, tmp_path / "full" / "model.safetensors")
+    stripped = _copy(tmp_path / "full", tmp_path / "stripped")
+    save_file({k: v for k, v in tensors.items() if not k.endswith("o_proj.bias")},
+              stripped / "model.safetensors")
+    full, loaded = load_model(tmp_path / "full"), load_model(stripped)
+    assert full.config.o_proj_bias and not loaded.config.o_proj_bias
+    prompt = [list(range(3, 30))]
+    np.testing.assert_array_equal(prefill_logits(loaded, prompt, kernel_backend="reference")[0],
+                                  prefill_logits(full, prompt, kernel_backend="reference")[0])
 
 
 def test_foreign_architecture_is_named_with_the_supported_ones(tiny_dir, tmp_path):

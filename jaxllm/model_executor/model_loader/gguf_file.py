@@ -3,7 +3,7 @@
 `gguf.GGUFReader` trusts every count and offset in the file: an array length flipped to 2**60
 makes it loop for ever past the end (reads there come back empty rather than failing), and a
 tensor's dimensions may claim more bytes than the file holds. It also turns every metadata item
-into numpy views, several per string, which for a tokenizer of 150k tokens and merges takes
+into numpy views, several per string, which for a tokenizer's vocabulary and merges takes
 seconds. This reader walks the header once, bounds each count by the bytes left before looping
 over it, decodes the metadata to Python values (what `ReaderField.contents()` gives) and checks
 that every tensor's data (its type's block size times its dimensions) lies inside the file; the
@@ -54,6 +54,7 @@ class GGUFTensor:
 class GGUFFile:
     metadata: dict[str, Any]
     tensors: list[GGUFTensor]
+    byte_order: str  # "<" little-endian (llama.cpp's), ">" big-endian
 
 
 class _Walk:
@@ -132,6 +133,8 @@ def read_gguf(path: Path) -> GGUFFile:
     alignment = _DEFAULT_ALIGNMENT
     for _ in range(kv_count):
         key = w.string("metadata key")
+        if key in metadata:
+            raise w.fail(f"metadata key {key!r} is listed twice")
         vtype = w.scalar("I", f"metadata {key!r} type")
         value = metadata[key] = w.value(vtype, f"metadata {key!r}")
         if key == "general.alignment":
@@ -155,7 +158,7 @@ def read_gguf(path: Path) -> GGUFFile:
             raise w.fail(f"tensor {name!r} is listed twice")
         names.add(name)
         tensors.append(_tensor(w, name, dims, raw_type, data_start + offset))
-    return GGUFFile(metadata, tensors)
+    return GGUFFile(metadata, tensors, w.order)
 
 
 def _tensor(w: _Walk, name: str, dims: tuple[int, ...], raw_type: int, start: int

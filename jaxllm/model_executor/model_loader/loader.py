@@ -12,6 +12,7 @@ larger buckets' where XLA's GEMVs run the small decode buckets).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -131,7 +132,10 @@ def _safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files (and no .gguf) in the directory")
-    return files
+    # Mistral's repos ship the same weights twice: in the Hugging Face layout, and in its own
+    # (`consolidated.safetensors`, other tensor names), which only its own code reads.
+    own = [f for f in files if not f.name.startswith("consolidated")]
+    return own or files
 
 
 def _iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, np.ndarray]]:
@@ -174,6 +178,10 @@ def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
     tensors = {}
     for name, arr in _iter_safetensors(_safetensors_files(path), progress):
         tensors[name.removeprefix("model.")] = arr
+    if config.o_proj_bias and "layers.0.self_attn.o_proj.bias" not in tensors:
+        # A checkpoint converted to Llama's layout with q/k/v biases only: transformers fills
+        # the absent o_proj bias with zeros, which is no bias.
+        config = dataclasses.replace(config, o_proj_bias=False)
     params = _assemble_params(config, lambda n: tensors.pop(n, None), dtype, path,
                               hf_names=True)
     # A weight left over has no place in the model: running without it would be silently wrong
@@ -201,6 +209,10 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
         reader = read_gguf(path)
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read the GGUF file ({e})") from e
+    if reader.byte_order != "<":
+        # gguf's dequantization reads every block as little-endian.
+        raise ModelLoadError(f"{path}: a big-endian GGUF file is not supported (convert it to "
+                             f"little-endian, llama.cpp's order)")
     meta = reader.metadata
     by_name = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in by_name:
