@@ -19,7 +19,8 @@ from tests.utils import assert_pool_free, make_llm
 VOCAB = 512  # the tiny checkpoint's
 MAX_MODEL_LEN = 128
 
-FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+# The public fields (a private one is filled by the frontend, never by a caller).
+FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_")]
 
 # Integers beyond what int32 token ids, int64 rows and the msgpack wire hold, or any size.
 HUGE_INT = st.sampled_from([2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30, 10**400]) \
@@ -46,6 +47,9 @@ SANE = {
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
     "output_kind": st.sampled_from([0, 1, 2]), "stop": st.just(None),
     "structured_outputs": st.just(None),
+    "allowed_token_ids": st.none() | st.lists(st.integers(0, VOCAB + 2), min_size=1, max_size=3),
+    # Bad words are tokenized, and this engine has no tokenizer: only hostile values reach it.
+    "bad_words": st.just(None), "truncate_prompt_tokens": st.sampled_from([None, -1, 1, 5]),
 }
 
 
