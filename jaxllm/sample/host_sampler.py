@@ -243,6 +243,9 @@ class HostSampler:
                                 masks=masks, lse=None if topk is None else topk.lse[rows],
                                 all_sampled_logprobs=False)
                 stats.num_full_row_samples += len(rows)
+            if result.error is not None:
+                sampled.errors[rid] = result.error
+                continue
             sampled.verified[j] = result
             sampled.tokens[j] = result.token_ids[-1]
             sampled.logprobs_raw[j] = result.sampled_logprobs[-1]
@@ -266,6 +269,7 @@ class HostSampler:
         sampled_logprobs = np.full(n, np.nan, np.float32)
         logprobs: list[LogprobsLists | None] = [None] * n
         metadata, topk = inputs.metadata, out.topk
+        errors = dict(inputs.errors)
         grammar_rows, bitmask = inputs.grammar_rows, inputs.grammar_bitmask
         masked = None
         if topk is not None:
@@ -300,8 +304,10 @@ class HostSampler:
             tokens[full], sampled_logprobs[full] = result.token_ids, result.sampled_logprobs
             for j, i in enumerate(full.tolist()):
                 logprobs[i] = result.logprobs[j]
+            for j, why in result.errors.items():
+                errors.setdefault(inputs.req_ids[int(full[j])], why)
         stats.num_full_row_samples = int(full.size)
-        return SampledTokens(inputs.req_ids, tokens, sampled_logprobs, logprobs, inputs.errors)
+        return SampledTokens(inputs.req_ids, tokens, sampled_logprobs, logprobs, errors)
 
     def _mask(self, inputs: SampleInputs, j: int) -> TokenMask | None:
         """The mask of live row j for the full-row sampler; None for an unconstrained row."""

@@ -40,6 +40,7 @@ from jaxllm.sample.sampler import (
     _lse,
     _process_row,
     draw_token,
+    empty_row_reason,
     sampling_candidates,
 )
 from jaxllm.sample.token_mask import TokenMask
@@ -55,6 +56,9 @@ class VerifiedTokens:
     # One row per emitted token when the request asked for logprobs, else None.
     logprobs: LogprobsLists | None
     num_accepted: int
+    # Why a position's processing left no token to sample (sampler.empty_row_reason); then the
+    # request cannot go on and the tokens above are not emitted.
+    error: str | None = None
 
 
 def _target(z: np.ndarray, row: SamplingRow, buf: np.ndarray
@@ -119,7 +123,11 @@ def verify(logits: np.ndarray, draft_token_ids: Sequence[int], row: SamplingRow,
                 break  # unreachable: the previous draft was refused by the grammar
             mask = masks[j]
         raw = np.ascontiguousarray(x[j])
-        z = _process_row(raw, _row_at(row, draft_token_ids, j, mask))
+        row_j = _row_at(row, draft_token_ids, j, mask)
+        z = _process_row(raw, row_j)
+        why = empty_row_reason(z, row_j)
+        if why is not None:
+            return VerifiedTokens(tokens, sampled, rows, num_accepted, error=why)
         logits_j = raw if z is None else z
         draft = int(draft_token_ids[j]) if j < d else None
         if params.greedy:

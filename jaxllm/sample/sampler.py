@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -84,6 +84,9 @@ class SamplerOutput:
     # Per row: the sampled token with its true rank, then the top-`params.logprobs` tokens
     # (ranks 1..N), raw distribution, as one LogprobsLists row; None where params.logprobs is None.
     logprobs: list[LogprobsLists | None]
+    # Rows whose processing left no token to sample (`empty_row_reason`): row -> why. Their
+    # token id is a placeholder; the request cannot go on.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +130,23 @@ def _needs_processing(row: SamplingRow, banned: list[int]) -> bool:
 def _ids_in_vocab(ids: Sequence[int] | np.ndarray, vocab: int) -> np.ndarray:
     arr = np.asarray(ids, dtype=np.int64).reshape(-1)
     return arr[(arr >= 0) & (arr < vocab)]
+
+
+def empty_row_reason(z: np.ndarray | None, row: SamplingRow) -> str | None:
+    """Why the processed row `z` leaves no token to sample (every entry -inf), naming what
+    of the request excluded them; None when some token is left."""
+    if z is None or bool((z > -np.inf).any()):
+        return None
+    params = row.params
+    causes = [name for name, on in (
+        ("the structured-output constraint", row.mask is not None),
+        ("allowed_token_ids", bool(params.allowed_token_ids)),
+        ("bad_words", bool(params.bad_words_token_ids)),
+        ("min_tokens (which masks the stop tokens)",
+         params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens),
+        ("logit_bias", bool(params.logit_bias))) if on]
+    return f"no token is left to sample: {' and '.join(causes) or 'its logits'} exclude every " \
+           f"token at this position"
 
 
 def _process_row(raw: np.ndarray, row: SamplingRow) -> np.ndarray | None:
@@ -457,11 +477,18 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *, lse: np.ndarray |
     logprobs: list[LogprobsLists | None] = [None] * num_rows
     raw_buf = np.empty(vocab, dtype=np.float32)   # exponentials of the raw row
     work_buf = np.empty(vocab, dtype=np.float32)  # tempered exponentials of the processed row
+    errors: dict[int, str] = {}
 
     for i, row in enumerate(rows):
         params = row.params
         raw = np.ascontiguousarray(x[i])
         z = _process_row(raw, row)
+        why = empty_row_reason(z, row)
+        if why is not None:
+            # Nothing may be drawn: the row's draw is not consumed, its token is a placeholder.
+            errors[i] = why
+            token_ids[i] = 0
+            continue
         if lse is not None:
             want_logprobs, row_lse = True, float(lse[i])
         else:
@@ -492,4 +519,5 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow], *, lse: np.ndarray |
             if params.logprobs is not None:
                 ids, lps, ranks = _logprob_row(raw, row_lse, params.logprobs, tok)
                 logprobs[i] = LogprobsLists([ids], [lps], [ranks])
-    return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled_logprobs, logprobs=logprobs)
+    return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled_logprobs, logprobs=logprobs,
+                         errors=errors)

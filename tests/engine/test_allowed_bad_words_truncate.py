@@ -178,3 +178,19 @@ def test_refusals(plain):
         plain.generate("x", SamplingParams(allowed_token_ids=ids, bad_words=[word]),
                        use_tqdm=False)
     assert_pool_free(plain)
+
+
+@pytest.mark.parametrize("which", ["plain", "spec"])
+def test_no_token_left_finishes_that_request_with_an_error(request, which):
+    llm = request.getfixturevalue(which)
+    eos = llm.get_tokenizer().eos_token_id
+    # The only allowed token is the EOS, which min_tokens masks: nothing can be sampled.
+    stuck = SamplingParams(**GREEDY, allowed_token_ids=[eos], min_tokens=4)
+    alone = llm.generate(PROMPTS[1:], SamplingParams(**GREEDY), use_tqdm=False)
+    outs = llm.generate(PROMPTS, [stuck] + [SamplingParams(**GREEDY)] * 2, use_tqdm=False)
+    first = outs[0].outputs[0]
+    assert first.finish_reason == "error" and first.token_ids == []
+    assert "min_tokens" in str(first.stop_reason) and "allowed_token_ids" in str(
+        first.stop_reason)
+    assert [o.outputs[0].token_ids for o in outs[1:]] == [o.outputs[0].token_ids for o in alone]
+    assert_pool_free(llm)

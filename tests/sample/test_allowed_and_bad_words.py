@@ -22,6 +22,7 @@ from jaxllm.sample.sampler import (
     process_logits,
     sample,
 )
+from jaxllm.sample.token_mask import TokenMask
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -329,3 +330,45 @@ def test_verify_sees_the_draft_prefix(rng, temperature):
             assert want[2] != drafts[2]  # banned inside the drafts
             checked_ban += 1
     assert checked_ban >= 5
+
+
+# --- rows with no token left ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_row_with_no_token_left_is_an_error_not_a_token(rng, temperature):
+    vocab = 32
+    logits = rng.normal(0, 1, (3, vocab)).astype(np.float32)
+    grammar = TokenMask.from_allowed(np.arange(vocab) >= 16, vocab)
+    rows = [
+        # allowed_token_ids outside what the grammar allows
+        SamplingRow(SamplingParams(temperature=temperature, allowed_token_ids=[3, 4]),
+                    np.random.default_rng(0), mask=grammar),
+        SamplingRow(SamplingParams(temperature=temperature), np.random.default_rng(1)),
+        # min_tokens masks the only allowed token, an EOS
+        SamplingRow(SamplingParams(temperature=temperature, allowed_token_ids=[7],
+                                   min_tokens=2), np.random.default_rng(2),
+                    eos_token_ids=frozenset({7})),
+    ]
+    out = sample(logits, rows)
+    assert sorted(out.errors) == [0, 2]
+    assert "structured-output" in out.errors[0] and "allowed_token_ids" in out.errors[0]
+    assert "min_tokens" in out.errors[2] and "allowed_token_ids" in out.errors[2]
+    want = sample(logits[1:2], [SamplingRow(SamplingParams(temperature=temperature),
+                                            np.random.default_rng(1))]).token_ids[0]
+    assert out.token_ids[1] == want
+
+
+def test_verify_stops_where_the_drafts_lead_to_no_token():
+    vocab = 16
+    logits = np.zeros((3, vocab), np.float32)
+    logits[:, 5] = 4.0  # draft 5 is every row's favourite
+    # After a 5 both allowed tokens are banned: position 1 has nothing left.
+    sp = with_bad_words([[5, 5], [5, 9]], temperature=0.0, allowed_token_ids=[5, 9])
+    got = verify(logits, [5, 5], SamplingRow(sp, None, [1], [2]))
+    assert got.error is not None and "bad_words" in got.error
+    # Without the drafts, position 0 samples the 5 and the next step finds nothing left.
+    first = sample(logits[:1], [SamplingRow(sp, None, [1], [2])])
+    assert first.token_ids.tolist() == [5] and not first.errors
+    after = sample(logits[1:2], [SamplingRow(sp, None, [1], [2, 5])])
+    assert list(after.errors) == [0]
