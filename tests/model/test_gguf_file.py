@@ -131,3 +131,48 @@ def test_the_embedded_model_as_gguf_reads_it():
     from jaxllm.model_executor.model_loader.default_model import default_model_path
 
     assert_same_as_gguf_reader(default_model_path())
+
+
+def _write(path, value: int, tensor: np.ndarray) -> None:
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_uint32("t.value", value)
+    writer.add_tensor("w", tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_second_read_sees_what_the_file_holds_now(tmp_path, monkeypatch):
+    """The second read of a header reuses the first's decoding only while the header's bytes
+    are the same: a file rewritten in place (same size, same inode) or replaced is read anew."""
+    import jaxllm.model_executor.model_loader.gguf_file as gguf_file
+
+    path = tmp_path / "m.gguf"
+    _write(path, 7, np.arange(32, dtype=np.float32))
+    first = read_gguf(path)
+    decoded = []
+    real = gguf_file._header
+    monkeypatch.setattr(gguf_file, "_header", lambda w: decoded.append(1) or real(w))
+    again = read_gguf(path)
+    assert not decoded  # the same bytes: not decoded again
+    assert again.metadata == first.metadata and again.metadata is not first.metadata
+    assert np.array_equal(again.tensors[0].data, np.arange(32))
+    # The same size, inode and header length, another value: decoded again.
+    raw = bytearray(path.read_bytes())
+    at = raw.index(struct.pack("<I", 7), raw.index(b"t.value"))
+    raw[at:at + 4] = struct.pack("<I", 9)
+    with open(path, "r+b") as f:
+        f.write(raw)
+    assert read_gguf(path).metadata["t.value"] == 9 and decoded == [1]
+    # Only the tensor's data changed: the header is reused, the data is the file's.
+    _write(tmp_path / "n.gguf", 9, np.arange(32, dtype=np.float32) * 2)
+    with open(path, "r+b") as f:
+        f.write((tmp_path / "n.gguf").read_bytes())
+    got = read_gguf(path)
+    assert decoded == [1] and np.array_equal(got.tensors[0].data, np.arange(32) * 2)
+    # Another file at the same path: decoded again.
+    path.unlink()
+    _write(path, 11, np.arange(32, dtype=np.float32))
+    assert read_gguf(path).metadata["t.value"] == 11 and decoded == [1, 1]
+    assert_same_as_gguf_reader(path)

@@ -13,6 +13,7 @@ tensors are views of one read-only memory map, shaped as `GGUFReader` shapes the
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,17 +113,50 @@ class _Walk:
         return [self.value(itype, what, depth + 1) for _ in range(count)]
 
 
+# The last header read: (path, inode, size), the header's bytes and what they gave (metadata,
+# tensor infos, byte order), not the file's mapping. Start-up reads a header twice (whether the
+# weights can stay quantized, then the load); the second read compares bytes instead of decoding
+# the metadata again.
+_Header = tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], str]
+_last: tuple[tuple[str, int, int], bytes, _Header] | None = None
+
+
 def read_gguf(path: Path) -> GGUFFile:
     """The file's metadata and tensors; ModelLoadError naming `path` and the problem unless
     every count, dimension and offset in its header is consistent with its size."""
+    global _last
     with open(path, "rb") as f:
         head = f.read(8)
-    if len(head) < 8 or head[:4] != GGUF_MAGIC:
-        raise ModelLoadError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected "
-                             f"{GGUF_MAGIC!r})")
+        if len(head) < 8 or head[:4] != GGUF_MAGIC:
+            raise ModelLoadError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected "
+                                 f"{GGUF_MAGIC!r})")
+        st = os.fstat(f.fileno())
+        key = (os.path.abspath(path), st.st_ino, st.st_size)
+        last = _last
+        same = last is not None and last[0] == key and head + f.read(len(last[1]) - 8) == last[1]
     # Memory-mapped: the header's pages are read now, each tensor's when it is used.
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    w = _Walk(data, path, _byte_order(head, path))
+    if same:
+        assert last is not None
+        metadata, infos, order = last[2]
+        w = _Walk(data, path, order)
+        metadata = dict(metadata)
+    else:
+        w = _Walk(data, path, _byte_order(head, path))
+        metadata, infos = _header(w)
+        _last = (key, bytes(w.buf[:w.pos]), (metadata, infos, w.order))
+        metadata = dict(metadata)
+    tensors, names = [], set()
+    for name, dims, raw_type, start in infos:
+        if name in names:
+            raise w.fail(f"tensor {name!r} is listed twice")
+        names.add(name)
+        tensors.append(_tensor(w, name, dims, raw_type, start))
+    return GGUFFile(metadata, tensors, w.order)
+
+
+def _header(w: _Walk) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]]]:
+    """The metadata and the tensor infos (name, dimensions, type, absolute start)."""
     w.pos = 8
     tensor_count = w.scalar("Q", "tensor count")
     kv_count = w.scalar("Q", "metadata count")
@@ -152,13 +186,8 @@ def read_gguf(path: Path) -> GGUFFile:
         offset = w.scalar("Q", f"tensor {name!r} offset")
         infos.append((name, dims, raw_type, offset))
     data_start = -(-w.pos // alignment) * alignment
-    tensors, names = [], set()
-    for name, dims, raw_type, offset in infos:
-        if name in names:
-            raise w.fail(f"tensor {name!r} is listed twice")
-        names.add(name)
-        tensors.append(_tensor(w, name, dims, raw_type, data_start + offset))
-    return GGUFFile(metadata, tensors, w.order)
+    return metadata, [(name, dims, raw_type, data_start + offset)
+                      for name, dims, raw_type, offset in infos]
 
 
 def _tensor(w: _Walk, name: str, dims: tuple[int, ...], raw_type: int, start: int
