@@ -253,7 +253,7 @@ class EngineConfig:
     num_kv_blocks: int | None
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
-    max_model_len: int | None  # None: the positions the model takes (ModelConfig.max_context_len)
+    max_model_len: int | None  # None: the positions the model takes (registry.context_len)
     max_num_seqs: int
     max_num_batched_tokens: int
     max_n: int

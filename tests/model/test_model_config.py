@@ -13,7 +13,9 @@ from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from jaxllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from jaxllm.model_executor.models.registry import (
     SUPPORTED_ARCHITECTURES,
+    check_context,
     check_supported,
+    context_len,
     get_model_class,
 )
 
@@ -51,15 +53,25 @@ def test_unsupported_architectures_are_named_with_the_supported_ones():
         _cfg(model_type="gpt2")
 
 
-def test_sliding_windows_shorter_than_the_context_are_refused():
-    with pytest.raises(ValueError, match=r"sliding-window attention \(sliding_window 64"):
-        check_supported(_cfg(model_type="mistral", sliding_window=64))
-    check_supported(_cfg(model_type="mistral", sliding_window=256))  # covers the context
+def test_a_sliding_window_caps_the_context():
+    windowed = _cfg(model_type="mistral", sliding_window=64)
+    check_supported(windowed)
+    assert context_len(windowed) == 64
+    check_context(windowed, 64)
+    with pytest.raises(ValueError, match=r"max_model_len 65 exceeds MistralForCausalLM's "
+                                         r"sliding window \(sliding_window 64\).*<= 64"):
+        check_context(windowed, 65)
+    whole = _cfg(model_type="mistral", sliding_window=256)  # covers the context
+    assert context_len(whole) == 256
+    check_context(whole, 256)
     # Qwen configs carry a window they do not use unless use_sliding_window says so.
-    check_supported(_cfg(architectures=["Qwen2ForCausalLM"], sliding_window=64))
-    with pytest.raises(ValueError, match="sliding-window"):
-        check_supported(_cfg(architectures=["Qwen2ForCausalLM"], sliding_window=64,
-                             use_sliding_window=True))
+    unused = _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=64)
+    assert context_len(unused) == 256
+    check_context(unused, 256)
+    used = _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=True)
+    assert context_len(used) == 64
+    with pytest.raises(ValueError, match="sliding window"):
+        check_context(used, 128)
 
 
 def test_rope_parameters_in_both_config_forms():
@@ -152,5 +164,6 @@ def test_a_mistral_config_without_a_window_has_mistrals_default_one():
     # transformers' MistralConfig fills in 4096 when the file names no sliding_window.
     config = _cfg(model_type="mistral", max_position_embeddings=32768)
     assert config.sliding_window == 4096
+    assert context_len(config) == 4096
     with pytest.raises(ValueError, match="sliding_window 4096"):
-        check_supported(config)
+        check_context(config, 8192)

@@ -7,8 +7,9 @@ YaRN (a tied Qwen3) and Mistral without a sliding window, each chosen by the che
 `architectures` through the model registry: batch logits with the reference and the Pallas
 (interpret) kernels, greedy tokens through LLM, and the same tokens under preemption, chunked
 prefill and prefix-cache hits. Prompts run to position ~200, past the 64 positions the scaled
-RoPEs were "trained" on. A foreign architecture and a Mistral sliding window shorter than the
-context are refused by name.
+RoPEs were "trained" on. A foreign architecture is refused by name; a Mistral sliding window
+caps the context (its greedy tokens are HF's windowed model's up to the window, a longer
+max_model_len is refused naming it).
 """
 
 from __future__ import annotations
@@ -256,13 +257,30 @@ def test_unsupported_gguf_architecture_is_refused_by_name(tmp_path):
         assert arch in message.lower()
 
 
-def test_mistral_sliding_window_shorter_than_the_context_is_refused(family, tmp_path):
-    path = _with_config(family("mistral")[0], tmp_path / "windowed", sliding_window=32)
-    with pytest.raises(ModelLoadError) as e:
-        load_model(path, progress=False)
-    message = str(e.value).replace(str(path), "")
-    assert re.search(r"(?i)sliding[_ ]window", message) and "32" in message, message
-    # A window as long as the context is no window: it loads, and runs as HF's model.
+def test_a_sliding_window_caps_the_context(family, tmp_path):
+    """A window of 48 positions: the engine's context defaults to it and runs as HF's windowed
+    model does; a longer max_model_len is refused naming the window."""
+    from transformers import AutoModelForCausalLM
+
+    path = _with_config(family("mistral")[0], tmp_path / "windowed", sliding_window=48)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.sliding_window == 48
+    llm = make_llm(path, dtype="float32", max_model_len=None)
+    assert llm.llm_engine.max_model_len == 48
+    prompts = _prompts(6, [5, 31])
+    with torch.no_grad():
+        want = [hf_greedy_tokens(hf, p, 48 - len(p)) for p in prompts]
+    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)  # up to the window
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [len(p) + len(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)] \
+        == [48, 48]
+    llm.shutdown()
+    with pytest.raises(ValueError) as e:
+        make_llm(path, dtype="float32", max_model_len=64)
+    message = str(e.value)
+    assert re.search(r"(?i)sliding[_ ]window", message) and "48" in message, message
+    # A window as long as the context is no window: the whole context, HF's logits.
     path = _with_config(family("mistral")[0], tmp_path / "whole", sliding_window=512)
     loaded = load_model(path, progress=False)
     prompt = _prompts(5, [70])[0]
