@@ -88,6 +88,9 @@ class Processor:
         self.num_usable_blocks = info.num_usable_blocks
         self.eos_token_ids = eos_token_ids
         self.max_n = max_n
+        # Each bad word's spellings, once: the server checks a request's words before it
+        # submits the request, which tokenizes them again; clients repeat their lists.
+        self._bad_word_spellings: dict[str, list[list[int]]] = {}
 
     @functools.cached_property
     def max_prompt_chars(self) -> int | None:
@@ -257,15 +260,22 @@ class Processor:
             raise ValueError("SamplingParams.bad_words needs a tokenizer (the words are "
                              "tokenized); drop skip_tokenizer_init")
         out: list[list[int]] = []
+        cache = self._bad_word_spellings
         for word in bad_words:
-            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            if not plain:
-                raise ValueError(f"SamplingParams.bad_words has a word with no tokens, got "
-                                 f"{word!r}")
-            out.append(plain)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(spaced)
+            spellings = cache.get(word)
+            if spellings is None:
+                plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+                spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+                if not plain:
+                    raise ValueError(f"SamplingParams.bad_words has a word with no tokens, "
+                                     f"got {word!r}")
+                spellings = [plain]
+                if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                    spellings.append(spaced)
+                if len(cache) >= 4096:  # bounded: words come from clients
+                    cache.clear()
+                cache[word] = spellings
+            out.extend(list(w) for w in spellings)
         bad = sorted({t for w in out for t in w if not 0 <= t < self.vocab_size})
         if bad:
             raise ValueError(f"SamplingParams.bad_words tokenize to ids {bad[:5]} outside the "

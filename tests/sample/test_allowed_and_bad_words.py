@@ -156,6 +156,25 @@ def test_processor_tokenizes_bad_words_as_vllm():
     assert make_processor(SameStart()).bad_words_token_ids(["w"]) == [[5, 8]]
 
 
+def test_each_bad_word_is_tokenized_once():
+    calls = []
+
+    class Counting(FakeTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            calls.append(text)
+            return super().encode(text, add_special_tokens)
+
+    proc = make_processor(Counting())
+    first = proc.bad_words_token_ids(["ab", "  ab cd"])
+    n = len(calls)
+    assert proc.bad_words_token_ids(["  ab cd", "ab"]) == first[2:] + first[:2]
+    assert len(calls) == n
+    first[0].append(99)  # the caller's lists are its own
+    assert proc.bad_words_token_ids(["ab"]) == [[12], [112]] and len(calls) == n
+    assert make_processor(FakeTokenizer()).bad_words_token_ids(["ab", "  ab cd"]) == \
+        proc.bad_words_token_ids(["ab", "  ab cd"])
+
+
 def test_processor_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match=r"SamplingParams\.bad_words needs a tokenizer"):
         make_processor().process_inputs("r", {"prompt_token_ids": [1]},
