@@ -7,6 +7,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams
     from jaxllm.engine.async_llm import AsyncLLM
     from jaxllm.entrypoints.llm import LLM
     from jaxllm.outputs import CompletionOutput, RequestOutput
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 # leaf module (the grammar validator's worker) does not pay for the engine's imports.
 _MODULE_ATTRS = {
     "AsyncLLM": "jaxllm.engine.async_llm",
+    "BeamSearchOutput": "jaxllm.beam_search",
+    "BeamSearchParams": "jaxllm.beam_search",
     "LLM": "jaxllm.entrypoints.llm",
     "CompletionOutput": "jaxllm.outputs",
     "RequestOutput": "jaxllm.outputs",
@@ -28,8 +31,8 @@ _MODULE_ATTRS = {
     "StructuredOutputsParams": "jaxllm.sampling_params",
 }
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "RequestOutputKind",
-           "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "CompletionOutput",
+           "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

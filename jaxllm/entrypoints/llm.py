@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.processor import ProcessedRequest, PromptType
@@ -102,6 +103,43 @@ class LLM:
             raise
         self._request_counter += len(processed)
         return self._run_engine(added, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (jaxllm/beam_search.py): per prompt, the best
+        `params.beam_width` sequences, best first, each with its tokens (prompt included),
+        cumulative logprob, text and finish reason. `concurrency_limit`: prompts searched at
+        once (None: all)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
+            prompts = [prompts]
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not
+                                              isinstance(concurrency_limit, int) or
+                                              concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive integer or None, got "
+                             f"{concurrency_limit!r}")
+        engine = self.llm_engine
+        ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids.append(list(engine.processor.process_prompt(prompt).prompt_token_ids))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+        tokenizer = self.tokenizer
+        decode = None if tokenizer is None else (
+            lambda t: tokenizer.decode(t, skip_special_tokens=False))
+        chunk = concurrency_limit or max(len(ids), 1)
+        results: list[BeamSearchOutput] = []
+        with tqdm(total=params.max_tokens * -(-len(ids) // chunk), desc="Beam search",
+                  unit="step", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            for start in range(0, len(ids), chunk):
+                results += beam_search(
+                    lambda p, sp: self.generate(p, sp, use_tqdm=False), ids[start:start + chunk],
+                    params, engine.processor.eos_token_ids, engine.max_model_len, decode,
+                    on_step=lambda: bar.update(1))
+        return results
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
