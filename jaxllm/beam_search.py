@@ -90,11 +90,92 @@ def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_ids: 
     return cum_logprob / (n ** length_penalty)
 
 
+def step_params(params: BeamSearchParams) -> SamplingParams:
+    """The SamplingParams of each beam's one-token request. Greedy: the step's own token is not
+    used, only the ranked candidates (rank 1 first)."""
+    return SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True,
+                          temperature=0.0)
+
+
 @dataclass
 class _Instance:
     prompt_len: int
     beams: list[BeamSearchSequence]
     completed: list[BeamSearchSequence] = field(default_factory=list)
+
+
+class BeamSearch:
+    """The search's state for some prompts, driven by a caller that runs the steps' requests
+    (`beam_search` below, or the server's asyncio loop): `step_prompts()` gives the token ids
+    of the next step's requests (None once the search is over), `advance` takes each request's
+    ranked candidates (its output's `logprobs[0]`), `results` the best beams."""
+
+    def __init__(self, prompt_token_ids: Sequence[Sequence[int]], params: BeamSearchParams,
+                 eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.steps = 0
+        self._instances = [_Instance(len(ids), [BeamSearchSequence(list(ids))])
+                           for ids in prompt_token_ids]
+        self._live: list[tuple[_Instance, BeamSearchSequence]] = []
+
+    def _score(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(beam.tokens, beam.cum_logprob, self.eos_token_ids,
+                                 self.params.length_penalty)
+
+    def step_prompts(self) -> list[list[int]] | None:
+        if self.steps >= self.params.max_tokens:
+            return None
+        for inst in self._instances:
+            # A beam at the model's length cannot take another token.
+            full = [b for b in inst.beams if len(b.tokens) >= self.max_model_len]
+            for b in full:
+                b.finish_reason = "length"
+            inst.completed.extend(full)
+            inst.beams = [b for b in inst.beams if len(b.tokens) < self.max_model_len]
+        self._live = [(inst, beam) for inst in self._instances for beam in inst.beams]
+        return [beam.tokens for _, beam in self._live] or None
+
+    def advance(self, ranked_rows: Sequence[dict[int, Logprob]]) -> None:
+        if len(ranked_rows) != len(self._live):
+            raise ValueError(f"advance: {len(ranked_rows)} rows for {len(self._live)} beams")
+        ignore_eos = self.params.ignore_eos
+        grown: dict[int, list[BeamSearchSequence]] = {id(i): [] for i in self._instances}
+        for (inst, beam), ranked in zip(self._live, ranked_rows, strict=True):
+            for token, lp in ranked.items():
+                new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [ranked],
+                                         beam.cum_logprob + lp.logprob)
+                if token in self.eos_token_ids and not ignore_eos:
+                    new.finish_reason, new.stop_reason = "stop", token
+                    inst.completed.append(new)
+                else:
+                    grown[id(inst)].append(new)
+        width = self.params.beam_width
+        for inst in self._instances:
+            inst.beams = sorted(grown[id(inst)], key=self._score, reverse=True)[:width]
+        self._live = []
+        self.steps += 1
+
+    def results(self, decode: Callable[[list[int]], str] | None = None
+                ) -> list[BeamSearchOutput]:
+        """Per prompt, the best beams, best first; `decode` turns generated token ids into
+        text (None: no text)."""
+        out = []
+        for inst in self._instances:
+            for beam in inst.beams:
+                beam.finish_reason = beam.finish_reason or "length"
+            best = sorted(inst.completed + inst.beams, key=self._score,
+                          reverse=True)[:self.params.beam_width]
+            if decode is not None:
+                for beam in best:
+                    generated = beam.tokens[inst.prompt_len:]
+                    if beam.finish_reason == "stop" and \
+                            not self.params.include_stop_str_in_output:
+                        generated = generated[:-1]
+                    beam.text = decode(generated)
+            out.append(BeamSearchOutput(best))
+        return out
 
 
 def beam_search(generate: Callable[[list[Any], SamplingParams], list[Any]],
@@ -104,55 +185,11 @@ def beam_search(generate: Callable[[list[Any], SamplingParams], list[Any]],
                 on_step: Callable[[], None] | None = None) -> list[BeamSearchOutput]:
     """Run the search for each prompt. `generate(prompts, sampling_params)` is LLM.generate
     without its progress bar; `decode` turns generated token ids into text (None: no text)."""
-    width = params.beam_width
-    # Greedy: the step's own token is not used, only the ranked candidates (rank 1 first).
-    step_params = SamplingParams(max_tokens=1, logprobs=2 * width, ignore_eos=True,
-                                 temperature=0.0)
-
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam.tokens, beam.cum_logprob, eos_token_ids,
-                                 params.length_penalty)
-
-    instances = [_Instance(len(ids), [BeamSearchSequence(list(ids))]) for ids in prompt_token_ids]
-    for _ in range(params.max_tokens):
-        for inst in instances:
-            # A beam at the model's length cannot take another token.
-            full = [b for b in inst.beams if len(b.tokens) >= max_model_len]
-            for b in full:
-                b.finish_reason = "length"
-            inst.completed.extend(full)
-            inst.beams = [b for b in inst.beams if len(b.tokens) < max_model_len]
-        live = [(inst, beam) for inst in instances for beam in inst.beams]
-        if not live:
-            break
-        outputs = generate([{"prompt_token_ids": beam.tokens} for _, beam in live], step_params)
-        candidates: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in instances}
-        for (inst, beam), out in zip(live, outputs, strict=True):
-            logprobs = out.outputs[0].logprobs
-            assert logprobs, "a beam step returns its logprobs"
-            ranked = logprobs[0]
-            for token, lp in ranked.items():
-                new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [ranked],
-                                         beam.cum_logprob + lp.logprob)
-                if token in eos_token_ids and not params.ignore_eos:
-                    new.finish_reason, new.stop_reason = "stop", token
-                    inst.completed.append(new)
-                else:
-                    candidates[id(inst)].append(new)
-        for inst in instances:
-            inst.beams = sorted(candidates[id(inst)], key=score, reverse=True)[:width]
+    search = BeamSearch(prompt_token_ids, params, eos_token_ids, max_model_len)
+    sp = step_params(params)
+    while (prompts := search.step_prompts()) is not None:
+        outputs = generate([{"prompt_token_ids": p} for p in prompts], sp)
+        search.advance([out.outputs[0].logprobs[0] for out in outputs])
         if on_step is not None:
             on_step()
-    results = []
-    for inst in instances:
-        for beam in inst.beams:
-            beam.finish_reason = beam.finish_reason or "length"
-        best = sorted(inst.completed + inst.beams, key=score, reverse=True)[:width]
-        if decode is not None:
-            for beam in best:
-                generated = beam.tokens[inst.prompt_len:]
-                if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
-                    generated = generated[:-1]
-                beam.text = decode(generated)
-        results.append(BeamSearchOutput(best))
-    return results
+    return search.results(decode)

@@ -300,6 +300,58 @@ def test_allowed_token_ids_bad_words_and_truncation(client, tokenizer):
     assert chat.usage.prompt_tokens == 7
 
 
+def test_beam_search_matches_offline_llm(client, tiny_path, tokenizer):
+    """vLLM's use_beam_search: n beams, the offline LLM.beam_search's, on completions (streamed
+    or not) and on chat; what the search would ignore is a 400 naming it."""
+    from jaxllm import LLM, BeamSearchParams
+
+    prompt_ids = tokenizer.encode(PROMPTS[1])
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False)
+    llm = LLM(tiny_path, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+              max_num_batched_tokens=64, num_kv_blocks=128, show_progress=False,
+              multiprocess_mode=False)
+    try:
+        params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5)
+        want, want_chat = llm.beam_search([{"prompt_token_ids": prompt_ids},
+                                           {"prompt_token_ids": chat_ids}], params)
+    finally:
+        llm.shutdown()
+    extra = {"use_beam_search": True, "length_penalty": 0.5}
+    got = client.completions.create(model="tiny-qwen2", prompt=PROMPTS[1], n=3, max_tokens=6,
+                                    logprobs=1, extra_body=extra)
+    assert [c.text for c in got.choices] == \
+        [tokenizer.decode(s.tokens[len(prompt_ids):]) for s in want.sequences]
+    for c, s in zip(got.choices, want.sequences, strict=True):
+        assert c.finish_reason == s.finish_reason
+        assert sum(c.logprobs.token_logprobs) == pytest.approx(s.cum_logprob, abs=1e-3)
+    assert got.usage.completion_tokens == sum(len(s.tokens) - len(prompt_ids)
+                                              for s in want.sequences)
+    streamed = client.completions.create(model="tiny-qwen2", prompt=PROMPTS[1], n=3,
+                                         max_tokens=6, stream=True, extra_body=extra)
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in got.choices]
+    chat = client.chat.completions.create(model="tiny-qwen2", n=3, max_tokens=6,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          extra_body=extra)
+    assert [c.message.content for c in chat.choices] == \
+        [tokenizer.decode(s.tokens[len(chat_ids):], skip_special_tokens=True)
+         for s in want_chat.sequences]
+    base = dict(model="tiny-qwen2", prompt=PROMPTS[1], max_tokens=4)
+    for extra_fields, param in [({"use_beam_search": True, "stop": ["x"]}, "stop"),
+                                ({"use_beam_search": True, "top_p": 0.5}, "top_p"),
+                                ({"use_beam_search": True, "n": 11}, "n"),
+                                ({"use_beam_search": True, "guided_regex": "a+"}, "guided_regex"),
+                                ({"length_penalty": 2.0}, "length_penalty")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**base, extra_body=extra_fields)
+        assert e.value.body["param"] == param, (extra_fields, e.value.body)
+
+
 # --- bad requests ---------------------------------------------------------------------------
 
 

@@ -97,6 +97,9 @@ class _SamplingFields(_Strict):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: Int64 | None = None
+    # vLLM's beam search: `n` beams, ranked by cumulative logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own logs; nothing to do here

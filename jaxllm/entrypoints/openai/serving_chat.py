@@ -301,8 +301,10 @@ class OpenAIServingChat(OpenAIServing):
                                       max_tokens_field=max_tokens_field,
                                       structured_outputs=await self.structured_outputs(
                                           constraint))
+        beam = self.beam_search_params(req, params, constraint)
         request_id = random_id("chatcmpl")
-        gen = self.generate(prompt, params, request_id)
+        gen = self.generate(prompt, params, request_id) if beam is None \
+            else self.beam_search(prompt, beam, params, request_id)
         if req.stream:
             return self._stream(req, request_id, len(prompt.token_ids), gen, tool_use.parse)
         return await self._full(req, request_id, len(prompt.token_ids), gen, tool_use.parse)

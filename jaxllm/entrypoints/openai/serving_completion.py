@@ -104,10 +104,12 @@ class OpenAIServingCompletion(OpenAIServing):
                                        req.stream, constraint, prompt_logprobs,
                                        structured_outputs=structured_outputs)
                   for t in tokenized]
+        beams = [self.beam_search_params(req, p, constraint) for p in params]
         request_id = random_id("cmpl")
         created = now()
-        gens = [self.generate(t, p, f"{request_id}-{i}")
-                for i, (t, p) in enumerate(zip(tokenized, params, strict=True))]
+        gens = [self.generate(t, p, f"{request_id}-{i}") if b is None
+                else self.beam_search(t, b, p, f"{request_id}-{i}")
+                for i, (t, p, b) in enumerate(zip(tokenized, params, beams, strict=True))]
         if req.stream:
             return self._stream(req, request_id, created, tokenized, gens)
         return await self._full(req, request_id, created, tokenized, gens)
