@@ -182,7 +182,7 @@ def beam_search(generate: Callable[[list[Any], SamplingParams], list[Any]],
                 prompt_token_ids: list[list[int]], params: BeamSearchParams,
                 eos_token_ids: frozenset[int], max_model_len: int,
                 decode: Callable[[list[int]], str] | None = None,
-                on_step: Callable[[], None] | None = None) -> list[BeamSearchOutput]:
+                on_step: Callable[[], object] | None = None) -> list[BeamSearchOutput]:
     """Run the search for each prompt. `generate(prompts, sampling_params)` is LLM.generate
     without its progress bar; `decode` turns generated token ids into text (None: no text)."""
     search = BeamSearch(prompt_token_ids, params, eos_token_ids, max_model_len)

@@ -128,8 +128,9 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         tokenizer = self.tokenizer
+        # transformers annotates decode's batch form too; one id list gives one string.
         decode = None if tokenizer is None else (
-            lambda t: tokenizer.decode(t, skip_special_tokens=False))
+            lambda t: cast(str, tokenizer.decode(t, skip_special_tokens=False)))
         chunk = concurrency_limit or max(len(ids), 1)
         results: list[BeamSearchOutput] = []
         with tqdm(total=params.max_tokens * -(-len(ids) // chunk), desc="Beam search",

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 from jaxllm.beam_search import BeamSearch, BeamSearchParams, step_params
 from jaxllm.config import config_dict
@@ -454,8 +454,8 @@ class OpenAIServing:
                 rows = await asyncio.gather(*(one(ids, f"{request_id}-beam{step}-{k}")
                                               for k, ids in enumerate(prompts)))
                 search.advance(rows)
-            (result,) = search.results(lambda ids: self.tokenizer.decode(
-                ids, skip_special_tokens=params.skip_special_tokens))
+            (result,) = search.results(lambda ids: cast(str, self.tokenizer.decode(
+                ids, skip_special_tokens=params.skip_special_tokens)))
             outputs = []
             for i, seq in enumerate(result.sequences):
                 token_ids = seq.tokens[len(prompt.token_ids):]
