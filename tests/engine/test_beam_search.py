@@ -17,8 +17,6 @@ from jaxllm.beam_search import beam_search
 from jaxllm.outputs import Logprob
 from tests.utils import assert_pool_free, make_llm, make_tiny_checkpoint
 
-torch = pytest.importorskip("torch")
-
 PROMPTS = [[5, 17, 99, 3, 250], list(range(40, 60))]
 
 
@@ -44,6 +42,8 @@ def reference(logprobs_of, prompt: list[int], width: int, max_tokens: int, eos: 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """(checkpoint path, HF log-softmax of a prefix's next token, an EOS id the searches meet)."""
+    torch = pytest.importorskip("torch", reason="torch (the Hugging Face oracle) is not "
+                                                "installed in this test lane")
     path = tmp_path_factory.mktemp("beam")
     hf = make_tiny_checkpoint(path, tied=False, seed=21)
 
