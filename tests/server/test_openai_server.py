@@ -32,7 +32,7 @@ def server(tmp_path_factory):
     # SIGTERM ends it cleanly (exit 0) even after the engine-kill test below.
     yield from serve_tiny(tmp_path_factory.mktemp("serve"), MAX_MODEL_LEN, "--max-num-seqs", "32",
                           "--max-num-batched-tokens", "256", "--num-kv-blocks", "2048",
-                          "--api-key", KEY)
+                          "--api-key", KEY, "--reasoning-parser", "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -350,6 +350,41 @@ def test_beam_search_matches_offline_llm(client, tiny_path, tokenizer):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**base, extra_body=extra_fields)
         assert e.value.body["param"] == param, (extra_fields, e.value.body)
+
+
+def test_reasoning_is_split_from_the_content(client, tokenizer):
+    """--reasoning-parser qwen3: an answer that opens a think block (forced here by a regex)
+    comes back as reasoning_content and content, streamed or not, as the raw completion of the
+    same prompt splits; an answer without one is all content."""
+    messages = [{"role": "user", "content": "think first"}]
+    regex = r"<think>[a-z ]{3,12}</think>\n\n[a-z ]{3,12}"
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # Qwen's tokenizer adds no BOS: the completion's prompt ids are the chat's.
+    raw = client.completions.create(model="tiny-qwen2", prompt=prompt, max_tokens=60,
+                                    temperature=0,
+                                    extra_body={"guided_regex": regex}).choices[0].text
+    assert raw.startswith("<think>") and "</think>" in raw, raw
+    thought, _, answer = raw[len("<think>"):].partition("</think>")
+    answer = answer.lstrip("\n")
+    chat = client.chat.completions.create(model="tiny-qwen2", messages=messages, max_tokens=60,
+                                          temperature=0, extra_body={"guided_regex": regex})
+    message = chat.choices[0].message
+    assert (message.model_extra or {}).get("reasoning_content") == thought
+    assert message.content == answer
+    stream = client.chat.completions.create(model="tiny-qwen2", messages=messages,
+                                            max_tokens=60, temperature=0, stream=True,
+                                            extra_body={"guided_regex": regex})
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            delta = c.delta.model_dump()
+            for key in parts:
+                parts[key] += delta.get(key) or ""
+    assert parts == {"reasoning_content": thought, "content": answer}
+    plain = client.chat.completions.create(model="tiny-qwen2", messages=messages, max_tokens=8,
+                                           temperature=0)
+    assert "reasoning_content" not in (plain.choices[0].message.model_extra or {})
+    assert plain.choices[0].message.content
 
 
 # --- bad requests ---------------------------------------------------------------------------

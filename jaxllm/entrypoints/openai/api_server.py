@@ -497,7 +497,8 @@ def make_state(engine: AsyncLLM, model_name: str, model_root: str,
                metrics: ServerMetrics, max_request_bytes: int,
                structured_outputs_config: StructuredOutputsConfig | None = None,
                trust_request_chat_template: bool = False,
-               limits: ServerLimits | None = None) -> ServerState:
+               limits: ServerLimits | None = None,
+               reasoning_parser: str | None = None) -> ServerState:
     limits = limits or ServerLimits()
     # One pool of validator workers for both routes.
     validator = GrammarValidator(timeout_s=limits.structured_output_timeout,
@@ -508,6 +509,7 @@ def make_state(engine: AsyncLLM, model_name: str, model_root: str,
                                                validator=validator),
                        OpenAIServingChat(engine, model_name, metrics,
                                          structured_outputs_config,
-                                         trust_request_chat_template, limits, validator),
+                                         trust_request_chat_template, limits, validator,
+                                         reasoning_parser),
                        metrics, max_request_bytes, int(time.time()))
 

@@ -27,6 +27,11 @@ from jaxllm.entrypoints.openai.protocol import (
     check_logprobs,
     parse_request,
 )
+from jaxllm.entrypoints.openai.reasoning_parsers import (
+    ReasoningDelta,
+    ReasoningParser,
+    extract_reasoning,
+)
 from jaxllm.entrypoints.openai.serving_engine import (
     Constraint,
     OpenAIServing,
@@ -337,10 +342,16 @@ class OpenAIServingChat(OpenAIServing):
                 if req.logprobs:
                     logprobs = {"content": self._logprobs(c.token_ids, c.logprobs,
                                                           req.top_logprobs or 0)}
-                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                text = c.text
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.reasoning_parser is not None:
+                    reasoning, text = extract_reasoning(text, self.reasoning_parser)
+                    message["content"] = text
+                    if reasoning is not None:
+                        message["reasoning_content"] = reasoning
                 finish_reason = c.finish_reason
                 if parse_tools:
-                    found = extract_tool_calls(c.text, complete_calls_only=forced)
+                    found = extract_tool_calls(text, complete_calls_only=forced)
                     if forced:  # the calls that were completed, and never their markup
                         message["content"] = found.content
                     if found.tools_called:
@@ -364,6 +375,8 @@ class OpenAIServingChat(OpenAIServing):
         num_completion = 0
         parsers = [HermesToolParser(complete_calls_only=forced) for _ in range(req.n)] \
             if parse_tools else None
+        thinking = [ReasoningParser(self.reasoning_parser) for _ in range(req.n)] \
+            if self.reasoning_parser is not None else None
         try:
             # The first chunk of every choice carries the role, as OpenAI's do.
             for i in range(req.n):
@@ -380,12 +393,20 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs = {"content": self._logprobs(c.token_ids, c.logprobs,
                                                               req.top_logprobs or 0)}
                     finish_reason = c.finish_reason
+                    text, reasoning = c.text, ""
+                    if thinking is not None:
+                        split = thinking[c.index].feed(text)
+                        if finish_reason is not None:
+                            end = thinking[c.index].finish()
+                            split = ReasoningDelta(split.reasoning + end.reasoning,
+                                                   split.content + end.content)
+                        text, reasoning = split.content, split.reasoning
                     if parsers is None:
-                        delta: dict[str, Any] = {"content": c.text} \
-                            if c.text or finish_reason is None else {}
+                        delta: dict[str, Any] = {"content": text} \
+                            if text or (finish_reason is None and not reasoning) else {}
                     else:
                         parser = parsers[c.index]
-                        found = parser.feed(c.text)
+                        found = parser.feed(text)
                         if finish_reason is not None:
                             end = parser.finish()
                             found = DeltaMessage(found.content + end.content,
@@ -397,8 +418,10 @@ class OpenAIServingChat(OpenAIServing):
                             delta["content"] = found.content
                         if found.tool_calls:
                             delta["tool_calls"] = [t.to_dict() for t in found.tool_calls]
-                        if not delta and finish_reason is None and logprobs is None:
-                            continue  # held back: a tag or a call's closing brace may follow
+                    if reasoning:
+                        delta = {"reasoning_content": reasoning, **delta}
+                    if not delta and finish_reason is None and logprobs is None:
+                        continue  # held back: a tag or a call's closing brace may follow
                     yield sse({**base, "choices": [{
                         "index": c.index, "delta": delta, "logprobs": logprobs,
                         "finish_reason": finish_reason, "stop_reason": c.stop_reason}],

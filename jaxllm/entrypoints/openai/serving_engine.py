@@ -19,6 +19,7 @@ from jaxllm.engine import EngineDeadError
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.protocol import APIError
+from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxllm.structured_output.validator import (
@@ -192,7 +193,14 @@ class OpenAIServing:
                  structured_outputs_config: StructuredOutputsConfig | None = None,
                  trust_request_chat_template: bool = False,
                  limits: ServerLimits | None = None,
-                 validator: GrammarValidator | None = None) -> None:
+                 validator: GrammarValidator | None = None,
+                 reasoning_parser: str | None = None) -> None:
+        """`reasoning_parser`: a REASONING_PARSERS name, splitting a chat answer's thinking
+        into `reasoning_content`; None leaves answers whole."""
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r} (known: "
+                             f"{', '.join(REASONING_PARSERS)})")
+        self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.limits = limits or ServerLimits()
         self.validator = validator or GrammarValidator(
