@@ -346,6 +346,8 @@ def test_beam_search_matches_offline_llm(client, tiny_path, tokenizer):
                                 ({"use_beam_search": True, "top_p": 0.5}, "top_p"),
                                 ({"use_beam_search": True, "n": 11}, "n"),
                                 ({"use_beam_search": True, "guided_regex": "a+"}, "guided_regex"),
+                                ({"use_beam_search": True, "echo": True, "logprobs": 1},
+                                 "echo"),
                                 ({"length_penalty": 2.0}, "length_penalty")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**base, extra_body=extra_fields)

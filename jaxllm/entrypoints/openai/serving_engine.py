@@ -426,6 +426,9 @@ class OpenAIServing:
         if constraint is not None:
             raise APIError(400, f"{constraint.source} is not supported with use_beam_search",
                            constraint.source)
+        if params.prompt_logprobs is not None:  # echo with logprobs asks for them
+            raise APIError(400, "echo with logprobs is not supported with use_beam_search "
+                                "(the search computes no prompt logprobs)", "echo")
         assert params.max_tokens is not None  # sampling_params() sets it
         try:
             return BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens,
