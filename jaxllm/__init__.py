@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from jaxllm.engine.async_llm import AsyncLLM
     from jaxllm.entrypoints.llm import LLM
-    from jaxllm.outputs import CompletionOutput, RequestOutput
+    from jaxllm.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+    )
+    from jaxllm.pooling_params import PoolingParams
     from jaxllm.sampling_params import (
         RequestOutputKind,
         SamplingParams,
@@ -22,14 +28,18 @@ _MODULE_ATTRS = {
     "AsyncLLM": "jaxllm.engine.async_llm",
     "LLM": "jaxllm.entrypoints.llm",
     "CompletionOutput": "jaxllm.outputs",
+    "EmbeddingOutput": "jaxllm.outputs",
+    "EmbeddingRequestOutput": "jaxllm.outputs",
+    "PoolingParams": "jaxllm.pooling_params",
     "RequestOutput": "jaxllm.outputs",
     "RequestOutputKind": "jaxllm.sampling_params",
     "SamplingParams": "jaxllm.sampling_params",
     "StructuredOutputsParams": "jaxllm.sampling_params",
 }
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "RequestOutputKind",
-           "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+           "PoolingParams", "RequestOutput", "RequestOutputKind", "SamplingParams",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 
