@@ -10,7 +10,13 @@ if TYPE_CHECKING:
     from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams
     from jaxllm.engine.async_llm import AsyncLLM
     from jaxllm.entrypoints.llm import LLM
-    from jaxllm.outputs import CompletionOutput, RequestOutput
+    from jaxllm.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+    )
+    from jaxllm.pooling_params import PoolingParams
     from jaxllm.sampling_params import (
         RequestOutputKind,
         SamplingParams,
@@ -25,6 +31,9 @@ _MODULE_ATTRS = {
     "BeamSearchParams": "jaxllm.beam_search",
     "LLM": "jaxllm.entrypoints.llm",
     "CompletionOutput": "jaxllm.outputs",
+    "EmbeddingOutput": "jaxllm.outputs",
+    "EmbeddingRequestOutput": "jaxllm.outputs",
+    "PoolingParams": "jaxllm.pooling_params",
     "RequestOutput": "jaxllm.outputs",
     "RequestOutputKind": "jaxllm.sampling_params",
     "SamplingParams": "jaxllm.sampling_params",
@@ -32,7 +41,8 @@ _MODULE_ATTRS = {
 }
 
 __all__ = ["LLM", "AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "CompletionOutput",
-           "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+           "EmbeddingOutput", "EmbeddingRequestOutput", "PoolingParams", "RequestOutput",
+           "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -56,6 +56,11 @@ CUDA_GRAPH_TRITON_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL",)
 
 
 SPEC_DECODE_METHODS = ("ngram", "draft_model")
+# What the engine runs requests for (vLLM's `runner`): "generate" samples tokens, "pooling"
+# returns one vector per prompt (embeddings); "auto" is "generate" (every supported
+# architecture is a causal LM).
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # How quantization="gguf" keeps a GGUF's block weights (the loader's layout, gguf_params.py):
 # "panels": our CPU kernel's panels, a byte per value; "compact": those panels with 4- and
 # 5-bit values in 5 bits; "int8": the panels of its integer path; "rows": int8 values and
@@ -216,6 +221,34 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling runner turns a prompt's final-normed hidden states into one vector
+    (vLLM's `pooler_config`): `pooling_type` LAST (the last prompt token's row, as Qwen3-Embedding
+    and gte-Qwen2 are trained), MEAN (the average of every prompt row) or CLS (the first row);
+    `normalize`: L2-normalize it unless a request's PoolingParams.normalize says otherwise."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def to_arg(self) -> dict[str, Any]:
+        return {"pooling_type": self.pooling_type, "normalize": self.normalize}
+
+    @classmethod
+    def from_dict(cls, value: Any) -> PoolerConfig:
+        """From the `pooler_config` engine argument (a dict, or its JSON text)."""
+        name = "pooler_config"
+        value = config_dict(value, name, {"pooling_type", "normalize"})
+        pooling_type = value.get("pooling_type", cls.pooling_type)
+        if not isinstance(pooling_type, str) or pooling_type.upper() not in POOLING_TYPES:
+            raise ValueError(f"{name}.pooling_type must be one of {POOLING_TYPES}, got "
+                             f"{pooling_type!r}")
+        normalize = value.get("normalize", cls.normalize)
+        if not isinstance(normalize, bool):
+            raise ValueError(f"{name}.normalize must be true or false, got {normalize!r}")
+        return cls(pooling_type.upper(), normalize)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The settings an engine runs with, nothing left to the platform (see EngineArgs for what
     each one means)."""
@@ -263,6 +296,8 @@ class EngineConfig:
     show_progress: bool
     platform: str  # JAX's backend the engine core runs on ("cpu", "gpu")
     speculative_config: SpeculativeConfig | None = None
+    runner: str = "generate"  # "generate" or "pooling" ("auto" resolved)
+    pooler_config: PoolerConfig | None = None  # the pooling runner's; None for "generate"
 
     @property
     def parallel_config(self) -> ParallelConfig:

@@ -45,3 +45,31 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's pooled vector (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What embed() returns per prompt (vLLM's EmbeddingRequestOutput)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+
+
+# What the engine returns for a request of either runner.
+AnyRequestOutput = RequestOutput | EmbeddingRequestOutput

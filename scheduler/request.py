@@ -58,6 +58,9 @@ class Request:
     sampling_params: Any = None
     # Compute every prompt token even if cached (prompt logprobs need each position's logits).
     skip_prefix_cache: bool = False
+    # An embedding request: its prompt is computed (in chunks) and nothing is sampled; it
+    # finishes "stop" with the step that computes its last prompt token.
+    pooling: bool = False
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     # Prompt followed by outputs, kept as one list so a recompute after preemption and the

@@ -234,6 +234,9 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + pending - request.num_computed_tokens
                           - request.num_inflight_tokens, budget)
+            if num_new <= 0:
+                i += 1  # a pooling request whose last prompt chunk is in flight
+                continue
             drafts: list[int] = []
             if request.spec_token_ids:
                 drafts = self._take_drafts(request, num_new, pending, budget)
@@ -340,8 +343,9 @@ class Scheduler:
             token_ids = request.all_token_ids[start : start + num_new]
         if len(token_ids) < num_new:  # placeholders for tokens still being sampled
             token_ids += [-1] * (num_new - len(token_ids))
-        do_sample = (start + num_new - num_draft
-                     == request.num_tokens + request.num_output_placeholders)
+        do_sample = not request.pooling and (start + num_new - num_draft
+                                             == request.num_tokens
+                                             + request.num_output_placeholders)
         out.scheduled.append(
             ScheduledRequest(
                 request_id=rid,
@@ -411,6 +415,13 @@ class Scheduler:
             if not item.do_sample:
                 if new_ids:
                     raise ValueError(f"request {rid!r}: token sampled from a partial prefill")
+                if running and request.pooling \
+                        and request.num_computed_tokens >= request.num_prompt_tokens:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    self.running.remove(request)
+                    self._free_request(request)
+                    outputs.append(RequestResult(rid, [], request.finish_reason, None,
+                                                 request.num_cached_tokens))
                 continue
             if not new_ids:
                 raise ValueError(f"request {rid!r}: no sampled token for a do_sample step")

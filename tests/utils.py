@@ -244,3 +244,22 @@ def check_logprobs_close(outputs_a: list[tuple[list[int], list[dict]]],
         else:
             assert len(tokens_a) == len(tokens_b), \
                 f"sequence {i}: {len(tokens_a)} tokens from {name_a}, {len(tokens_b)} from {name_b}"
+
+
+# --- embeddings ----------------------------------------------------------------------------------
+
+def hf_pooled(model, prompt: list[int], pooling_type: str = "LAST", normalize: bool = True,
+              dimensions: int | None = None):
+    """The HF oracle of a pooling runner: the prompt's final-normed hidden states (the last
+    entry of `output_hidden_states`, after the model's final norm) pooled by `pooling_type`,
+    truncated to `dimensions`, L2-normalized; float64 numpy."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        hidden = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
+    rows = hidden.double().numpy()
+    vec = {"LAST": rows[-1], "CLS": rows[0], "MEAN": rows.mean(axis=0)}[pooling_type]
+    if dimensions is not None:
+        vec = vec[:dimensions]
+    return vec / np.linalg.norm(vec) if normalize else vec

@@ -10,9 +10,11 @@ from __future__ import annotations
 import time
 
 import msgspec
+import numpy as np
 
 from jaxllm.config import EngineConfig
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sampling_params import SamplingParams
 
@@ -30,6 +32,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # from the engine seed and the request's index for requests without a seed).
     seed: int | list[int] | None = None
     arrival_time: float = 0.0
+    # An embedding request (a pooling runner's): its prompt is prefilled and pooled, nothing
+    # is sampled (`sampling_params` is then a placeholder the scheduler carries along).
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -50,6 +55,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Finished "stop" on a token that belongs to the text (its grammar is complete), not on a
     # stop token, whose text is left out.
     stopped_on_text: bool = False
+    # An embedding request's pooled vector (float32, as the pooler made it: truncated and
+    # normalized), with its final output; a raw array on the wire, not a list of floats.
+    pooling_output: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,8 +19,10 @@ from jaxllm.config import (
     KERNEL_BACKENDS,
     MATMUL_PRECISIONS,
     QUANTIZATIONS,
+    RUNNERS,
     EngineConfig,
     LaunchConfig,
+    PoolerConfig,
     SpeculativeConfig,
     UsageContext,
     resolve_activation_dtype,
@@ -188,6 +190,17 @@ class EngineArgs:
               "same vocabulary; "
               "the target verifies them in one step (greedy output unchanged, sampling exact by "
               "rejection sampling); steps then run without async scheduling. Not given: off")
+    runner: str = _arg(
+        "auto", "what requests the engine serves: generate (text; LLM.generate, "
+                "/v1/completions, /v1/chat/completions) or pooling (one embedding per prompt; "
+                "LLM.embed, /v1/embeddings); an engine serves one kind. auto: generate")
+    pooler_config: dict | None = _arg(
+        None, "the pooling runner's pooler, a dict or its JSON text: {\"pooling_type\": "
+              "\"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}: the last "
+              "prompt token's final-normed hidden state, their mean, or the first one's, "
+              "L2-normalized unless normalize is false (a request's PoolingParams.normalize "
+              "wins). MEAN and CLS requests skip the prefix cache (every row is needed). Not "
+              "given: LAST, normalized")
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -256,6 +269,16 @@ class EngineArgs:
                 raise ValueError("speculative_config method 'draft_model' runs on one device: "
                                  "it does not combine with tensor_parallel_size > 1")
             self.speculative_config = spec.to_arg()
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.pooler_config is not None:
+            if self.runner != "pooling":
+                raise ValueError(f"pooler_config is for runner='pooling'; this engine has "
+                                 f"runner={self.runner!r}")
+            self.pooler_config = PoolerConfig.from_dict(self.pooler_config).to_arg()
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ValueError("speculative_config drafts tokens to generate; runner='pooling' "
+                             "generates none: drop one of them")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, numbers.Real) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
@@ -291,12 +314,14 @@ class EngineArgs:
             if f.name in ("model", "revision", "download_dir", "dtype", "kernel_backend",
                           "quantization", "data_parallel_address", "data_parallel_backend",
                           "data_parallel_routing",
-                          "coordinator_address", "matmul_precision", "speculative_config"):
+                          "coordinator_address", "matmul_precision", "speculative_config",
+                          "runner", "pooler_config"):
                 kind = str
             choices = {"dtype": DTYPES, "kernel_backend": KERNEL_BACKENDS,
                        "quantization": QUANTIZATIONS, "matmul_precision": MATMUL_PRECISIONS,
                        "block_size": (16, 32), "data_parallel_backend": DATA_PARALLEL_BACKENDS,
-                       "data_parallel_routing": DATA_PARALLEL_ROUTINGS}.get(f.name)
+                       "data_parallel_routing": DATA_PARALLEL_ROUTINGS,
+                       "runner": RUNNERS}.get(f.name)
             shown = "" if default is None or f.name in overrides else f" (default: {default})"
             group.add_argument(flag, type=kind, default=default, choices=choices,
                                help=help_text + shown)
@@ -405,7 +430,10 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
             skip_tokenizer_init=self.skip_tokenizer_init, show_progress=self.show_progress,
             platform=platform,
-            speculative_config=spec)
+            speculative_config=spec,
+            runner="pooling" if self.runner == "pooling" else "generate",
+            pooler_config=PoolerConfig.from_dict(self.pooler_config or {})
+            if self.runner == "pooling" else None)
 
 
 def engine_args_markdown() -> str:

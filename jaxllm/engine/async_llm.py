@@ -32,7 +32,8 @@ from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.frontend import EngineFrontend, ParentRequests
 from jaxllm.engine.processor import PromptType
 from jaxllm.entrypoints.utils import enable_compilation_cache
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -187,8 +188,29 @@ class AsyncLLM(EngineFrontend):
             if not finished and self._finalizer.alive:
                 await self.abort(request_id)
 
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None
+                     ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """An embedding request (vLLM's AsyncLLM.encode; needs runner="pooling"): yields its
+        one EmbeddingRequestOutput when the prompt is pooled. Leaving early aborts it."""
+        if request_id is None:
+            request_id = f"async-{self.parent_requests.request_index}"
+        queue = await self.add_request(request_id, prompt, pooling_params or PoolingParams())
+        finished = False
+        try:
+            while not finished:
+                out = queue.get_nowait() if not queue.empty() else await queue.get()
+                if isinstance(out, BaseException):
+                    raise EngineDeadError(*out.args) from out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished and self._finalizer.alive:
+                await self.abort(request_id)
+
     async def add_request(self, request_id: str, prompt: PromptType,
-                          sampling_params: SamplingParams | None = None) -> asyncio.Queue:
+                          sampling_params: SamplingParams | PoolingParams | None = None
+                          ) -> asyncio.Queue:
         """Validate and queue a request; returns the queue its outputs arrive on."""
         state = self._state
         if state.dead is not None:

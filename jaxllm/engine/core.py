@@ -43,6 +43,7 @@ from jaxllm.engine import (
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.model_executor.models.registry import check_context, context_len
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.state import SamplingState, SamplingStates
@@ -56,6 +57,7 @@ from jaxllm.worker.model_runner import (
     StepHandle,
     num_kv_blocks_for,
 )
+from jaxllm.worker.pooler import Pooler, embedding_head
 from scheduler import (
     FinishAfter,
     Request,
@@ -168,6 +170,10 @@ class EngineCore:
         if spec is not None and self.async_scheduling:
             raise ValueError("speculative decoding runs without async scheduling: build the "
                              "config with EngineArgs.create_engine_config()")
+        # The pooling runner: embedding requests' prompt rows pooled as their steps finish,
+        # and each one's PoolingParams until it ends.
+        self.pooler = None if config.pooler_config is None else Pooler(config.pooler_config)
+        self._pooling_params: dict[str, PoolingParams] = {}
         self.drafter = None if spec is None else Drafter(
             config, model_config, max_model_len, num_blocks, loaded,
             max(self.runner.spec_buckets, default=0) // self.runner.spec_query_len)
@@ -183,12 +189,19 @@ class EngineCore:
         eos = min(eos_ids) if eos_ids else None
         # Further EOS ids (generation configs may list several) stop like stop tokens.
         extra_stop = sorted(eos_ids - {eos}) if not params.ignore_eos else []
+        pooling = req.pooling_params is not None
+        if pooling != (self.pooler is not None):
+            raise ValueError(f"request {req.request_id!r}: "
+                             + ("an embedding request needs runner='pooling'" if pooling
+                                else "this engine has runner='pooling', which only embeds"))
         request = Request(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             max_tokens=req.max_tokens, min_tokens=params.min_tokens,
             ignore_eos=params.ignore_eos, eos_token_id=eos,
             stop_token_ids=list(params.stop_token_ids or ()) + extra_stop, sampling_params=params,
-            skip_prefix_cache=params.prompt_logprobs is not None)
+            skip_prefix_cache=params.prompt_logprobs is not None or (
+                self.pooler is not None and not self.pooler.uses_prefix_cache),
+            pooling=pooling)
         if req.request_id in self._waiting_for_grammar:
             raise ValueError(f"request id {req.request_id!r} is already in the engine core")
         if params.structured_outputs is not None:
@@ -200,6 +213,8 @@ class EngineCore:
         else:
             self.scheduler.add_request(request)  # validates before it changes anything
         self.sampling_states.add(state)
+        if req.pooling_params is not None:
+            self._pooling_params[req.request_id] = req.pooling_params
 
     def _structured_output(self) -> StructuredOutputManager:
         if self.structured_output_manager is None:
@@ -214,6 +229,7 @@ class EngineCore:
         for rid in request_ids:
             self._waiting_for_grammar.pop(rid, None)
             self.sampling_states.remove(rid)
+            self._forget_pooling(rid)
             if self.drafter is not None:
                 self.drafter.remove(rid)
 
@@ -360,9 +376,16 @@ class EngineCore:
             new_tokens[sampled.req_ids[j]] = verified.token_ids
         grammar_ends = self._advance_matchers(new_tokens) \
             if self.sampling_states.num_constrained else {}
+        pooled = self._pool(scheduler_output, out) if out is not None else {}
         results = self.scheduler.update_from_output(scheduler_output, new_tokens, grammar_ends)
         outputs = self._make_outputs(results, stats)
         by_id = {o.request_id: o for o in outputs.outputs}
+        for rid, vector in pooled.items():
+            o = by_id.get(rid)
+            if o is not None and o.finish_reason == "stop":
+                assert self.pooler is not None  # only a pooling runner pools
+                o.pooling_output = embedding_head(vector, self._pooling_params[rid],
+                                                  self.pooler.config)
         for rid, why in sampled.errors.items():
             o = EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error",
                                  stop_reason=why)
@@ -432,10 +455,31 @@ class EngineCore:
                     break
         return ends
 
+    def _pool(self, scheduler_output: SchedulerOutput, out: ModelRunnerOutput
+              ) -> dict[str, np.ndarray]:
+        """The raw pooled vectors of the pooling requests whose prompt this step completed
+        (and the running sums of those it did not); empty on a generate runner."""
+        if self.pooler is None:
+            return {}
+        requests = self.scheduler.requests
+        lengths = {r.request_id: req.num_prompt_tokens for r in scheduler_output.scheduled
+                   if (req := requests.get(r.request_id)) is not None and req.pooling
+                   and req.arrival_index == r.arrival_index}
+        if not lengths:
+            return {}
+        return self.pooler.pool_step(scheduler_output.scheduled, lengths,
+                                     lambda: self.runner.hidden_rows(out))
+
+    def _forget_pooling(self, request_id: str) -> None:
+        if self.pooler is not None:
+            self._pooling_params.pop(request_id, None)
+            self.pooler.remove(request_id)
+
     def _forget_finished(self, outputs: EngineCoreOutputs) -> None:
         for o in outputs.outputs:
             if o.finished:
                 self.sampling_states.remove(o.request_id)
+                self._forget_pooling(o.request_id)
 
     def _make_outputs(self, results: list[RequestResult],
                       stats: SchedulerStats) -> EngineCoreOutputs:

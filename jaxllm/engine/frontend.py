@@ -25,7 +25,7 @@ from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.processor import ProcessedRequest, Processor
 from jaxllm.model_executor.model_loader.hub import is_hub_id
 from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import AnyRequestOutput
 
 
 @dataclass
@@ -72,7 +72,8 @@ class ParentRequests:
         children = [c if c.seed is not None else _with_seed(c, [self.seed, index, i])
                     for i, c in enumerate(req.child_requests)]
         owner.add_request(req.request_id, req.prompt, req.prompt_token_ids, req.child_ids,
-                          [c.sampling_params for c in children], req.arrival_time)
+                          [c.sampling_params for c in children], req.arrival_time,
+                          pooling=children[0].pooling_params is not None)
         parent = ParentRequest(req.request_id, children,
                                children[1:] if self.defer_siblings else [])
         if parent.waiting_siblings:
@@ -84,7 +85,7 @@ class ParentRequests:
         self.request_index += 1
 
     def abort(self, request_id: str, stream: bool = False
-              ) -> tuple[list[str], RequestOutput | None]:
+              ) -> tuple[list[str], AnyRequestOutput | None]:
         """End a request (by the id it was admitted with) as aborted: (its unfinished sequence
         ids, to abort in the core; its final output, None for an unknown id)."""
         parent = self.output_processor.parents.get(request_id)

@@ -17,7 +17,8 @@ from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.frontend import EngineFrontend
 from jaxllm.engine.processor import ProcessedRequest, PromptType
 from jaxllm.model_executor.config import ModelConfig
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import AnyRequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -50,7 +51,7 @@ class LLMEngine(EngineFrontend):
     # --- vLLM's LLMEngine API -------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | None = None,
+                    params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None) -> None:
         """Validate and queue one request; a bad one raises ValueError and changes nothing."""
         self.add_processed_request(
@@ -68,7 +69,7 @@ class LLMEngine(EngineFrontend):
             raise
         self.parent_requests.admitted()
 
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | list[str]) -> list[AnyRequestOutput]:
         """Abort requests (by the id given to add_request); returns their final outputs."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
@@ -87,8 +88,9 @@ class LLMEngine(EngineFrontend):
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it."""
+    def step(self) -> list[AnyRequestOutput]:
+        """One engine step; returns the requests that finished in it (EmbeddingRequestOutput
+        for an embedding request)."""
         try:
             core_outputs = self.engine_core_client.get_output()
         except EngineCoreDeadError as e:

@@ -7,11 +7,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from jaxllm.engine import EngineCoreOutput
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -86,6 +94,9 @@ class ParentState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     sent_prompt_logprobs: int = 0  # DELTA: entries already sent
+    # An embedding request: its vector, once the core sent it.
+    pooling: bool = False
+    embedding: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -95,9 +106,12 @@ class ParentState:
     def output_kind(self) -> RequestOutputKind:
         return self.children[0].params.output_kind
 
-    def stream_output(self) -> RequestOutput | None:
-        """What a streaming caller gets now, by the request's output_kind (None: nothing)."""
+    def stream_output(self) -> RequestOutput | EmbeddingRequestOutput | None:
+        """What a streaming caller gets now, by the request's output_kind (None: nothing); an
+        embedding request has one output, when it finishes."""
         finished = self.finished
+        if self.pooling:
+            return self.output() if finished else None
         kind = self.output_kind
         if kind is RequestOutputKind.FINAL_ONLY:
             return self.output() if finished else None
@@ -115,7 +129,9 @@ class ParentState:
             prompt_token_ids=self.prompt_token_ids, prompt_logprobs=plp, outputs=completions,
             finished=finished, metrics=self.metrics, num_cached_tokens=self.num_cached_tokens)
 
-    def output(self, partial: bool = False) -> RequestOutput:
+    def output(self, partial: bool = False) -> RequestOutput | EmbeddingRequestOutput:
+        if self.pooling:
+            return self.embedding_output()
         plp = self.prompt_logprobs
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
@@ -123,6 +139,15 @@ class ParentState:
             prompt_logprobs=list(plp) if partial and plp is not None else plp,
             outputs=[c.completion_partial() if partial else c.completion()
                      for c in self.children], finished=self.finished,
+            metrics=self.metrics, num_cached_tokens=self.num_cached_tokens)
+
+    def embedding_output(self) -> EmbeddingRequestOutput:
+        """An embedding request's output: its vector as floats (empty if it ended without
+        one: aborted, or an error)."""
+        vector = [] if self.embedding is None else self.embedding.tolist()
+        return EmbeddingRequestOutput(
+            request_id=self.request_id, outputs=EmbeddingOutput(vector),
+            prompt_token_ids=self.prompt_token_ids, finished=self.finished, prompt=self.prompt,
             metrics=self.metrics, num_cached_tokens=self.num_cached_tokens)
 
 
@@ -134,11 +159,12 @@ class OutputProcessor:
 
     def add_request(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int],
                     child_ids: list[str], child_params: list[SamplingParams],
-                    arrival_time: float) -> None:
+                    arrival_time: float, pooling: bool = False) -> None:
+        """`pooling`: an embedding request (no text to detokenize; its output is its vector)."""
         children = []
         for index, (cid, sp) in enumerate(zip(child_ids, child_params, strict=True)):
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and not pooling:
                 assert isinstance(sp.stop, list)  # SamplingParams normalises stop to a list
                 detok = IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids, skip_special_tokens=sp.skip_special_tokens,
@@ -150,7 +176,8 @@ class OutputProcessor:
         first_params = child_params[0]
         parent = ParentState(
             parent_id, prompt, prompt_token_ids, children, RequestMetrics(arrival_time),
-            prompt_logprobs=[None] if first_params.prompt_logprobs is not None else None)
+            prompt_logprobs=[None] if first_params.prompt_logprobs is not None else None,
+            pooling=pooling)
         # Registered only once everything is built: a failure above leaves nothing behind.
         self.children.update((c.request_id, c) for c in children)
         self.parents[parent_id] = parent
@@ -163,11 +190,11 @@ class OutputProcessor:
         return request_id in self.parents or request_id in self.children
 
     def process_outputs(self, outputs: list[EngineCoreOutput], stream: bool = False
-                        ) -> tuple[list[RequestOutput], list[str]]:
+                        ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Returns (finished RequestOutputs, child ids to abort in the core: stopped by a
         stop string, which only the text side can see). With `stream`, the first list holds
         every output due by the requests' output_kind (streaming callers), finished or not."""
-        finished: list[RequestOutput] = []
+        finished: list[RequestOutput | EmbeddingRequestOutput] = []
         to_abort: list[str] = []
         now = time.time()
         touched: dict[str, ParentState] = {}
@@ -179,6 +206,8 @@ class OutputProcessor:
             parent = self.parents[state.parent_id]
             if out.num_cached_tokens and state.index == 0:
                 parent.num_cached_tokens = out.num_cached_tokens
+            if out.pooling_output is not None:
+                parent.embedding = out.pooling_output
             if out.new_prompt_logprobs and parent.prompt_logprobs is not None \
                     and state.index == 0:
                 parent.prompt_logprobs.extend(out.new_prompt_logprobs.to_dicts())
@@ -239,7 +268,8 @@ class OutputProcessor:
                     finished.append(out)
         return finished, to_abort
 
-    def abort_parent(self, parent_id: str, stream: bool = False) -> RequestOutput | None:
+    def abort_parent(self, parent_id: str, stream: bool = False
+                     ) -> RequestOutput | EmbeddingRequestOutput | None:
         parent = self.parents.pop(parent_id, None)
         if parent is None:
             return None

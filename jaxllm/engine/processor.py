@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from jaxllm.engine import EngineCoreInfo, EngineCoreRequest
-from jaxllm.sampling_params import INT64_MAX, SamplingParams
+from jaxllm.pooling_params import PoolingParams
+from jaxllm.sampling_params import INT64_MAX, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -91,6 +92,8 @@ class Processor:
         # Each bad word's spellings, once: the server checks a request's words before it
         # submits the request, which tokenizes them again; clients repeat their lists.
         self._bad_word_spellings: dict[str, list[list[int]]] = {}
+        self.runner = info.config.runner
+        self.hidden_size = info.model_config.hidden_size
 
     @functools.cached_property
     def max_prompt_chars(self) -> int | None:
@@ -100,12 +103,19 @@ class Processor:
                                                                     self.max_model_len)
 
     def process_inputs(self, request_id: str, prompt: PromptType,
-                       params: SamplingParams | None = None,
+                       params: SamplingParams | PoolingParams | None = None,
                        arrival_time: float | None = None) -> ProcessedRequest:
-        """Validate and tokenize one request; ValueError names what is wrong. Children without
-        a seed of their own get theirs from the engine when it queues them."""
+        """Validate and tokenize one request (PoolingParams: an embedding request, for a
+        pooling runner); ValueError names what is wrong. Children without a seed of their own
+        get theirs from the engine when it queues them."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if isinstance(params, PoolingParams):
+            return self.process_pooling(request_id, prompt, params, arrival_time)
+        if self.runner == "pooling":
+            raise ValueError("this engine has runner='pooling': it embeds prompts (LLM.embed, "
+                             "/v1/embeddings) and generates no text; start one with "
+                             "runner='generate' for that")
         params = SamplingParams() if params is None else params
         self.check_params(params)
         bad_words_ids = self.bad_words_token_ids(params.bad_words)
@@ -150,6 +160,36 @@ class Processor:
                 arrival_time=arrival_time))
         return ProcessedRequest(request_id, processed.prompt, processed.prompt_token_ids,
                                 children, arrival_time)
+
+    def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                        arrival_time: float | None = None) -> ProcessedRequest:
+        """An embedding request: its prompt prefilled and pooled, nothing sampled."""
+        if self.runner != "pooling":
+            raise ValueError(f"embedding requests need an engine started with "
+                             f"runner='pooling'; this one has runner={self.runner!r}")
+        if params.dimensions is not None and params.dimensions > self.hidden_size:
+            raise ValueError(f"PoolingParams.dimensions must be at most the model's hidden "
+                             f"size ({self.hidden_size}), got {params.dimensions}")
+        k = params.truncate_prompt_tokens
+        if k is not None and k > self.max_model_len:
+            raise ValueError(f"PoolingParams.truncate_prompt_tokens must be at most "
+                             f"max_model_len ({self.max_model_len}) or -1, got {k}")
+        processed = self.process_prompt(prompt, truncate_prompt_tokens=k)
+        num_prompt = len(processed.prompt_token_ids)
+        need = -(-num_prompt // self.block_size)
+        if need > self.num_usable_blocks:
+            raise ValueError(f"the prompt of {num_prompt} tokens needs {need} KV blocks of "
+                             f"{self.block_size} tokens; the whole KV cache holds "
+                             f"{self.num_usable_blocks}")
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        # The scheduler carries sampling parameters with every request; these are never read.
+        placeholder = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        child = EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=processed.prompt_token_ids,
+            sampling_params=placeholder, eos_token_ids=[], max_tokens=1,
+            arrival_time=arrival_time, pooling_params=params.clone())
+        return ProcessedRequest(request_id, processed.prompt, processed.prompt_token_ids,
+                                [child], arrival_time)
 
     def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True,
                        truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:

@@ -14,14 +14,15 @@ from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.processor import ProcessedRequest, PromptType
 from jaxllm.entrypoints.utils import enable_compilation_cache
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import AnyRequestOutput, EmbeddingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 
 class LLM:
     """Generate text with a Qwen2, Qwen3 or Llama model (docs/models.md): `LLM(model=None)`
     uses the embedded default model, `LLM(model="tiny-qwen2")` a tiny random one with the real
-    tokenizer.
+    tokenizer. `LLM(model, runner="pooling")` embeds prompts instead (`embed`).
 
     Every other keyword is an engine argument (EngineArgs), listed with its default and meaning
     in docs/engine_args.md. In multiprocess mode, `shutdown()` (or dropping the LLM) stops the
@@ -67,6 +68,9 @@ class LLM:
         All or nothing: every prompt is validated before any is queued; a bad one raises
         ValueError naming its index, and the engine is left as it was.
         """
+        if self.llm_engine.engine_config.runner == "pooling":
+            raise ValueError("this engine has runner='pooling': it embeds prompts (LLM.embed) "
+                             "and generates no text; start one with runner='generate' for that")
         if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
             prompts = [prompts]
         prompts = list(prompts)
@@ -85,6 +89,47 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} "
                                  f"sampling_params; pass one, or one per prompt")
+        if any(isinstance(p, PoolingParams) for p in params_list):
+            raise TypeError("sampling_params got PoolingParams: embeddings come from LLM.embed")
+        return cast(list[RequestOutput], self._add_and_run(prompts, params_list, use_tqdm))
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (vLLM's `LLM.embed`): the pooled
+        final-normed hidden states of the prompt (pooler_config: the last token's by default,
+        L2-normalized). Needs an engine started with runner="pooling". All or nothing, as
+        generate()."""
+        if self.llm_engine.engine_config.runner != "pooling":
+            raise ValueError("LLM.embed needs an engine started with runner='pooling' (e.g. "
+                             "LLM(model, runner='pooling')); this one generates text")
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params] * len(prompts)
+        elif isinstance(pooling_params, (str, bytes, dict)) or not isinstance(
+                pooling_params, Sequence):
+            raise TypeError(f"pooling_params must be PoolingParams or a sequence of them, got "
+                            f"{type(pooling_params).__name__}")
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} "
+                                 f"pooling_params; pass one, or one per prompt")
+            bad = next((p for p in params_list if not isinstance(p, PoolingParams)), None)
+            if bad is not None:
+                raise TypeError(f"pooling_params must be PoolingParams, got "
+                                f"{type(bad).__name__}")
+        return cast(list[EmbeddingRequestOutput],
+                    self._add_and_run(prompts, params_list, use_tqdm))
+
+    def _add_and_run(self, prompts: list[PromptType],
+                     params_list: Sequence[SamplingParams | PoolingParams],
+                     use_tqdm: bool) -> list[AnyRequestOutput]:
+        """Validate every request, queue them, run the engine until they are done."""
         engine = self.llm_engine
         processed: list[ProcessedRequest] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params_list, strict=True)):
@@ -188,9 +233,9 @@ class LLM:
             prompts.append({"prompt": kept.prompt, "prompt_token_ids": kept.prompt_token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[AnyRequestOutput]:
         engine = self.llm_engine
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, AnyRequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req",
                    disable=not use_tqdm, dynamic_ncols=True)
         # As vLLM's bar: input and output tokens of the finished requests over the elapsed time.
@@ -202,7 +247,8 @@ class LLM:
                     results[out.request_id] = out
                     bar.update(1)
                     in_tokens += len(out.prompt_token_ids)
-                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    if isinstance(out, RequestOutput):
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
                     elapsed = max(time.perf_counter() - start, 1e-9)
                     bar.set_postfix_str(f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "
                                         f"output: {out_tokens / elapsed:.2f} toks/s",

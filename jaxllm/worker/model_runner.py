@@ -697,6 +697,13 @@ class ModelRunner:
                 lse[start:end])
             start = end
 
+    def hidden_rows(self, out: ModelRunnerOutput) -> np.ndarray:
+        """The step's final-normed hidden states [T, hidden] (padding rows included) on the
+        host, for the pooler: on CPU the array is already host memory; on a GPU one copy of
+        the step's rows (a pooling runner's steps are prefill steps, whose rows all count for
+        MEAN pooling)."""
+        return to_host(out.handle.hidden)
+
     def execute_model(self, scheduler_output: SchedulerOutput,
                       prompt_logprobs: dict[str, tuple[int, list[int]]] | None = None
                       ) -> ModelRunnerOutput:

@@ -74,6 +74,13 @@ def test_models_health_version_and_auth(server, client):
                                      temperature=0).usage.completion_tokens == 2
 
 
+def test_embeddings_refused_on_generate_runner(server, client):
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        client.embeddings.create(model="tiny-qwen2", input="hi")
+    assert client.completions.create(model="tiny-qwen2", prompt="hi", max_tokens=2,
+                                     temperature=0).usage.completion_tokens == 2
+
+
 def test_completion_matches_offline_llm(client, tiny_path, tokenizer):
     from jaxllm import LLM, SamplingParams
 

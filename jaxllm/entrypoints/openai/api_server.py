@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (vLLM's `vllm serve`): FastAPI + uvicorn over one AsyncLLM.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (OpenAI's API), and
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings
+(OpenAI's API; an engine serves text or, with --runner pooling, embeddings), and
 GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json
 (the request models' schemas, so that clients and fuzzers know the bounds).
 
@@ -38,11 +39,13 @@ from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     parse_request,
 )
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxllm.entrypoints.openai.serving_engine import ServerLimits, StructuredOutputsConfig
 from jaxllm.structured_output.validator import GrammarValidator
 
@@ -71,6 +74,7 @@ class ServerState:
     created: int
     # Seconds a client gets to send a whole request body (408 after).
     body_timeout: float = 60.0
+    embedding: OpenAIServingEmbedding | None = None
 
 
 def engine_dead(engine: AsyncLLM) -> bool:
@@ -210,6 +214,7 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
         "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
 _REQUEST_BODIES = {"/v1/completions": CompletionRequest,
                    "/v1/chat/completions": ChatCompletionRequest,
+                   "/v1/embeddings": EmbeddingRequest,
                    "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 _OK_SCHEMAS: dict[str, dict[str, Any]] = {
     "/tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"],
@@ -223,6 +228,7 @@ _OK_SCHEMAS: dict[str, dict[str, Any]] = {
             "type": "object", "required": ["id", "object", "created", "owned_by"]}}}},
     "/v1/completions": {"type": "object", "required": ["id", "object", "choices"]},
     "/v1/chat/completions": {"type": "object", "required": ["id", "object", "choices"]},
+    "/v1/embeddings": {"type": "object", "required": ["object", "data", "model", "usage"]},
 }
 
 
@@ -249,7 +255,7 @@ def openapi_schema(app: FastAPI, api_key: bool, model_name: str) -> dict[str, An
                                                    "each engine core, live or dead, as JSON)"}
             elif ok is not None:
                 content = {"application/json": {"schema": ok}}
-                if path.startswith("/v1/") and method == "post":
+                if path.startswith("/v1/") and method == "post" and path != "/v1/embeddings":
                     # Each event: a JSON chunk as `data`, the last one `[DONE]`.
                     content["text/event-stream"] = {"schema": {
                         "type": "object", "required": ["data"],
@@ -407,6 +413,11 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await generate(request, state.chat.create_chat_completion)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        assert state.embedding is not None  # make_state builds it
+        return await generate(request, state.embedding.create_embedding)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await body_of(request)
@@ -511,5 +522,7 @@ def make_state(engine: AsyncLLM, model_name: str, model_root: str,
                                          structured_outputs_config,
                                          trust_request_chat_template, limits, validator,
                                          reasoning_parser),
-                       metrics, max_request_bytes, int(time.time()))
+                       metrics, max_request_bytes, int(time.time()),
+                       embedding=OpenAIServingEmbedding(engine, model_name, metrics,
+                                                        limits=limits, validator=validator))
 

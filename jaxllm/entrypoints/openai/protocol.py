@@ -197,6 +197,17 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request; `truncate_prompt_tokens` is vLLM's extra field."""
+
+    model: str | None = None
+    input: str | list[str] | list[Int64] | list[list[Int64]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int64 | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Int64 | None = None
+
+
 # Union members as pydantic names them in an error's location (a model member by its class).
 _MODEL_TAGS = {"NamedToolChoice"}
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", *_MODEL_TAGS}

@@ -277,6 +277,7 @@ class OpenAIServingChat(OpenAIServing):
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body,
                                                    UNSUPPORTED_CHAT)
         self.check_model(req.model)
+        self.check_runner("generate", "/v1/chat/completions")
         check_logprobs(req.top_logprobs, "top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")

@@ -82,6 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, body: Any) -> dict[str, Any] | AsyncGenerator[str, None]:
         req: CompletionRequest = parse_request(CompletionRequest, body, UNSUPPORTED_COMPLETION)
         self.check_model(req.model)
+        self.check_runner("generate", "/v1/completions")
         check_logprobs(req.logprobs, "logprobs")
         check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if req.stream_options is not None and not req.stream:

@@ -226,6 +226,17 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`", "model", "NotFoundError")
 
+    def check_runner(self, runner: str, route: str) -> None:
+        """A 400 naming the engine's runner when `route` needs the other one (an engine serves
+        one kind of request: text or embeddings)."""
+        have = self.engine.engine_config.runner
+        if have != runner:
+            other = "/v1/embeddings" if have == "pooling" else \
+                "/v1/completions and /v1/chat/completions"
+            raise APIError(400, f"{route} needs a model served with --runner {runner}; "
+                                f"`{self.model_name}` runs with --runner {have}, which serves "
+                                f"{other}", "model")
+
     async def tokenize(self, prompt: str | list[int], param: str = "prompt",
                        add_special_tokens: bool = True,
                        truncate_prompt_tokens: int | None = None) -> TokenizedPrompt:
