@@ -123,10 +123,11 @@ class MoEConfig:
         """The MoE block of a Qwen2-MoE, Qwen3-MoE or Mixtral config.json; None where no layer
         has one (num_experts 0)."""
         # transformers 5 writes Qwen3-MoE's as `num_local_experts`, Qwen2-MoE's as `num_experts`.
-        num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        num_experts: Any = cfg.get("num_experts", cfg.get("num_local_experts"))
         if num_experts == 0:
             return None
         layers = cfg["num_hidden_layers"]
+        inter: Any  # checked by __post_init__
         if architecture == "MixtralForCausalLM":
             sparse = tuple(range(layers)) if isinstance(layers, int) else ()
             inter, renormalize, shared = cfg.get("intermediate_size"), True, 0

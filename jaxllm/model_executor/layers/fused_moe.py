@@ -13,8 +13,8 @@ outputs are partial sums on each device, added before one all-reduce.
 
 The expert matmuls are XLA dots on every kernel backend. Which of two ways computes them is
 chosen from the step's (static) token count, so that no path does E / k times the work needed:
-  - "gather": each token's k experts' weights are gathered and applied to it alone; the work
-    and the weight bytes read grow with tokens x k, which wins for decode-sized steps;
+  - "gather": each (token, expert) pair through its expert's weights alone; the work and the
+    weight bytes read grow with tokens x k, which wins for decode-sized steps;
   - "grouped": (token, expert) pairs sorted by expert into tiles of rows that share one expert
     (each expert's group padded to whole tiles), one tile at a time through its expert's
     weights; the rows computed are at most the pairs plus a tile per expert.
@@ -37,7 +37,7 @@ from jaxllm.model_executor.models.llama import LlamaMLP
 
 # Steps whose (token, expert) pairs number at most this many per expert take the gather path;
 # larger ones the grouped path (docs/perf/moe-cpu.md measures the crossover).
-GATHER_PAIRS_PER_EXPERT = 0.25
+GATHER_PAIRS_PER_EXPERT = 0.5
 
 
 def route(router_logits: jax.Array, top_k: int, renormalize: bool
@@ -65,11 +65,18 @@ def _swiglu(gate_up: jax.Array) -> jax.Array:
 
 def experts_gather(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, weights: jax.Array,
                    ids: jax.Array) -> jax.Array:
-    """The routed experts' combined output [T, hidden], each token through the weights of its
-    own k experts only (gathered per token)."""
-    gate_up = _dot(x, jnp.take(w_gate_up, ids, axis=0), "th,tkih->tki")
-    out = _dot(_swiglu(gate_up), jnp.take(w_down, ids, axis=0), "tki,tkhi->tkh")
-    return jnp.einsum("tkh,tk->th", out, weights.astype(out.dtype))
+    """The routed experts' combined output [T, hidden], one (token, expert) pair at a time
+    through that expert's weights alone (a loop, not a gather of every pair's weights into one
+    batched matmul, which XLA:CPU runs as slow vector products)."""
+    t, k = ids.shape
+
+    def one_pair(carry, pair):
+        xt, e = pair
+        h = _swiglu(_dot(xt[None], w_gate_up[e], "rh,ih->ri"))
+        return carry, _dot(h, w_down[e], "ri,hi->rh")[0]
+
+    _, out = jax.lax.scan(one_pair, None, (jnp.repeat(x, k, axis=0), ids.reshape(-1)))
+    return jnp.einsum("tkh,tk->th", out.reshape(t, k, -1), weights.astype(out.dtype))
 
 
 def _tile_rows(pairs: int, num_experts: int) -> int:
