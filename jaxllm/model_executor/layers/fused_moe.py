@@ -200,7 +200,7 @@ class FusedMoE(nn.Module):
         return all_reduce(out, self.tp_axis)
 
 
-def mlp_class(config: ModelConfig, layer_idx: int, dense: type[nn.Module]) -> type[nn.Module]:
+def moe_or_dense(config: ModelConfig, layer_idx: int, dense: type[nn.Module]) -> type[nn.Module]:
     """The feed-forward of decoder layer `layer_idx`: FusedMoE where the config makes it sparse,
     else `dense`."""
     moe = config.moe

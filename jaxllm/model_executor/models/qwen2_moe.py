@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import flax.linen as nn
 
-from jaxllm.model_executor.layers.fused_moe import mlp_class
+from jaxllm.model_executor.layers.fused_moe import moe_or_dense
 from jaxllm.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     def mlp_class(self, layer_idx: int) -> Callable[..., nn.Module]:
-        return mlp_class(self.config, layer_idx, LlamaMLP)
+        return moe_or_dense(self.config, layer_idx, LlamaMLP)
