@@ -39,6 +39,14 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
     "llama": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
+    # Mixtures of experts: 8 experts, top 2, each expert narrower than the dense MLP.
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2,
+                                  "intermediate_size": 48, "sliding_window": None}),
 }
 
 
@@ -50,7 +58,8 @@ def make_tiny_checkpoint(path, tied: bool, vocab_size: int = 512, seed: int = 0,
     transformers config class. `overrides` go to the config over TINY_KW and the family's own
     defaults (`rope_scaling={...}` or `rope_parameters={...}`: either spelling; None removes a
     family default). Qwen2's q/k/v biases are drawn away from zero; every other family's RMSNorm
-    weights (Qwen3's per-head q/k norms included) away from one, so that each counts."""
+    weights (Qwen3's per-head q/k norms included) away from one, and MoE routers wider than
+    transformers' initialization, so that each counts."""
     torch = pytest.importorskip(
         "torch", reason="torch (the Hugging Face oracle) is not installed in this test lane")
     import transformers
@@ -86,6 +95,10 @@ def make_tiny_checkpoint(path, tied: bool, vocab_size: int = 512, seed: int = 0,
                     param.normal_(1.0, 0.3)
                 elif name.endswith(".bias"):
                     param.normal_(0, 0.5)
+                elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                    # MoE routers and shared-expert gates: logits far enough apart that which
+                    # experts are picked, and by how much, matter.
+                    param.normal_(0, 0.15)
     model.save_pretrained(path)
     return model
 

@@ -11,6 +11,10 @@ collectives, two all-reduces per layer plus one for the embedding:
     then a `psum`; each device's logits are its vocabulary slice, whose top-K and log-sum-exp
     are merged across devices (`merged_top_k`: an all-gather of [R, K] candidates, never of
     full logits rows);
+  - a mixture-of-experts block (layers/fused_moe.py) splits each expert's intermediate
+    dimension as the dense MLP's (stacked gate_up column-parallel, down row-parallel), its
+    shared expert likewise; its router and shared-expert gate are replicated; one all-reduce
+    sums the routed and shared outputs;
   - norms and RoPE tables are replicated.
 The paged KV array is sharded on its kv-head axis. When N exceeds the KV heads, each KV head is
 replicated on the N / num_kv_heads devices whose query heads read it (the array then has N
@@ -76,9 +80,21 @@ def tp_layout(config: ModelConfig, size: int) -> TPLayout:
                              f"num_key_value_heads {nkv} and is not a multiple of it, so the "
                              f"KV heads cannot be replicated evenly")
         kv_local, replicas = 1, size // nkv
+    moe = config.moe
+    if moe is not None:
+        for name, value in (("moe_intermediate_size", moe.intermediate_size),
+                            ("shared_expert_intermediate_size",
+                             moe.shared_expert_intermediate_size)):
+            if value % size:
+                raise ValueError(f"tensor_parallel_size {size} does not divide the model's "
+                                 f"{name} {value}")
+        moe = dataclasses.replace(
+            moe, intermediate_size=moe.intermediate_size // size,
+            shared_expert_intermediate_size=moe.shared_expert_intermediate_size // size)
     local = dataclasses.replace(
         config, num_attention_heads=nh // size, num_key_value_heads=kv_local,
-        intermediate_size=config.intermediate_size // size, vocab_size=config.vocab_size // size)
+        intermediate_size=config.intermediate_size // size, vocab_size=config.vocab_size // size,
+        moe=moe)
     return TPLayout(size, config, local, replicas)
 
 
@@ -94,6 +110,8 @@ def make_mesh(size: int, devices: list | None = None) -> Mesh:
 def _leaf_spec(path: tuple[str, ...]) -> P:
     name = path[-1]
     parent = path[-2] if len(path) > 1 else ""
+    if parent == "experts":  # stacked MoE experts [E, rows, cols]: each expert's inter split
+        return P(None, TP_AXIS, None) if name == "gate_up_proj" else P(None, None, TP_AXIS)
     if name in ("embed_tokens", "lm_head") or parent in ("qkv_proj", "gate_up_proj"):
         return P(TP_AXIS) if name == "bias" else P(TP_AXIS, None)
     if parent in ("o_proj", "down_proj"):
@@ -141,6 +159,8 @@ def shard_params(params: dict, layout: TPLayout, mesh: Mesh) -> dict:
                 x = _per_shard_qkv(np.asarray(x), layout)
             elif key == "weight" and names[-1:] == ("gate_up_proj",):
                 x = _per_shard_gate_up(np.asarray(x), layout.size)
+            elif key == "gate_up_proj" and names[-1:] == ("experts",):
+                x = np.stack([_per_shard_gate_up(w, layout.size) for w in np.asarray(x)])
             tree[key] = None  # drop the unsharded leaf before its copy is made
             tree[key] = jax.device_put(x, NamedSharding(mesh, _leaf_spec(path)))
             del x

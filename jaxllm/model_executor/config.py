@@ -13,7 +13,14 @@ from typing import Any
 
 # Hugging Face `model_type` -> the architecture a config.json without `architectures` names.
 _ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                               "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+                               "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                               "qwen2_moe": "Qwen2MoeForCausalLM",
+                               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+# Architectures whose feed-forward is a mixture of experts (`MoEConfig`).
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# llama.cpp's names of MoE architectures, which its files store with per-expert tensors that
+# the GGUF loader has no place for.
+GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "mixtral", "deepseek2", "olmoe")
 # GGUF `general.architecture` -> Hugging Face architecture.
 GGUF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "llama": "LlamaForCausalLM"}
@@ -82,6 +89,75 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward (layers/fused_moe.py): a router picks `top_k` of
+    `num_experts` SwiGLU experts per token, their outputs are summed weighted by the router's
+    probabilities; Qwen2-MoE adds a shared expert whose output a sigmoid gate scales."""
+
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # each expert's (moe_intermediate_size; Mixtral's intermediate_size)
+    # The top-k probabilities divided by their sum (Mixtral always; Qwen's `norm_topk_prob`).
+    renormalize: bool
+    # Layers whose MLP is this block; the others keep the dense MLP of `intermediate_size`
+    # (Qwen's `mlp_only_layers` and `decoder_sparse_step`).
+    sparse_layers: tuple[int, ...]
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+                raise ValueError(f"model config: {_MOE_FIELD_NAMES.get(name, name)} must be a "
+                                 f"positive integer below 2**31, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model config: num_experts_per_tok ({self.top_k}) exceeds the "
+                             f"number of experts ({self.num_experts})")
+        shared = self.shared_expert_intermediate_size
+        if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared < 2**31:
+            raise ValueError(f"model config: shared_expert_intermediate_size must be an integer "
+                             f">= 0, got {shared!r}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
+        """The MoE block of a Qwen2-MoE, Qwen3-MoE or Mixtral config.json; None where no layer
+        has one (num_experts 0)."""
+        # transformers 5 writes Qwen3-MoE's as `num_local_experts`, Qwen2-MoE's as `num_experts`.
+        num_experts: Any = cfg.get("num_experts", cfg.get("num_local_experts"))
+        if num_experts == 0:
+            return None
+        layers = cfg["num_hidden_layers"]
+        inter: Any  # checked by __post_init__
+        if architecture == "MixtralForCausalLM":
+            sparse = tuple(range(layers)) if isinstance(layers, int) else ()
+            inter, renormalize, shared = cfg.get("intermediate_size"), True, 0
+        else:
+            step = cfg.get("decoder_sparse_step", 1)
+            dense = cfg.get("mlp_only_layers") or []
+            if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+                raise ValueError(f"model config: decoder_sparse_step must be a positive "
+                                 f"integer, got {step!r}")
+            if not isinstance(dense, list) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in dense):
+                raise ValueError(f"model config: mlp_only_layers must be a list of layer "
+                                 f"indices, got {dense!r}")
+            # As transformers builds each decoder layer.
+            sparse = tuple(i for i in range(layers if isinstance(layers, int) else 0)
+                           if i not in dense and (i + 1) % step == 0)
+            inter = cfg.get("moe_intermediate_size")
+            renormalize = bool(cfg.get("norm_topk_prob", False))
+            shared = (cfg.get("shared_expert_intermediate_size", 0)
+                      if architecture == "Qwen2MoeForCausalLM" else 0)
+        return cls(num_experts=num_experts, top_k=cfg.get("num_experts_per_tok", 2),
+                   intermediate_size=inter, renormalize=renormalize, sparse_layers=sparse,
+                   shared_expert_intermediate_size=shared or 0)
+
+
+_MOE_FIELD_NAMES = {"num_experts": "num_experts (num_local_experts)", "top_k":
+                    "num_experts_per_tok", "intermediate_size": "moe_intermediate_size"}
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -110,6 +186,8 @@ class ModelConfig:
     # Tokens each one attends back over; None: the whole context. No model here runs a window:
     # the registry refuses one shorter than the context.
     sliding_window: int | None = None
+    # Mixture-of-experts feed-forward of the MoE families; None: every layer's MLP is dense.
+    moe: MoEConfig | None = None
 
     @property
     def max_context_len(self) -> int:
@@ -188,14 +266,26 @@ class ModelConfig:
         if cfg.get("mlp_bias"):
             raise ValueError("model config: mlp_bias (biases on the MLP projections) is not "
                              "supported")
-        # Qwen2's q/k/v always carry biases and its o_proj none; Llama's and Qwen3's
-        # `attention_bias` puts one on all four; Mistral's projections have none.
-        bias = architecture == "Qwen2ForCausalLM" or (
-            architecture != "MistralForCausalLM" and bool(cfg.get("attention_bias", False)))
+        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise ValueError(f"model config: hidden_act {act!r} is not supported (the MLPs "
+                             f"here are SwiGLU: silu)")
+        # Qwen2's q/k/v always carry biases and its o_proj none (Qwen2-MoE's as its `qkv_bias`
+        # says); Llama's and Qwen3's `attention_bias` puts one on all four; Mistral's and
+        # Mixtral's projections have none.
+        qwen2_bias = {"Qwen2ForCausalLM": True,
+                      "Qwen2MoeForCausalLM": bool(cfg.get("qkv_bias", True))}
+        mistral = architecture in ("MistralForCausalLM", "MixtralForCausalLM")
+        if architecture in qwen2_bias:
+            bias, o_bias = qwen2_bias[architecture], False
+        else:
+            bias = not mistral and bool(cfg.get("attention_bias", False))
+            o_bias = bias
         # Mistral's config class fills in a 4096-token window when the file names none.
         window = cfg.get("sliding_window", 4096 if architecture == "MistralForCausalLM" else None)
-        if architecture != "MistralForCausalLM" and not cfg.get("use_sliding_window", False):
+        if not mistral and not cfg.get("use_sliding_window", False):
             window = None  # Qwen configs carry a window they do not use unless told to
+        moe = MoEConfig.from_hf(cfg, architecture) if architecture in MOE_ARCHITECTURES else None
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -213,10 +303,11 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             architecture=architecture,
             attention_bias=bias,
-            o_proj_bias=bias and architecture != "Qwen2ForCausalLM",
+            o_proj_bias=o_bias,
             rope_scaling=RopeScaling.from_hf(rope_params, max_pos,
                                              cfg.get("original_max_position_embeddings")),
             sliding_window=window,
+            moe=moe,
         )
 
     def with_generation_config(self, path: str | Path) -> ModelConfig:
@@ -258,6 +349,11 @@ class ModelConfig:
         """`meta` maps GGUF keys (e.g. 'qwen2.block_count') to values; `attention_bias`,
         `o_proj_bias`: whether the file has q/k/v biases, an attention output bias."""
         arch = meta.get("general.architecture")
+        if arch in GGUF_MOE_ARCHITECTURES or (
+                arch in GGUF_ARCHITECTURES and meta.get(f"{arch}.expert_count")):
+            raise ValueError(f"GGUF architecture {arch!r} with experts (a mixture-of-experts "
+                             f"model: ffn_gate_inp / ffn_*_exps tensors) is not supported from "
+                             f"GGUF; its Hugging Face checkpoint (safetensors) loads")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
                              f"{', '.join(GGUF_ARCHITECTURES)})")

@@ -37,6 +37,9 @@ def decoder_matmuls(params: dict, config: ModelConfig, x: jax.Array,
     """The decoder layers with everything but their weight matmuls removed: per layer qkv, o,
     gate_up and down, with the SiLU gate and residual adds that chain them as in the model.
     `params` needs only `layers_{i}` in the model's naming; `config` only the sizes used."""
+    if config.moe is not None:
+        raise ValueError(f"{config.architecture}: the weight-matmul floor models dense MLPs only, "
+                         f"not a mixture of experts")
     q_width = config.num_attention_heads * config.head_dim
     inter = config.intermediate_size
     for i in range(config.num_hidden_layers):

@@ -101,6 +101,10 @@ def run(path: str, tp: int, engine_kw: dict) -> dict[str, np.ndarray]:
             if name in layer.get(block, {}):
                 w = layer[block][name]["weight"]
                 res[f"{name}_shard_shape"] = np.array(w.sharding.shard_shape(w.shape))
+    experts = layer.get("mlp", {}).get("experts")
+    if experts is not None:  # an MoE layer's stacked experts
+        for name, w in (("gate_up", experts["gate_up_proj"]), ("down", experts["down_proj"])):
+            res[f"experts_{name}_shard_shape"] = np.array(w.sharding.shard_shape(w.shape))
     w = runner.params["embed_tokens"]
     res["embed_shard_shape"] = np.array(w.sharding.shard_shape(w.shape))
     llm.llm_engine.shutdown() if hasattr(llm.llm_engine, "shutdown") else None

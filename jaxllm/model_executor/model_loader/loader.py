@@ -379,7 +379,6 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
         if config.attention_bias:
             qkv["bias"] = dev(np.concatenate([need(p + f"self_attn.{x}_proj.bias")
                                               for x in "qkv"], axis=0))
-        gate_up = matrix([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         attn: dict[str, Any] = {
             "qkv_proj": qkv, "o_proj": {"weight": matrix([p + "self_attn.o_proj.weight"])}}
         if config.o_proj_bias:
@@ -392,10 +391,9 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
             "post_attention_layernorm": {
                 "weight": dev(need(p + "post_attention_layernorm.weight"))},
             "self_attn": attn,
-            "mlp": {
-                "gate_up_proj": {"weight": gate_up},
-                "down_proj": {"weight": matrix([p + "mlp.down_proj.weight"])},
-            },
+            "mlp": (_moe_params(config, p, take, need, dev, matrix)
+                    if config.moe is not None and i in config.moe.sparse_layers
+                    else _mlp_params(p + "mlp.", matrix)),
         }
     params["norm"] = {"weight": dev(need("norm.weight"))}
     if not config.tie_word_embeddings:
@@ -406,6 +404,65 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
                 np.asarray(lm_head, np.float32), np.asarray(params["embed_tokens"], np.float32)):
             raise ModelLoadError(f"{path}: config ties word embeddings but lm_head.weight differs")
     _check_against_model(config, params, dtype, path)
+    return params
+
+
+def _mlp_params(prefix: str, matrix: Callable[[list[str]], Any]) -> dict:
+    """A SwiGLU MLP's params (gate and up fused) from `{prefix}{gate,up,down}_proj.weight`."""
+    return {"gate_up_proj": {"weight": matrix([prefix + "gate_proj.weight",
+                                               prefix + "up_proj.weight"])},
+            "down_proj": {"weight": matrix([prefix + "down_proj.weight"])}}
+
+
+# Per-expert weight names: Qwen's (gate_proj, up_proj, down_proj) and Mixtral's (w1, w3, w2).
+_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def _moe_params(config: ModelConfig, p: str, take: Callable[[str], np.ndarray | None],
+                need: Callable[[str], np.ndarray], dev: Callable[[np.ndarray], jax.Array],
+                matrix: Callable[[list[str]], Any]) -> dict:
+    """An MoE block's params (layers/fused_moe.py) from layer prefix `p`'s tensors: the block
+    under `mlp.` (Mixtral's checkpoints: `block_sparse_moe.`), its experts stored per expert, as
+    the Hub's checkpoints have them (`experts.{e}.gate_proj.weight`, Mixtral's
+    `experts.{e}.w1.weight`), or stacked as transformers 5 holds them (`experts.gate_up_proj`
+    [E, 2 * inter, hidden], `experts.down_proj` [E, hidden, inter]); per-expert tensors are
+    stacked here. A tensor of another layout left over is refused by the caller as unplaced."""
+    moe = config.moe
+    assert moe is not None
+    blocks = [p + "mlp.", p + "block_sparse_moe."]
+    router = None
+    block = blocks[0]
+    for block in blocks:
+        router = take(block + "gate.weight")
+        if router is not None:
+            break
+    if router is None:
+        need(blocks[0] + "gate.weight")  # raises, naming it
+    params: dict[str, Any] = {"gate": {"weight": dev(np.asarray(router))}}
+    gate_up = take(block + "experts.gate_up_proj")
+    if gate_up is not None:
+        down = need(block + "experts.down_proj")
+    else:
+        e = block + "experts.{}.{}.weight"
+        probed: dict[str, np.ndarray] = {}
+        names = _EXPERT_NAMES[0]
+        for spelling in _EXPERT_NAMES:
+            first = take(e.format(0, spelling[0]))
+            if first is not None:
+                names, probed[e.format(0, spelling[0])] = spelling, first
+                break
+
+        def get(name: str) -> np.ndarray:
+            return probed.pop(name) if name in probed else need(name)
+
+        gate_up = np.stack([np.concatenate([get(e.format(i, names[0])),
+                                            get(e.format(i, names[1]))], axis=0)
+                            for i in range(moe.num_experts)])
+        down = np.stack([get(e.format(i, names[2])) for i in range(moe.num_experts)])
+    params["experts"] = {"gate_up_proj": dev(gate_up), "down_proj": dev(down)}
+    if moe.shared_expert_intermediate_size:
+        params["shared_expert"] = _mlp_params(block + "shared_expert.", matrix)
+        params["shared_expert_gate"] = {"weight": dev(need(block + "shared_expert_gate.weight"))}
     return params
 
 

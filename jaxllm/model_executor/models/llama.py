@@ -12,6 +12,7 @@ module runs under `jax.shard_map` on one device's slice of the model (its config
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -80,10 +81,11 @@ class LlamaMLP(nn.Module):
     backend: str = "reference"
     tp_axis: str | None = None
     gemv_rows: int = 0
+    intermediate_size: int | None = None  # None: the config's (an MoE's shared expert: its own)
 
     @nn.compact
     def __call__(self, x):
-        inter = self.config.intermediate_size
+        inter = self.intermediate_size or self.config.intermediate_size
         # gate and up in one GEMM (vLLM's MergedColumnParallelLinear).
         gate_up = Linear(2 * inter, False, self.dtype, self.backend, self.gemv_rows,
                          name="gate_up_proj")(x)
@@ -102,6 +104,9 @@ class LlamaDecoderLayer(nn.Module):
     gemv_rows: int = 0
     attention_impl: str | None = None
     qk_norm: bool = False
+    # The feed-forward module, built as LlamaMLP is (an MoE family's sparse block; see
+    # `LlamaForCausalLM.mlp_class`).
+    mlp_cls: Callable[..., nn.Module] = LlamaMLP
 
     @nn.compact
     def __call__(self, h, residual, positions, kv_cache, attn_metadata, cos_sin_cache,
@@ -120,7 +125,8 @@ class LlamaDecoderLayer(nn.Module):
             h, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len, num_splits)
         h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
                               name="post_attention_layernorm")(h, residual)
-        h = LlamaMLP(cfg, self.dtype, self.backend, self.tp_axis, self.gemv_rows, name="mlp")(h)
+        h = self.mlp_cls(cfg, self.dtype, self.backend, self.tp_axis, self.gemv_rows,
+                         name="mlp")(h)
         return h, residual, kv_cache
 
 
@@ -145,6 +151,11 @@ class LlamaForCausalLM(nn.Module):
     # backend's paged attention.
     attention_impl: str | None = None
 
+    def mlp_class(self, layer_idx: int) -> Callable[..., nn.Module]:
+        """The feed-forward module of decoder layer `layer_idx` (MoE families swap in their
+        sparse block, layers/fused_moe.py), built with LlamaMLP's fields."""
+        return LlamaMLP
+
     @nn.compact
     def __call__(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata[jax.Array],
                  max_query_len: int | None = None, num_splits: int = 1):
@@ -164,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         for i in range(cfg.num_hidden_layers):
             h, residual, kv_cache = LlamaDecoderLayer(
                 cfg, i, self.dtype, self.kernel_backend, self.tp_axis, self.gemv_kernel_rows,
-                self.attention_impl, self.QK_NORM, name=f"layers_{i}")(
+                self.attention_impl, self.QK_NORM, self.mlp_class(i), name=f"layers_{i}")(
                     h, residual, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len,
                     num_splits)
         hidden_states, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend,

@@ -10,8 +10,11 @@ import jax.numpy as jnp
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
 from jaxllm.model_executor.models.llama import LlamaForCausalLM
+from jaxllm.model_executor.models.mixtral import MixtralForCausalLM
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from jaxllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
 from jaxllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from jaxllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -20,6 +23,9 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     # Mistral's decoder is Llama's; contexts past its sliding window are refused
     # (`check_context`).
     "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
