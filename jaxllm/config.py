@@ -298,6 +298,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     runner: str = "generate"  # "generate" or "pooling" ("auto" resolved)
     pooler_config: PoolerConfig | None = None  # the pooling runner's; None for "generate"
+    reasoning_parser: str | None = None  # jaxllm/reasoning.py REASONING_PARSERS
 
     @property
     def parallel_config(self) -> ParallelConfig:

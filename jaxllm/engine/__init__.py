@@ -35,6 +35,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # An embedding request (a pooling runner's): its prompt is prefilled and pooled, nothing
     # is sampled (`sampling_params` is then a placeholder the scheduler carries along).
     pooling_params: PoolingParams | None = None
+    # A constrained request of a thinking model whose prompt leaves the think block open: the
+    # constraint starts after this token (`</think>`) in the output. None: from the first token.
+    reasoning_end_token_id: int | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

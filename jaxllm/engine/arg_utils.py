@@ -44,6 +44,7 @@ from jaxllm.config import (
     resolve_parallel_config,
     resolve_quantization,
 )
+from jaxllm.reasoning import REASONING_PARSERS
 
 GGUF_TP_REFUSAL = ("quantization='gguf' does not run with tensor_parallel_size > 1 yet; leave "
                    "quantization unset (dequantized weights) for TP")
@@ -194,6 +195,13 @@ class EngineArgs:
         "auto", "what requests the engine serves: generate (text; LLM.generate, "
                 "/v1/completions, /v1/chat/completions) or pooling (one embedding per prompt; "
                 "LLM.embed, /v1/embeddings); an engine serves one kind. auto: generate")
+    reasoning_parser: str | None = _arg(
+        None, "a thinking model's <think>...</think> format: qwen3 (answers that open the "
+              "block) or deepseek_r1 (templates that open it in the prompt). The server "
+              "returns the block as reasoning_content; a structured-output constraint starts "
+              "after the block's </think> token (when the tokenizer has it as one token), "
+              "unless the prompt closed the block. Not given: answers are all content, "
+              "constrained from their first token")
     pooler_config: dict | None = _arg(
         None, "the pooling runner's pooler, a dict or its JSON text: {\"pooling_type\": "
               "\"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}: the last "
@@ -271,6 +279,9 @@ class EngineArgs:
             self.speculative_config = spec.to_arg()
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, got "
+                             f"{self.reasoning_parser!r}")
         if self.pooler_config is not None:
             if self.runner != "pooling":
                 raise ValueError(f"pooler_config is for runner='pooling'; this engine has "
@@ -315,13 +326,13 @@ class EngineArgs:
                           "quantization", "data_parallel_address", "data_parallel_backend",
                           "data_parallel_routing",
                           "coordinator_address", "matmul_precision", "speculative_config",
-                          "runner", "pooler_config"):
+                          "runner", "pooler_config", "reasoning_parser"):
                 kind = str
             choices = {"dtype": DTYPES, "kernel_backend": KERNEL_BACKENDS,
                        "quantization": QUANTIZATIONS, "matmul_precision": MATMUL_PRECISIONS,
                        "block_size": (16, 32), "data_parallel_backend": DATA_PARALLEL_BACKENDS,
                        "data_parallel_routing": DATA_PARALLEL_ROUTINGS,
-                       "runner": RUNNERS}.get(f.name)
+                       "runner": RUNNERS, "reasoning_parser": REASONING_PARSERS}.get(f.name)
             shown = "" if default is None or f.name in overrides else f" (default: {default})"
             group.add_argument(flag, type=kind, default=default, choices=choices,
                                help=help_text + shown)
@@ -432,6 +443,7 @@ class EngineArgs:
             platform=platform,
             speculative_config=spec,
             runner="pooling" if self.runner == "pooling" else "generate",
+            reasoning_parser=self.reasoning_parser,
             pooler_config=PoolerConfig.from_dict(self.pooler_config or {})
             if self.runner == "pooling" else None)
 

@@ -206,9 +206,10 @@ class EngineCore:
             raise ValueError(f"request id {req.request_id!r} is already in the engine core")
         if params.structured_outputs is not None:
             self.scheduler.check_request(request)
-            state.structured_output = self._structured_output().add_request(
+            so = state.structured_output = self._structured_output().add_request(
                 params.structured_outputs,
                 sorted(set(req.eos_token_ids) | set(self.info.eos_token_ids)))
+            so.reasoning_end_token_id = req.reasoning_end_token_id
             self._waiting_for_grammar[req.request_id] = request
         else:
             self.scheduler.add_request(request)  # validates before it changes anything
@@ -446,7 +447,18 @@ class EngineCore:
             so = None if state is None else state.structured_output
             if so is None:
                 continue
-            for i, token in enumerate(tokens):
+            first = 0
+            if so.is_reasoning:
+                # The constraint starts after the think block's end, which may come with
+                # tokens after it (accepted drafts, verified against the grammar's masks).
+                end = so.reasoning_end_token_id
+                assert end is not None  # is_reasoning
+                if end not in tokens:
+                    continue
+                first = list(tokens).index(end) + 1
+                so.reasoning_end_token_id = None
+            for i in range(first, len(tokens)):
+                token = tokens[i]
                 if not so.accept_tokens([token]):
                     ends[rid] = FinishAfter(RequestStatus.FINISHED_ERROR, so.error)
                     break

@@ -10,11 +10,13 @@ import functools
 import numbers
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from jaxllm.engine import EngineCoreInfo, EngineCoreRequest
 from jaxllm.pooling_params import PoolingParams
+from jaxllm.reasoning import THINK_END, THINK_START
 from jaxllm.sampling_params import INT64_MAX, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -93,6 +95,9 @@ class Processor:
         # submits the request, which tokenizes them again; clients repeat their lists.
         self._bad_word_spellings: dict[str, list[list[int]]] = {}
         self.runner = info.config.runner
+        # The think block's tags as token ids, when the engine has a reasoning parser and the
+        # tokenizer spells each as one token (a constraint can then wait for the block's end).
+        self.think_token_ids = think_token_ids(tokenizer, info.config.reasoning_parser)
         self.hidden_size = info.model_config.hidden_size
 
     @functools.cached_property
@@ -139,6 +144,11 @@ class Processor:
                              f"{self.num_usable_blocks}")
         arrival_time = time.time() if arrival_time is None else arrival_time
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        reasoning_end = None
+        if params.structured_outputs is not None and self.think_token_ids is not None:
+            start, end = self.think_token_ids
+            if not think_block_closed(processed.prompt_token_ids, start, end):
+                reasoning_end = end
         children = []
         for i, cid in enumerate(child_request_ids(request_id, params.n)):
             # A copy: the caller may change or reuse its SamplingParams while this one runs.
@@ -157,7 +167,7 @@ class Processor:
                 request_id=cid, prompt_token_ids=processed.prompt_token_ids, sampling_params=sp,
                 eos_token_ids=sorted(self.eos_token_ids),
                 seed=sp.seed, max_tokens=max_tokens,
-                arrival_time=arrival_time))
+                arrival_time=arrival_time, reasoning_end_token_id=reasoning_end))
         return ProcessedRequest(request_id, processed.prompt, processed.prompt_token_ids,
                                 children, arrival_time)
 
@@ -321,3 +331,30 @@ class Processor:
             raise ValueError(f"SamplingParams.bad_words tokenize to ids {bad[:5]} outside the "
                              f"vocabulary [0, {self.vocab_size})")
         return out
+
+
+def think_token_ids(tokenizer: PreTrainedTokenizerBase | None, reasoning_parser: str | None
+                    ) -> tuple[int, int] | None:
+    """(`<think>`, `</think>`) token ids, or None without a parser, a tokenizer, or tags the
+    tokenizer spells as one token each."""
+    if reasoning_parser is None or tokenizer is None:
+        return None
+    ids = []
+    for tag in (THINK_START, THINK_END):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1:
+            return None
+        ids.append(int(encoded[0]))
+    return ids[0], ids[1]
+
+
+def think_block_closed(prompt_token_ids: Sequence[int], start: int, end: int) -> bool:
+    """Whether the prompt's last think tag is `</think>` (a template that closed the block,
+    e.g. Qwen3's with enable_thinking false); a prompt without tags leaves the block to the
+    answer."""
+    for t in reversed(prompt_token_ids):
+        if t == end:
+            return True
+        if t == start:
+            return False
+    return False

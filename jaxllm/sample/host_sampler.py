@@ -171,7 +171,7 @@ class HostSampler:
             is_spec = set(spec.tolist())
             constrained = [(j, so) for j, rid in enumerate(req_ids)
                            if (so := states[rid].structured_output) is not None
-                           and j not in is_spec]
+                           and not so.is_reasoning and j not in is_spec]
             if constrained:
                 inputs.grammar_rows = np.array([j for j, _ in constrained], np.intp)
                 inputs.grammar_bitmask, errors = self.structured_output.grammar_bitmask(
@@ -185,11 +185,12 @@ class HostSampler:
                         for k, (j, _) in enumerate(constrained)}
             for k, j in enumerate(spec.tolist()):
                 so = states[req_ids[j]].structured_output
-                if so is not None:
+                rows = None if so is None else \
+                    self.structured_output.draft_bitmasks(so, inputs.drafts[k])
+                if rows is not None:
                     vocab = self.structured_output.vocab_size
-                    inputs.draft_masks[j] = [
-                        TokenMask.from_bitmask(bits, vocab)
-                        for bits in self.structured_output.draft_bitmasks(so, inputs.drafts[k])]
+                    inputs.draft_masks[j] = [TokenMask.from_bitmask(bits, vocab)
+                                             for bits in rows]
         return inputs
 
     def sample(self, out: ModelRunnerOutput, inputs: SampleInputs,

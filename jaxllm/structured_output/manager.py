@@ -171,16 +171,24 @@ class StructuredOutputManager:
         return bitmask, errors
 
     def draft_bitmasks(self, request: StructuredOutputRequest,
-                       draft_token_ids: list[int]) -> np.ndarray:
+                       draft_token_ids: list[int]) -> np.ndarray | None:
         """Speculative decoding: the masks of the request's verified positions, [m, words]
         int32 with m <= len(draft_token_ids) + 1: row j is the mask after drafts 1..j. It stops
         at the first draft its row does not allow (nothing after it can be accepted). The
-        matcher is rolled back to where it was."""
+        matcher is rolled back to where it was. A request still in its think block: rows
+        allow everything up to a draft that ends the block, the grammar's masks after it; None
+        when no draft ends it (no position is constrained)."""
         matcher = request.matcher
         assert matcher is not None  # scheduled requests have their matcher
+        start = 0
+        if request.is_reasoning:
+            if request.reasoning_end_token_id not in draft_token_ids:
+                return None
+            start = draft_token_ids.index(request.reasoning_end_token_id) + 1
         rows = np.zeros((len(draft_token_ids) + 1, self._bitmask.shape[1]), np.int32)
+        rows[:start] = -1
         consumed = 0
-        for j in range(len(draft_token_ids) + 1):
+        for j in range(start, len(draft_token_ids) + 1):
             if matcher.is_error():
                 break
             fill_next_token_bitmask(matcher, rows, j)

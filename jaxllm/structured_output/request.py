@@ -19,6 +19,13 @@ class StructuredOutputRequest:
     compiled: Future[llguidance.LLMatcher]
     matcher: llguidance.LLMatcher | None = None
     error: str | None = None
+    # While set, the output is still a thinking model's think block, which the constraint does
+    # not cover: it starts after this token (`</think>`). None: the constraint is on.
+    reasoning_end_token_id: int | None = None
+
+    @property
+    def is_reasoning(self) -> bool:
+        return self.reasoning_end_token_id is not None
 
     @property
     def is_ready(self) -> bool:

@@ -125,8 +125,10 @@ class FakeTokenizer:
 
 
 def make_processor(tokenizer: Any = None, vocab: int = 1000, max_model_len: int = 64) -> Processor:
-    info = SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab),
-                           max_model_len=max_model_len, config=SimpleNamespace(block_size=16),
+    info = SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab, hidden_size=64),
+                           max_model_len=max_model_len,
+                           config=SimpleNamespace(block_size=16, runner="generate",
+                                                  reasoning_parser=None),
                            num_usable_blocks=100)
     return Processor(tokenizer, cast(Any, info), frozenset({0}), max_n=4)
 

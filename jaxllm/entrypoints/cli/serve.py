@@ -9,7 +9,6 @@ import os
 import signal
 
 from jaxllm.engine.arg_utils import EngineArgs
-from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 
 API_KEY_ENV = "JAXLLM_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -91,10 +90,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="let requests bring their own chat template (chat_template, "
                         "chat_template_kwargs.chat_template): it runs the client's code in the "
                         "server, so only for trusted clients (default: refused with a 400)")
-    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                   help="split a thinking model's <think>...</think> text into the chat "
-                        "message's reasoning_content (qwen3: answers that open the block; "
-                        "deepseek_r1: templates that open it in the prompt); default: none")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     EngineArgs.add_cli_args(p)
@@ -191,7 +186,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state = make_state(engine, name,
                        engine_config.model if tag is None else engine_config.model_path,
                        metrics, args.max_request_bytes, so_config,
-                       args.trust_request_chat_template, limits, args.reasoning_parser)
+                       args.trust_request_chat_template, limits,
+                       engine_config.reasoning_parser)
     state.body_timeout = args.request_body_timeout
     app = build_app(state, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port,

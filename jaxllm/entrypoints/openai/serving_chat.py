@@ -27,11 +27,6 @@ from jaxllm.entrypoints.openai.protocol import (
     check_logprobs,
     parse_request,
 )
-from jaxllm.entrypoints.openai.reasoning_parsers import (
-    ReasoningDelta,
-    ReasoningParser,
-    extract_reasoning,
-)
 from jaxllm.entrypoints.openai.serving_engine import (
     Constraint,
     OpenAIServing,
@@ -49,6 +44,11 @@ from jaxllm.entrypoints.openai.tool_parsers import (
     tool_call_grammar,
 )
 from jaxllm.outputs import Logprob
+from jaxllm.reasoning import (
+    ReasoningDelta,
+    ReasoningParser,
+    extract_reasoning,
+)
 
 _MIN_LOGPROB = -9999.0
 

@@ -19,8 +19,8 @@ from jaxllm.engine import EngineDeadError
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.protocol import APIError
-from jaxllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxllm.structured_output.validator import (
     GrammarValidator,

@@ -1,4 +1,4 @@
-"""The reasoning parsers (jaxllm/entrypoints/openai/reasoning_parsers.py): whole answers against
+"""The reasoning parsers (jaxllm/reasoning.py): whole answers against
 a hand-written table, and any stream of any answer, cut anywhere, against a reference split
 written here with str.partition."""
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxllm.entrypoints.openai.reasoning_parsers import (
+from jaxllm.reasoning import (
     REASONING_PARSERS,
     ReasoningParser,
     extract_reasoning,
