@@ -173,29 +173,24 @@ class AsyncLLM(EngineFrontend):
         """Yield the request's RequestOutputs as the core produces them (by
         `sampling_params.output_kind`); the last one has `finished` set. Leaving the loop early
         (break, cancellation) aborts the request."""
-        if request_id is None:
-            request_id = f"async-{self.parent_requests.request_index}"
-        queue = await self.add_request(request_id, prompt, sampling_params)
-        finished = False
-        try:
-            while not finished:
-                out = queue.get_nowait() if not queue.empty() else await queue.get()
-                if isinstance(out, BaseException):
-                    raise EngineDeadError(*out.args) from out
-                finished = out.finished
-                yield out
-        finally:
-            if not finished and self._finalizer.alive:
-                await self.abort(request_id)
+        async for out in self._outputs(prompt, sampling_params, request_id):
+            yield out
 
     async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
                      request_id: str | None = None
                      ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
         """An embedding request (vLLM's AsyncLLM.encode; needs runner="pooling"): yields its
         one EmbeddingRequestOutput when the prompt is pooled. Leaving early aborts it."""
+        async for out in self._outputs(prompt, pooling_params or PoolingParams(), request_id):
+            yield out
+
+    async def _outputs(self, prompt: PromptType, params: SamplingParams | PoolingParams | None,
+                       request_id: str | None) -> AsyncGenerator[Any, None]:
+        """Queue the request and yield its outputs until the finished one; leaving early
+        aborts it."""
         if request_id is None:
             request_id = f"async-{self.parent_requests.request_index}"
-        queue = await self.add_request(request_id, prompt, pooling_params or PoolingParams())
+        queue = await self.add_request(request_id, prompt, params)
         finished = False
         try:
             while not finished:

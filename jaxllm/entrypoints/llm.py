@@ -71,24 +71,8 @@ class LLM:
         if self.llm_engine.engine_config.runner == "pooling":
             raise ValueError("this engine has runner='pooling': it embeds prompts (LLM.embed) "
                              "and generates no text; start one with runner='generate' for that")
-        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        elif isinstance(sampling_params, (str, bytes, dict)) or not isinstance(
-                sampling_params, Sequence):
-            # A dict (say, SamplingParams' fields) would otherwise be read as its keys.
-            raise TypeError(f"sampling_params must be SamplingParams or a sequence of them, got "
-                            f"{type(sampling_params).__name__}; for a dict of fields, pass "
-                            f"SamplingParams(**fields)")
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} "
-                                 f"sampling_params; pass one, or one per prompt")
+        prompts, params_list = _per_prompt(prompts, sampling_params, SamplingParams,
+                                           "sampling_params")
         if any(isinstance(p, PoolingParams) for p in params_list):
             raise TypeError("sampling_params got PoolingParams: embeddings come from LLM.embed")
         return cast(list[RequestOutput], self._add_and_run(prompts, params_list, use_tqdm))
@@ -103,26 +87,11 @@ class LLM:
         if self.llm_engine.engine_config.runner != "pooling":
             raise ValueError("LLM.embed needs an engine started with runner='pooling' (e.g. "
                              "LLM(model, runner='pooling')); this one generates text")
-        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if pooling_params is None:
-            pooling_params = PoolingParams()
-        if isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params] * len(prompts)
-        elif isinstance(pooling_params, (str, bytes, dict)) or not isinstance(
-                pooling_params, Sequence):
-            raise TypeError(f"pooling_params must be PoolingParams or a sequence of them, got "
-                            f"{type(pooling_params).__name__}")
-        else:
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} "
-                                 f"pooling_params; pass one, or one per prompt")
-            bad = next((p for p in params_list if not isinstance(p, PoolingParams)), None)
-            if bad is not None:
-                raise TypeError(f"pooling_params must be PoolingParams, got "
-                                f"{type(bad).__name__}")
+        prompts, params_list = _per_prompt(prompts, pooling_params, PoolingParams,
+                                           "pooling_params")
+        bad = next((p for p in params_list if not isinstance(p, PoolingParams)), None)
+        if bad is not None:
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(bad).__name__}")
         return cast(list[EmbeddingRequestOutput],
                     self._add_and_run(prompts, params_list, use_tqdm))
 
@@ -261,3 +230,26 @@ class LLM:
         finally:
             bar.close()
         return [results[rid] for rid in request_ids]
+
+
+def _per_prompt(prompts: Any, params: Any, kind: type, name: str
+                ) -> tuple[list[PromptType], list[Any]]:
+    """The prompts as a list, and their parameters one per prompt: `params` None (kind's
+    defaults), one `kind` for all, or a sequence of one per prompt."""
+    if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if params is None:
+        params = kind()
+    if isinstance(params, kind):
+        return prompts, [params] * len(prompts)
+    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
+        # A dict (say, the parameters' fields) would otherwise be read as its keys.
+        raise TypeError(f"{name} must be {kind.__name__} or a sequence of them, got "
+                        f"{type(params).__name__}; for a dict of fields, pass "
+                        f"{kind.__name__}(**fields)")
+    params_list = list(params)
+    if len(params_list) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} {name}; pass "
+                         f"one, or one per prompt")
+    return prompts, params_list
