@@ -17,8 +17,8 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
-    # Mistral's decoder is Llama's; contexts past its sliding window are refused
-    # (`check_context`).
+    # Mistral's decoder is Llama's, with a sliding window on every layer
+    # (ModelConfig.sliding_window).
     "MistralForCausalLM": LlamaForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
@@ -40,20 +40,16 @@ def check_supported(config: ModelConfig) -> None:
 
 
 def check_context(config: ModelConfig, max_model_len: int) -> None:
-    """A ValueError when `max_model_len` positions reach past the model's sliding window:
-    every layer here attends to the whole context, which is the window's attention only while
-    the context fits in the window."""
-    window = config.sliding_window
-    if window is not None and window < max_model_len:
-        raise ValueError(f"max_model_len {max_model_len} exceeds {config.architecture}'s "
-                         f"sliding window (sliding_window {window}): attention that slides "
-                         f"past the window is not supported; pass max_model_len <= {window}")
+    """A ValueError naming what of a `max_model_len`-position context the model cannot run.
+    None is refused today: a sliding window is attention over the window on every backend
+    (the layer's `sliding_window`), so a context longer than the window runs as the checkpoint's
+    own implementation runs it."""
+    del config, max_model_len
 
 
 def context_len(config: ModelConfig) -> int:
-    """The default max_model_len: the positions the model takes, within its sliding window."""
-    window = config.sliding_window
-    return config.max_context_len if window is None else min(window, config.max_context_len)
+    """The default max_model_len: the positions the model takes."""
+    return config.max_context_len
 
 
 def abstract_params(model: LlamaForCausalLM) -> dict:
