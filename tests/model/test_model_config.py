@@ -53,25 +53,59 @@ def test_unsupported_architectures_are_named_with_the_supported_ones():
         _cfg(model_type="gpt2")
 
 
-def test_a_sliding_window_caps_the_context():
+def test_a_sliding_window_keeps_the_whole_context():
+    """A window is attention over the window on its layers: the context stays the model's
+    positions and no max_model_len is refused for it."""
     windowed = _cfg(model_type="mistral", sliding_window=64)
     check_supported(windowed)
-    assert context_len(windowed) == 64
-    check_context(windowed, 64)
-    with pytest.raises(ValueError, match=r"max_model_len 65 exceeds MistralForCausalLM's "
-                                         r"sliding window \(sliding_window 64\).*<= 64"):
-        check_context(windowed, 65)
-    whole = _cfg(model_type="mistral", sliding_window=256)  # covers the context
-    assert context_len(whole) == 256
-    check_context(whole, 256)
+    assert windowed.sliding_window == 64
+    assert windowed.layer_sliding_window(0) == 64  # Mistral: every layer
+    assert context_len(windowed) == 256
+    check_context(windowed, 256)
     # Qwen configs carry a window they do not use unless use_sliding_window says so.
     unused = _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=64)
+    assert unused.sliding_window is None and unused.layer_sliding_window(0) is None
     assert context_len(unused) == 256
-    check_context(unused, 256)
-    used = _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=True)
-    assert context_len(used) == 64
-    with pytest.raises(ValueError, match="sliding window"):
-        check_context(used, 128)
+
+
+def _windows(**kw) -> list[int | None]:
+    config = _cfg(**{"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
+                     "sliding_window": 8, "use_sliding_window": True, **kw})
+    return [config.layer_sliding_window(i) for i in range(4)]
+
+
+def test_qwen_sliding_layers_are_transformers():
+    # Layers from max_window_layers on slide (transformers' default layer_types)...
+    assert _windows(max_window_layers=1) == [None, 8, 8, 8]
+    assert _windows(max_window_layers=0) == [8, 8, 8, 8]
+    # ... none past the last layer: no window at all (the default max_window_layers is 28).
+    assert _windows() == [None] * 4
+    assert _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=8,
+                use_sliding_window=True).sliding_window is None
+    # An explicit layer_types wins over max_window_layers; Qwen3 reads the same fields.
+    kinds = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    assert _windows(max_window_layers=0, layer_types=kinds) == [8, None, 8, None]
+    assert _windows(architectures=["Qwen3ForCausalLM"], max_window_layers=2) \
+        == [None, None, 8, 8]
+    # ... and without use_sliding_window, layer_types slides nothing.
+    assert _windows(use_sliding_window=False, layer_types=kinds) == [None] * 4
+    with pytest.raises(ValueError, match="layer_types names 3 layers, num_hidden_layers is 4"):
+        _windows(layer_types=kinds[:3])
+    with pytest.raises(ValueError, match="layer_types must list"):
+        _windows(layer_types=["chunked_attention"] * 4)
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        _windows(sliding_window=0, max_window_layers=0)
+
+
+def test_gguf_sliding_window_is_every_layers():
+    meta = {"general.architecture": "llama", "llama.block_count": 2,
+            "llama.embedding_length": 32, "llama.feed_forward_length": 64,
+            "llama.attention.head_count": 4, "llama.context_length": 256,
+            "llama.attention.sliding_window": 16}
+    config = ModelConfig.from_gguf_metadata(meta, vocab_size=64, tied=False)
+    assert [config.layer_sliding_window(i) for i in range(2)] == [16, 16]
+    del meta["llama.attention.sliding_window"]
+    assert ModelConfig.from_gguf_metadata(meta, vocab_size=64, tied=False).sliding_window is None
 
 
 def test_rope_parameters_in_both_config_forms():
@@ -164,6 +198,5 @@ def test_a_mistral_config_without_a_window_has_mistrals_default_one():
     # transformers' MistralConfig fills in 4096 when the file names no sliding_window.
     config = _cfg(model_type="mistral", max_position_embeddings=32768)
     assert config.sliding_window == 4096
-    assert context_len(config) == 4096
-    with pytest.raises(ValueError, match="sliding_window 4096"):
-        check_context(config, 8192)
+    assert context_len(config) == 32768  # the whole context, through the window
+    check_context(config, 32768)
