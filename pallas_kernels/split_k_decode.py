@@ -12,7 +12,8 @@ context into ``num_splits`` parts that run in parallel and merges them exactly:
   runs of cdiv(tiles, num_splits) (``_decode_partition``), so any context length spreads over
   the splits; splits past a short context (and padding sequences) exit at once, writing
   nothing. With a sliding window only the tiles from the window's first one are dealt out, so
-  the splits share the window's keys, not the whole context's. Each real head row writes its unnormalised float32 accumulator to
+  the splits share the window's keys, not the whole context's. Each real head row writes its
+  unnormalised float32 accumulator to
   acc [S, num_splits, num_heads, head_dim] and its running max and sum to two
   [S, num_splits, num_heads] float32 arrays (scratch outputs: head_dim x 4 + 8 bytes per
   sequence, split and head, small next to the K/V a split reads).

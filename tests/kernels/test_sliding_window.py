@@ -9,7 +9,6 @@ transformers in tests/model/test_model_families.py."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import shutil
 
 import gguf
