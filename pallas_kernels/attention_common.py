@@ -17,10 +17,13 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def key_step(bt_ref, k_ref, v_ref, layer, s, q, q_pos, kv_end, kb, carry, *, scale: float,
-             block_k: int):
+             block_k: int, sliding_window: int | None = None):
     """One online-softmax step of the Triton kernels over key tile ``kb`` (keys kb * KB ..
     kb * KB + KB - 1) of sequence ``s``: gathers K/V of ``layer`` through the block table (keys
-    at or past ``kv_end`` load as zeros), masks keys past each row's position ``q_pos``.
+    at or past ``kv_end`` load as zeros), masks keys past each row's position ``q_pos`` and,
+    with a ``sliding_window`` W (static), keys at or before q_pos - W. A row all of whose keys
+    so far were masked carries (max MASK_VALUE, sum and acc of ones-weighted values); its first
+    visible key rescales that by exp(MASK_VALUE - logit) == 0, so it leaves no trace.
     k_ref, v_ref: [num_layers, num_blocks, block_size, head_dim] of one KV head. carry:
     (acc [M, D], running max [M], running sum [M]), float32."""
     acc, m_prev, l_prev = carry
@@ -38,6 +41,8 @@ def key_step(bt_ref, k_ref, v_ref, layer, s, q, q_pos, kv_end, kb, carry, *, sca
 
     logits = plgpu.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
     mask = (key[None, :] <= q_pos[:, None]) & key_ok[None, :]
+    if sliding_window is not None:
+        mask = mask & (key[None, :] > q_pos[:, None] - sliding_window)
     logits = jnp.where(mask, logits, MASK_VALUE)
     m_next = jnp.maximum(m_prev, logits.max(axis=1))
     correction = jnp.exp(m_prev - m_next)
@@ -45,6 +50,15 @@ def key_step(bt_ref, k_ref, v_ref, layer, s, q, q_pos, kv_end, kb, carry, *, sca
     l_next = l_prev * correction + p.sum(axis=1)
     pv = plgpu.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
     return acc * correction[:, None] + pv, m_next, l_next
+
+
+def window_start_tile(first_pos, sliding_window: int | None, block_k: int):
+    """The first key tile of KB keys a query at ``first_pos`` (and any later one) sees: 0, or
+    with a ``sliding_window`` W the tile of key first_pos - W + 1. The tiles before it are
+    skipped, not masked."""
+    if sliding_window is None:
+        return 0
+    return jnp.maximum(first_pos - sliding_window + 1, 0) // block_k
 
 
 def kv_head_spec(cache_shape: tuple[int, ...], which: int) -> pl.BlockSpec:

@@ -9,8 +9,9 @@ Layout and metadata (shared with ``kv_write`` and the engine)::
     query_start_loc: [S+1] int32                    sequence s owns query rows qsl[s]:qsl[s+1]
 
 Query i of sequence s sits at absolute position ``seq_lens[s] - q_len_s + i`` and attends to keys
-``0..position``; that one rule covers prefill, chunked prefill on top of cached context (prefix
-hits) and decode (q_len 1), so one code path serves any mix of them.
+``0..position`` (with a sliding window W: ``position - W + 1..position``); that one rule covers
+prefill, chunked prefill on top of cached context (prefix hits) and decode (q_len 1), so one
+code path serves any mix of them.
 
 Kernel design (Triton backend). One kernel serves the whole ragged mixed batch, because the
 engine schedules decode and prefill chunks into the same step (vLLM V1 style) and a single launch
@@ -31,7 +32,10 @@ its own tile size from the static ``max_query_len`` (1 for a pure decode step).
   refs themselves (num_blocks, max_blocks_per_seq, T, S) may have any size.
 * Keys are walked in tiles of KB up to the causal end of the tile's last query (not the whole
   table), with an online (flash) softmax in float32; logits beyond seq_len or the query's
-  position are masked with a finite value so no row ever computes inf - inf. Keys past the end
+  position are masked with a finite value so no row ever computes inf - inf. With a static
+  ``sliding_window`` W, keys at or before position - W are masked too and the walk starts at
+  the key tile of the tile's first query's window (tiles wholly before every row's window are
+  never loaded), so a query's cost is bounded by W, not by its position. Keys past the end
   are loaded as zeros so stale cache contents cannot leak NaN through p * V.
 * Tile sizes (``attention_common.launch_config``): for bfloat16, M = BQ x Gp is 128 rows
   (head_dim 64) or 64 (head_dim 128) for prefill and KB = 64 keys per step; float32 takes
@@ -70,6 +74,7 @@ from pallas_kernels.attention_common import (
     key_step,
     kv_head_spec,
     launch_config,
+    window_start_tile,
 )
 from pallas_kernels.common import check_backend, layer_operand, next_pow2, whole_block_spec
 from pallas_kernels.reference_attention import paged_attention_reference
@@ -78,7 +83,7 @@ from pallas_kernels.split_k_decode import paged_attention_split_k
 
 def _paged_attention_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, o_ref,
                             *, scale: float, group: int, group_pad: int, block_q: int,
-                            block_k: int):
+                            block_k: int, sliding_window: int | None):
     s = pl.program_id(0)
     tile = pl.program_id(1)
     h = pl.program_id(2)
@@ -112,17 +117,21 @@ def _paged_attention_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_r
         kv_end = jnp.minimum(seq_len, ctx_len + jnp.minimum(q_len, tile_start + block_q))
 
         body = functools.partial(key_step, bt_ref, k_ref, v_ref, layer_ref[0], s, q, q_pos,
-                                 kv_end, scale=scale, block_k=block_k)
-        acc, m_i, l_i = lax.fori_loop(0, pl.cdiv(kv_end, block_k), body,
+                                 kv_end, scale=scale, block_k=block_k,
+                                 sliding_window=sliding_window)
+        # A window starts the walk at the tile where the tile's first query's window starts.
+        kb_start = window_start_tile(ctx_len + tile_start, sliding_window, block_k)
+        acc, m_i, l_i = lax.fori_loop(kb_start, pl.cdiv(kv_end, block_k), body,
                                       kernel_init_state(rows_per_tile, head_dim))
-        # Every real row sees key 0, so l > 0 there; the guard only keeps masked rows finite.
+        # Every real row sees its own key, so l > 0 there; the guard only keeps masked rows
+        # finite.
         out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
         plgpu.store(o_ref.at[tok_idx, head_idx, d[None, :]], out.astype(o_ref.dtype),
                     mask=row_ok[:, None])
 
 
 def _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_start_loc, *,
-                            scale, max_query_len, interpret):
+                            scale, max_query_len, interpret, sliding_window):
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads = kv_cache.shape[:3]
     num_seqs = block_tables.shape[0]
@@ -133,7 +142,8 @@ def _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_st
                                                              q.dtype)
 
     kernel = functools.partial(_paged_attention_kernel, scale=float(scale), group=group,
-                               group_pad=group_pad, block_q=block_q, block_k=block_k)
+                               group_pad=group_pad, block_q=block_q, block_k=block_k,
+                               sliding_window=sliding_window)
     grid = (num_seqs, pl.cdiv(qmax, block_q), num_kv_heads)
 
     qsl = query_start_loc.astype(jnp.int32)
@@ -159,7 +169,7 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
                     block_tables: jax.Array,
                     seq_lens: jax.Array, query_start_loc: jax.Array, *, scale: float,
                     max_query_len: int | None = None, backend: str = "reference",
-                    num_splits: int = 1) -> jax.Array:
+                    num_splits: int = 1, sliding_window: int | None = None) -> jax.Array:
     """Causal attention of a ragged batch of queries against the paged KV cache.
 
     q: [T, num_heads, head_dim]; rows at index >= query_start_loc[-1] are padding.
@@ -175,6 +185,9 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
     is cut into num_splits parts that run in parallel, then merged exactly), which needs
     max_query_len == 1; ``attention_common.decode_num_splits`` sizes it. The reference backend
     computes the same attention unsplit.
+    sliding_window: static; a query at position p then sees keys p - sliding_window + 1 .. p
+    only (Hugging Face's window), and the kernels skip the key tiles wholly before it. None:
+    keys 0..p, the same compiled code as without the argument.
     Returns [T, num_heads, head_dim] in q's dtype; padding rows are zeros.
     """
     check_backend(backend)
@@ -184,15 +197,23 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
     if num_splits > 1 and max_query_len != 1:
         raise ValueError(f"num_splits > 1 is for decode steps (max_query_len 1), got "
                          f"max_query_len={max_query_len}")
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or int(sliding_window) != sliding_window \
+                or sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive integer or None, got "
+                             f"{sliding_window!r}")
+        sliding_window = int(sliding_window)
     if backend == "reference":
         return paged_attention_reference(q, kv_cache, layer, block_tables, seq_lens,
                                          query_start_loc, scale=scale,
-                                         max_query_len=max_query_len)
+                                         max_query_len=max_query_len,
+                                         sliding_window=sliding_window)
     if num_splits > 1:
         return paged_attention_split_k(
             q, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale=scale,
-            num_splits=num_splits, interpret=backend == "interpret")
+            num_splits=num_splits, interpret=backend == "interpret",
+            sliding_window=sliding_window)
     return _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_start_loc,
                                    scale=scale, max_query_len=max_query_len,
-                                   interpret=backend == "interpret")
-
+                                   interpret=backend == "interpret",
+                                   sliding_window=sliding_window)

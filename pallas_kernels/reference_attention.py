@@ -59,7 +59,9 @@ def _flash_update(carry, logits, mask, v, pv_spec):
     Masked logits get a finite value, so nothing computes inf - inf. Every real query sees key
     0 in the first tile, so from then on its running max is a real logit and a masked logit
     contributes exp(MASK_VALUE - max) == 0 exactly; rows with no visible key at all end up
-    finite but meaningless, and the callers discard them."""
+    finite but meaningless, and the callers discard them. With a sliding window a row may see
+    no key of its first tiles: its running max stays MASK_VALUE until its first visible key,
+    whose rescaling exp(MASK_VALUE - logit) == 0 wipes what those tiles added."""
     m_run, l_run, acc_run = carry
     logits = jnp.where(mask, logits, MASK_VALUE)
     m_new = jnp.maximum(m_run, logits.max(axis=-1))
@@ -76,9 +78,10 @@ def _init_state(shape, head_dim):
 
 
 def _token_pass(q, cache_rows, first_row, block_tables, seq_of, pos, tiles, *, scale, nb,
-                num_blocks):
+                num_blocks, window, first_tile):
     """Attention of every token t with tiles[t] > 0 against its own keys 0..pos[t] (tiles[t]
-    key tiles of nb blocks). Tokens are sorted by tile count (descending) and taken in groups
+    key tiles of nb blocks; with a sliding ``window``, keys pos[t] - window + 1..pos[t], tiles
+    from first_tile[t] on). Tokens are sorted by tile count (descending) and taken in groups
     of TC: the outer loop runs over the groups that have work, the inner loop over the key
     tiles of the group's longest token, so the work is about sum(tiles) x key tile whatever
     the padding. q: [T, KVH, G, D]. Returns [T, KVH, G, D] f32, zeros where tiles == 0."""
@@ -88,23 +91,34 @@ def _token_pass(q, cache_rows, first_row, block_tables, seq_of, pos, tiles, *, s
     tc = min(_REF_TOKEN_GROUP, num_tokens)
     order = jnp.argsort(-tiles, stable=True).astype(jnp.int32)
     # Per sorted slot: token, tiles (descending), sequence, position; one row per slot.
-    meta = jnp.stack([order, tiles[order], seq_of[order], pos[order]])
+    rows = [order, tiles[order], seq_of[order], pos[order]]
+    if window is not None:
+        rows.append(first_tile[order])
+    meta = jnp.stack(rows)
     num_groups = -(-jnp.sum(tiles > 0, dtype=jnp.int32) // tc)
 
     def group_body(carry):
         c, out = carry
         start = jnp.minimum(c * tc, num_tokens - tc)  # the last group may overlap the previous
-        tok, n_tiles, seq, q_pos = lax.dynamic_slice_in_dim(meta, start, tc, axis=1)
+        tok, n_tiles, seq, q_pos, *first = lax.dynamic_slice_in_dim(meta, start, tc, axis=1)
         q_g = (q[tok].astype(jnp.float32) * scale).transpose(1, 0, 2, 3)  # [KVH, TC, G, D]
 
         def key_body(j, state):
-            col = jnp.minimum(j * nb + jnp.arange(nb, dtype=jnp.int32), max_blocks - 1)
-            blk = jnp.clip(block_tables[seq[:, None], col[None, :]], 0, num_blocks - 1)
+            if window is None:
+                col = jnp.minimum(j * nb + jnp.arange(nb, dtype=jnp.int32), max_blocks - 1)
+                col = col[None, :]
+                key = (j * key_tile + jnp.arange(key_tile, dtype=jnp.int32))[None, :]
+            else:  # each token's j-th tile of its window
+                jt = (first[0] + j)[:, None]
+                col = jnp.minimum(jt * nb + jnp.arange(nb, dtype=jnp.int32), max_blocks - 1)
+                key = jt * key_tile + jnp.arange(key_tile, dtype=jnp.int32)
+            blk = jnp.clip(block_tables[seq[:, None], col], 0, num_blocks - 1)
             k = _gather_kv(cache_rows, first_row, 0, blk).reshape(num_kv_heads, tc, key_tile,
                                                                   head_dim)
             v = _gather_kv(cache_rows, first_row, 1, blk).reshape(k.shape)
-            key = j * key_tile + jnp.arange(key_tile, dtype=jnp.int32)
-            mask = (key[None, :] <= q_pos[:, None]) & (j < n_tiles)[:, None]  # [TC, KT]
+            mask = (key <= q_pos[:, None]) & (j < n_tiles)[:, None]  # [TC, KT]
+            if window is not None:
+                mask = mask & (key > q_pos[:, None] - window)
             # (Logits as [KVH, TC, KT, G] made the QK matmul alone faster but the whole step
             # slower: exp and reductions over a minor axis of 7.)
             logits = jnp.einsum("kwgd,kwjd->kwgj", q_g, k)
@@ -121,10 +135,11 @@ def _token_pass(q, cache_rows, first_row, block_tables, seq_of, pos, tiles, *, s
 
 
 def _tile_pass(out, q, cache_rows, first_row, block_tables, seq_lens, qsl, tiled_seq, *,
-               scale, nb, num_blocks):
+               scale, nb, num_blocks, window, first_tile):
     """Attention of the tokens of sequences with tiled_seq[s]: query tiles of BQ consecutive
     tokens of one sequence share each gathered key tile; an outer loop walks the tiles, an
-    inner loop the key tiles up to the tile's last query. Writes those rows of ``out``
+    inner loop the key tiles up to the tile's last query (with a sliding ``window``, from the
+    one where the tile's first query's window starts). Writes those rows of ``out``
     ([T, KVH, G, D] f32) and returns it; other rows are kept."""
     num_tokens, num_kv_heads, group, head_dim = q.shape
     max_blocks = block_tables.shape[1]
@@ -147,11 +162,15 @@ def _tile_pass(out, q, cache_rows, first_row, block_tables, seq_lens, qsl, tiled
     off = start - win
     pos0 = seq_lens[seq] - (qsl[seq + 1] - win)  # position of the window's first token
     key_tiles = -(-(pos0 + off + n_rows) // key_tile)  # keys 0 .. the last token's position
-    meta = jnp.stack([seq, win, off, n_rows, pos0, key_tiles])
+    rows = [seq, win, off, n_rows, pos0, key_tiles]
+    if window is not None:
+        rows.append(first_tile(pos0 + off))
+    meta = jnp.stack(rows)
 
     def tile_body(carry):
         k, out = carry
-        s, win, off, n_rows, pos0, key_tiles = lax.dynamic_slice_in_dim(meta, k, 1, axis=1)[:, 0]
+        s, win, off, n_rows, pos0, key_tiles, *first = \
+            lax.dynamic_slice_in_dim(meta, k, 1, axis=1)[:, 0]
         row_tok = jnp.arange(bq * group, dtype=jnp.int32) // group  # row r: token r // G
         q_pos = pos0 + row_tok
         row_ok = (row_tok >= off) & (row_tok < off + n_rows)
@@ -166,10 +185,12 @@ def _tile_pass(out, q, cache_rows, first_row, block_tables, seq_lens, qsl, tiled
             v_t = _gather_kv(cache_rows, first_row, 1, blk).reshape(k_t.shape)
             key = j * key_tile + jnp.arange(key_tile, dtype=jnp.int32)
             mask = (key[None, :] <= q_pos[:, None]) & row_ok[:, None]  # [BQ * G, KT]
+            if window is not None:
+                mask = mask & (key[None, :] > q_pos[:, None] - window)
             logits = jnp.einsum("kmd,kjd->kmj", q_t, k_t)
             return _flash_update(state, logits, mask[None], v_t, "kmj,kjd->kmd")
 
-        _, l_run, acc_run = lax.fori_loop(0, key_tiles, key_body,
+        _, l_run, acc_run = lax.fori_loop(first[0] if first else 0, key_tiles, key_body,
                                           _init_state((num_kv_heads, bq * group), head_dim))
         res = (acc_run / l_run[..., None]).reshape(num_kv_heads, bq, group, head_dim)
         # Window rows outside the tile belong to other tokens: keep what is there.
@@ -183,7 +204,8 @@ def _tile_pass(out, q, cache_rows, first_row, block_tables, seq_lens, qsl, tiled
 def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
                               block_tables: jax.Array, seq_lens: jax.Array,
                               query_start_loc: jax.Array, *, scale: float,
-                              max_query_len: int | None = None) -> jax.Array:
+                              max_query_len: int | None = None,
+                              sliding_window: int | None = None) -> jax.Array:
     """XLA version of ``paged_attention`` whose cost follows the real work, not the padding.
 
     Flash attention (online softmax, float32 throughout) in loops whose trip counts are
@@ -199,6 +221,10 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int | ja
 
     ``max_query_len`` (static) only prunes: below _REF_TILE_MIN_QUERIES (a pure decode step)
     the tile pass is not even compiled and every token takes the token pass.
+
+    ``sliding_window`` (static): a query at p sees keys p - sliding_window + 1..p, and both
+    passes start at the key tile where the window starts, so a query's cost is bounded by the
+    window. None compiles exactly the unwindowed loops.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
@@ -222,8 +248,18 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int | ja
     seq_of = jnp.clip(_count_le(qsl, t) - 1, 0, num_seqs - 1)
     pos = seq_lens[seq_of] - (qsl[seq_of + 1] - t)  # seq_len - q_len + index in the sequence
     kv_end = jnp.clip(pos + 1, 0, max_blocks * block_size)
-    token_tiles = jnp.where((t < qsl[-1]) & ~tiled_seq[seq_of],
-                            -(-kv_end // (nb * block_size)), 0)  # padding tokens: none
+    key_tile = nb * block_size
+
+    def first_tile(first_pos):
+        return None if sliding_window is None else \
+            jnp.maximum(first_pos - sliding_window + 1, 0) // key_tile
+
+    token_first = first_tile(pos)
+    token_end = -(-kv_end // key_tile)
+    if token_first is not None:
+        token_end = token_end - token_first
+    token_tiles = jnp.where((t < qsl[-1]) & ~tiled_seq[seq_of], token_end,
+                            0)  # padding tokens: none
 
     # q as [T, KVH, G, D]; the cache as rows of one block of one head (free reshapes): row
     # ((layer * 2 + kv) * KVH + head) * num_blocks + block.
@@ -235,9 +271,10 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int | ja
         return [((layer * 2 + which) * num_kv_heads + h) * num_blocks
                 for h in range(num_kv_heads)]
 
-    kw = dict(scale=scale, nb=nb, num_blocks=num_blocks)
-    out = _token_pass(q4, cache_rows, first_row, block_tables, seq_of, pos, token_tiles, **kw)
+    kw = dict(scale=scale, nb=nb, num_blocks=num_blocks, window=sliding_window)
+    out = _token_pass(q4, cache_rows, first_row, block_tables, seq_of, pos, token_tiles, **kw,
+                      first_tile=token_first)
     if use_tiles:
         out = _tile_pass(out, q4, cache_rows, first_row, block_tables, seq_lens, qsl, tiled_seq,
-                         **kw)
+                         **kw, first_tile=first_tile)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

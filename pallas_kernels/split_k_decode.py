@@ -11,7 +11,9 @@ context into ``num_splits`` parts that run in parallel and merges them exactly:
   runs the same online softmax. The cdiv(seq_len, KB) key tiles of a sequence are dealt out in
   runs of cdiv(tiles, num_splits) (``_decode_partition``), so any context length spreads over
   the splits; splits past a short context (and padding sequences) exit at once, writing
-  nothing. Each real head row writes its unnormalised float32 accumulator to
+  nothing. With a sliding window only the tiles from the window's first one are dealt out, so
+  the splits share the window's keys, not the whole context's. Each real head row writes its
+  unnormalised float32 accumulator to
   acc [S, num_splits, num_heads, head_dim] and its running max and sum to two
   [S, num_splits, num_heads] float32 arrays (scratch outputs: head_dim x 4 + 8 bytes per
   sequence, split and head, small next to the K/V a split reads).
@@ -40,24 +42,28 @@ from pallas_kernels.attention_common import (
     key_step,
     kv_head_spec,
     launch_config,
+    window_start_tile,
 )
 from pallas_kernels.common import layer_operand, next_pow2, whole_block_spec
 
 
-def _decode_partition(seq_len, p, num_splits: int, block_k: int):
-    """Key tiles [start, end) of split ``p`` of a decode context of ``seq_len`` keys: the
-    cdiv(seq_len, KB) key tiles are dealt out in runs of cdiv(tiles, num_splits), so every
+def _decode_partition(seq_len, p, num_splits: int, block_k: int,
+                      sliding_window: int | None):
+    """Key tiles [start, end) of split ``p`` of a decode context of ``seq_len`` keys: the key
+    tiles the query sees (cdiv(seq_len, KB) of them, or with a ``sliding_window`` those from
+    the tile where its window starts) are dealt out in runs of cdiv(tiles, num_splits), so every
     sequence spreads over all splits whatever its length (a short one fills the first splits
     and leaves the rest empty: start >= end). The split kernel and the combine both use it."""
     num_tiles = pl.cdiv(seq_len, block_k)
-    per_split = pl.cdiv(num_tiles, num_splits)
-    start = p * per_split
+    first = window_start_tile(seq_len - 1, sliding_window, block_k)
+    per_split = pl.cdiv(num_tiles - first, num_splits)
+    start = first + p * per_split
     return start, jnp.minimum(start + per_split, num_tiles)
 
 
 def _decode_split_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, acc_ref,
                          m_ref, l_ref, *, scale: float, group: int, rows: int, block_k: int,
-                         num_splits: int):
+                         num_splits: int, sliding_window: int | None):
     """Split-K decode, pass 1: program (s, p, h) runs the online softmax of the G query heads
     of KV head h of sequence s over the key tiles of split p and writes the unnormalised
     accumulator, running max and running sum of each head to the scratch outputs. Padding
@@ -69,7 +75,7 @@ def _decode_split_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref,
     tok = qsl_ref[s]
     q_len = qsl_ref[s + 1] - tok
     seq_len = seq_lens_ref[s]
-    kb_start, kb_end = _decode_partition(seq_len, p, num_splits, block_k)
+    kb_start, kb_end = _decode_partition(seq_len, p, num_splits, block_k, sliding_window)
 
     @pl.when((q_len > 0) & (kb_start < kb_end))
     def _():
@@ -79,9 +85,10 @@ def _decode_split_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref,
         d = jnp.arange(head_dim)
         q = plgpu.load(q_ref.at[tok, head_idx[:, None], d[None, :]], mask=row_ok[:, None],
                        other=0.0)
-        q_pos = jnp.full((rows,), seq_len - 1)  # the decode token sees the whole context
+        q_pos = jnp.full((rows,), seq_len - 1)  # the decode token is the context's last
         body = functools.partial(key_step, bt_ref, k_ref, v_ref, layer_ref[0], s, q, q_pos,
-                                 seq_len, scale=scale, block_k=block_k)
+                                 seq_len, scale=scale, block_k=block_k,
+                                 sliding_window=sliding_window)
         acc, m_i, l_i = lax.fori_loop(kb_start, kb_end, body,
                                       kernel_init_state(rows, head_dim))
         plgpu.store(acc_ref.at[s, p, head_idx[:, None], d[None, :]], acc, mask=row_ok[:, None])
@@ -90,7 +97,8 @@ def _decode_split_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref,
 
 
 def _decode_combine_kernel(seq_lens_ref, qsl_ref, acc_ref, m_ref, l_ref, o_ref, *,
-                           heads_pad: int, block_k: int, num_splits: int):
+                           heads_pad: int, block_k: int, num_splits: int,
+                           sliding_window: int | None):
     """Split-K decode, pass 2: program s merges the splits of sequence s for all its query
     heads at once, exactly (the same rescaling as one more online-softmax step per split).
     Empty splits load as (max MASK_VALUE, sum 0, acc 0), a finite stand-in for (-inf, 0, 0):
@@ -111,7 +119,7 @@ def _decode_combine_kernel(seq_lens_ref, qsl_ref, acc_ref, m_ref, l_ref, o_ref, 
 
         def merge(p, carry):
             acc, m_run, l_run = carry
-            start, end = _decode_partition(seq_len, p, num_splits, block_k)
+            start, end = _decode_partition(seq_len, p, num_splits, block_k, sliding_window)
             ok = head_ok & (start < end)
             m_p = plgpu.load(m_ref.at[s, p, head_idx], mask=ok, other=MASK_VALUE)
             l_p = plgpu.load(l_ref.at[s, p, head_idx], mask=ok, other=0.0)
@@ -132,7 +140,7 @@ def _decode_combine_kernel(seq_lens_ref, qsl_ref, acc_ref, m_ref, l_ref, o_ref, 
 def paged_attention_split_k(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
                             block_tables: jax.Array, seq_lens: jax.Array,
                             query_start_loc: jax.Array, *, scale: float, num_splits: int,
-                            interpret: bool) -> jax.Array:
+                            interpret: bool, sliding_window: int | None = None) -> jax.Array:
     """Split-K (flash-decoding) paged attention for max_query_len 1 (backend "pallas"):
     grid (S, num_splits, KVH) writing float32 scratch (acc [S, splits, H, D], max and sum
     [S, splits, H]), then a combine kernel over grid (S,)."""
@@ -150,7 +158,8 @@ def paged_attention_split_k(q: jax.Array, kv_cache: jax.Array, layer: int | jax.
     acc_shape = stats_shape + (head_dim,)
     acc, m_run, l_run = pl.pallas_call(
         functools.partial(_decode_split_kernel, scale=float(scale), group=group, rows=rows,
-                          block_k=block_k, num_splits=num_splits),
+                          block_k=block_k, num_splits=num_splits,
+                          sliding_window=sliding_window),
         grid=(num_seqs, num_splits, num_kv_heads),
         in_specs=[whole_block_spec((1,)), whole_block_spec(block_tables.shape),
                   whole_block_spec(seq_lens.shape), whole_block_spec(qsl.shape),
@@ -168,7 +177,8 @@ def paged_attention_split_k(q: jax.Array, kv_cache: jax.Array, layer: int | jax.
       kv_cache, kv_cache)
     out = pl.pallas_call(
         functools.partial(_decode_combine_kernel, heads_pad=next_pow2(num_heads),
-                          block_k=block_k, num_splits=num_splits),
+                          block_k=block_k, num_splits=num_splits,
+                          sliding_window=sliding_window),
         grid=(num_seqs,),
         in_specs=[whole_block_spec(seq_lens.shape), whole_block_spec(qsl.shape),
                   whole_block_spec(acc_shape), whole_block_spec(stats_shape),

@@ -107,8 +107,7 @@ class EngineArgs:
               "gpu_memory_utilization on GPU")
     max_model_len: int | None = _arg(
         None, "longest prompt + output; not given: the positions the model takes (its "
-              "max_position_embeddings, times the factor of a linear or YaRN RoPE scaling), "
-              "at most its sliding window (attention past it is not supported)")
+              "max_position_embeddings, times the factor of a linear or YaRN RoPE scaling)")
     max_num_seqs: int = _arg(64, "sequences per step")
     max_num_batched_tokens: int = _arg(
         512, "token budget per step (longer prompts are prefilled in chunks)")

@@ -42,7 +42,6 @@ from jaxllm.engine import (
 )
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.model_loader.loader import load_model
-from jaxllm.model_executor.models.registry import check_context, context_len
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
 from jaxllm.sample.logprobs import LogprobsLists
@@ -119,8 +118,7 @@ class EngineCore:
                             kernel_backend=config.kernel_backend,
                             gguf_layout=config.gguf_layout)
         model_config = loaded.config
-        max_model_len = config.max_model_len or context_len(model_config)
-        check_context(model_config, max_model_len)
+        max_model_len = config.max_model_len or model_config.max_context_len
         if max_model_len > model_config.max_context_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the "
                              f"{model_config.max_context_len} positions the model takes "

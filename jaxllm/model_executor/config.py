@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,11 +184,18 @@ class ModelConfig:
     # A GGUF's `rope_freqs` tensor (llama.cpp's form of Llama 3's scaling): each frequency is
     # divided by its factor.
     rope_freq_factors: tuple[float, ...] | None = None
-    # Tokens each one attends back over; None: the whole context. No model here runs a window:
-    # the registry refuses one shorter than the context.
+    # Keys a query sees, its own position included (Hugging Face's window: a query at p sees
+    # keys k with p - sliding_window < k <= p); None: the whole context, on every layer.
     sliding_window: int | None = None
     # Mixture-of-experts feed-forward of the MoE families; None: every layer's MLP is dense.
     moe: MoEConfig | None = None
+    # Layers that attend to the whole context although the model has a window (Qwen2's
+    # first max_window_layers, or its `layer_types`); every other layer slides.
+    full_attention_layers: tuple[int, ...] = ()
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of layer `layer`'s attention; None: the whole context."""
+        return None if layer in self.full_attention_layers else self.sliding_window
 
     @property
     def max_context_len(self) -> int:
@@ -221,6 +229,15 @@ class ModelConfig:
                    for t in self.eos_token_ids):
             raise ValueError(f"model config: eos_token_id must be token ids, got "
                              f"{list(self.eos_token_ids)!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or not 0 < window < 2**31):
+            raise ValueError(f"model config: sliding_window must be a positive integer below "
+                             f"2**31 or null, got {window!r}")
+        if not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers
+                   for i in self.full_attention_layers):
+            raise ValueError(f"model config: full_attention_layers must be layer indices, got "
+                             f"{self.full_attention_layers!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple "
@@ -281,10 +298,7 @@ class ModelConfig:
         else:
             bias = not mistral and bool(cfg.get("attention_bias", False))
             o_bias = bias
-        # Mistral's config class fills in a 4096-token window when the file names none.
-        window = cfg.get("sliding_window", 4096 if architecture == "MistralForCausalLM" else None)
-        if not mistral and not cfg.get("use_sliding_window", False):
-            window = None  # Qwen configs carry a window they do not use unless told to
+        window, full_layers = _hf_sliding_window(cfg, architecture)
         moe = MoEConfig.from_hf(cfg, architecture) if architecture in MOE_ARCHITECTURES else None
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -308,6 +322,7 @@ class ModelConfig:
                                              cfg.get("original_max_position_embeddings")),
             sliding_window=window,
             moe=moe,
+            full_attention_layers=full_layers,
         )
 
     def with_generation_config(self, path: str | Path) -> ModelConfig:
@@ -400,8 +415,60 @@ class ModelConfig:
             o_proj_bias=o_proj_bias,
             rope_scaling=scaling,
             rope_freq_factors=rope_freq_factors,
-            sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+            # llama.cpp names one window for every layer.
+            sliding_window=_window(meta.get(f"{arch}.attention.sliding_window")),
         )
+
+
+def _hf_sliding_window(cfg: dict[str, Any], architecture: str
+                       ) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding_window, full_attention_layers) as transformers builds the attention of each
+    layer: Mistral slides on every layer (its config class fills in a 4096-token window when
+    the file names none; it ignores `layer_types`); Qwen2/Qwen3 configs carry a window they use
+    only with `use_sliding_window`, and then on the layers `layer_types` names
+    "sliding_attention", by default those from `max_window_layers` on. A model none of whose
+    layers slides has no window."""
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
+        default = 4096 if architecture == "MistralForCausalLM" else None
+        return cfg.get("sliding_window", default), ()
+    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
+    if window is None:
+        return None, ()
+    if architecture == "Qwen3MoeForCausalLM":  # every layer, as Mistral's
+        return window, ()
+    num_layers = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        first = cfg.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise ValueError(f"model config: max_window_layers must be an integer, got "
+                             f"{first!r}")
+        n = num_layers if isinstance(num_layers, int) else 0
+        if architecture == "Qwen2MoeForCausalLM":  # its config's own rule: even layers below
+            layer_types = ["sliding_attention" if i % 2 == 0 and i < first
+                           else "full_attention" for i in range(n)]
+        else:
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(n)]
+    if not isinstance(layer_types, list) or not set(layer_types) <= {"sliding_attention",
+                                                                      "full_attention"}:
+        raise ValueError(f"model config: layer_types must list \"sliding_attention\" or "
+                         f"\"full_attention\" per layer, got {layer_types!r}")
+    if len(layer_types) != num_layers:
+        raise ValueError(f"model config: layer_types names {len(layer_types)} layers, "
+                         f"num_hidden_layers is {num_layers}")
+    full = tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")
+    if len(full) == len(layer_types):
+        return None, ()
+    return window, full
+
+
+def _window(value: Any) -> Any:
+    """A GGUF window as an int (the reader may hand back numpy integers); anything else as is,
+    for __post_init__ to name."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        return value
+    return operator.index(value)
 
 
 def _quotient(hidden: Any, num_heads: Any) -> Any:

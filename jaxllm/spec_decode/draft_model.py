@@ -26,7 +26,6 @@ import numpy as np
 from jaxllm.config import EngineConfig
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.loader import load_model
-from jaxllm.model_executor.models.registry import context_len
 from jaxllm.worker.model_runner import ModelRunner
 from scheduler import ScheduledRequest, SchedulerOutput
 
@@ -64,9 +63,9 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
                              f"{draft.vocab_size} tokens, the target {target.vocab_size}: a "
                              f"draft model must share the target's vocabulary")
-        if context_len(draft) < max_model_len:
+        if draft.max_context_len < max_model_len:
             raise ValueError(f"speculative_config.model {spec.model!r} handles "
-                             f"{context_len(draft)} positions, fewer than "
+                             f"{draft.max_context_len} positions, fewer than "
                              f"max_model_len={max_model_len}")
         self.k = spec.num_speculative_tokens
         self.max_model_len = max_model_len

@@ -14,6 +14,7 @@ from pallas_kernels.checks.check_lowering import (
     DTYPES,
     KERNEL_MODULES,
     MODEL_SHAPES,
+    TRITON_CALL,
     format_table,
     iter_cases,
     run_checks,
@@ -28,6 +29,17 @@ from pallas_kernels.checks.lowering_cases import (
 )
 from pallas_kernels.checks.shapes import QWEN2_SHAPES
 from pallas_kernels.checks.triton_compile import lowered_triton_kernels, triton_kernels
+from pallas_kernels.common import lower_for_cuda
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_windowed_attention_lowers_for_cuda(phase: str) -> None:
+    # Paged attention and split-K decode with a sliding window (Mistral's size) at the
+    # smallest model's shapes, both dtypes: masks and the window's first key tile lower too.
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for name, fn, args in paged_attention_cases(QWEN2_SHAPES["qwen2.5-0.5b"], dtype, phase,
+                                                    sliding_window=4096):
+            assert TRITON_CALL in lower_for_cuda(fn, args).as_text(), name
 
 
 @pytest.mark.parametrize("module", KERNEL_MODULES)

@@ -13,9 +13,7 @@ from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from jaxllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from jaxllm.model_executor.models.registry import (
     SUPPORTED_ARCHITECTURES,
-    check_context,
     check_supported,
-    context_len,
     get_model_class,
 )
 
@@ -53,25 +51,57 @@ def test_unsupported_architectures_are_named_with_the_supported_ones():
         _cfg(model_type="gpt2")
 
 
-def test_a_sliding_window_caps_the_context():
+def test_a_sliding_window_keeps_the_whole_context():
+    """A window is attention over the window on its layers: the context stays the model's
+    positions."""
     windowed = _cfg(model_type="mistral", sliding_window=64)
     check_supported(windowed)
-    assert context_len(windowed) == 64
-    check_context(windowed, 64)
-    with pytest.raises(ValueError, match=r"max_model_len 65 exceeds MistralForCausalLM's "
-                                         r"sliding window \(sliding_window 64\).*<= 64"):
-        check_context(windowed, 65)
-    whole = _cfg(model_type="mistral", sliding_window=256)  # covers the context
-    assert context_len(whole) == 256
-    check_context(whole, 256)
+    assert windowed.sliding_window == 64
+    assert windowed.layer_sliding_window(0) == 64  # Mistral: every layer
+    assert windowed.max_context_len == 256
     # Qwen configs carry a window they do not use unless use_sliding_window says so.
     unused = _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=64)
-    assert context_len(unused) == 256
-    check_context(unused, 256)
-    used = _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=True)
-    assert context_len(used) == 64
-    with pytest.raises(ValueError, match="sliding window"):
-        check_context(used, 128)
+    assert unused.sliding_window is None and unused.layer_sliding_window(0) is None
+
+
+def _windows(**kw) -> list[int | None]:
+    config = _cfg(**{"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
+                     "sliding_window": 8, "use_sliding_window": True, **kw})
+    return [config.layer_sliding_window(i) for i in range(4)]
+
+
+def test_qwen_sliding_layers_are_transformers():
+    # Layers from max_window_layers on slide (transformers' default layer_types)...
+    assert _windows(max_window_layers=1) == [None, 8, 8, 8]
+    assert _windows(max_window_layers=0) == [8, 8, 8, 8]
+    # ... none past the last layer: no window at all (the default max_window_layers is 28).
+    assert _windows() == [None] * 4
+    assert _cfg(architectures=["Qwen2ForCausalLM"], sliding_window=8,
+                use_sliding_window=True).sliding_window is None
+    # An explicit layer_types wins over max_window_layers; Qwen3 reads the same fields.
+    kinds = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    assert _windows(max_window_layers=0, layer_types=kinds) == [8, None, 8, None]
+    assert _windows(architectures=["Qwen3ForCausalLM"], max_window_layers=2) \
+        == [None, None, 8, 8]
+    # ... and without use_sliding_window, layer_types slides nothing.
+    assert _windows(use_sliding_window=False, layer_types=kinds) == [None] * 4
+    with pytest.raises(ValueError, match="layer_types names 3 layers, num_hidden_layers is 4"):
+        _windows(layer_types=kinds[:3])
+    with pytest.raises(ValueError, match="layer_types must list"):
+        _windows(layer_types=["chunked_attention"] * 4)
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        _windows(sliding_window=0, max_window_layers=0)
+
+
+def test_gguf_sliding_window_is_every_layers():
+    meta = {"general.architecture": "llama", "llama.block_count": 2,
+            "llama.embedding_length": 32, "llama.feed_forward_length": 64,
+            "llama.attention.head_count": 4, "llama.context_length": 256,
+            "llama.attention.sliding_window": 16}
+    config = ModelConfig.from_gguf_metadata(meta, vocab_size=64, tied=False)
+    assert [config.layer_sliding_window(i) for i in range(2)] == [16, 16]
+    del meta["llama.attention.sliding_window"]
+    assert ModelConfig.from_gguf_metadata(meta, vocab_size=64, tied=False).sliding_window is None
 
 
 def test_rope_parameters_in_both_config_forms():
@@ -164,6 +194,35 @@ def test_a_mistral_config_without_a_window_has_mistrals_default_one():
     # transformers' MistralConfig fills in 4096 when the file names no sliding_window.
     config = _cfg(model_type="mistral", max_position_embeddings=32768)
     assert config.sliding_window == 4096
-    assert context_len(config) == 4096
-    with pytest.raises(ValueError, match="sliding_window 4096"):
-        check_context(config, 8192)
+    assert config.max_context_len == 32768  # the whole context, through the window
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("Qwen2MoeForCausalLM", dict(use_sliding_window=True, max_window_layers=3)),
+    ("Qwen2MoeForCausalLM", dict(use_sliding_window=False)),
+    ("Qwen3MoeForCausalLM", dict(use_sliding_window=True)),
+    ("Qwen3MoeForCausalLM", dict(use_sliding_window=False)),
+    ("MixtralForCausalLM", dict(sliding_window=32)),
+    ("MixtralForCausalLM", dict()),
+])
+def test_mixture_of_experts_windows_follow_transformers(arch, extra):
+    """Which layers slide, as transformers' configs and attention modules decide it."""
+    transformers = pytest.importorskip("transformers")
+    fields = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                  num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  max_position_embeddings=256, **extra)
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    hf = config_cls(**{k: v for k, v in fields.items()
+                       if k not in ("num_experts", "num_local_experts")
+                       or k == ("num_local_experts" if arch.startswith("Mixtral")
+                                else "num_experts")})
+    layer_types = getattr(hf, "layer_types", None)
+    if arch == "Qwen2MoeForCausalLM":
+        window = hf.sliding_window if hf.use_sliding_window else None
+        want = [window if kind == "sliding_attention" else None for kind in layer_types]
+    else:  # Qwen3-MoE and Mixtral: the config's window on every layer
+        want = [hf.sliding_window] * 4
+    ours = ModelConfig.from_hf_config({**hf.to_dict(), "architectures": [arch]})
+    assert [ours.layer_sliding_window(i) for i in range(4)] == want

@@ -7,16 +7,15 @@ YaRN (a tied Qwen3) and Mistral without a sliding window, each chosen by the che
 `architectures` through the model registry: batch logits with the reference and the Pallas
 (interpret) kernels, greedy tokens through LLM, and the same tokens under preemption, chunked
 prefill and prefix-cache hits. Prompts run to position ~200, past the 64 positions the scaled
-RoPEs were "trained" on. A foreign architecture is refused by name; a Mistral sliding window
-caps the context (its greedy tokens are HF's windowed model's up to the window, a longer
-max_model_len is refused naming it).
+RoPEs were "trained" on. A foreign architecture is refused by name. Sliding windows (Mistral's
+on every layer, Qwen2's on the layers past max_window_layers) run the whole context: logits and
+greedy tokens far past the window are HF's windowed model's.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
 import shutil
 
 import gguf
@@ -257,35 +256,70 @@ def test_unsupported_gguf_architecture_is_refused_by_name(tmp_path):
         assert arch in message.lower()
 
 
-def test_a_sliding_window_caps_the_context(family, tmp_path):
-    """A window of 48 positions: the engine's context defaults to it and runs as HF's windowed
-    model does; a longer max_model_len is refused naming the window."""
+# A window of 24 positions, far shorter than the prompts below (up to position ~170).
+WINDOW = 24
+
+
+def _windowed(family, tmp_path, name):
+    """(checkpoint, HF model, the same weights' HF model without a window, per-layer windows):
+    Mistral slides on every layer; Qwen2 with use_sliding_window and max_window_layers 1 on
+    its second layer only."""
     from transformers import AutoModelForCausalLM
 
-    path = _with_config(family("mistral")[0], tmp_path / "windowed", sliding_window=48)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert hf.config.sliding_window == 48
-    llm = make_llm(path, dtype="float32", max_model_len=None)
-    assert llm.llm_engine.max_model_len == 48
-    prompts = _prompts(6, [5, 31])
-    with torch.no_grad():
-        want = [hf_greedy_tokens(hf, p, 48 - len(p)) for p in prompts]
-    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)  # up to the window
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
-    assert [len(p) + len(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)] \
-        == [48, 48]
-    llm.shutdown()
-    with pytest.raises(ValueError) as e:
-        make_llm(path, dtype="float32", max_model_len=64)
-    message = str(e.value)
-    assert re.search(r"(?i)sliding[_ ]window", message) and "48" in message, message
-    # A window as long as the context is no window: the whole context, HF's logits.
-    path = _with_config(family("mistral")[0], tmp_path / "whole", sliding_window=512)
+    if name == "mistral":
+        path = _with_config(family("mistral")[0], tmp_path / "windowed", sliding_window=WINDOW)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        windows = [WINDOW, WINDOW]
+    else:
+        path = tmp_path / "qwen2"
+        hf = make_tiny_checkpoint(path, arch="qwen2", tied=False, seed=16,
+                                  use_sliding_window=True, sliding_window=WINDOW,
+                                  max_window_layers=1)
+        windows = [None, WINDOW]
+    assert _hf_windows(hf) == windows
+    full = AutoModelForCausalLM.from_pretrained(
+        _with_config(path, tmp_path / "full", sliding_window=None, use_sliding_window=False,
+                     **({} if name == "mistral" else {"layer_types": None})),
+        dtype=torch.float32).eval()
+    assert _hf_windows(full) == [None, None]
+    return path, hf, full, windows
+
+
+def _hf_windows(hf) -> list[int | None]:
+    """Each layer's window as transformers runs it (Mistral's attention reads the config's)."""
+    return [getattr(layer.self_attn, "sliding_window", hf.config.sliding_window)
+            for layer in hf.model.layers]
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2"])
+def test_a_sliding_window_runs_past_the_window(family, tmp_path, name):
+    """The engine takes the model's whole context, and positions far past the window are HF's
+    windowed model's: logits on both kernel backends, greedy tokens through LLM with chunked
+    prefill (16-token steps) and a prefix-cache hit (the second prompt shares 96 tokens)."""
+    path, hf, full, windows = _windowed(family, tmp_path, name)
     loaded = load_model(path, progress=False)
-    prompt = _prompts(5, [70])[0]
-    np.testing.assert_allclose(our_logits(loaded, [prompt], "reference")[0],
-                               hf_logits(family("mistral")[1], prompt), atol=1e-4, rtol=0)
+    assert [loaded.config.layer_sliding_window(i) for i in range(2)] == windows
+    prompts = _prompts(7, [150, 40])
+    want = [hf_logits(hf, p) for p in prompts]
+    # The window counts: without it the logits past the window are another model's, by far
+    # more than the tolerance below.
+    assert np.abs(hf_logits(full, prompts[0]) - want[0])[WINDOW:].max() > 1e-3
+    for backend in ("reference", "interpret"):
+        for got, ref in zip(our_logits(loaded, prompts, backend), want, strict=True):
+            np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, err_msg=backend)
+
+    llm = make_llm(path, dtype="float32", max_model_len=None, max_num_batched_tokens=16,
+                   enable_prefix_caching=True)
+    assert llm.llm_engine.max_model_len == 512  # max_position_embeddings, not the window
+    base = _prompts(8, [150])[0]
+    second = base[:96] + _prompts(9, [30])[0]
+    for prompt in (base, second):
+        out = _greedy(llm, [prompt])[0]
+        with torch.no_grad():
+            assert out.outputs[0].token_ids == hf_greedy_tokens(hf, prompt, MAX_NEW), \
+                f"{name}, prompt of {len(prompt)} tokens"
+    assert out.num_cached_tokens >= 80  # full blocks of the shared prefix
+    llm.shutdown()
 
 
 # --- GGUF files of these families, converted as llama.cpp converts them --------------------------

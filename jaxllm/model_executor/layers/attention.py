@@ -58,6 +58,8 @@ class Attention(nn.Module):
     layer_idx: int
     backend: str  # the kernel backend (RoPE and the KV write)
     impl: str | None = None  # `attention_impl`'s choice; None: the kernel backend's
+    # Keys each query sees, its own included (ModelConfig.layer_sliding_window); None: all.
+    sliding_window: int | None = None
 
     @nn.compact
     def __call__(self, qkv: jax.Array, bias: jax.Array | None, positions: jax.Array,
@@ -72,11 +74,12 @@ class Attention(nn.Module):
         if self.impl == CPU_KERNEL:
             out = cpu_attention.paged_attention(
                 q, kv_cache, self.layer_idx, attn_metadata.block_tables,
-                attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=scale)
+                attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=scale,
+                sliding_window=self.sliding_window)
         else:
             out = paged_attention(
                 q, kv_cache, self.layer_idx, attn_metadata.block_tables,
                 attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=scale,
                 max_query_len=max_query_len, backend=self.impl or self.backend,
-                num_splits=num_splits)
+                num_splits=num_splits, sliding_window=self.sliding_window)
         return out.reshape(-1, self.num_heads * self.head_dim), kv_cache

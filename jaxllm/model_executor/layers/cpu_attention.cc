@@ -1,7 +1,8 @@
 // Paged attention on CPU, an XLA FFI custom call (cpu_attention.py beside it builds and
 // registers it).
 //
-// Each query token attends to its own sequence's keys 0..its position, read block by block
+// Each query token attends to its own sequence's keys 0..its position (with a sliding window W,
+// position - W + 1..its position; blocks wholly before the window are not read), block by block
 // through the block table straight from the all-layer cache; online softmax in float32 (the
 // running max, the sum of exponentials, the weighted values). The query heads of one KV head
 // and up to kQueryTile consecutive queries of a sequence go together, so each key and value row
@@ -115,6 +116,7 @@ struct Problem {
   float* out;              // [T, H, D]
   int64_t T, H, D, KVH, NB, BS, S, MB, layer;
   float scale;
+  int64_t window;  // keys a query sees, its own included; 0: all of them
 };
 
 constexpr int64_t kMaxHeadDim = 256;
@@ -170,14 +172,15 @@ inline void weigh_values(f32x16* acc, const float* probs, const float* values, i
 }
 
 // The logits of keys 0 .. 15 of a chunk (rows D floats apart from `keys`, the first `rows` of
-// them there) for the tile's (query, head) rows from query i0 on (G heads per query, query
-// vectors `qs`, C per row): query i sees min(cap, seen + i) of them, the rest are -inf. Each
-// key row is loaded once for all of them, the first kKeysInRegisters vectors into registers.
-// Not inlined: the register allocator sees this loop nest alone.
+// them there) for the tile's (query, head) rows of queries i0 .. i1 - 1 (G heads per query,
+// query vectors `qs`, C per row): query i sees keys from below + i + 1 to
+// min(cap, seen + i) - 1, the rest are -inf. Each key row is loaded once for all of them, the
+// first kKeysInRegisters vectors into registers. Not inlined: the register allocator sees this
+// loop nest alone.
 template <int C>
 [[gnu::noinline]] void chunk_logits(const f32x16* qs, const float* keys, int64_t rows,
-                                    int64_t cap, int64_t seen, int64_t i0, int64_t nq,
-                                    int64_t G, float* logits) {
+                                    int64_t cap, int64_t seen, int64_t below, int64_t i0,
+                                    int64_t i1, int64_t G, float* logits) {
   constexpr int64_t D = C * kLanes;
   constexpr int kKeys = std::min(C, kKeysInRegisters);
   for (int64_t j = 0; j < kLanes; ++j) {
@@ -188,8 +191,8 @@ template <int C>
 #pragma GCC unroll 16
       for (int c = 0; c < kKeys; ++c) k[c] = load(kj + c * kLanes);
     }
-    for (int64_t i = i0; i < nq; ++i) {
-      const bool visible = row && j < std::min(cap, seen + i);
+    for (int64_t i = i0; i < i1; ++i) {
+      const bool visible = row && j < std::min(cap, seen + i) && j > below + i;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g;
         if (!visible) {
@@ -246,7 +249,11 @@ template <int C>
   const int64_t head_stride = p.NB * p.BS * D;
   const float* k_head = p.kv + ((p.layer * 2 + 0) * p.KVH + h) * head_stride;
   const float* v_head = p.kv + ((p.layer * 2 + 1) * p.KVH + h) * head_stride;
-  for (int64_t start = 0; start <= last; start += p.BS) {
+  // Without a window every key is at or after every query's window start.
+  const int64_t window = p.window > 0 ? p.window : pos0 + nq;
+  // From the block where the tile's first query's window starts.
+  const int64_t first_key = std::max<int64_t>(0, pos0 - window + 1);
+  for (int64_t start = first_key - first_key % p.BS; start <= last; start += p.BS) {
     const int64_t blk = std::clamp<int64_t>(p.tables[s * p.MB + start / p.BS], 0, p.NB - 1);
     const float* kb = k_head + blk * p.BS * D;
     const float* vb = v_head + blk * p.BS * D;
@@ -267,17 +274,22 @@ template <int C>
     const int64_t first = std::max<int64_t>(0, start - pos0);
     for (int64_t j0 = 0; j0 < n_last; j0 += kLanes) {
       const int64_t i0 = std::max<int64_t>(first, start + j0 - pos0);  // first query seeing j0
+      // Queries from i1 on have their window start past this chunk's last key: they skip it
+      // (a row must never take a step with every key -inf: its max would stay -inf).
+      const int64_t n_chunk = std::min<int64_t>(kLanes, n_last - j0);
+      const int64_t i1 = std::min<int64_t>(nq, start + j0 + n_chunk - pos0 + window - 1);
+      // Query i sees chunk key j from j > below + i: key start + j0 + j > pos0 + i - window.
+      const int64_t below = pos0 - window - start - j0;
       // Keys of this chunk visible to query i: nj(i) = min(16, position + 1 - key j0), the
       // rest are -inf (exp gives exactly 0, and nothing is weighted for them).
       auto nj = [&](int64_t i) {
         return std::min<int64_t>({kLanes, p.BS - j0, pos0 + i + 1 - start - j0});
       };
-      chunk_logits<C>(qs, kb + j0 * D, std::min<int64_t>(kLanes, n_last - j0),
-                      std::min<int64_t>(kLanes, p.BS - j0), pos0 + 1 - start - j0, i0, nq, G,
-                      logits);
+      chunk_logits<C>(qs, kb + j0 * D, n_chunk, std::min<int64_t>(kLanes, p.BS - j0),
+                      pos0 + 1 - start - j0, below, i0, i1, G, logits);
       // The online-softmax step of every row first (its exp is a call, which would make the
       // value loop below keep its registers on the stack), then the values.
-      for (int64_t r = i0 * G; r < nq * G; ++r) {
+      for (int64_t r = i0 * G; r < i1 * G; ++r) {
         const f32x16 lv = load(logits + r * kLanes);
         const float m_new = std::max(m[r], lane_max(lv));
         const float alpha = std::exp(m[r] - m_new);  // 0 on the first keys (m = -inf)
@@ -287,7 +299,7 @@ template <int C>
         m[r] = m_new;
         alphas[r] = alpha;
       }
-      for (int64_t i = i0; i < nq; ++i) {
+      for (int64_t i = i0; i < i1; ++i) {
         const int64_t n_i = nj(i);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * G + g;
@@ -323,24 +335,24 @@ struct Item {
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
                      ffi::Buffer<ffi::S32> qsl, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
-                     float scale) {
+                     float scale, int64_t window) {
   auto qd = q.dimensions(), kd = kv.dimensions(), td = tables.dimensions();
   auto sd = seq_lens.dimensions(), ld = qsl.dimensions(), od = out->dimensions();
   if (qd.size() != 3 || kd.size() != 6 || td.size() != 2 || sd.size() != 1 || ld.size() != 1 ||
       kd[1] != 2 || kd[5] != qd[2] || qd[2] % kLanes != 0 || qd[2] > kMaxHeadDim ||
       kd[2] == 0 || qd[1] % kd[2] != 0 || td[0] != sd[0] || ld[0] != sd[0] + 1 || layer < 0 ||
-      layer >= kd[0] || kd[3] == 0 || td[1] == 0) {
+      layer >= kd[0] || kd[3] == 0 || td[1] == 0 || window < 0) {
     return ffi::Error::InvalidArgument(
         "cpu_paged_attention: expected q [T, H, D], kv [L, 2, KVH, NB, BS, D] with D a multiple "
         "of 16 up to 256 and H a multiple of KVH, block tables [S, MB], seq_lens [S], "
-        "query_start_loc [S + 1], 0 <= layer < L");
+        "query_start_loc [S + 1], 0 <= layer < L, window >= 0");
   }
   if (od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2]) {
     return ffi::Error::InvalidArgument("cpu_paged_attention: result must be q's shape");
   }
   const Problem p{q.typed_data(), kv.typed_data(), tables.typed_data(), seq_lens.typed_data(),
                   qsl.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], kd[2], kd[3],
-                  kd[4], sd[0], td[1], layer, scale};
+                  kd[4], sd[0], td[1], layer, scale, window};
   std::memset(p.out, 0, sizeof(float) * p.T * p.H * p.D);
   // A sequence's queries are its last b - a positions. Queries at negative positions (bad
   // metadata) or past the block table's width (keys would be read outside it) stay zero, and
@@ -358,10 +370,11 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
       for (int64_t h = 0; h < p.KVH; ++h)
         items.push_back({s, t0, std::min<int64_t>(kQueryTile, hi - t0), first_pos + t0 - a, h});
   }
-  // Longest first: tiles deep into a long prefill take the most time, and the pool hands out
-  // items in order.
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
-    return x.pos0 + x.nq > y.pos0 + y.nq;
+  // Longest first: tiles deep into a long prefill take the most time (a window caps a tile's
+  // keys), and the pool hands out items in order.
+  const int64_t cap = p.window > 0 ? p.window : INT64_MAX / 2;
+  std::stable_sort(items.begin(), items.end(), [cap](const Item& x, const Item& y) {
+    return std::min(x.pos0, cap) + x.nq > std::min(y.pos0, cap) + y.nq;
   });
   jaxllm::parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& it = items[i];
@@ -382,4 +395,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("layer")
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));

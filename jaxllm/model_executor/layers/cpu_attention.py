@@ -41,12 +41,13 @@ def takes(head_dim: int) -> bool:
 
 def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables: jax.Array,
                     seq_lens: jax.Array, query_start_loc: jax.Array, *,
-                    scale: float, isa: str | None = None) -> jax.Array:
+                    scale: float, sliding_window: int | None = None,
+                    isa: str | None = None) -> jax.Array:
     """`pallas_kernels.paged_attention.paged_attention`'s layout and semantics: each token
-    against its own sequence's keys, [T, H, D] in q's dtype (float32 inside); padding rows are
-    zero, and so are tokens whose position lies past the block table's width (the engine's
-    tables always cover their sequences). Runs the kernel's `isa` build (default the process's);
-    needs `available(isa)`."""
+    against its own sequence's keys (with a `sliding_window` W, the W up to its own), [T, H, D]
+    in q's dtype (float32 inside); padding rows are zero, and so are tokens whose position lies
+    past the block table's width (the engine's tables always cover their sequences). Runs the
+    kernel's `isa` build (default the process's); needs `available(isa)`."""
     if q.ndim != 3 or kv_cache.ndim != 6 or q.shape[-1] != kv_cache.shape[-1] \
             or q.shape[1] % kv_cache.shape[2] or q.shape[-1] % 16 or q.shape[-1] > 256:
         raise ValueError(f"cpu paged_attention: q [T, H, D] and kv_cache [L, 2, KVH, NB, BS, "
@@ -58,6 +59,11 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables:
     if not 0 <= int(layer) < kv_cache.shape[0]:
         raise ValueError(f"cpu paged_attention: layer {layer} out of range [0, "
                          f"{kv_cache.shape[0]})")
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or int(sliding_window) != sliding_window
+                                       or sliding_window < 1):
+        raise ValueError(f"cpu paged_attention: sliding_window must be a positive integer or "
+                         f"None, got {sliding_window!r}")
     isa = cpu_ffi.resolve_isa(isa)
     if not available(isa):
         raise RuntimeError(f"the CPU paged attention kernel's {isa} build is not available (see "
@@ -66,5 +72,6 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables:
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), kv_cache, block_tables.astype(jnp.int32),
                seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
-               layer=np.int64(layer), scale=np.float32(scale))
+               layer=np.int64(layer), scale=np.float32(scale),
+               window=np.int64(sliding_window or 0))  # 0: the whole context
     return out.astype(q.dtype)

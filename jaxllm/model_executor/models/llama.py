@@ -1,4 +1,4 @@
-"""Llama (LlamaForCausalLM, and Mistral-style checkpoints without a sliding window) in Flax
+"""Llama (LlamaForCausalLM, and Mistral: Llama with a sliding window on every layer) in Flax
 (linen) over one paged KV array for all layers: pre-norm decoder layers of grouped-query
 attention and a SwiGLU MLP. Qwen2 and Qwen3 are this architecture with their own switches
 (models/qwen2.py, models/qwen3.py).
@@ -67,7 +67,8 @@ class LlamaAttention(nn.Module):
             k = norm(k.reshape(-1, nkv, hd)).reshape(k.shape)
             qkv = jnp.concatenate([q, k, v], axis=-1)
         out, kv_cache = Attention(nh, nkv, hd, self.layer_idx, self.backend,
-                                  self.attention_impl, name="attn")(
+                                  self.attention_impl,
+                                  cfg.layer_sliding_window(self.layer_idx), name="attn")(
             qkv, bias, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len,
             num_splits)
         out = RowParallelLinear(cfg.hidden_size, self.dtype, self.backend, self.gemv_rows,

@@ -20,8 +20,8 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
-    # Mistral's decoder is Llama's; contexts past its sliding window are refused
-    # (`check_context`).
+    # Mistral's decoder is Llama's, with a sliding window on every layer
+    # (ModelConfig.sliding_window).
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
@@ -43,23 +43,6 @@ def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
 def check_supported(config: ModelConfig) -> None:
     """A ValueError naming what of `config` no model here runs."""
     get_model_class(config.architecture)
-
-
-def check_context(config: ModelConfig, max_model_len: int) -> None:
-    """A ValueError when `max_model_len` positions reach past the model's sliding window:
-    every layer here attends to the whole context, which is the window's attention only while
-    the context fits in the window."""
-    window = config.sliding_window
-    if window is not None and window < max_model_len:
-        raise ValueError(f"max_model_len {max_model_len} exceeds {config.architecture}'s "
-                         f"sliding window (sliding_window {window}): attention that slides "
-                         f"past the window is not supported; pass max_model_len <= {window}")
-
-
-def context_len(config: ModelConfig) -> int:
-    """The default max_model_len: the positions the model takes, within its sliding window."""
-    window = config.sliding_window
-    return config.max_context_len if window is None else min(window, config.max_context_len)
 
 
 def abstract_params(model: LlamaForCausalLM) -> dict:
