@@ -35,9 +35,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # An embedding request (a pooling runner's): its prompt is prefilled and pooled, nothing
     # is sampled (`sampling_params` is then a placeholder the scheduler carries along).
     pooling_params: PoolingParams | None = None
-    # A constrained request of a thinking model whose prompt leaves the think block open: the
-    # constraint starts after this token (`</think>`) in the output. None: from the first token.
+    # A constrained request of a thinking model (Processor.think_state): the constraint starts
+    # after this token (`</think>`) in the output; with `reasoning_start_token_id` too, only if
+    # the output's first token is that one (`<think>`), else at once. None: from the first
+    # token.
     reasoning_end_token_id: int | None = None
+    reasoning_start_token_id: int | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -197,10 +197,10 @@ class EngineArgs:
     reasoning_parser: str | None = _arg(
         None, "a thinking model's <think>...</think> format: qwen3 (answers that open the "
               "block) or deepseek_r1 (templates that open it in the prompt). The server "
-              "returns the block as reasoning_content; a structured-output constraint starts "
-              "after the block's </think> token (when the tokenizer has it as one token), "
-              "unless the prompt closed the block. Not given: answers are all content, "
-              "constrained from their first token")
+              "returns the block as reasoning_content; a structured-output constraint covers "
+              "what follows the block (when the tokenizer spells each tag as one token; "
+              "docs/structured_outputs.md). Not given: answers are all content, constrained "
+              "from their first token")
     pooler_config: dict | None = _arg(
         None, "the pooling runner's pooler, a dict or its JSON text: {\"pooling_type\": "
               "\"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true | false}: the last "

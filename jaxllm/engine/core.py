@@ -208,6 +208,7 @@ class EngineCore:
                 params.structured_outputs,
                 sorted(set(req.eos_token_ids) | set(self.info.eos_token_ids)))
             so.reasoning_end_token_id = req.reasoning_end_token_id
+            so.reasoning_start_token_id = req.reasoning_start_token_id
             self._waiting_for_grammar[req.request_id] = request
         else:
             self.scheduler.add_request(request)  # validates before it changes anything
@@ -446,14 +447,23 @@ class EngineCore:
             if so is None:
                 continue
             first = 0
+            if so.reasoning_start_token_id is not None:
+                # The answer's first token: the think block's opening tag, or the answer.
+                opened = tokens[0] == so.reasoning_start_token_id
+                so.reasoning_start_token_id = None
+                if opened:
+                    first = 1
+                else:
+                    so.reasoning_end_token_id = None
             if so.is_reasoning:
                 # The constraint starts after the think block's end, which may come with
                 # tokens after it (accepted drafts, verified against the grammar's masks).
                 end = so.reasoning_end_token_id
                 assert end is not None  # is_reasoning
-                if end not in tokens:
+                rest = list(tokens[first:])
+                if end not in rest:
                     continue
-                first = list(tokens).index(end) + 1
+                first += rest.index(end) + 1
                 so.reasoning_end_token_id = None
             for i in range(first, len(tokens)):
                 token = tokens[i]

@@ -97,7 +97,8 @@ class Processor:
         self.runner = info.config.runner
         # The think block's tags as token ids, when the engine has a reasoning parser and the
         # tokenizer spells each as one token (a constraint can then wait for the block's end).
-        self.think_token_ids = think_token_ids(tokenizer, info.config.reasoning_parser)
+        self.reasoning_parser = info.config.reasoning_parser
+        self.think_token_ids = think_token_ids(tokenizer, self.reasoning_parser)
         self.hidden_size = info.model_config.hidden_size
 
     @functools.cached_property
@@ -144,11 +145,14 @@ class Processor:
                              f"{self.num_usable_blocks}")
         arrival_time = time.time() if arrival_time is None else arrival_time
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        reasoning_end = None
+        reasoning_end = reasoning_start = None
         if params.structured_outputs is not None and self.think_token_ids is not None:
             start, end = self.think_token_ids
-            if not think_block_closed(processed.prompt_token_ids, start, end):
+            state = self.think_state(processed.prompt_token_ids)
+            if state != "closed":
                 reasoning_end = end
+            if state == "answer":
+                reasoning_start = start
         children = []
         for i, cid in enumerate(child_request_ids(request_id, params.n)):
             # A copy: the caller may change or reuse its SamplingParams while this one runs.
@@ -167,9 +171,26 @@ class Processor:
                 request_id=cid, prompt_token_ids=processed.prompt_token_ids, sampling_params=sp,
                 eos_token_ids=sorted(self.eos_token_ids),
                 seed=sp.seed, max_tokens=max_tokens,
-                arrival_time=arrival_time, reasoning_end_token_id=reasoning_end))
+                arrival_time=arrival_time, reasoning_end_token_id=reasoning_end,
+                reasoning_start_token_id=reasoning_start))
         return ProcessedRequest(request_id, processed.prompt, processed.prompt_token_ids,
                                 children, arrival_time)
+
+    def think_state(self, prompt_token_ids: Sequence[int]) -> str:
+        """Where a thinking model's answer to this prompt stands, for a constraint that
+        covers only what follows the think block: "closed" (the prompt ends with a closed
+        block: Qwen3's template with enable_thinking false; constrained at once), "open" (the
+        prompt ends inside one, as DeepSeek-R1's and Qwen3-Thinking-2507's templates open it,
+        or the deepseek_r1 parser, whose answers reason until `</think>`: constrained after
+        it), "answer" (qwen3: the answer's first token opens a block or is the answer). Tags
+        of earlier turns, followed by more than whitespace, do not count."""
+        assert self.think_token_ids is not None and self.tokenizer is not None
+        start, end = self.think_token_ids
+        ids = list(prompt_token_ids)
+        last = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] in (start, end)), None)
+        if last is not None and not self.tokenizer.decode(ids[last + 1:]).strip():
+            return "closed" if ids[last] == end else "open"
+        return "open" if self.reasoning_parser == "deepseek_r1" else "answer"
 
     def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
                         arrival_time: float | None = None) -> ProcessedRequest:
@@ -346,15 +367,3 @@ def think_token_ids(tokenizer: PreTrainedTokenizerBase | None, reasoning_parser:
             return None
         ids.append(int(encoded[0]))
     return ids[0], ids[1]
-
-
-def think_block_closed(prompt_token_ids: Sequence[int], start: int, end: int) -> bool:
-    """Whether the prompt's last think tag is `</think>` (a template that closed the block,
-    e.g. Qwen3's with enable_thinking false); a prompt without tags leaves the block to the
-    answer."""
-    for t in reversed(prompt_token_ids):
-        if t == end:
-            return True
-        if t == start:
-            return False
-    return False

@@ -33,7 +33,7 @@ from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata
 from jaxllm.sample.rejection_sampler import VerifiedTokens, verify
 from jaxllm.sample.sampler import SamplingRow, needs_processing, sample
-from jaxllm.sample.token_mask import TokenMask
+from jaxllm.sample.token_mask import TokenMask, allow_token
 
 if TYPE_CHECKING:
     from jaxllm.engine import SchedulerStats
@@ -176,6 +176,9 @@ class HostSampler:
                 inputs.grammar_rows = np.array([j for j, _ in constrained], np.intp)
                 inputs.grammar_bitmask, errors = self.structured_output.grammar_bitmask(
                     [so for _, so in constrained])
+                for k, (_, so) in enumerate(constrained):
+                    if so.reasoning_start_token_id is not None:  # the answer may open a block
+                        allow_token(inputs.grammar_bitmask[k], so.reasoning_start_token_id)
                 inputs.errors = {req_ids[j]: why for (j, _), why in zip(constrained, errors,
                                                                         strict=True) if why}
                 if not self.candidates:

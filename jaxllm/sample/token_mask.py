@@ -57,3 +57,8 @@ class TokenMask:
         z[self.ids[self.ids < n] if n < self.vocab else self.ids] = -np.inf
         z[self.vocab:] = -np.inf
         return z
+
+
+def allow_token(row: np.ndarray, token_id: int) -> None:
+    """Set token `token_id`'s bit in one bitmask row (int32 words, bit t of word t // 32)."""
+    row.view(np.uint32)[token_id >> 5] |= np.uint32(1 << (token_id & 31))

@@ -30,6 +30,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
+from jaxllm.sample.token_mask import allow_token
 from jaxllm.sampling_params import StructuredOutputsParams
 from jaxllm.structured_output.request import StructuredOutputRequest, error_summary
 from jaxllm.structured_output.validator import COMPILE_STACK_BYTES
@@ -175,13 +176,34 @@ class StructuredOutputManager:
         """Speculative decoding: the masks of the request's verified positions, [m, words]
         int32 with m <= len(draft_token_ids) + 1: row j is the mask after drafts 1..j. It stops
         at the first draft its row does not allow (nothing after it can be accepted). The
-        matcher is rolled back to where it was. A request still in its think block: rows
-        allow everything up to a draft that ends the block, the grammar's masks after it; None
-        when no draft ends it (no position is constrained)."""
+        matcher is rolled back to where it was.
+
+        A thinking model's request (StructuredOutputRequest's think fields): in its block, rows
+        allow everything up to a draft that ends it, the grammar's masks after it (None when
+        no draft ends it: no position is constrained); before its first token, row 0 also
+        allows the block's opening tag, and a draft of it opens the block."""
+        opener = request.reasoning_start_token_id
+        if opener is None:
+            return self._draft_rows(request, draft_token_ids, request.is_reasoning)
+        if draft_token_ids and draft_token_ids[0] == opener:
+            first = self._draft_rows(request, [], False)
+            assert first is not None  # not in a block
+            after = self._draft_rows(request, draft_token_ids[1:], True)
+            if after is None:
+                after = np.full((len(draft_token_ids), first.shape[1]), -1, np.int32)
+            rows = np.concatenate([first[:1], after])
+        else:
+            rows = self._draft_rows(request, draft_token_ids, False)
+            assert rows is not None  # not in a block
+        allow_token(rows[0], opener)
+        return rows
+
+    def _draft_rows(self, request: StructuredOutputRequest, draft_token_ids: list[int],
+                    in_block: bool) -> np.ndarray | None:
         matcher = request.matcher
         assert matcher is not None  # scheduled requests have their matcher
         start = 0
-        if request.is_reasoning:
+        if in_block:
             if request.reasoning_end_token_id not in draft_token_ids:
                 return None
             start = draft_token_ids.index(request.reasoning_end_token_id) + 1

@@ -19,13 +19,18 @@ class StructuredOutputRequest:
     compiled: Future[llguidance.LLMatcher]
     matcher: llguidance.LLMatcher | None = None
     error: str | None = None
-    # While set, the output is still a thinking model's think block, which the constraint does
-    # not cover: it starts after this token (`</think>`). None: the constraint is on.
+    # A thinking model's think block, which the constraint does not cover. While
+    # `reasoning_end_token_id` is set the block may still come or is running; the constraint
+    # starts after that token (`</think>`). While `reasoning_start_token_id` is set too, the
+    # output has no token yet and its first decides: this one (`<think>`) opens the block,
+    # any other is the constrained answer's first. Both None: the constraint is on.
     reasoning_end_token_id: int | None = None
+    reasoning_start_token_id: int | None = None
 
     @property
     def is_reasoning(self) -> bool:
-        return self.reasoning_end_token_id is not None
+        """Inside the block: no mask, the matcher waits."""
+        return self.reasoning_end_token_id is not None and self.reasoning_start_token_id is None
 
     @property
     def is_ready(self) -> bool:
