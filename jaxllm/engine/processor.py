@@ -188,7 +188,8 @@ class Processor:
         start, end = self.think_token_ids
         ids = list(prompt_token_ids)
         last = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] in (start, end)), None)
-        if last is not None and not self.tokenizer.decode(ids[last + 1:]).strip():
+        # transformers annotates decode's batch form too; one id list gives one string.
+        if last is not None and not cast(str, self.tokenizer.decode(ids[last + 1:])).strip():
             return "closed" if ids[last] == end else "open"
         return "open" if self.reasoning_parser == "deepseek_r1" else "answer"
 
