@@ -335,6 +335,12 @@ def test_beam_search_matches_offline_llm(client, tiny_path, tokenizer):
         assert sum(c.logprobs.token_logprobs) == pytest.approx(s.cum_logprob, abs=1e-3)
     assert got.usage.completion_tokens == sum(len(s.tokens) - len(prompt_ids)
                                               for s in want.sequences)
+    # What OpenAI clients send by default asks for nothing the search would ignore.
+    neutral = client.completions.create(
+        model="tiny-qwen2", prompt=PROMPTS[1], n=3, max_tokens=6, top_p=1, presence_penalty=0,
+        frequency_penalty=0, extra_body={**extra, "top_k": -1, "repetition_penalty": 1,
+                                         "min_p": 0, "stop": []})
+    assert [c.text for c in neutral.choices] == [c.text for c in got.choices]
     streamed = client.completions.create(model="tiny-qwen2", prompt=PROMPTS[1], n=3,
                                          max_tokens=6, stream=True, extra_body=extra)
     texts = ["", "", ""]

@@ -27,6 +27,11 @@ from jaxllm.entrypoints.openai.protocol import (
     check_logprobs,
     parse_request,
 )
+from jaxllm.entrypoints.openai.serving_beam_search import (
+    beam_search,
+    beam_search_params,
+    check_beam_search,
+)
 from jaxllm.entrypoints.openai.serving_engine import (
     Constraint,
     OpenAIServing,
@@ -302,15 +307,16 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         constraint = constraint or tool_use.constraint
+        check_beam_search(req, constraint)
         params = self.sampling_params(req, max_tokens, len(prompt.token_ids), num_top,
                                       req.stream, constraint,
                                       max_tokens_field=max_tokens_field,
                                       structured_outputs=await self.structured_outputs(
                                           constraint))
-        beam = self.beam_search_params(req, params, constraint)
+        beam = beam_search_params(req, params)
         request_id = random_id("chatcmpl")
         gen = self.generate(prompt, params, request_id) if beam is None \
-            else self.beam_search(prompt, beam, params, request_id)
+            else beam_search(self, prompt, beam, params, request_id)
         if req.stream:
             return self._stream(req, request_id, len(prompt.token_ids), gen, tool_use.parse)
         return await self._full(req, request_id, len(prompt.token_ids), gen, tool_use.parse)
@@ -403,8 +409,10 @@ class OpenAIServingChat(OpenAIServing):
                                                    split.content + end.content)
                         text, reasoning = split.content, split.reasoning
                     if parsers is None:
-                        delta: dict[str, Any] = {"content": text} \
-                            if text or (finish_reason is None and not reasoning) else {}
+                        # Text the reasoning parser holds back (a tag may be starting) sends
+                        # nothing yet.
+                        empty = finish_reason is None and not reasoning and thinking is None
+                        delta: dict[str, Any] = {"content": text} if text or empty else {}
                     else:
                         parser = parsers[c.index]
                         found = parser.feed(text)

@@ -20,6 +20,11 @@ from jaxllm.entrypoints.openai.protocol import (
     check_logprobs,
     parse_request,
 )
+from jaxllm.entrypoints.openai.serving_beam_search import (
+    beam_search,
+    beam_search_params,
+    check_beam_search,
+)
 from jaxllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     TokenizedPrompt,
@@ -92,6 +97,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "prompt_logprobs is not available when stream is true (echo "
                                 "with logprobs streams the prompt's logprobs)", "prompt_logprobs")
         constraint = request_constraint(req)
+        check_beam_search(req, constraint)
         # As vLLM: echo with logprobs asks the engine for the prompt's logprobs too.
         prompt_logprobs = req.prompt_logprobs
         if prompt_logprobs is None and req.echo:
@@ -105,11 +111,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                        req.stream, constraint, prompt_logprobs,
                                        structured_outputs=structured_outputs)
                   for t in tokenized]
-        beams = [self.beam_search_params(req, p, constraint) for p in params]
+        beams = [beam_search_params(req, p) for p in params]
         request_id = random_id("cmpl")
         created = now()
         gens = [self.generate(t, p, f"{request_id}-{i}") if b is None
-                else self.beam_search(t, b, p, f"{request_id}-{i}")
+                else beam_search(self, t, b, p, f"{request_id}-{i}")
                 for i, (t, p, b) in enumerate(zip(tokenized, params, beams, strict=True))]
         if req.stream:
             return self._stream(req, request_id, created, tokenized, gens)

@@ -11,15 +11,14 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, fields
-from typing import Any, cast
+from typing import Any
 
-from jaxllm.beam_search import BeamSearch, BeamSearchParams, step_params
 from jaxllm.config import config_dict
 from jaxllm.engine import EngineDeadError
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.protocol import APIError
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.outputs import RequestOutput
 from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxllm.structured_output.validator import (
@@ -409,100 +408,6 @@ class OpenAIServing:
                 self.metrics.record_request(len(prompt.token_ids), num_generated,
                                             last.metrics if last else None, reason,
                                             len(last.outputs) if last else 1)
-
-    # --- beam search --------------------------------------------------------------------------
-
-    # Fields a beam search does not honour (it ranks raw logprobs and ends on an EOS only), with
-    # the value that leaves them unset.
-    _NOT_IN_BEAM_SEARCH = (("stop", None), ("stop_token_ids", None), ("logit_bias", None),
-                           ("allowed_token_ids", None), ("bad_words", None), ("top_p", None),
-                           ("top_k", None), ("min_p", None), ("presence_penalty", None),
-                           ("frequency_penalty", None), ("repetition_penalty", None),
-                           ("min_tokens", 0), ("prompt_logprobs", None))
-
-    def beam_search_params(self, req: Any, params: SamplingParams,
-                           constraint: Constraint | None) -> BeamSearchParams | None:
-        """vLLM's `use_beam_search` (with `n` beams and `length_penalty`): its parameters, or
-        None for a sampled request; a 400 names a field the search would ignore."""
-        if not req.use_beam_search:
-            if req.length_penalty != 1.0:
-                raise APIError(400, "length_penalty applies only with use_beam_search",
-                               "length_penalty")
-            return None
-        for name, unset in self._NOT_IN_BEAM_SEARCH:
-            if getattr(req, name, unset) != unset:
-                raise APIError(400, f"{name} is not supported with use_beam_search (the "
-                                    f"search ranks the model's raw logprobs and ends a beam "
-                                    f"only on an end-of-sequence token)", name)
-        if constraint is not None:
-            raise APIError(400, f"{constraint.source} is not supported with use_beam_search",
-                           constraint.source)
-        if params.prompt_logprobs is not None:  # echo with logprobs asks for them
-            raise APIError(400, "echo with logprobs is not supported with use_beam_search "
-                                "(the search computes no prompt logprobs)", "echo")
-        assert params.max_tokens is not None  # sampling_params() sets it
-        try:
-            return BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens,
-                                    ignore_eos=req.ignore_eos, temperature=params.temperature,
-                                    length_penalty=req.length_penalty,
-                                    include_stop_str_in_output=req.include_stop_str_in_output)
-        except ValueError as e:
-            message = str(e).replace("BeamSearchParams.beam_width", "n (the beam width)")
-            field = next((f for f in ("beam_width", "length_penalty") if f in str(e)), None)
-            raise APIError(400, message, "n" if field == "beam_width" else field) from None
-
-    async def beam_search(self, prompt: TokenizedPrompt, beam: BeamSearchParams,
-                          params: SamplingParams, request_id: str
-                          ) -> AsyncGenerator[RequestOutput, None]:
-        """One RequestOutput with the best `beam.beam_width` beams as its outputs, once the
-        search ends; each step's requests run concurrently in the engine. A choice's logprobs
-        (when `params.logprobs` asks) are its tokens' top ones among the ranked candidates."""
-        search = BeamSearch([prompt.token_ids], beam, self.engine.processor.eos_token_ids,
-                            self.max_model_len)
-        sp = step_params(beam)
-        reason: str | None = "abort"
-        num_generated = 0
-
-        async def one(ids: list[int], rid: str) -> dict[int, Logprob]:
-            last = None
-            async for out in self.engine.generate({"prompt_token_ids": ids}, sp, rid):
-                last = out
-            assert last is not None and last.outputs[0].logprobs
-            return last.outputs[0].logprobs[0]
-
-        try:
-            while (prompts := search.step_prompts()) is not None:
-                step = search.steps
-                rows = await asyncio.gather(*(one(ids, f"{request_id}-beam{step}-{k}")
-                                              for k, ids in enumerate(prompts)))
-                search.advance(rows)
-            (result,) = search.results(lambda ids: cast(str, self.tokenizer.decode(
-                ids, skip_special_tokens=params.skip_special_tokens)))
-            outputs = []
-            for i, seq in enumerate(result.sequences):
-                token_ids = seq.tokens[len(prompt.token_ids):]
-                num_generated += len(token_ids)
-                logprobs = None
-                if params.logprobs is not None:
-                    k = params.logprobs
-                    logprobs = [{t: lp for t, lp in row.items()
-                                 if t == tok or (lp.rank is not None and lp.rank <= k)}
-                                for row, tok in zip(seq.logprobs, token_ids, strict=True)]
-                outputs.append(CompletionOutput(
-                    index=i, text=seq.text or "", token_ids=token_ids,
-                    cumulative_logprob=seq.cum_logprob, logprobs=logprobs,
-                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-            reason = "stop" if any(o.finish_reason == "stop" for o in outputs) else "length"
-            yield RequestOutput(request_id, prompt.text, list(prompt.token_ids), outputs, True)
-        except EngineDeadError as e:
-            raise APIError(503, f"the engine is dead and cannot serve requests: {e}",
-                           None, "EngineDeadError") from None
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        finally:
-            if self.metrics is not None:
-                self.metrics.record_request(len(prompt.token_ids), num_generated, None, reason,
-                                            beam.beam_width)
 
     # --- logprobs -----------------------------------------------------------------------------
 
