@@ -156,6 +156,7 @@ def test_a_second_read_sees_what_the_file_holds_now(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_file, "_header", lambda w: decoded.append(1) or real(w))
     again = read_gguf(path)
     assert not decoded  # the same bytes: not decoded again
+    assert gguf_file._last is None  # and nothing kept after it
     assert again.metadata == first.metadata and again.metadata is not first.metadata
     assert np.array_equal(again.tensors[0].data, np.arange(32))
     # The same size, inode and header length, another value: decoded again.

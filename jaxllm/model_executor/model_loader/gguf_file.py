@@ -113,10 +113,10 @@ class _Walk:
         return [self.value(itype, what, depth + 1) for _ in range(count)]
 
 
-# The last header read: (path, inode, size), the header's bytes and what they gave (metadata,
-# tensor infos, byte order), not the file's mapping. Start-up reads a header twice (whether the
-# weights can stay quantized, then the load); the second read compares bytes instead of decoding
-# the metadata again.
+# The last header read and not read again yet: (path, inode, size), the header's bytes and
+# what they gave (metadata, tensor infos, byte order), not the file's mapping. Start-up reads a
+# header twice (whether the weights can stay quantized, then the load); the second read compares
+# bytes instead of decoding the metadata again, and takes what was decoded (nothing is kept).
 _Header = tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], str]
 _last: tuple[tuple[str, int, int], bytes, _Header] | None = None
 
@@ -140,7 +140,7 @@ def read_gguf(path: Path) -> GGUFFile:
         assert last is not None
         metadata, infos, order = last[2]
         w = _Walk(data, path, order)
-        metadata = dict(metadata)
+        _last = None
     else:
         w = _Walk(data, path, _byte_order(head, path))
         metadata, infos = _header(w)
