@@ -123,6 +123,8 @@ class MoEConfig:
     def from_hf(cls, cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
         """The MoE block of a Qwen2-MoE, Qwen3-MoE or Mixtral config.json; None where no layer
         has one (num_experts 0)."""
+        # A field the file leaves out has its transformers config class's default.
+        cfg = {**_MOE_DEFAULTS[architecture], **cfg}
         # transformers 5 writes Qwen3-MoE's as `num_local_experts`, Qwen2-MoE's as `num_experts`.
         num_experts: Any = cfg.get("num_experts", cfg.get("num_local_experts"))
         if num_experts == 0:
@@ -153,6 +155,16 @@ class MoEConfig:
                    intermediate_size=inter, renormalize=renormalize, sparse_layers=sparse,
                    shared_expert_intermediate_size=shared or 0)
 
+
+# transformers' defaults of the MoE configs (Qwen2MoeConfig, Qwen3MoeConfig, MixtralConfig).
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen2MoeForCausalLM": {"num_experts": 60, "num_experts_per_tok": 4,
+                            "moe_intermediate_size": 1408,
+                            "shared_expert_intermediate_size": 5632},
+    "Qwen3MoeForCausalLM": {"num_experts": 128, "num_experts_per_tok": 8,
+                            "moe_intermediate_size": 768},
+    "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2},
+}
 
 _MOE_FIELD_NAMES = {"num_experts": "num_experts (num_local_experts)", "top_k":
                     "num_experts_per_tok", "intermediate_size": "moe_intermediate_size"}
@@ -368,7 +380,8 @@ class ModelConfig:
                 arch in GGUF_ARCHITECTURES and meta.get(f"{arch}.expert_count")):
             raise ValueError(f"GGUF architecture {arch!r} with experts (a mixture-of-experts "
                              f"model: ffn_gate_inp / ffn_*_exps tensors) is not supported from "
-                             f"GGUF; its Hugging Face checkpoint (safetensors) loads")
+                             f"GGUF; the Hugging Face checkpoints (safetensors) of Qwen2-MoE, "
+                             f"Qwen3-MoE and Mixtral load")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
                              f"{', '.join(GGUF_ARCHITECTURES)})")

@@ -226,3 +226,17 @@ def test_mixture_of_experts_windows_follow_transformers(arch, extra):
         want = [hf.sliding_window] * 4
     ours = ModelConfig.from_hf_config({**hf.to_dict(), "architectures": [arch]})
     assert [ours.layer_sliding_window(i) for i in range(4)] == want
+
+
+@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                  "MixtralForCausalLM"])
+def test_moe_fields_left_out_take_transformers_defaults(arch):
+    transformers = pytest.importorskip("transformers")
+    hf = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512)
+    whole = {**hf.to_dict(), "architectures": [arch]}
+    moe_keys = ("num_experts", "num_local_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "shared_expert_intermediate_size")
+    sparse = {k: v for k, v in whole.items() if k not in moe_keys}
+    assert ModelConfig.from_hf_config(sparse).moe == ModelConfig.from_hf_config(whole).moe
