@@ -1,5 +1,5 @@
 """LLM.beam_search against greedy generate on the same prompt: wall time of each, beam widths
-given on the command line, rounds taking turns in one process. Prints one JSON line per
+given on the command line, repeats taking turns in one process. Prints one JSON line per
 measurement and writes them to --output."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def main() -> None:
     p.add_argument("--prompt", default="def quicksort(arr):")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--beam-widths", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--output", default="benchmarks/results/beam_search.json")
     args = p.parse_args()
 
@@ -26,17 +26,17 @@ def main() -> None:
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate([args.prompt], greedy, use_tqdm=False)  # warm-up
     rows = []
-    for r in range(args.rounds):
+    for r in range(args.repeats):
         t = time.perf_counter()
         llm.generate([args.prompt], greedy, use_tqdm=False)
-        rows.append({"round": r, "what": "greedy", "s": time.perf_counter() - t})
+        rows.append({"repeat": r, "what": "greedy", "s": time.perf_counter() - t})
         print(json.dumps(rows[-1]), flush=True)
         for width in args.beam_widths:
             params = BeamSearchParams(beam_width=width, max_tokens=args.max_tokens,
                                       ignore_eos=True)
             t = time.perf_counter()
             llm.beam_search([args.prompt], params)
-            rows.append({"round": r, "what": f"beam_width {width}",
+            rows.append({"repeat": r, "what": f"beam_width {width}",
                          "s": time.perf_counter() - t})
             print(json.dumps(rows[-1]), flush=True)
     out = Path(args.output)
