@@ -121,6 +121,35 @@ def hf_greedy_tokens(model, prompt: list[int], max_new: int) -> list[int]:
 _TORCH_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
 
 
+def random_prompts(seed: int, lens, vocab: int = 512) -> list[list[int]]:
+    """Token-id prompts of these lengths, drawn from a tiny checkpoint's vocabulary."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lens]
+
+
+def hf_prompt_logits(model, prompt: list[int]):
+    """Hugging Face's logits [len(prompt), vocab] (numpy) of one prompt, one forward."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].numpy()
+
+
+def tiny_checkpoints(tmp_path_factory, families: dict[str, dict]):
+    """name -> (checkpoint path, HF model), each written by make_tiny_checkpoint with
+    `families[name]` when first asked for (a module fixture's body)."""
+    import functools
+
+    @functools.cache
+    def build(name: str):
+        path = tmp_path_factory.mktemp(name)
+        return path, make_tiny_checkpoint(path, **families[name])
+
+    return build
+
+
 def save_tiny_checkpoint(path, tied: bool, seed: int = 0, arch: str = "qwen2",
                          **overrides) -> None:
     """`make_tiny_checkpoint` for tests that need only its files (their oracle is not HF): in a

@@ -124,9 +124,11 @@ class MoEConfig:
         """The MoE block of a Qwen2-MoE, Qwen3-MoE or Mixtral config.json; None where no layer
         has one (num_experts 0)."""
         # A field the file leaves out has its transformers config class's default.
-        cfg = {**_MOE_DEFAULTS[architecture], **cfg}
+        defaults = _MOE_DEFAULTS[architecture]
         # transformers 5 writes Qwen3-MoE's as `num_local_experts`, Qwen2-MoE's as `num_experts`.
-        num_experts: Any = cfg.get("num_experts", cfg.get("num_local_experts"))
+        num_experts: Any = cfg.get("num_experts", cfg.get("num_local_experts",
+                                                          defaults["num_experts"]))
+        cfg = {**defaults, **cfg}
         if num_experts == 0:
             return None
         layers = cfg["num_hidden_layers"]
@@ -163,7 +165,7 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                             "shared_expert_intermediate_size": 5632},
     "Qwen3MoeForCausalLM": {"num_experts": 128, "num_experts_per_tok": 8,
                             "moe_intermediate_size": 768},
-    "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "MixtralForCausalLM": {"num_experts": 8, "num_experts_per_tok": 2},
 }
 
 _MOE_FIELD_NAMES = {"num_experts": "num_experts (num_local_experts)", "top_k":

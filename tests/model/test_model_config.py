@@ -240,3 +240,7 @@ def test_moe_fields_left_out_take_transformers_defaults(arch):
                 "moe_intermediate_size", "shared_expert_intermediate_size")
     sparse = {k: v for k, v in whole.items() if k not in moe_keys}
     assert ModelConfig.from_hf_config(sparse).moe == ModelConfig.from_hf_config(whole).moe
+    # Either name of the expert count, given alone, wins over the default.
+    for key in ("num_experts", "num_local_experts"):
+        moe = ModelConfig.from_hf_config({**sparse, key: 9}).moe
+        assert moe is not None and moe.num_experts == 9

@@ -30,9 +30,12 @@ from tests.model_inputs import prefill_logits
 from tests.utils import (
     YARN_ROPE,
     hf_greedy_tokens,
+    hf_prompt_logits,
     make_llm,
     make_tiny_checkpoint,
+    random_prompts,
     scheduler_state,
+    tiny_checkpoints,
 )
 
 # name -> make_tiny_checkpoint arguments.
@@ -59,13 +62,7 @@ MAX_MODEL_LEN = 256
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """family(name) -> (checkpoint path, HF model): each built once, when first asked for."""
-
-    @functools.cache
-    def build(name: str):
-        path = tmp_path_factory.mktemp(name)
-        return path, make_tiny_checkpoint(path, **FAMILIES[name])
-
-    return build
+    return tiny_checkpoints(tmp_path_factory, FAMILIES)
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +75,6 @@ def hf_greedy(family):
         return out
 
     return run
-
-
-def _prompts(seed: int, lens) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 512, n).tolist() for n in lens]
-
-
-def hf_logits(hf, prompt: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0].numpy()
 
 
 def our_logits(loaded, prompts: list[list[int]], kernel_backend: str) -> list[np.ndarray]:
@@ -141,8 +128,8 @@ def test_batch_logits_match_hf(family, name):
     arch = ARCHITECTURE[FAMILIES[name]["arch"]]
     assert loaded.config.architecture == arch
     assert arch in SUPPORTED_ARCHITECTURES and isinstance(get_model_class(arch), type)
-    prompts = _prompts(1, LOGIT_LENS)
-    want = [hf_logits(hf, p) for p in prompts]
+    prompts = random_prompts(1, LOGIT_LENS)
+    want = [hf_prompt_logits(hf, p) for p in prompts]
     for backend in ("reference", "interpret"):
         got = our_logits(loaded, prompts, backend)
         for prompt, g, w in zip(prompts, got, want, strict=True):
@@ -158,7 +145,7 @@ def test_batch_logits_match_hf(family, name):
 def test_greedy_generate_matches_hf(family, hf_greedy, name):
     path, _ = family(name)
     llm = make_llm(path, dtype="float32", max_model_len=MAX_MODEL_LEN)
-    prompts = _prompts(2, GREEDY_LENS)
+    prompts = random_prompts(2, GREEDY_LENS)
     outs = _greedy(llm, prompts)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.prompt_token_ids == prompt
@@ -299,11 +286,11 @@ def test_a_sliding_window_runs_past_the_window(family, tmp_path, name):
     path, hf, full, windows = _windowed(family, tmp_path, name)
     loaded = load_model(path, progress=False)
     assert [loaded.config.layer_sliding_window(i) for i in range(2)] == windows
-    prompts = _prompts(7, [150, 40])
-    want = [hf_logits(hf, p) for p in prompts]
+    prompts = random_prompts(7, [150, 40])
+    want = [hf_prompt_logits(hf, p) for p in prompts]
     # The window counts: without it the logits past the window are another model's, by far
     # more than the tolerance below.
-    assert np.abs(hf_logits(full, prompts[0]) - want[0])[WINDOW:].max() > 1e-3
+    assert np.abs(hf_prompt_logits(full, prompts[0]) - want[0])[WINDOW:].max() > 1e-3
     for backend in ("reference", "interpret"):
         for got, ref in zip(our_logits(loaded, prompts, backend), want, strict=True):
             np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, err_msg=backend)
@@ -311,8 +298,8 @@ def test_a_sliding_window_runs_past_the_window(family, tmp_path, name):
     llm = make_llm(path, dtype="float32", max_model_len=None, max_num_batched_tokens=16,
                    enable_prefix_caching=True)
     assert llm.llm_engine.max_model_len == 512  # max_position_embeddings, not the window
-    base = _prompts(8, [150])[0]
-    second = base[:96] + _prompts(9, [30])[0]
+    base = random_prompts(8, [150])[0]
+    second = base[:96] + random_prompts(9, [30])[0]
     for prompt in (base, second):
         out = _greedy(llm, [prompt])[0]
         with torch.no_grad():
@@ -339,8 +326,9 @@ def test_gguf_writer_is_read_back_by_transformers(tmp_path, arch, kw):
     write_gguf_from_hf(tmp_path / "model.gguf", hf)
     back = hf_from_gguf(tmp_path / "model.gguf")
     assert back.config.tie_word_embeddings == hf.config.tie_word_embeddings
-    prompt = _prompts(4, [60])[0]
-    np.testing.assert_allclose(hf_logits(back, prompt), hf_logits(hf, prompt), atol=1e-5, rtol=0)
+    prompt = random_prompts(4, [60])[0]
+    np.testing.assert_allclose(hf_prompt_logits(back, prompt), hf_prompt_logits(hf, prompt),
+                               atol=1e-5, rtol=0)
 
 
 def test_llama3_rope_freqs_tensor_is_hf_scaling(family):
@@ -394,12 +382,12 @@ def test_float32_gguf_matches_hf(family, gguf_file, hf_greedy, name):
     loaded = load_model(path, progress=False)
     assert loaded.config.architecture == GGUF_ARCHITECTURE[FAMILIES[name]["arch"]]
     assert loaded.config.tie_word_embeddings == hf.config.tie_word_embeddings
-    prompts = _prompts(1, LOGIT_LENS)
+    prompts = random_prompts(1, LOGIT_LENS)
     for prompt, got in zip(prompts, our_logits(loaded, prompts, "reference"), strict=True):
-        np.testing.assert_allclose(got, hf_logits(hf, prompt), atol=1e-4, rtol=0,
+        np.testing.assert_allclose(got, hf_prompt_logits(hf, prompt), atol=1e-4, rtol=0,
                                    err_msg=f"{name}, {len(prompt)} tokens")
     llm = make_llm(path, dtype="float32", quantization="none", max_model_len=MAX_MODEL_LEN)
-    prompts = _prompts(2, GREEDY_LENS)
+    prompts = random_prompts(2, GREEDY_LENS)
     for prompt, out in zip(prompts, _greedy(llm, prompts), strict=True):
         assert out.outputs[0].token_ids == hf_greedy(name, tuple(prompt)), \
             f"{name}, prompt of {len(prompt)} tokens"
@@ -419,11 +407,11 @@ def test_q8_0_gguf_kept_quantized_matches_hf(family, gguf_file, name):
     assert not torch.equal(oracle.model.embed_tokens.weight, hf.model.embed_tokens.weight)
     loaded = load_model(path, progress=False, quantization="gguf")
     assert loaded.config.architecture == GGUF_ARCHITECTURE[FAMILIES[name]["arch"]]
-    prompts = _prompts(1, [9, 130])
+    prompts = random_prompts(1, [9, 130])
     for prompt, got in zip(prompts, our_logits(loaded, prompts, "reference"), strict=True):
-        np.testing.assert_allclose(got, hf_logits(oracle, prompt), atol=1e-3, rtol=0)
+        np.testing.assert_allclose(got, hf_prompt_logits(oracle, prompt), atol=1e-3, rtol=0)
     llm = make_llm(path, quantization="gguf", max_model_len=MAX_MODEL_LEN)
-    prompts = _prompts(2, GREEDY_LENS)
+    prompts = random_prompts(2, GREEDY_LENS)
     for prompt, out in zip(prompts, _greedy(llm, prompts), strict=True):
         with torch.no_grad():
             ref = hf_greedy_tokens(oracle, list(prompt), MAX_NEW)

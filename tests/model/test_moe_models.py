@@ -30,7 +30,13 @@ from jaxllm.model_executor.layers.fused_moe import expert_method, fused_experts,
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.loader import load_model
 from tests.model_inputs import prefill_logits
-from tests.utils import hf_greedy_tokens, make_llm, make_tiny_checkpoint
+from tests.utils import (
+    hf_greedy_tokens,
+    hf_prompt_logits,
+    make_llm,
+    random_prompts,
+    tiny_checkpoints,
+)
 
 FAMILIES = {
     "qwen2_moe": dict(arch="qwen2_moe", tied=False, seed=31, num_hidden_layers=3,
@@ -46,27 +52,12 @@ TP_CHILD = Path(__file__).parents[1] / "distributed" / "tp_child.py"
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
-    @functools.cache
-    def build(name: str):
-        path = tmp_path_factory.mktemp(name)
-        return path, make_tiny_checkpoint(path, **FAMILIES[name])
-
-    return build
+    return tiny_checkpoints(tmp_path_factory, FAMILIES)
 
 
 @pytest.fixture(scope="module")
 def loaded(family):
     return functools.cache(lambda name: load_model(family(name)[0], progress=False))
-
-
-def _prompts(seed: int, lens) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 512, n).tolist() for n in lens]
-
-
-def hf_logits(hf, prompt: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0].numpy()
 
 
 def test_tiny_moe_checkpoints_exercise_their_features(family):
@@ -109,7 +100,7 @@ def test_config_reads_the_moe_fields(loaded, name):
 def test_logits_match_hf(family, loaded, name):
     """One token alone takes the per-pair path, a batch of prompts the grouped one."""
     _, hf = family(name)
-    single, batch = _prompts(1, [1]), _prompts(2, [9, 100])
+    single, batch = random_prompts(1, [1]), random_prompts(2, [9, 100])
     moe = loaded(name).config.moe
     assert expert_method(1, moe.top_k, moe.num_experts) == "gather"
     assert expert_method(109, moe.top_k, moe.num_experts) == "grouped"
@@ -117,7 +108,7 @@ def test_logits_match_hf(family, loaded, name):
         for prompts in (single, batch):
             got = prefill_logits(loaded(name), prompts, kernel_backend=backend)
             for prompt, g in zip(prompts, got, strict=True):
-                np.testing.assert_allclose(g, hf_logits(hf, prompt), atol=1e-4, rtol=0,
+                np.testing.assert_allclose(g, hf_prompt_logits(hf, prompt), atol=1e-4, rtol=0,
                                            err_msg=f"{name}, {backend}, {len(prompt)} tokens")
 
 
@@ -158,7 +149,7 @@ def test_greedy_generate_matches_hf(family, name):
     path, hf = family(name)
     llm = make_llm(path, dtype="float32", max_model_len=256, max_num_batched_tokens=16,
                    max_num_seqs=2)
-    prompts = _prompts(3, [5, 70])
+    prompts = random_prompts(3, [5, 70])
     sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
