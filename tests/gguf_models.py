@@ -257,3 +257,22 @@ def hf_from_gguf(path, config=None):
     path = Path(path)
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32, config=config).eval()
+
+
+def write_skeleton_gguf(path, arch: str, uint32s: dict[str, int] | None = None) -> None:
+    """A one-layer GGUF of `arch` with only an embedding and a final norm (for the loader's
+    refusals, which look at the header), plus these uint32 metadata items."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    for key, value in (uint32s or {}).items():
+        writer.add_uint32(key, value)
+    writer.add_tensor("token_embd.weight", np.zeros((512, 64), np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

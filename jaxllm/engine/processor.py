@@ -138,11 +138,7 @@ class Processor:
             raise ValueError(f"SamplingParams.min_tokens {params.min_tokens} exceeds the "
                              f"{room} tokens max_model_len ({self.max_model_len}) leaves after "
                              f"the {num_prompt}-token prompt")
-        need = -(-num_prompt // self.block_size)
-        if need > self.num_usable_blocks:
-            raise ValueError(f"the prompt of {num_prompt} tokens needs {need} KV blocks of "
-                             f"{self.block_size} tokens; the whole KV cache holds "
-                             f"{self.num_usable_blocks}")
+        self._check_fits(num_prompt)
         arrival_time = time.time() if arrival_time is None else arrival_time
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         reasoning_end = reasoning_start = None
@@ -203,16 +199,10 @@ class Processor:
             raise ValueError(f"PoolingParams.dimensions must be at most the model's hidden "
                              f"size ({self.hidden_size}), got {params.dimensions}")
         k = params.truncate_prompt_tokens
-        if k is not None and k > self.max_model_len:
-            raise ValueError(f"PoolingParams.truncate_prompt_tokens must be at most "
-                             f"max_model_len ({self.max_model_len}) or -1, got {k}")
+        self._check_truncation(k, "PoolingParams")
         processed = self.process_prompt(prompt, truncate_prompt_tokens=k)
         num_prompt = len(processed.prompt_token_ids)
-        need = -(-num_prompt // self.block_size)
-        if need > self.num_usable_blocks:
-            raise ValueError(f"the prompt of {num_prompt} tokens needs {need} KV blocks of "
-                             f"{self.block_size} tokens; the whole KV cache holds "
-                             f"{self.num_usable_blocks}")
+        self._check_fits(num_prompt)
         arrival_time = time.time() if arrival_time is None else arrival_time
         # The scheduler carries sampling parameters with every request; these are never read.
         placeholder = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -315,10 +305,19 @@ class Processor:
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"SamplingParams.bad_words needs a tokenizer (the words are "
                              f"tokenized); drop skip_tokenizer_init, got {params.bad_words!r}")
-        k = params.truncate_prompt_tokens
+        self._check_truncation(params.truncate_prompt_tokens, "SamplingParams")
+
+    def _check_fits(self, num_prompt: int) -> None:
+        need = -(-num_prompt // self.block_size)
+        if need > self.num_usable_blocks:
+            raise ValueError(f"the prompt of {num_prompt} tokens needs {need} KV blocks of "
+                             f"{self.block_size} tokens; the whole KV cache holds "
+                             f"{self.num_usable_blocks}")
+
+    def _check_truncation(self, k: int | None, owner: str) -> None:
         if k is not None and k > self.max_model_len:
-            raise ValueError(f"SamplingParams.truncate_prompt_tokens must be at most "
-                             f"max_model_len ({self.max_model_len}) or -1, got {k}")
+            raise ValueError(f"{owner}.truncate_prompt_tokens must be at most max_model_len "
+                             f"({self.max_model_len}) or -1, got {k}")
 
     def bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]] | None:
         """vLLM's tokenization of bad words: each word without its leading whitespace, and

@@ -18,7 +18,6 @@ import functools
 import json
 import shutil
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -26,6 +25,7 @@ import torch
 from jaxllm import SamplingParams
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.loader import load_model
+from tests.gguf_models import write_skeleton_gguf
 from tests.model_inputs import prefill_logits
 from tests.utils import (
     YARN_ROPE,
@@ -222,18 +222,7 @@ def test_unsupported_architecture_is_refused_by_name(family, tmp_path):
 
 def test_unsupported_gguf_architecture_is_refused_by_name(tmp_path):
     path = tmp_path / "foreign.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(4)
-    writer.add_tensor("token_embd.weight", np.zeros((512, 64), np.float32))
-    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_skeleton_gguf(path, "gpt2")
     with pytest.raises(ModelLoadError) as e:
         load_model(path, progress=False)
     message = str(e.value).replace(str(path), "")

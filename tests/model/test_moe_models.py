@@ -17,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +28,7 @@ from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.fused_moe import expert_method, fused_experts, route
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.loader import load_model
+from tests.gguf_models import write_skeleton_gguf
 from tests.model_inputs import prefill_logits
 from tests.utils import (
     hf_greedy_tokens,
@@ -267,20 +267,7 @@ def test_tensor_parallel_size_must_divide_the_expert_width():
                                               ("llama", "llama.expert_count")])
 def test_moe_gguf_is_refused_by_name(tmp_path, arch, expert_key):
     path = tmp_path / f"{arch}.gguf"
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(4)
-    if expert_key:
-        writer.add_uint32(expert_key, 8)
-    writer.add_tensor("token_embd.weight", np.zeros((512, 64), np.float32))
-    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_skeleton_gguf(path, arch, {expert_key: 8} if expert_key else None)
     with pytest.raises(ModelLoadError) as e:
         load_model(path, progress=False)
     message = str(e.value).replace(str(path), "")
