@@ -173,16 +173,24 @@ class AsyncLLM(EngineFrontend):
         """Yield the request's RequestOutputs as the core produces them (by
         `sampling_params.output_kind`); the last one has `finished` set. Leaving the loop early
         (break, cancellation) aborts the request."""
-        async for out in self._outputs(prompt, sampling_params, request_id):
-            yield out
+        outputs = self._outputs(prompt, sampling_params, request_id)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()  # now, not when collected: it aborts an unfinished request
 
     async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
                      request_id: str | None = None
                      ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
         """An embedding request (vLLM's AsyncLLM.encode; needs runner="pooling"): yields its
         one EmbeddingRequestOutput when the prompt is pooled. Leaving early aborts it."""
-        async for out in self._outputs(prompt, pooling_params or PoolingParams(), request_id):
-            yield out
+        outputs = self._outputs(prompt, pooling_params or PoolingParams(), request_id)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()  # now, not when collected: it aborts an unfinished request
 
     async def _outputs(self, prompt: PromptType, params: SamplingParams | PoolingParams | None,
                        request_id: str | None) -> AsyncGenerator[Any, None]:
