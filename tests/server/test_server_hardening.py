@@ -175,12 +175,13 @@ def test_openapi_json_carries_the_request_models(server):
     schema = json.loads(raw)
     paths = schema["paths"]
     assert set(paths) == {"/health", "/version", "/metrics", "/v1/models", "/v1/completions",
-                          "/v1/chat/completions", "/tokenize", "/detokenize"}
+                          "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"}
     components = schema["components"]["schemas"]
     for path, model, field in (("/v1/completions", "CompletionRequest", "prompt"),
                                ("/v1/chat/completions", "ChatCompletionRequest", "messages"),
                                ("/tokenize", "TokenizeRequest", "prompt"),
-                               ("/detokenize", "DetokenizeRequest", "tokens")):
+                               ("/detokenize", "DetokenizeRequest", "tokens"),
+                               ("/v1/embeddings", "EmbeddingRequest", "input")):
         op = paths[path]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref == f"#/components/schemas/{model}"
@@ -225,7 +226,8 @@ def test_serve_does_its_start_up_work_before_serving(monkeypatch):
     engine = SimpleNamespace(
         engine_core=SimpleNamespace(), processor=Processor(), tokenizer=SimpleNamespace(),
         core_info=SimpleNamespace(max_model_len=64),
-        engine_config=SimpleNamespace(model="m", model_path="m"), shutdown=lambda: None)
+        engine_config=SimpleNamespace(model="m", model_path="m", reasoning_parser=None),
+        shutdown=lambda: None)
     monkeypatch.setattr(AsyncLLM, "from_engine_args", lambda *a, **k: engine)
     seen = {}
 
