@@ -16,6 +16,18 @@ def _optional_int(value: object, name: str, low: int, extra: str = "") -> int | 
     return int(value)
 
 
+def wrong_runner(runner: str) -> str:
+    """Why a request of the other kind is refused by an engine started with `runner`: one
+    engine either generates or embeds."""
+    if runner == "pooling":
+        return ("this engine has runner='pooling': it embeds prompts (LLM.embed, "
+                "/v1/embeddings) and generates no text; start one with runner='generate' for "
+                "that")
+    return (f"embedding requests need an engine started with runner='pooling' "
+            f"(LLM(model, runner='pooling'), `jaxllm serve --runner pooling`); this one has "
+            f"runner={runner!r}")
+
+
 @dataclass
 class PoolingParams:
     """What an embedding request asks of the pooling runner (vLLM's PoolingParams).
@@ -23,7 +35,7 @@ class PoolingParams:
     - `normalize`: L2-normalize the vector; None: as the engine's pooler_config says.
     - `dimensions`: keep only the first this many values (Matryoshka truncation), before the
       normalization; at most the model's hidden size (the engine refuses more). None: all.
-    - `truncate_prompt_tokens`: keep only the prompt's last k tokens (-1: max_model_len - 1).
+    - `truncate_prompt_tokens`: keep only the prompt's last k tokens (-1: max_model_len).
     """
 
     normalize: bool | None = None

@@ -105,7 +105,8 @@ def lower_sharded_step(config: ModelConfig, tp: int, num_tokens: int, decode: bo
     attn_metadata = AttentionMetadata(
         i32(num_tokens), i32(seqs, -(-max_model_len // block_size)), i32(seqs), i32(seqs + 1),
         i32(seqs))
-    splits = decode_num_splits(max_model_len, seqs, layout.local.num_key_value_heads,
+    splits = decode_num_splits(full.max_attended_keys(max_model_len), seqs,
+                               layout.local.num_key_value_heads,
                                num_sms=132) if decode else 1
     fn = functools.partial(forward_step, model, top_k, mesh,
                            max_query_len=1 if decode else num_tokens, num_splits=splits)

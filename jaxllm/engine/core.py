@@ -42,7 +42,7 @@ from jaxllm.engine import (
 )
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.model_loader.loader import load_model
-from jaxllm.pooling_params import PoolingParams
+from jaxllm.pooling_params import PoolingParams, wrong_runner
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.state import SamplingState, SamplingStates
@@ -190,8 +190,7 @@ class EngineCore:
         pooling = req.pooling_params is not None
         if pooling != (self.pooler is not None):
             raise ValueError(f"request {req.request_id!r}: "
-                             + ("an embedding request needs runner='pooling'" if pooling
-                                else "this engine has runner='pooling', which only embeds"))
+                             + wrong_runner("pooling" if self.pooler is not None else "generate"))
         request = Request(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             max_tokens=req.max_tokens, min_tokens=params.min_tokens,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from jaxllm.engine import EngineCoreInfo, EngineCoreRequest
-from jaxllm.pooling_params import PoolingParams
+from jaxllm.pooling_params import PoolingParams, wrong_runner
 from jaxllm.reasoning import THINK_END, THINK_START
 from jaxllm.sampling_params import INT64_MAX, RequestOutputKind, SamplingParams
 
@@ -119,9 +119,7 @@ class Processor:
         if isinstance(params, PoolingParams):
             return self.process_pooling(request_id, prompt, params, arrival_time)
         if self.runner == "pooling":
-            raise ValueError("this engine has runner='pooling': it embeds prompts (LLM.embed, "
-                             "/v1/embeddings) and generates no text; start one with "
-                             "runner='generate' for that")
+            raise ValueError(wrong_runner(self.runner))
         params = SamplingParams() if params is None else params
         self.check_params(params)
         bad_words_ids = self.bad_words_token_ids(params.bad_words)
@@ -193,8 +191,7 @@ class Processor:
                         arrival_time: float | None = None) -> ProcessedRequest:
         """An embedding request: its prompt prefilled and pooled, nothing sampled."""
         if self.runner != "pooling":
-            raise ValueError(f"embedding requests need an engine started with "
-                             f"runner='pooling'; this one has runner={self.runner!r}")
+            raise ValueError(wrong_runner(self.runner))
         if params.dimensions is not None and params.dimensions > self.hidden_size:
             raise ValueError(f"PoolingParams.dimensions must be at most the model's hidden "
                              f"size ({self.hidden_size}), got {params.dimensions}")
@@ -218,7 +215,8 @@ class Processor:
         """Tokenize and validate one prompt; ValueError names what is wrong.
         `add_special_tokens=False` for text a chat template rendered: it holds the template's
         own BOS, which the tokenizer would add again. `truncate_prompt_tokens` k: only the last
-        k tokens are kept (-1: max_model_len - 1), before the length is checked."""
+        k tokens are kept (-1: as many as fit: max_model_len, less one to generate from), before
+        the length is checked."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass "
@@ -261,9 +259,10 @@ class Processor:
                              f"{type(prompt).__name__}")
         if not token_ids:
             raise ValueError("the prompt is empty (0 tokens)")
+        # A prompt to generate from needs room for one new token; one to embed does not.
+        longest = self.max_model_len if self.runner == "pooling" else self.max_model_len - 1
         if truncate_prompt_tokens is not None:
-            keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 \
-                else truncate_prompt_tokens
+            keep = longest if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             if len(token_ids) > keep:
                 token_ids = token_ids[-keep:]
                 # The text of what is kept, so that an echo, its logprobs and offsets agree.
@@ -273,9 +272,11 @@ class Processor:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                              f"[0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > longest:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is "
-                             f"{self.max_model_len} (room for at least one new token is needed)")
+                             f"{self.max_model_len}" + ("" if self.runner == "pooling" else
+                                                        " (room for at least one new token is "
+                                                        "needed)"))
         return ProcessedPrompt(text, token_ids)
 
     def check_params(self, params: SamplingParams) -> None:

@@ -15,7 +15,7 @@ from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.processor import ProcessedRequest, PromptType
 from jaxllm.entrypoints.utils import enable_compilation_cache
 from jaxllm.outputs import AnyRequestOutput, EmbeddingRequestOutput, RequestOutput
-from jaxllm.pooling_params import PoolingParams
+from jaxllm.pooling_params import PoolingParams, wrong_runner
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -69,8 +69,7 @@ class LLM:
         ValueError naming its index, and the engine is left as it was.
         """
         if self.llm_engine.engine_config.runner == "pooling":
-            raise ValueError("this engine has runner='pooling': it embeds prompts (LLM.embed) "
-                             "and generates no text; start one with runner='generate' for that")
+            raise ValueError(wrong_runner("pooling"))
         prompts, params_list = _per_prompt(prompts, sampling_params, SamplingParams,
                                            "sampling_params")
         if any(isinstance(p, PoolingParams) for p in params_list):
@@ -85,8 +84,7 @@ class LLM:
         L2-normalized). Needs an engine started with runner="pooling". All or nothing, as
         generate()."""
         if self.llm_engine.engine_config.runner != "pooling":
-            raise ValueError("LLM.embed needs an engine started with runner='pooling' (e.g. "
-                             "LLM(model, runner='pooling')); this one generates text")
+            raise ValueError(wrong_runner(self.llm_engine.engine_config.runner))
         prompts, params_list = _per_prompt(prompts, pooling_params, PoolingParams,
                                            "pooling_params")
         bad = next((p for p in params_list if not isinstance(p, PoolingParams)), None)

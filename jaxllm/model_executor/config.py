@@ -211,6 +211,12 @@ class ModelConfig:
         """The window of layer `layer`'s attention; None: the whole context."""
         return None if layer in self.full_attention_layers else self.sliding_window
 
+    def max_attended_keys(self, max_model_len: int) -> int:
+        """The most keys any layer's query sees in a context of max_model_len tokens: the
+        window when every layer slides (what sizes split-K decode)."""
+        return max(min(self.layer_sliding_window(i) or max_model_len, max_model_len)
+                   for i in range(self.num_hidden_layers))
+
     @property
     def max_context_len(self) -> int:
         """Positions the model takes: max_position_embeddings, stretched by a linear or YaRN

@@ -45,7 +45,8 @@ def lower_step_for_cuda(config: ModelConfig, num_tokens: int, decode: bool, *,
 
     attn_metadata = AttentionMetadata(i32(num_tokens), i32(seqs, -(-max_model_len // block_size)),
                                       i32(seqs), i32(seqs + 1), i32(rows))
-    splits = (decode_num_splits(max_model_len, seqs, config.num_key_value_heads)
+    splits = (decode_num_splits(config.max_attended_keys(max_model_len), seqs,
+                                config.num_key_value_heads)
               if decode and query_len == 1 else 1)
     fn = functools.partial(forward_step, model, 0, None,
                            max_query_len=query_len if decode else num_tokens, num_splits=splits)

@@ -249,13 +249,14 @@ class ModelRunner:
             activation_dtype=self.activation_dtype,
             tp_axis=None if self.mesh is None else TP_AXIS,
             gemv_kernel_rows=pallas_gemv_max_rows, attention_impl=self.attention_impl)
-        # Split-K decode (flash-decoding) per decode bucket: static, sized from max_model_len
-        # and the bucket's sequences against the GPU's SM count. The reference backend (CPU)
-        # has one XLA attention for every split count: 1 keeps its executables as they were.
+        # Split-K decode (flash-decoding) per decode bucket: static, sized from the keys a
+        # query sees at most (max_model_len, or the window when every layer slides) and the
+        # bucket's sequences against the GPU's SM count. The reference backend (CPU) has one
+        # XLA attention for every split count: 1 keeps its executables as they were.
         self.decode_splits = {
             t: 1 if kernel_backend == "reference" else decode_num_splits(
-                max_model_len, min(t, max_num_seqs), self.local_config.num_key_value_heads,
-                num_sms=gpu_sm_count())
+                config.max_attended_keys(max_model_len), min(t, max_num_seqs),
+                self.local_config.num_key_value_heads, num_sms=gpu_sm_count())
             for t in self.decode_buckets}
         self.rope = rope_variables(config)
         if self.mesh is not None:

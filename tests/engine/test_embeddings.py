@@ -187,3 +187,19 @@ def test_generate_engine_refuses_embed(tiny):
         assert_pool_free(llm)
     finally:
         llm.shutdown()
+
+
+def test_a_prompt_may_fill_max_model_len(last_llm, tiny):
+    """Nothing is generated, so no room for a new token is kept: a prompt of max_model_len
+    tokens is embedded as HF embeds it, one more is refused, and -1 truncates to it."""
+    n = last_llm.llm_engine.max_model_len
+    prompt = np.random.default_rng(3).integers(0, 512, n + 5).tolist()
+    outs = last_llm.embed([{"prompt_token_ids": prompt[:n]},
+                           {"prompt_token_ids": prompt}],
+                          [PoolingParams(), PoolingParams(truncate_prompt_tokens=-1)],
+                          use_tqdm=False)
+    assert outs[1].prompt_token_ids == prompt[-n:]
+    _check(outs, tiny[1], [prompt[:n], prompt[-n:]], "LAST")
+    with pytest.raises(ValueError, match=f"the prompt has {n + 1} tokens"):
+        last_llm.embed({"prompt_token_ids": prompt[:n + 1]}, use_tqdm=False)
+    assert scheduler_state(last_llm)["num_requests"] == 0

@@ -64,6 +64,18 @@ def test_a_sliding_window_keeps_the_whole_context():
     assert unused.sliding_window is None and unused.layer_sliding_window(0) is None
 
 
+def test_split_k_is_sized_by_the_keys_a_query_sees():
+    """Every layer sliding: a decode query sees at most the window, whatever max_model_len;
+    one full layer: the whole context."""
+    every = _cfg(model_type="mistral", sliding_window=64)
+    assert [every.max_attended_keys(n) for n in (16, 64, 4096)] == [16, 64, 64]
+    mixed = _cfg(architectures=["Qwen2ForCausalLM"], num_hidden_layers=4, sliding_window=64,
+                 use_sliding_window=True, max_window_layers=2)
+    assert [mixed.layer_sliding_window(i) for i in range(4)] == [None, None, 64, 64]
+    assert mixed.max_attended_keys(4096) == 4096
+    assert _cfg(model_type="mistral", sliding_window=None).max_attended_keys(300) == 300
+
+
 def _windows(**kw) -> list[int | None]:
     config = _cfg(**{"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
                      "sliding_window": 8, "use_sliding_window": True, **kw})
