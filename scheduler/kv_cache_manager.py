@@ -9,11 +9,19 @@ from scheduler.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window` W: every layer's queries see only their last W keys, so a
+        request's blocks wholly before its next query's window go back to the pool as it
+        advances (vLLM's SlidingWindowManager); their place in its block table is then the
+        null block."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already registered in the prefix cache
@@ -79,6 +87,7 @@ class KVCacheManager:
         are referenced and prepended. Returns the newly allocated blocks, or None (changing
         nothing) when the free queue is too short.
         """
+        self.remove_skipped_blocks(request, request.num_computed_tokens)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks and blocks:
             raise ValueError(f"request {request.request_id!r} already has blocks")
@@ -100,6 +109,26 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         return new_blocks
 
+    def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """With a sliding window: free the blocks no query from position `num_computed_tokens`
+        on can see. The step in flight, if any, reads them before any later step can write
+        them (steps run in order on the device), so counting only computed tokens is safe."""
+        window = self.sliding_window
+        blocks = self.req_to_blocks.get(request.request_id)
+        if window is None or not blocks:
+            return
+        first_seen = max(0, num_computed_tokens - window + 1) // self.block_size
+        null = self.block_pool.null_block
+        freed = []
+        # Nearest first, down to the blocks freed before: the run starts at block 0.
+        for i in range(min(first_seen, len(blocks)) - 1, -1, -1):
+            if blocks[i] is null:
+                break
+            freed.append(blocks[i])
+            blocks[i] = null
+        # Freed newest first: a cached prefix's first blocks stay findable the longest.
+        self.block_pool.free_blocks(freed)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that `num_computed_tokens` filled, prompt or output."""
         if not self.enable_caching:
@@ -111,7 +140,8 @@ class KVCacheManager:
             return
         hashes = self._update_block_hashes(request, end)
         for i in range(start, end):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+            if blocks[i] is not self.block_pool.null_block:  # freed: out of the window
+                self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = end
 
     def truncate(self, request: Request, num_tokens: int) -> int | None:
@@ -125,7 +155,8 @@ class KVCacheManager:
             return None
         tail = blocks[keep:]
         del blocks[keep:]
-        self.block_pool.free_blocks(reversed(tail))
+        null = self.block_pool.null_block
+        self.block_pool.free_blocks(b for b in reversed(tail) if b is not null)
         return keep
 
     def free(self, request: Request) -> None:
@@ -133,7 +164,8 @@ class KVCacheManager:
         before the prefix other requests are likelier to share."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        null = self.block_pool.null_block
+        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not null)
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()

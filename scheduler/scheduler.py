@@ -24,6 +24,9 @@ class SchedulerConfig:
     # Speculative decoding with a draft model: slots a request keeps past its scheduled tokens,
     # where the draft model writes the KV of its drafts before the target sees them.
     num_lookahead_tokens: int = 0
+    # Every layer's attention window (None: some layer sees the whole context): a request's
+    # blocks wholly before its next query's window are freed as it advances.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -76,7 +79,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv_cache_manager = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching
+            config.num_blocks, config.block_size, config.enable_prefix_caching,
+            config.sliding_window,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

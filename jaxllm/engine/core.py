@@ -143,7 +143,9 @@ class EngineCore:
             block_size=config.block_size, num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             num_lookahead_tokens=0 if spec is None or not use_draft_model
-            else spec.num_speculative_tokens))
+            else spec.num_speculative_tokens,
+            # A draft model reads the same block tables with its own attention.
+            sliding_window=None if use_draft_model else model_config.every_layer_window))
         self.info = EngineCoreInfo(
             config=config, model_config=model_config, max_model_len=max_model_len,
             num_kv_blocks=num_blocks,

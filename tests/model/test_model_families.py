@@ -29,6 +29,7 @@ from tests.gguf_models import write_skeleton_gguf
 from tests.model_inputs import prefill_logits
 from tests.utils import (
     YARN_ROPE,
+    assert_pool_free,
     hf_greedy_tokens,
     hf_prompt_logits,
     make_llm,
@@ -295,6 +296,23 @@ def test_a_sliding_window_runs_past_the_window(family, tmp_path, name):
             assert out.outputs[0].token_ids == hf_greedy_tokens(hf, prompt, MAX_NEW), \
                 f"{name}, prompt of {len(prompt)} tokens"
     assert out.num_cached_tokens >= 80  # full blocks of the shared prefix
+    llm.shutdown()
+
+
+def test_a_window_on_every_layer_frees_the_blocks_behind_it(family, tmp_path):
+    """Mistral slides on every layer: a sequence holds only its window's KV blocks, so one
+    longer than the whole KV pool still runs to its max_tokens with HF's windowed tokens."""
+    path, hf, _, _ = _windowed(family, tmp_path, "mistral")
+    # 7 usable blocks of 16 tokens: 112 positions, less than the 160 the sequence reaches.
+    llm = make_llm(path, dtype="float32", max_model_len=None, max_num_batched_tokens=16,
+                   num_kv_blocks=8)
+    prompt = random_prompts(10, [100])[0]
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    with torch.no_grad():
+        assert out.outputs[0].token_ids == hf_greedy_tokens(hf, prompt, 60)
+    assert_pool_free(llm)
     llm.shutdown()
 
 

@@ -63,11 +63,13 @@ class Spec:
         )
 
 
-def reference(spec: Spec, max_model_len: int) -> tuple[list[int], str, int | None]:
-    """The same generation, one request at a time, with the stop rules spelled out again."""
+def reference(spec: Spec, max_model_len: int, window: int | None = None
+              ) -> tuple[list[int], str, int | None]:
+    """The same generation, one request at a time, with the stop rules spelled out again
+    (`window`: the model sees only the last `window` tokens)."""
     tokens, out = list(spec.prompt), []
     while True:
-        t = fake_next(tokens)
+        t = fake_next(tokens[-window:] if window else tokens)
         tokens.append(t)
         out.append(t)
         if len(out) >= spec.min_tokens:
@@ -82,6 +84,8 @@ def reference(spec: Spec, max_model_len: int) -> tuple[list[int], str, int | Non
 class FakeRunner:
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.bs = cfg.block_size
+        # A windowed model reads only the last `window` positions through its table.
+        self.window = cfg.sliding_window
         self.kv: list[list[int | None]] = [[None] * self.bs for _ in range(cfg.num_blocks)]
         # Block tables kept as a runner keeps them: only from each step's new_block_ids.
         self.tables: dict[str, list[int]] = {}
@@ -107,7 +111,8 @@ class FakeRunner:
         for item in out.scheduled:
             if item.do_sample:
                 ids = self.tables[item.request_id]
-                history = [self.kv[ids[p // bs]][p % bs] for p in range(item.seq_len)]
+                first = max(0, item.seq_len - self.window) if self.window else 0
+                history = [self.kv[ids[p // bs]][p % bs] for p in range(first, item.seq_len)]
                 sampled[item.request_id] = [fake_next(history)]
         return sampled
 
@@ -120,6 +125,7 @@ class RunStats:
     cache_hit_tokens: int = 0
     resumed_with_hits: int = 0
     max_batch: int = 0
+    freed_blocks: int = 0  # the most out-of-window blocks one request had freed
 
 
 def check_pool(sched: Scheduler) -> None:
@@ -127,6 +133,11 @@ def check_pool(sched: Scheduler) -> None:
     pool = kv.block_pool
     holders: Counter[int] = Counter()
     for ids in map(kv.get_block_ids, kv.req_to_blocks):
+        if sched.config.sliding_window:
+            # Blocks out of the window are freed: the null block holds their place.
+            held = [b for b in ids if b != NULL_BLOCK_ID]
+            assert ids[:len(ids) - len(held)] == [NULL_BLOCK_ID] * (len(ids) - len(held))
+            ids = held
         assert len(ids) == len(set(ids)) and NULL_BLOCK_ID not in ids
         holders.update(ids)
     assert set(kv.req_to_blocks) == {r.request_id for r in sched.running}
@@ -166,7 +177,15 @@ def check_step(sched: Scheduler, out: SchedulerOutput, tables: dict[str, list[in
         table = tables[item.request_id]
         assert len(table) * bs >= start + n
         assert len(table) == -(-(start + n) // bs)
-        assert table == sched.kv_cache_manager.get_block_ids(item.request_id)
+        held = sched.kv_cache_manager.get_block_ids(item.request_id)
+        if cfg.sliding_window:
+            # The runner keeps a freed block's id; the scheduler frees only blocks wholly
+            # before the window of the step's first query.
+            freed = [i for i, b in enumerate(held) if b == NULL_BLOCK_ID]
+            assert all((i + 1) * bs <= start - cfg.sliding_window + 1 for i in freed)
+            stats.freed_blocks = max(stats.freed_blocks, len(freed))
+            held = [t if h == NULL_BLOCK_ID else h for t, h in zip(table, held, strict=True)]
+        assert table == held
         assert start + n <= cfg.max_model_len
         # Blocks written this step belong to this request alone.
         for b in table[start // bs : (start + n - 1) // bs + 1]:
@@ -308,6 +327,49 @@ def test_outputs_match_reference_random_configs(
     specs = random_specs(seed, n=8, max_prompt=mml)
     results, _ = run(cfg, specs)
     assert results == {s.rid: reference(s, mml) for s in specs}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    window=st.integers(1, 12),
+    block_size=st.integers(1, 5),
+    extra_blocks=st.integers(0, 20),
+    budget=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+)
+def test_sliding_window_frees_blocks_behind_it(
+    seed: int, window: int, block_size: int, extra_blocks: int, budget: int,
+    max_num_seqs: int, caching: bool
+) -> None:
+    """A model that sees only its last `window` tokens: blocks behind every query's window go
+    back to the pool, and the tokens are the windowed reference's (a block freed too early
+    and reused changes them)."""
+    mml = 40
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=mml,
+        block_size=block_size, num_blocks=1 + -(-mml // block_size) + extra_blocks,
+        enable_prefix_caching=caching, sliding_window=window,
+    )
+    specs = random_specs(seed, n=8, max_prompt=mml)
+    results, stats = run(cfg, specs)
+    assert results == {s.rid: reference(s, mml, window) for s in specs}
+    assert stats.freed_blocks > 0 or all(
+        len(s.prompt) + s.max_tokens < window + block_size for s in specs)
+
+
+def test_sliding_window_runs_past_the_pool() -> None:
+    """A request longer than the whole KV pool finishes on its own max_tokens, not the pool's
+    length: only its window's blocks are held."""
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=200,
+                          block_size=4, num_blocks=8, sliding_window=9)
+    specs = [Spec("long", [5, 6, 7, 8, 9, 10], max_tokens=120, ignore_eos=True),
+             Spec("other", [3, 4], max_tokens=40, ignore_eos=True, arrival_step=30)]
+    results, stats = run(cfg, specs)
+    assert results == {s.rid: reference(s, 200, 9) for s in specs}
+    assert [len(results[s.rid][0]) for s in specs] == [120, 40]
+    assert stats.freed_blocks >= 25
 
 
 # ---- stop conditions, with the sampled tokens scripted ------------------------------------
