@@ -65,13 +65,35 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._update_block_hashes(request, max_blocks)[:max_blocks]
+        if self.sliding_window is not None:
+            return self._window_hits(hashes)
         hits: list[KVCacheBlock] = []
-        for block_hash in self._update_block_hashes(request, max_blocks)[:max_blocks]:
+        for block_hash in hashes:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _window_hits(self, hashes: Sequence[bytes]) -> tuple[list[KVCacheBlock], int]:
+        """With a sliding window only the blocks in the window of the first query to compute
+        must be cached; those before it are the null block (vLLM's sliding-window hit search),
+        so a prefix whose first blocks were evicted still hits. The longest such prefix."""
+        bs, window = self.block_size, self.sliding_window
+        assert window is not None
+        cached = [self.block_pool.get_cached_block(h) for h in hashes]
+        best = best_first = 0
+        last_miss = -1
+        for n in range(1, len(cached) + 1):
+            if cached[n - 1] is None:
+                last_miss = n - 1
+            first = max(0, n * bs - window + 1) // bs  # the window's first block
+            if last_miss < first:
+                best, best_first = n, first
+        null = self.block_pool.null_block
+        hits = [null] * best_first + [b for b in cached[best_first:best] if b is not None]
+        return hits, best * bs
 
     def allocate_slots(
         self,
@@ -102,7 +124,8 @@ class KVCacheManager:
                 del self.req_to_blocks[request.request_id]
             return None
         if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)
+            null = self.block_pool.null_block
+            self.block_pool.touch(b for b in new_computed_blocks if b is not null)
             blocks.extend(new_computed_blocks)
             self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)

@@ -312,6 +312,13 @@ def test_a_window_on_every_layer_frees_the_blocks_behind_it(family, tmp_path):
     assert out.outputs[0].finish_reason == "length"
     with torch.no_grad():
         assert out.outputs[0].token_ids == hf_greedy_tokens(hf, prompt, 60)
+    # The prompt's first blocks, freed first, were evicted by the sequence's own growth; a
+    # prompt sharing it hits on the blocks of its first query's window.
+    follow = prompt + random_prompts(11, [8])[0]
+    out = _greedy(llm, [follow])[0]
+    assert out.num_cached_tokens == 96
+    with torch.no_grad():
+        assert out.outputs[0].token_ids == hf_greedy_tokens(hf, follow, MAX_NEW)
     assert_pool_free(llm)
     llm.shutdown()
 

@@ -359,6 +359,22 @@ def test_sliding_window_frees_blocks_behind_it(
         len(s.prompt) + s.max_tokens < window + block_size for s in specs)
 
 
+def test_sliding_window_prefix_hit_needs_only_the_window() -> None:
+    """The first blocks of a finished windowed prompt are evicted first (freed first); a later
+    prompt sharing it still hits, since only the blocks in its first query's window count."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
+                          block_size=4, num_blocks=13, sliding_window=8)
+    rng = random.Random(5)
+    shared = [rng.randrange(1, VOCAB) for _ in range(40)]
+    specs = [Spec("a", shared, max_tokens=1),
+             Spec("b", [rng.randrange(1, VOCAB) for _ in range(12)], max_tokens=4,
+                  ignore_eos=True, arrival_step=10),
+             Spec("c", shared + [1, 2, 3], max_tokens=5, ignore_eos=True, arrival_step=25)]
+    results, stats = run(cfg, specs)
+    assert results == {s.rid: reference(s, 64, 8) for s in specs}
+    assert stats.cache_hit_tokens == 40  # all of c's full blocks of the shared prompt
+
+
 def test_sliding_window_runs_past_the_pool() -> None:
     """A request longer than the whole KV pool finishes on its own max_tokens, not the pool's
     length: only its window's blocks are held."""
