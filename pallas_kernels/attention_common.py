@@ -1,8 +1,11 @@
 """What the paged attention kernel and its split-K decode kernels share: the masked-logit value,
-the online-softmax step over one key tile, the tile sizes, and the split-K factor per decode
-bucket (which the engine's runner and the performance model use too)."""
+the logit soft cap, the online-softmax step over one key tile, the tile sizes, and the split-K
+factor per decode bucket (which the engine's runner and the performance model use too)."""
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +19,34 @@ from pallas_kernels.common import next_pow2
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def soft_cap(logits, logits_soft_cap: float | None):
+    """cap * tanh(logits / cap) (Gemma 2's attention logit soft cap), applied to the scaled
+    logits before the mask; None: the logits unchanged (nothing is traced)."""
+    if logits_soft_cap is None:
+        return logits
+    return logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+
+
+def check_soft_cap(logits_soft_cap) -> float | None:
+    """``logits_soft_cap`` as a float (a static argument of every attention path), None as is;
+    a ValueError for anything but a finite number > 0."""
+    if logits_soft_cap is None:
+        return None
+    if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real) \
+            or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0:
+        raise ValueError(f"logits_soft_cap must be a finite number > 0 or None, got "
+                         f"{logits_soft_cap!r}")
+    return float(logits_soft_cap)
+
+
 def key_step(bt_ref, k_ref, v_ref, layer, s, q, q_pos, kv_end, kb, carry, *, scale: float,
-             block_k: int, sliding_window: int | None = None):
+             block_k: int, sliding_window: int | None = None,
+             logits_soft_cap: float | None = None):
     """One online-softmax step of the Triton kernels over key tile ``kb`` (keys kb * KB ..
     kb * KB + KB - 1) of sequence ``s``: gathers K/V of ``layer`` through the block table (keys
     at or past ``kv_end`` load as zeros), masks keys past each row's position ``q_pos`` and,
-    with a ``sliding_window`` W (static), keys at or before q_pos - W. A row all of whose keys
+    with a ``sliding_window`` W (static), keys at or before q_pos - W; a ``logits_soft_cap``
+    (static) caps the scaled logits first (``soft_cap``). A row all of whose keys
     so far were masked carries (max MASK_VALUE, sum and acc of ones-weighted values); its first
     visible key rescales that by exp(MASK_VALUE - logit) == 0, so it leaves no trace.
     k_ref, v_ref: [num_layers, num_blocks, block_size, head_dim] of one KV head. carry:
@@ -40,6 +65,7 @@ def key_step(bt_ref, k_ref, v_ref, layer, s, q, q_pos, kv_end, kb, carry, *, sca
     v = plgpu.load(v_ref.at[kv_idx], mask=key_ok[:, None], other=0.0)
 
     logits = plgpu.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
+    logits = soft_cap(logits, logits_soft_cap)
     mask = (key[None, :] <= q_pos[:, None]) & key_ok[None, :]
     if sliding_window is not None:
         mask = mask & (key[None, :] > q_pos[:, None] - sliding_window)

@@ -70,6 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention_common import (
+    check_soft_cap,
     kernel_init_state,
     key_step,
     kv_head_spec,
@@ -83,7 +84,8 @@ from pallas_kernels.split_k_decode import paged_attention_split_k
 
 def _paged_attention_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, o_ref,
                             *, scale: float, group: int, group_pad: int, block_q: int,
-                            block_k: int, sliding_window: int | None):
+                            block_k: int, sliding_window: int | None,
+                            logits_soft_cap: float | None):
     s = pl.program_id(0)
     tile = pl.program_id(1)
     h = pl.program_id(2)
@@ -118,7 +120,7 @@ def _paged_attention_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_r
 
         body = functools.partial(key_step, bt_ref, k_ref, v_ref, layer_ref[0], s, q, q_pos,
                                  kv_end, scale=scale, block_k=block_k,
-                                 sliding_window=sliding_window)
+                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         # A window starts the walk at the tile where the tile's first query's window starts.
         kb_start = window_start_tile(ctx_len + tile_start, sliding_window, block_k)
         acc, m_i, l_i = lax.fori_loop(kb_start, pl.cdiv(kv_end, block_k), body,
@@ -131,7 +133,7 @@ def _paged_attention_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_r
 
 
 def _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_start_loc, *,
-                            scale, max_query_len, interpret, sliding_window):
+                            scale, max_query_len, interpret, sliding_window, logits_soft_cap):
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads = kv_cache.shape[:3]
     num_seqs = block_tables.shape[0]
@@ -143,7 +145,7 @@ def _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_st
 
     kernel = functools.partial(_paged_attention_kernel, scale=float(scale), group=group,
                                group_pad=group_pad, block_q=block_q, block_k=block_k,
-                               sliding_window=sliding_window)
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     grid = (num_seqs, pl.cdiv(qmax, block_q), num_kv_heads)
 
     qsl = query_start_loc.astype(jnp.int32)
@@ -169,7 +171,8 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
                     block_tables: jax.Array,
                     seq_lens: jax.Array, query_start_loc: jax.Array, *, scale: float,
                     max_query_len: int | None = None, backend: str = "reference",
-                    num_splits: int = 1, sliding_window: int | None = None) -> jax.Array:
+                    num_splits: int = 1, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> jax.Array:
     """Causal attention of a ragged batch of queries against the paged KV cache.
 
     q: [T, num_heads, head_dim]; rows at index >= query_start_loc[-1] are padding.
@@ -188,6 +191,9 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
     sliding_window: static; a query at position p then sees keys p - sliding_window + 1 .. p
     only (Hugging Face's window), and the kernels skip the key tiles wholly before it. None:
     keys 0..p, the same compiled code as without the argument.
+    logits_soft_cap: static; each scaled logit x becomes cap * tanh(x / cap) before the mask
+    and softmax (Gemma 2's attention soft cap, vLLM's ``logits_soft_cap``). None: no cap, the
+    same compiled code as without the argument.
     Returns [T, num_heads, head_dim] in q's dtype; padding rows are zeros.
     """
     check_backend(backend)
@@ -203,17 +209,20 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
             raise ValueError(f"sliding_window must be a positive integer or None, got "
                              f"{sliding_window!r}")
         sliding_window = int(sliding_window)
+    logits_soft_cap = check_soft_cap(logits_soft_cap)
     if backend == "reference":
         return paged_attention_reference(q, kv_cache, layer, block_tables, seq_lens,
                                          query_start_loc, scale=scale,
                                          max_query_len=max_query_len,
-                                         sliding_window=sliding_window)
+                                         sliding_window=sliding_window,
+                                         logits_soft_cap=logits_soft_cap)
     if num_splits > 1:
         return paged_attention_split_k(
             q, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale=scale,
             num_splits=num_splits, interpret=backend == "interpret",
-            sliding_window=sliding_window)
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     return _paged_attention_pallas(q, kv_cache, layer, block_tables, seq_lens, query_start_loc,
                                    scale=scale, max_query_len=max_query_len,
                                    interpret=backend == "interpret",
-                                   sliding_window=sliding_window)
+                                   sliding_window=sliding_window,
+                                   logits_soft_cap=logits_soft_cap)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.attention_common import MASK_VALUE
+from pallas_kernels.attention_common import MASK_VALUE, soft_cap
 from pallas_kernels.common import check_layer
 
 # Reference (XLA) path tuning, read at trace time (tests shrink them to force many iterations).
@@ -78,7 +78,7 @@ def _init_state(shape, head_dim):
 
 
 def _token_pass(q, cache_rows, first_row, block_tables, seq_of, pos, tiles, *, scale, nb,
-                num_blocks, window, first_tile):
+                num_blocks, window, cap, first_tile):
     """Attention of every token t with tiles[t] > 0 against its own keys 0..pos[t] (tiles[t]
     key tiles of nb blocks; with a sliding ``window``, keys pos[t] - window + 1..pos[t], tiles
     from first_tile[t] on). Tokens are sorted by tile count (descending) and taken in groups
@@ -121,7 +121,7 @@ def _token_pass(q, cache_rows, first_row, block_tables, seq_of, pos, tiles, *, s
                 mask = mask & (key > q_pos[:, None] - window)
             # (Logits as [KVH, TC, KT, G] made the QK matmul alone faster but the whole step
             # slower: exp and reductions over a minor axis of 7.)
-            logits = jnp.einsum("kwgd,kwjd->kwgj", q_g, k)
+            logits = soft_cap(jnp.einsum("kwgd,kwjd->kwgj", q_g, k), cap)
             return _flash_update(state, logits, mask[None, :, None, :], v, "kwgj,kwjd->kwgd")
 
         _, l_run, acc_run = lax.fori_loop(0, n_tiles[0], key_body,
@@ -135,7 +135,7 @@ def _token_pass(q, cache_rows, first_row, block_tables, seq_of, pos, tiles, *, s
 
 
 def _tile_pass(out, q, cache_rows, first_row, block_tables, seq_lens, qsl, tiled_seq, *,
-               scale, nb, num_blocks, window, first_tile):
+               scale, nb, num_blocks, window, cap, first_tile):
     """Attention of the tokens of sequences with tiled_seq[s]: query tiles of BQ consecutive
     tokens of one sequence share each gathered key tile; an outer loop walks the tiles, an
     inner loop the key tiles up to the tile's last query (with a sliding ``window``, from the
@@ -187,7 +187,7 @@ def _tile_pass(out, q, cache_rows, first_row, block_tables, seq_lens, qsl, tiled
             mask = (key[None, :] <= q_pos[:, None]) & row_ok[:, None]  # [BQ * G, KT]
             if window is not None:
                 mask = mask & (key[None, :] > q_pos[:, None] - window)
-            logits = jnp.einsum("kmd,kjd->kmj", q_t, k_t)
+            logits = soft_cap(jnp.einsum("kmd,kjd->kmj", q_t, k_t), cap)
             return _flash_update(state, logits, mask[None], v_t, "kmj,kjd->kmd")
 
         _, l_run, acc_run = lax.fori_loop(first[0] if first else 0, key_tiles, key_body,
@@ -205,7 +205,8 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int | ja
                               block_tables: jax.Array, seq_lens: jax.Array,
                               query_start_loc: jax.Array, *, scale: float,
                               max_query_len: int | None = None,
-                              sliding_window: int | None = None) -> jax.Array:
+                              sliding_window: int | None = None,
+                              logits_soft_cap: float | None = None) -> jax.Array:
     """XLA version of ``paged_attention`` whose cost follows the real work, not the padding.
 
     Flash attention (online softmax, float32 throughout) in loops whose trip counts are
@@ -225,6 +226,9 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int | ja
     ``sliding_window`` (static): a query at p sees keys p - sliding_window + 1..p, and both
     passes start at the key tile where the window starts, so a query's cost is bounded by the
     window. None compiles exactly the unwindowed loops.
+
+    ``logits_soft_cap`` (static): each scaled logit x becomes cap * tanh(x / cap) before the
+    mask and softmax (Gemma 2); None: no cap, the same compiled loops.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
@@ -271,7 +275,8 @@ def paged_attention_reference(q: jax.Array, kv_cache: jax.Array, layer: int | ja
         return [((layer * 2 + which) * num_kv_heads + h) * num_blocks
                 for h in range(num_kv_heads)]
 
-    kw = dict(scale=scale, nb=nb, num_blocks=num_blocks, window=sliding_window)
+    kw = dict(scale=scale, nb=nb, num_blocks=num_blocks, window=sliding_window,
+              cap=logits_soft_cap)
     out = _token_pass(q4, cache_rows, first_row, block_tables, seq_of, pos, token_tiles, **kw,
                       first_tile=token_first)
     if use_tiles:

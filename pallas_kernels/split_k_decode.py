@@ -63,7 +63,8 @@ def _decode_partition(seq_len, p, num_splits: int, block_k: int,
 
 def _decode_split_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref, v_ref, acc_ref,
                          m_ref, l_ref, *, scale: float, group: int, rows: int, block_k: int,
-                         num_splits: int, sliding_window: int | None):
+                         num_splits: int, sliding_window: int | None,
+                         logits_soft_cap: float | None):
     """Split-K decode, pass 1: program (s, p, h) runs the online softmax of the G query heads
     of KV head h of sequence s over the key tiles of split p and writes the unnormalised
     accumulator, running max and running sum of each head to the scratch outputs. Padding
@@ -88,7 +89,7 @@ def _decode_split_kernel(layer_ref, bt_ref, seq_lens_ref, qsl_ref, q_ref, k_ref,
         q_pos = jnp.full((rows,), seq_len - 1)  # the decode token is the context's last
         body = functools.partial(key_step, bt_ref, k_ref, v_ref, layer_ref[0], s, q, q_pos,
                                  seq_len, scale=scale, block_k=block_k,
-                                 sliding_window=sliding_window)
+                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         acc, m_i, l_i = lax.fori_loop(kb_start, kb_end, body,
                                       kernel_init_state(rows, head_dim))
         plgpu.store(acc_ref.at[s, p, head_idx[:, None], d[None, :]], acc, mask=row_ok[:, None])
@@ -140,7 +141,8 @@ def _decode_combine_kernel(seq_lens_ref, qsl_ref, acc_ref, m_ref, l_ref, o_ref, 
 def paged_attention_split_k(q: jax.Array, kv_cache: jax.Array, layer: int | jax.Array,
                             block_tables: jax.Array, seq_lens: jax.Array,
                             query_start_loc: jax.Array, *, scale: float, num_splits: int,
-                            interpret: bool, sliding_window: int | None = None) -> jax.Array:
+                            interpret: bool, sliding_window: int | None = None,
+                            logits_soft_cap: float | None = None) -> jax.Array:
     """Split-K (flash-decoding) paged attention for max_query_len 1 (backend "pallas"):
     grid (S, num_splits, KVH) writing float32 scratch (acc [S, splits, H, D], max and sum
     [S, splits, H]), then a combine kernel over grid (S,)."""
@@ -159,7 +161,7 @@ def paged_attention_split_k(q: jax.Array, kv_cache: jax.Array, layer: int | jax.
     acc, m_run, l_run = pl.pallas_call(
         functools.partial(_decode_split_kernel, scale=float(scale), group=group, rows=rows,
                           block_k=block_k, num_splits=num_splits,
-                          sliding_window=sliding_window),
+                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap),
         grid=(num_seqs, num_splits, num_kv_heads),
         in_specs=[whole_block_spec((1,)), whole_block_spec(block_tables.shape),
                   whole_block_spec(seq_lens.shape), whole_block_spec(qsl.shape),

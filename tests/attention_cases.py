@@ -18,7 +18,8 @@ from pallas_kernels.paged_attention import paged_attention
 HEAD_CONFIGS = [(14, 2), (12, 2), (28, 4), (4, 4), (8, 2)]  # Qwen2 ratios 7, 6, 7; then 1 and 4
 
 
-def naive_attention(q, kv, layer, block_tables, seq_lens, qsl, scale, sliding_window=None):
+def naive_attention(q, kv, layer, block_tables, seq_lens, qsl, scale, sliding_window=None,
+                    logits_soft_cap=None):
     q = np.asarray(q, np.float64)
     kv = np.asarray(kv, np.float64)
     num_heads = q.shape[1]
@@ -37,6 +38,8 @@ def naive_attention(q, kv, layer, block_tables, seq_lens, qsl, scale, sliding_wi
             lo = 0 if sliding_window is None else max(0, p - sliding_window + 1)
             for h in range(num_heads):
                 logits = keys[h // group, lo: p + 1] @ q[start + i, h] * scale
+                if logits_soft_cap is not None:
+                    logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
                 w = np.exp(logits - logits.max())
                 out[start + i, h] = (w / w.sum()) @ values[h // group, lo: p + 1]
     return out
@@ -46,7 +49,7 @@ def naive_attention(q, kv, layer, block_tables, seq_lens, qsl, scale, sliding_wi
 # and made these tests several times slower); the engine always calls inside a jit too.
 _jitted = jax.jit(paged_attention, static_argnums=(2,),
                   static_argnames=("scale", "max_query_len", "backend", "num_splits",
-                                   "sliding_window"))
+                                   "sliding_window", "logits_soft_cap"))
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Case:
     scale: float
     max_query_len: int
     sliding_window: int | None = None  # keys a query sees, its own included; None: all
+    logits_soft_cap: float | None = None  # logits -> cap * tanh(logits / cap); None: none
 
     def args(self, dtype=jnp.float32):
         return (jnp.asarray(self.q, dtype), jnp.asarray(self.kv, dtype), self.layer,
@@ -69,19 +73,20 @@ class Case:
     def run(self, backend, dtype=jnp.float32, max_query_len="case", num_splits=1):
         mq = self.max_query_len if max_query_len == "case" else max_query_len
         return _jitted(*self.args(dtype), scale=self.scale, max_query_len=mq, backend=backend,
-                       num_splits=num_splits, sliding_window=self.sliding_window)
+                       num_splits=num_splits, sliding_window=self.sliding_window,
+                       logits_soft_cap=self.logits_soft_cap)
 
     def expected(self, dtype=jnp.float32):
         # Round inputs to the tested dtype first so only the kernel's own arithmetic differs.
         q = np.asarray(jnp.asarray(self.q, dtype).astype(jnp.float32))
         kv = np.asarray(jnp.asarray(self.kv, dtype).astype(jnp.float32))
         return naive_attention(q, kv, self.layer, self.block_tables, self.seq_lens, self.qsl,
-                               self.scale, self.sliding_window)
+                               self.scale, self.sliding_window, self.logits_soft_cap)
 
 
 def make_case(seqs, *, num_heads=14, num_kv_heads=2, head_dim=64, block_size=16,
               pad_tokens=0, pad_seqs=0, num_layers=2, layer=1, seed=0, extra_blocks=3,
-              max_query_len=None, sliding_window=None):
+              max_query_len=None, sliding_window=None, logits_soft_cap=None, scale=None):
     """seqs: list of (cached context before this step, q_len); q_len 0 = padding sequence."""
     rng = np.random.default_rng(seed)
     seqs = list(seqs) + [(0, 0)] * pad_seqs
@@ -107,7 +112,8 @@ def make_case(seqs, *, num_heads=14, num_kv_heads=2, head_dim=64, block_size=16,
     if max_query_len is None:
         max_query_len = max(int(q_lens.max()), 1)
     return Case(q.astype(np.float32), kv.astype(np.float32), layer, block_tables, seq_lens,
-                qsl, head_dim ** -0.5, max_query_len, sliding_window)
+                qsl, head_dim ** -0.5 if scale is None else scale, max_query_len, sliding_window,
+                logits_soft_cap)
 
 
 @st.composite
@@ -146,4 +152,4 @@ def pad_case(case, *, num_tokens=None, num_seqs=None, width=None, num_blocks=Non
                 case.layer, block_tables,
                 np.concatenate([case.seq_lens, np.zeros(num_seqs - seqs, np.int32)]),
                 np.concatenate([case.qsl, np.full(num_seqs - seqs, case.qsl[-1], np.int32)]),
-                case.scale, case.max_query_len, case.sliding_window)
+                case.scale, case.max_query_len, case.sliding_window, case.logits_soft_cap)

@@ -134,7 +134,8 @@ def rope_write_kv_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
 
 
 def paged_attention_cases(model: Qwen2Shape, dtype, phase: str,
-                          sliding_window: int | None = None) -> list[Case]:
+                          sliding_window: int | None = None,
+                          logits_soft_cap: float | None = None) -> list[Case]:
     """decode: 64 sequences x 1 token, contexts up to 4096 (256 blocks of 16), max_query_len 1;
     split-K decode of 8 sequences (a small batch) with ``decode_num_splits`` for a
     max_model_len of 4096 (16 splits for 2 KV heads, 8 for 4): two kernels, split and combine;
@@ -144,7 +145,8 @@ def paged_attention_cases(model: Qwen2Shape, dtype, phase: str,
     prefill: 2048 tokens over 4 sequences, blocks of 16 and of 32, max_query_len 2048. The KV
     array spans all layers (``kv_arrays``), > 4 GiB for the larger models and in the ``_kv60g``
     cases (blocks of 16), so the 64-bit addressing path of the Triton lowering is exercised
-    too. ``sliding_window``: the same cases with that window (tests/kernels/test_lowering.py).
+    too. ``sliding_window``, ``logits_soft_cap``: the same cases with that window and logit
+    soft cap (tests/kernels/test_lowering.py).
     """
     max_model_len = 4096
     attn, splitk = "paged_attention", "paged_attention_splitk"
@@ -171,7 +173,8 @@ def paged_attention_cases(model: Qwen2Shape, dtype, phase: str,
             return paged_attention(q, kv_cache, num_layers - 1, block_tables, seq_lens,
                                    query_start_loc, scale=model.head_dim ** -0.5,
                                    max_query_len=_mq, backend="pallas", num_splits=_ns,
-                                   sliding_window=sliding_window)
+                                   sliding_window=sliding_window,
+                                   logits_soft_cap=logits_soft_cap)
 
         for suffix, cache in kv_arrays(model, dtype, block_size):
             if suffix and block_size != 16:

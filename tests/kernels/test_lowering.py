@@ -42,6 +42,20 @@ def test_windowed_attention_lowers_for_cuda(phase: str) -> None:
             assert TRITON_CALL in lower_for_cuda(fn, args).as_text(), name
 
 
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_soft_capped_attention_lowers_for_cuda(phase: str) -> None:
+    # With Gemma 2's logit soft cap (and its window) every kernel that computes logits lowers
+    # a tanh; without the cap none does (the uncapped kernels are unchanged).
+    model = QWEN2_SHAPES["qwen2.5-0.5b"]
+    for cap in (50.0, None):
+        for name, fn, args in paged_attention_cases(model, jnp.bfloat16, phase,
+                                                    sliding_window=4096, logits_soft_cap=cap):
+            for kernel in triton_kernels(fn, args):
+                logits = kernel.name != "paged_attention_combine"
+                assert ("tanh" in kernel.ttir) == (cap is not None and logits), (name,
+                                                                                   kernel.name)
+
+
 @pytest.mark.parametrize("module", KERNEL_MODULES)
 def test_kernel_lowers_for_cuda(module: str) -> None:
     results = run_checks([module])

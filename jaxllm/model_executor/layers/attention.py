@@ -60,6 +60,10 @@ class Attention(nn.Module):
     impl: str | None = None  # `attention_impl`'s choice; None: the kernel backend's
     # Keys each query sees, its own included (ModelConfig.layer_sliding_window); None: all.
     sliding_window: int | None = None
+    # The scale of q.k (None: head_dim ** -0.5; Gemma's query_pre_attn_scalar ** -0.5).
+    scale: float | None = None
+    # Scaled logits -> cap * tanh(logits / cap) before the softmax (Gemma 2); None: none.
+    logits_soft_cap: float | None = None
 
     @nn.compact
     def __call__(self, qkv: jax.Array, bias: jax.Array | None, positions: jax.Array,
@@ -70,16 +74,17 @@ class Attention(nn.Module):
                                     self.layer_idx, attn_metadata.slot_mapping,
                                     num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                     backend=self.backend)
-        scale = self.head_dim ** -0.5
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
         if self.impl == CPU_KERNEL:
             out = cpu_attention.paged_attention(
                 q, kv_cache, self.layer_idx, attn_metadata.block_tables,
                 attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=scale,
-                sliding_window=self.sliding_window)
+                sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         else:
             out = paged_attention(
                 q, kv_cache, self.layer_idx, attn_metadata.block_tables,
                 attn_metadata.seq_lens, attn_metadata.query_start_loc, scale=scale,
                 max_query_len=max_query_len, backend=self.impl or self.backend,
-                num_splits=num_splits, sliding_window=self.sliding_window)
+                num_splits=num_splits, sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap)
         return out.reshape(-1, self.num_heads * self.head_dim), kv_cache

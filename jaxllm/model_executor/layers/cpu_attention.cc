@@ -4,7 +4,8 @@
 // Each query token attends to its own sequence's keys 0..its position (with a sliding window W,
 // position - W + 1..its position; blocks wholly before the window are not read), block by block
 // through the block table straight from the all-layer cache; online softmax in float32 (the
-// running max, the sum of exponentials, the weighted values). The query heads of one KV head
+// running max, the sum of exponentials, the weighted values), optionally over soft-capped
+// logits (cap * tanh(logit / cap), Gemma 2). The query heads of one KV head
 // and up to kQueryTile consecutive queries of a sequence go together, so each key and value row
 // is read once for all of them. Work is split into (query tile, KV head) items over XLA's
 // intra-op pool and the calling thread.
@@ -107,6 +108,39 @@ inline f32x16 exp16(f32x16 x) {
   return r;
 }
 
+// tanh(x) per lane, Cephes' tanhf: for |x| < 0.625 its odd polynomial x + x z P(z), z = x^2
+// (no cancellation near 0); above, (1 - t) / (1 + t) with t = exp(-2|x|) from exp_reg (which
+// takes x <= 0; t <= 0.29 there, so 1 - t loses nothing), the sign of x put back. Both are
+// computed and one is selected per lane; within a few ulp of tanhf, and +-1 exactly from
+// |x| >= 43.5 on (t underflows to 0).
+inline Reg tanh_reg(Reg x) {
+  const Reg zero = splat_reg(0.0f);
+  const IReg negative = x < zero;
+  const Reg ax = negative ? -x : x;
+  const Reg z = x * x;
+  Reg poly = splat_reg(-5.70498872745e-3f);
+  poly = poly * z + splat_reg(2.06390887954e-2f);
+  poly = poly * z + splat_reg(-5.37397155531e-2f);
+  poly = poly * z + splat_reg(1.33314422036e-1f);
+  poly = poly * z + splat_reg(-3.33332819422e-1f);
+  const Reg small = poly * z * x + x;
+  const Reg t = exp_reg(ax * splat_reg(-2.0f));
+  const Reg large = (splat_reg(1.0f) - t) / (splat_reg(1.0f) + t);
+  return ax < splat_reg(0.625f) ? small : (negative ? -large : large);
+}
+
+// Gemma 2's attention soft cap on a chunk's logits: cap * tanh(logit / cap), as Hugging Face
+// computes it; masked keys (-inf) stay -inf.
+inline f32x16 soft_cap16(f32x16 x, float cap) {
+  f32x16 r;
+  const Reg c = splat_reg(cap), masked = splat_reg(-INFINITY);
+  for (int i = 0; i < jaxllm::kParts; ++i) {
+    const Reg capped = c * tanh_reg(x.part[i] / c);
+    r.part[i] = x.part[i] == masked ? masked : capped;
+  }
+  return r;
+}
+
 struct Problem {
   const float* q;          // [T, H, D]
   const float* kv;         // [L, 2, KVH, NB, BS, D]
@@ -117,6 +151,7 @@ struct Problem {
   int64_t T, H, D, KVH, NB, BS, S, MB, layer;
   float scale;
   int64_t window;  // keys a query sees, its own included; 0: all of them
+  float soft_cap;  // logits -> soft_cap * tanh(logits / soft_cap); 0: none
 };
 
 constexpr int64_t kMaxHeadDim = 256;
@@ -290,7 +325,8 @@ template <int C>
       // The online-softmax step of every row first (its exp is a call, which would make the
       // value loop below keep its registers on the stack), then the values.
       for (int64_t r = i0 * G; r < i1 * G; ++r) {
-        const f32x16 lv = load(logits + r * kLanes);
+        f32x16 lv = load(logits + r * kLanes);
+        if (p.soft_cap > 0.0f) lv = soft_cap16(lv, p.soft_cap);
         const float m_new = std::max(m[r], lane_max(lv));
         const float alpha = std::exp(m[r] - m_new);  // 0 on the first keys (m = -inf)
         const f32x16 pv = exp16(lv - splat(m_new));  // masked keys: exp(-inf) = 0
@@ -335,24 +371,25 @@ struct Item {
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
                      ffi::Buffer<ffi::S32> qsl, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
-                     float scale, int64_t window) {
+                     float scale, int64_t window, float soft_cap) {
   auto qd = q.dimensions(), kd = kv.dimensions(), td = tables.dimensions();
   auto sd = seq_lens.dimensions(), ld = qsl.dimensions(), od = out->dimensions();
   if (qd.size() != 3 || kd.size() != 6 || td.size() != 2 || sd.size() != 1 || ld.size() != 1 ||
       kd[1] != 2 || kd[5] != qd[2] || qd[2] % kLanes != 0 || qd[2] > kMaxHeadDim ||
       kd[2] == 0 || qd[1] % kd[2] != 0 || td[0] != sd[0] || ld[0] != sd[0] + 1 || layer < 0 ||
-      layer >= kd[0] || kd[3] == 0 || td[1] == 0 || window < 0) {
+      layer >= kd[0] || kd[3] == 0 || td[1] == 0 || window < 0 || !(soft_cap >= 0.0f) ||
+      std::isinf(soft_cap)) {
     return ffi::Error::InvalidArgument(
         "cpu_paged_attention: expected q [T, H, D], kv [L, 2, KVH, NB, BS, D] with D a multiple "
         "of 16 up to 256 and H a multiple of KVH, block tables [S, MB], seq_lens [S], "
-        "query_start_loc [S + 1], 0 <= layer < L, window >= 0");
+        "query_start_loc [S + 1], 0 <= layer < L, window >= 0, a finite soft_cap >= 0");
   }
   if (od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2]) {
     return ffi::Error::InvalidArgument("cpu_paged_attention: result must be q's shape");
   }
   const Problem p{q.typed_data(), kv.typed_data(), tables.typed_data(), seq_lens.typed_data(),
                   qsl.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], kd[2], kd[3],
-                  kd[4], sd[0], td[1], layer, scale, window};
+                  kd[4], sd[0], td[1], layer, scale, window, soft_cap};
   std::memset(p.out, 0, sizeof(float) * p.T * p.H * p.D);
   // A sequence's queries are its last b - a positions. Queries at negative positions (bad
   // metadata) or past the block table's width (keys would be read outside it) stay zero, and
@@ -396,4 +433,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttention, Attention,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("layer")
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("window"));
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("soft_cap"));

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.model_executor.layers import cpu_ffi
+from pallas_kernels.attention_common import check_soft_cap
 
 SOURCE = Path(__file__).with_suffix(".cc")
 _TARGET = "jaxllm_paged_attention"
@@ -42,9 +43,10 @@ def takes(head_dim: int) -> bool:
 def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables: jax.Array,
                     seq_lens: jax.Array, query_start_loc: jax.Array, *,
                     scale: float, sliding_window: int | None = None,
-                    isa: str | None = None) -> jax.Array:
+                    logits_soft_cap: float | None = None, isa: str | None = None) -> jax.Array:
     """`pallas_kernels.paged_attention.paged_attention`'s layout and semantics: each token
-    against its own sequence's keys (with a `sliding_window` W, the W up to its own), [T, H, D]
+    against its own sequence's keys (with a `sliding_window` W, the W up to its own; with a
+    `logits_soft_cap`, over logits capped as cap * tanh(logit / cap)), [T, H, D]
     in q's dtype (float32 inside); padding rows are zero, and so are tokens whose position lies
     past the block table's width (the engine's tables always cover their sequences). Runs the
     kernel's `isa` build (default the process's); needs `available(isa)`."""
@@ -64,6 +66,7 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables:
                                        or sliding_window < 1):
         raise ValueError(f"cpu paged_attention: sliding_window must be a positive integer or "
                          f"None, got {sliding_window!r}")
+    logits_soft_cap = check_soft_cap(logits_soft_cap)
     isa = cpu_ffi.resolve_isa(isa)
     if not available(isa):
         raise RuntimeError(f"the CPU paged attention kernel's {isa} build is not available (see "
@@ -73,5 +76,6 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, layer: int, block_tables:
     out = call(q.astype(jnp.float32), kv_cache, block_tables.astype(jnp.int32),
                seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
                layer=np.int64(layer), scale=np.float32(scale),
-               window=np.int64(sliding_window or 0))  # 0: the whole context
+               window=np.int64(sliding_window or 0),  # 0: the whole context
+               soft_cap=np.float32(logits_soft_cap or 0.0))  # 0: no cap
     return out.astype(q.dtype)
