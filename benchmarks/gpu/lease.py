@@ -7,9 +7,10 @@ what is left of the deadline), so a hung compile or a slow part costs that part 
 command ends before the machine's 10-minute limit. A part is not started when less than its
 minimum is left. Each part writes its record into a private directory; while it runs and when
 it ends, the plan copies what it has into DIR, so whatever is killed, DIR holds every number
-measured so far, in at most 6 files: lease.json (the plan, each part's status, the headline
+measured so far, in at most 7 files: lease.json (the plan, each part's status, the headline
 numbers), lease.log (every part's output), probe.json and tiny.json (the stages of those
-names), bench.json and trace.json (their parts' records, each CLI run's JSON inside).
+names), kernels.json (the native kernel tests' record), bench.json and trace.json (their parts'
+records, each CLI run's JSON inside).
 
 Run as `python -m benchmarks.gpu.lease PART ...`, this module is one part's process."""
 
@@ -40,7 +41,7 @@ from benchmarks.gpu.harness import (
     run_recorded,
     sizes_for,
 )
-from benchmarks.gpu.probe import stage_probe
+from benchmarks.gpu.probe import pallas_tests, stage_probe
 from benchmarks.gpu.realshape import DRY_RUN_SHAPE, shape_named
 
 # gpu_validate.sh's own set-up takes up to ~30 s of the 10-minute command before this starts.
@@ -325,6 +326,19 @@ def _stage(fn: Callable[[StageRun], None]) -> Callable[[StageRun, Path], None]:
     return lambda run, _work: fn(run)
 
 
+# Kernel paths no lease has run natively yet: sliding windows and the attention soft cap.
+NEW_KERNEL_TESTS = ("tests/kernels/test_sliding_window.py", "tests/kernels/test_soft_cap.py")
+
+
+def kernels_part(run: StageRun, _work: Path) -> None:
+    """The [pallas] cases of `NEW_KERNEL_TESTS` on the GPU: the native Triton kernels against
+    the float64 oracle (one pytest process; no xdist, whose workers would each compile)."""
+    if run.check("platform", lambda: platform_check(run.sizes)) is None:
+        return
+    run.check("pallas_kernel_tests",
+              lambda: pallas_tests(run, NEW_KERNEL_TESTS, 10, xdist=False))
+
+
 PARTS: tuple[Part, ...] = (
     Part("probe", "probe", 60, 30, _stage(stage_probe)),
     Part("dispatch", "bench", 170, 50, dispatch_part),
@@ -336,13 +350,14 @@ PARTS: tuple[Part, ...] = (
     Part("tiny", "tiny", 150, 60, _stage(stage_tiny)),
     Part("bench-0.5b", "bench", 220, 90, latency_part("qwen2.5-0.5b", ("1", "big"), True)),
     Part("gemv-rates", "bench", 90, 40, gemv_rates_part),
+    Part("kernels", "kernels", 100, 40, kernels_part),
     Part("trace-cuda-graph", "trace", 110, 70, trace_part(True), cuda_graph=True),
     Part("trace-pallas-gemv", "trace", 110, 70, trace_part(False, pallas_gemv=True)),
     Part("latency-1.5b", "bench", 110, 80, latency_part("qwen2.5-1.5b", ("1",), True)),
     Part("latency-7b", "bench", 170, 120, latency_part("qwen2.5-7b", ("1",), True)),
 )
 PART_BY_NAME = {p.name: p for p in PARTS}
-GROUPS = ("probe", "tiny", "bench", "trace")
+GROUPS = ("probe", "tiny", "bench", "trace", "kernels")
 
 
 # --------------------------------------------------------------------------- the plan
@@ -374,6 +389,10 @@ def headline(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                     "tpot_ms": check.get("tpot_ms"),
                     "output_tokens_per_second": check.get("output_tokens_per_second"),
                     **(check.get("step_profile") or {}).get(str(bs), {})}
+    tests = _checks(docs.get("kernels")).get("pallas_kernel_tests")
+    if tests is not None:
+        out["new_kernels"] = {k: tests.get(k) for k in ("ok", "passed", "failures", "errors",
+                                                        "skipped", "failed_tests")}
     steps: dict[str, Any] = {}
     for part in ("trace", "trace-fastest-dispatch", "trace-no-command-buffer",
                  "trace-cuda-graph", "trace-pallas-gemv"):
@@ -457,7 +476,7 @@ class Plan:
         files: dict[str, Any] = {}
         for group in GROUPS:
             members = [p.name for p in PARTS if p.group == group and p.name in docs]
-            if group in ("probe", "tiny"):
+            if group in ("probe", "tiny", "kernels"):
                 if members:
                     files[group] = docs[members[0]]
             elif members:

@@ -78,36 +78,40 @@ def junit_counts(path: Path) -> dict[str, int]:
     return counts
 
 
+def pallas_tests(run: StageRun, files: tuple[str, ...], reserve_s: float,
+                 xdist: bool = True) -> dict[str, Any]:
+    """The [pallas] cases of the kernel test modules `files`, in a pytest process (with
+    xdist's workers when it is installed and `xdist`), stopped `reserve_s` before the time box
+    ends. On CPU every such case skips (no GPU); on a GPU they must run and pass."""
+    import importlib.util
+
+    xml = run.out_dir / "kernels_pytest.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "pallas",
+           f"--junitxml={xml}", *files]
+    parallel = xdist and importlib.util.find_spec("xdist") is not None
+    if parallel:
+        # One GPU shared by the workers: each must not take most of its memory up front.
+        cmd += ["-n", "4"]
+    env = dict(os.environ)
+    timeout = max(30.0, run.seconds_left() - reserve_s)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    (run.out_dir / "kernels_pytest.log").write_text(proc.stdout + proc.stderr)
+    counts = junit_counts(xml) if xml.exists() else {}
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+    ran = counts.get("passed", 0) > 0 or run.sizes.dry_run
+    ok = proc.returncode == 0 and ran and not counts.get("failures") \
+        and not counts.get("errors")
+    return {"ok": ok, "returncode": proc.returncode, "xdist": parallel, "files": list(files),
+            **counts, "failed_tests": failed[:50], "tail": (proc.stdout + proc.stderr)[-1500:]}
+
+
 def stage_kernels(run: StageRun) -> None:
     sizes = run.sizes
     if run.check("platform", lambda: platform_check(sizes)) is None:
         return
 
-    def pallas_tests() -> dict[str, Any]:
-        import importlib.util
-
-        xml = run.out_dir / "kernels_pytest.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "pallas",
-               f"--junitxml={xml}", *sizes.kernel_tests]
-        parallel = importlib.util.find_spec("xdist") is not None
-        if parallel:
-            # One GPU shared by the workers: each must not take most of its memory up front.
-            cmd += ["-n", "4"]
-        env = dict(os.environ)
-        timeout = max(30.0, run.seconds_left() - 120)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-        (run.out_dir / "kernels_pytest.log").write_text(proc.stdout + proc.stderr)
-        counts = junit_counts(xml) if xml.exists() else {}
-        failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
-        # On CPU every [pallas] case skips (no GPU); on a GPU they must run and pass.
-        ran = counts.get("passed", 0) > 0 or sizes.dry_run
-        ok = proc.returncode == 0 and ran and not counts.get("failures") \
-            and not counts.get("errors")
-        return {"ok": ok, "returncode": proc.returncode, "xdist": parallel, **counts,
-                "failed_tests": failed[:50], "tail": (proc.stdout + proc.stderr)[-1500:]}
-
-    run.check("pallas_kernel_tests", pallas_tests)
+    run.check("pallas_kernel_tests", lambda: pallas_tests(run, sizes.kernel_tests, 120))
 
     hbm: dict[str, float] = {}
 

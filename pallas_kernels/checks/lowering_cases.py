@@ -252,10 +252,22 @@ def skinny_matmul_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
 
 
 # By kernel module name (check_lowering's --modules).
+# Gemma 2's settings: a window and a logit soft cap together (each alone compiles a subset).
+WINDOW, SOFT_CAP = 4096, 50.0
+
+
+def windowed_attention_cases(model: Qwen2Shape, dtype, phase: str) -> list[Case]:
+    """``paged_attention_cases`` with a sliding window and a logit soft cap, named apart."""
+    return [(f"{name.replace('_bs', '_swa_cap_bs', 1)}", fn, args) for name, fn, args in
+            paged_attention_cases(model, dtype, phase, sliding_window=WINDOW,
+                                  logits_soft_cap=SOFT_CAP)]
+
+
 LOWERING_CASES: dict[str, Callable[[Qwen2Shape, object, str], list[Case]]] = {
     "rms_norm": rms_norm_cases,
     "rope": rope_cases,
     "paged_attention": paged_attention_cases,
+    "paged_attention_windowed": windowed_attention_cases,
     "kv_write": kv_write_cases,
     "rope_write_kv": rope_write_kv_cases,
     "dequant_matmul": dequant_matmul_cases,

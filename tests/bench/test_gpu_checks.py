@@ -183,10 +183,10 @@ def test_lease_plan_dry_run(lease):
     )
     from benchmarks.gpu.trace import API_GROUPS
 
-    # At most 8 files come back from a lent GPU: the plan leaves 6.
+    # At most 8 files come back from a lent GPU: the plan leaves 7.
     files = sorted(p.name for p in lease.iterdir())
-    assert files == ["bench.json", "lease.json", "lease.log", "probe.json", "tiny.json",
-                     "trace.json"]
+    assert files == ["bench.json", "kernels.json", "lease.json", "lease.log", "probe.json",
+                     "tiny.json", "trace.json"]
     doc = json.loads((lease / "lease.json").read_text())
     assert doc["dry_run"] and doc["elapsed_s"] < doc["deadline_s"]
     assert [p["part"] for p in doc["parts"]] == [p.name for p in PARTS]
@@ -197,6 +197,14 @@ def test_lease_plan_dry_run(lease):
     log = (lease / "lease.log").read_text()
     assert all(f"==== {p.name} ====" in log for p in PARTS)
 
+    # The native runs of the newest kernel paths: every [pallas] case collected, skipping on
+    # CPU.
+    from benchmarks.gpu.lease import NEW_KERNEL_TESTS
+
+    tests = dry_run("kernels", lease)["pallas_kernel_tests"]
+    assert tests["files"] == list(NEW_KERNEL_TESTS) and not tests["xdist"]
+    assert tests["tests"] >= 4 and tests["skipped"] == tests["tests"] and tests["failures"] == 0
+    assert doc["headline"]["new_kernels"]["ok"] is True
     bench = json.loads((lease / "bench.json").read_text())
     assert set(bench["parts"]) == {"dispatch", "bench-0.5b", "gemv-rates", "latency-1.5b",
                                    "latency-7b"}
