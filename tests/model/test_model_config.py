@@ -123,7 +123,7 @@ def test_rope_parameters_in_both_config_forms():
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
-    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope type 'longrope'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope short_factor must be"),
     ({"rope_scaling": {"rope_type": "linear"}}, "needs a factor"),
     ({"rope_scaling": {"rope_type": "linear", "factor": -1}}, "rope factor must be"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": "x"}},

@@ -60,6 +60,7 @@ class Attention(nn.Module):
     impl: str | None = None  # `attention_impl`'s choice; None: the kernel backend's
     # Keys each query sees, its own included (ModelConfig.layer_sliding_window); None: all.
     sliding_window: int | None = None
+    scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
 
     @nn.compact
     def __call__(self, qkv: jax.Array, bias: jax.Array | None, positions: jax.Array,
@@ -70,7 +71,7 @@ class Attention(nn.Module):
                                     self.layer_idx, attn_metadata.slot_mapping,
                                     num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                     backend=self.backend)
-        scale = self.head_dim ** -0.5
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
         if self.impl == CPU_KERNEL:
             out = cpu_attention.paged_attention(
                 q, kv_cache, self.layer_idx, attn_metadata.block_tables,
