@@ -315,14 +315,15 @@ _GGUF_LAYER_NAMES = {
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.o_proj.bias": "attn_output.bias",
-    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3's, fused
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
-    "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3's: gate and up fused, gate first
 }
+# Phi-3's fused tensors (gate and up: gate first).
+_GGUF_FUSED_NAMES = {"self_attn.qkv_proj.weight": "attn_qkv.weight",
+                     "mlp.gate_up_proj.weight": "ffn_up.weight"}
 _GGUF_GLOBAL_NAMES = {
     "embed_tokens.weight": "token_embd.weight",
     "norm.weight": "output_norm.weight",
@@ -375,7 +376,7 @@ def gguf_row_order(config: ModelConfig, hf_name: str) -> np.ndarray | None:
 def _gguf_name(hf_name: str) -> str:
     if hf_name.startswith("layers."):
         _, idx, rest = hf_name.split(".", 2)
-        return f"blk.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        return f"blk.{idx}.{_GGUF_LAYER_NAMES.get(rest) or _GGUF_FUSED_NAMES[rest]}"
     return _GGUF_GLOBAL_NAMES[hf_name]
 
 
