@@ -141,7 +141,7 @@ def hf_model_from(tensors: dict):
 
 # Hugging Face model_type -> GGUF general.architecture (llama.cpp writes Mistral as "llama").
 GGUF_ARCH_OF_MODEL_TYPE = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama",
-                           "mistral": "llama"}
+                           "mistral": "llama", "phi3": "phi3", "granite": "granite"}
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -175,12 +175,15 @@ def llama3_rope_factors(head_dim: int, theta: float, rope: dict) -> np.ndarray:
 
 
 def write_gguf_from_hf(path, hf_model, ftype: str = "F32") -> None:
-    """Convert a tiny HF Qwen2 / Qwen3 / Llama / Mistral model to a GGUF as llama.cpp does:
-    tensors renamed by gguf's own name map; Llama's q and k rows (weights and biases) permuted
+    """Convert a tiny HF Qwen2 / Qwen3 / Llama / Mistral / Phi-3 / Granite model to a GGUF as
+    llama.cpp does: tensors renamed by gguf's own name map (Phi-3's fused `attn_qkv` and
+    `ffn_up`, gate and up); Llama's and Granite's q and k rows (weights and biases) permuted
     for its interleaved RoPE; Qwen3's per-head q/k norms as attn_q_norm / attn_k_norm; no
     output.weight when the embeddings are tied; RoPE scaling as metadata (linear, yarn) or, for
-    Llama 3's, the `rope_freqs` tensor. `ftype`: the matrices' type, F32, F16 or Q8_0 (gguf's
-    own quantizer); vectors stay F32. No tokenizer: prompts go in as token ids."""
+    Llama 3's, the `rope_freqs` tensor; Phi-3's rotary dims, window and longrope (its factors as
+    `rope_factors_short` / `rope_factors_long` tensors); Granite's multipliers. `ftype`: the
+    matrices' type, F32, F16 or Q8_0 (gguf's own quantizer); vectors stay F32. No tokenizer:
+    prompts go in as token ids."""
     import gguf as g
 
     cfg = hf_model.config
@@ -202,10 +205,25 @@ def write_gguf_from_hf(path, hf_model, ftype: str = "F32") -> None:
     writer.add_head_count_kv(n_kv)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if rope_type == "linear":
+    if getattr(cfg, "sliding_window", None) is not None:
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "granite":
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+    if rope_type == "longrope":
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(np.sqrt(1 + np.log(scale) / np.log(original)))
+        for kind in ("short", "long"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              np.asarray(rope[f"{kind}_factor"], np.float32))
+    elif rope_type == "linear":
         writer.add_rope_scaling_type(g.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
     elif rope_type == "yarn":
@@ -227,11 +245,11 @@ def write_gguf_from_hf(path, hf_model, ftype: str = "F32") -> None:
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         data = tensor.detach().float().numpy().copy()
-        if arch == "llama" and hf_name.endswith(("self_attn.q_proj.weight",
-                                                 "self_attn.q_proj.bias")):
+        if arch in ("llama", "granite") and hf_name.endswith(("self_attn.q_proj.weight",
+                                                              "self_attn.q_proj.bias")):
             data = llama_permute(data, n_head)
-        elif arch == "llama" and hf_name.endswith(("self_attn.k_proj.weight",
-                                                   "self_attn.k_proj.bias")):
+        elif arch in ("llama", "granite") and hf_name.endswith(("self_attn.k_proj.weight",
+                                                                "self_attn.k_proj.bias")):
             data = llama_permute(data, n_kv)
         if data.ndim == 1 or ftype == "F32":
             writer.add_tensor(name, data.astype(np.float32))

@@ -47,6 +47,9 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                                      "moe_intermediate_size": 32, "norm_topk_prob": True}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2,
                                   "intermediate_size": 48, "sliding_window": None}),
+    # Phi3Config's pad and end ids (32000) lie outside a tiny vocabulary.
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "eos_token_id": 2}),
+    "granite": ("GraniteConfig", {}),
 }
 
 
@@ -114,6 +117,29 @@ def hf_greedy_tokens(model, prompt: list[int], max_new: int) -> list[int]:
         for _ in range(max_new):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def hf_cached_logits_and_greedy(model, prompt: list[int], max_new: int, first: int):
+    """Hugging Face run step by step with its KV cache: the first `first` prompt tokens in one
+    forward, each later token (of the prompt, then the greedy ones) in a forward of its own.
+    Returns (the prompt's logits [len(prompt), vocab] numpy, the `max_new` greedy tokens).
+    What a model whose RoPE depends on the length of each forward (longrope) computes for the
+    positions of a step-by-step decode."""
+    import numpy as np
+    import torch
+    import transformers
+
+    cache = transformers.DynamicCache(config=model.config)
+    logits, tokens = [], []
+    with torch.no_grad():
+        chunks = [prompt[:first]] + [[t] for t in prompt[first:]]
+        for chunk in chunks:
+            logits.append(model(torch.tensor([chunk]), cache=cache, use_cache=True).logits[0])
+        for _ in range(max_new):
+            tokens.append(int(logits[-1][-1].argmax()))
+            logits.append(model(torch.tensor([tokens[-1:]]), cache=cache,
+                                use_cache=True).logits[0])
+    return np.concatenate([x.numpy() for x in logits])[:len(prompt)], tokens
 
 
 # The first lane's interpreter (Python 3.11, with torch): a lane without torch writes its tiny

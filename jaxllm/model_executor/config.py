@@ -16,7 +16,8 @@ from typing import Any
 _ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                "qwen2_moe": "Qwen2MoeForCausalLM",
-                               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                               "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
 # Architectures whose feed-forward is a mixture of experts (`MoEConfig`).
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # llama.cpp's names of MoE architectures, which its files store with per-expert tensors that
@@ -24,8 +25,17 @@ MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCa
 GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "mixtral", "deepseek2", "olmoe")
 # GGUF `general.architecture` -> Hugging Face architecture.
 GGUF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "llama": "LlamaForCausalLM"}
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+                      "llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM",
+                      "granite": "GraniteForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# transformers' config-class defaults of the fields a file of these families may leave out (the
+# generic defaults below are Qwen2's).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Phi3ForCausalLM": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+                        "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000},
+    "GraniteForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                           "bos_token_id": 1, "eos_token_id": 2},
+}
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,10 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # longrope (Phi-3.5, Phi-4-mini): each frequency divided by its factor, the short ones for
+    # positions below original_max_position_embeddings, the long ones from there on
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     @classmethod
     def from_hf(cls, params: dict[str, Any], max_position_embeddings: Any,
@@ -59,7 +73,19 @@ class RopeScaling:
             return None
         known = {f.name for f in dataclasses.fields(cls)} - {"rope_type"}
         values = {k: v for k, v in params.items() if k in known and v is not None}
-        if rope_type in ("llama3", "yarn"):
+        if rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                factors = values.get(name)
+                if not isinstance(factors, list) or not factors or not all(
+                        isinstance(f, (int, float)) and not isinstance(f, bool)
+                        and math.isfinite(f) and f > 0 for f in factors):
+                    raise ValueError(f"model config: rope {name} must be a list of finite "
+                                     f"numbers > 0, got {factors!r}")
+                values[name] = tuple(float(f) for f in factors)
+        elif values.get("short_factor") is not None or values.get("long_factor") is not None:
+            raise ValueError(f"model config: rope short_factor / long_factor belong to rope "
+                             f"type 'longrope', not {rope_type!r}")
+        if rope_type in ("llama3", "yarn", "longrope"):
             # As Hugging Face reads it: a top-level value first, then the parameters' own, then
             # the model's length.
             values["original_max_position_embeddings"] = (
@@ -71,9 +97,17 @@ class RopeScaling:
             if "factor" not in values and values.get("original_max_position_embeddings"):
                 values["factor"] = max_position_embeddings / \
                     values["original_max_position_embeddings"]
+        if rope_type == "longrope" and "factor" not in values:
+            # Its attention factor's default reads the stretch of the two lengths.
+            original = values["original_max_position_embeddings"]
+            if isinstance(original, (int, float)) and original > 0 \
+                    and isinstance(max_position_embeddings, (int, float)):
+                values["factor"] = max_position_embeddings / original
         if "factor" not in values:
             raise ValueError(f"model config: rope type {rope_type!r} needs a factor")
         for name, value in values.items():
+            if name in ("short_factor", "long_factor"):
+                continue
             if name == "truncate":
                 if not isinstance(value, bool):
                     raise ValueError(f"model config: rope {name} must be true or false, "
@@ -206,6 +240,25 @@ class ModelConfig:
     # Layers that attend to the whole context although the model has a window (Qwen2's
     # first max_window_layers, or its `layer_types`); every other layer slides.
     full_attention_layers: tuple[int, ...] = ()
+    # RoPE on the first int(head_dim * factor) dims of each q and k head only (Phi-4-mini).
+    partial_rotary_factor: float = 1.0
+    # Granite's: the embeddings times embedding_multiplier, each attention and MLP output times
+    # residual_multiplier before it joins the residual, attention scores times
+    # attention_multiplier (None: head_dim ** -0.5), logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates, the first ones (Hugging Face's order)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.head_dim ** -0.5 if self.attention_multiplier is None
+                else self.attention_multiplier)
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The window of layer `layer`'s attention; None: the whole context."""
@@ -265,6 +318,28 @@ class ModelConfig:
                    for i in self.full_attention_layers):
             raise ValueError(f"model config: full_attention_layers must be layer indices, got "
                              f"{self.full_attention_layers!r}")
+        for name in ("partial_rotary_factor", "embedding_multiplier", "residual_multiplier",
+                     "attention_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if value is None and name == "attention_multiplier":
+                continue
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value == 0):
+                raise ValueError(f"model config: {name} must be a finite nonzero number, got "
+                                 f"{value!r}")
+        rotary = self.rotary_dim
+        if not 0 < self.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2:
+            raise ValueError(f"model config: partial_rotary_factor {self.partial_rotary_factor!r} "
+                             f"makes {rotary} rotary dims of head_dim {self.head_dim}; RoPE "
+                             f"needs an even number of them, at least 2")
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(s, name)
+                if factors is None or len(factors) != rotary // 2:
+                    raise ValueError(f"model config: rope {name} must list rotary dims / 2 = "
+                                     f"{rotary // 2} factors, got "
+                                     f"{None if factors is None else len(factors)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple "
@@ -289,11 +364,21 @@ class ModelConfig:
         if not isinstance(architecture, str):
             raise ValueError(f"model config: architectures must be a list of names, got "
                              f"{architectures!r}")
+        cfg = {**_FAMILY_DEFAULTS.get(architecture, {}), **cfg}
+        phi3 = architecture == "Phi3ForCausalLM"
         num_heads = cfg["num_attention_heads"]
         rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         if not isinstance(rope_params, dict):
             raise ValueError(f"model config: rope parameters must be an object, got "
                              f"{rope_params!r}")
+        if phi3:
+            # Phi3Config's reading: older files name longrope "su" or "yarn"; it takes no other.
+            rope_type = rope_params.get("rope_type") or rope_params.get("type") or "default"
+            if rope_type in ("su", "yarn"):
+                rope_params = {**rope_params, "rope_type": "longrope"}
+            elif rope_type not in ("default", "longrope"):
+                raise ValueError(f"model config: rope type {rope_type!r} is not Phi-3's "
+                                 f"(default or longrope)")
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:
             # transformers 5 moved rope_theta into rope_parameters.
@@ -304,9 +389,11 @@ class ModelConfig:
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor"))
-        if partial not in (None, 1, 1.0):
+        if partial is None:
+            partial = 1.0
+        elif partial not in (1, 1.0) and not phi3:
             raise ValueError(f"model config: partial_rotary_factor {partial!r} (RoPE on part of "
-                             f"each head) is not supported")
+                             f"each head) is not supported for {architecture}")
         if cfg.get("mlp_bias"):
             raise ValueError("model config: mlp_bias (biases on the MLP projections) is not "
                              "supported")
@@ -322,8 +409,8 @@ class ModelConfig:
         mistral = architecture in ("MistralForCausalLM", "MixtralForCausalLM")
         if architecture in qwen2_bias:
             bias, o_bias = qwen2_bias[architecture], False
-        else:
-            bias = not mistral and bool(cfg.get("attention_bias", False))
+        else:  # Phi-3's projections have none either
+            bias = not (mistral or phi3) and bool(cfg.get("attention_bias", False))
             o_bias = bias
         window, full_layers = _hf_sliding_window(cfg, architecture)
         moe = MoEConfig.from_hf(cfg, architecture) if architecture in MOE_ARCHITECTURES else None
@@ -350,6 +437,8 @@ class ModelConfig:
             sliding_window=window,
             moe=moe,
             full_attention_layers=full_layers,
+            partial_rotary_factor=partial,
+            **_granite_multipliers(cfg, architecture),
         )
 
     def with_generation_config(self, path: str | Path) -> ModelConfig:
@@ -387,9 +476,13 @@ class ModelConfig:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], vocab_size: int, tied: bool,
                            attention_bias: bool = True, o_proj_bias: bool = False,
-                           rope_freq_factors: tuple[float, ...] | None = None) -> ModelConfig:
+                           rope_freq_factors: tuple[float, ...] | None = None,
+                           longrope_factors: tuple[list[float], list[float]] | None = None
+                           ) -> ModelConfig:
         """`meta` maps GGUF keys (e.g. 'qwen2.block_count') to values; `attention_bias`,
-        `o_proj_bias`: whether the file has q/k/v biases, an attention output bias."""
+        `o_proj_bias`: whether the file has q/k/v biases, an attention output bias;
+        `longrope_factors`: Phi-3's (short, long) factors, its `rope_factors_short` and
+        `rope_factors_long` tensors."""
         arch = meta.get("general.architecture")
         if arch in GGUF_MOE_ARCHITECTURES or (
                 arch in GGUF_ARCHITECTURES and meta.get(f"{arch}.expert_count")):
@@ -410,9 +503,25 @@ class ModelConfig:
         hidden = int(get("embedding_length"))
         num_heads = int(get("attention.head_count"))
         max_pos = int(get("context_length", 32768))
+        head_dim = int(meta.get(f"{arch}.attention.key_length") or _quotient(hidden, num_heads))
+        partial = 1.0
+        rope_dim = meta.get(f"{arch}.rope.dimension_count")
+        if arch == "phi3" and rope_dim is not None and int(rope_dim) != head_dim:
+            partial = int(rope_dim) / head_dim
+            if int(head_dim * partial) != int(rope_dim):
+                raise ValueError(f"GGUF {arch}.rope.dimension_count {rope_dim} of head_dim "
+                                 f"{head_dim} is not a rotary dim this model takes")
         scaling = None
         scaling_type = meta.get(f"{arch}.rope.scaling.type")
-        if scaling_type not in (None, "none"):
+        if longrope_factors is not None:
+            # llama.cpp's form of Phi-3's longrope: the factors as tensors, the attention
+            # factor and the original length as metadata.
+            short, long = longrope_factors
+            scaling = RopeScaling.from_hf(
+                {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                 "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")},
+                max_pos, meta.get(f"{arch}.rope.scaling.original_context_length"))
+        elif scaling_type not in (None, "none"):
             original = meta.get(f"{arch}.rope.scaling.original_context_length")
             scaling = RopeScaling.from_hf(
                 {"rope_type": scaling_type, "factor": meta.get(f"{arch}.rope.scaling.factor")},
@@ -424,8 +533,7 @@ class ModelConfig:
             num_hidden_layers=int(get("block_count")),
             num_attention_heads=num_heads,
             num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=int(meta.get(f"{arch}.attention.key_length")
-                         or _quotient(hidden, num_heads)),
+            head_dim=head_dim,
             rms_norm_eps=_float(get("attention.layer_norm_rms_epsilon", 1e-6), "rms_norm_eps"),
             rope_theta=_float(get("rope.freq_base", 10000.0), "rope_theta"),
             max_position_embeddings=max_pos,
@@ -445,18 +553,38 @@ class ModelConfig:
             rope_freq_factors=rope_freq_factors,
             # llama.cpp names one window for every layer.
             sliding_window=_window(meta.get(f"{arch}.attention.sliding_window")),
+            partial_rotary_factor=partial,
+            **({} if arch != "granite" else {
+                "embedding_multiplier": _float(meta.get(f"{arch}.embedding_scale", 1.0),
+                                               "embedding_scale"),
+                "residual_multiplier": _float(meta.get(f"{arch}.residual_scale", 1.0),
+                                              "residual_scale"),
+                "attention_multiplier": _float(meta.get(f"{arch}.attention.scale", 1.0),
+                                               "attention.scale"),
+                "logits_scaling": _float(meta.get(f"{arch}.logit_scale", 1.0), "logit_scale")}),
         )
+
+
+def _granite_multipliers(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Granite's multipliers as GraniteConfig reads them (1.0 where the file names none:
+    attention scores then scaled by 1, not head_dim ** -0.5); none for other families."""
+    if architecture != "GraniteForCausalLM":
+        return {}
+    names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+             "logits_scaling")
+    return {name: cfg.get(name, 1.0) for name in names}
 
 
 def _hf_sliding_window(cfg: dict[str, Any], architecture: str
                        ) -> tuple[int | None, tuple[int, ...]]:
     """(sliding_window, full_attention_layers) as transformers builds the attention of each
-    layer: Mistral slides on every layer (its config class fills in a 4096-token window when
-    the file names none; it ignores `layer_types`); Qwen2/Qwen3 configs carry a window they use
-    only with `use_sliding_window`, and then on the layers `layer_types` names
+    layer: Mistral and Phi-3 slide on every layer (Mistral's config class fills in a 4096-token
+    window when the file names none; both ignore `layer_types`); Qwen2/Qwen3 configs carry a
+    window they use only with `use_sliding_window`, and then on the layers `layer_types` names
     "sliding_attention", by default those from `max_window_layers` on. A model none of whose
     layers slides has no window."""
-    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
+        # Phi-3's too: every layer, with the window its file names (none by default).
         default = 4096 if architecture == "MistralForCausalLM" else None
         return cfg.get("sliding_window", default), ()
     window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None

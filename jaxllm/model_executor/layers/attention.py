@@ -60,7 +60,8 @@ class Attention(nn.Module):
     impl: str | None = None  # `attention_impl`'s choice; None: the kernel backend's
     # Keys each query sees, its own included (ModelConfig.layer_sliding_window); None: all.
     sliding_window: int | None = None
-    # The scale of q.k (None: head_dim ** -0.5; Gemma's query_pre_attn_scalar ** -0.5).
+    # The scale of q.k (None: head_dim ** -0.5; Gemma's query_pre_attn_scalar ** -0.5,
+    # Granite's attention_multiplier).
     scale: float | None = None
     # Scaled logits -> cap * tanh(logits / cap) before the softmax (Gemma 2); None: none.
     logits_soft_cap: float | None = None

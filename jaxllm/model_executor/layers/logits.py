@@ -29,6 +29,8 @@ def embed_tokens(embed: jax.Array | GGUFWeight, input_ids: jax.Array, dtype: Any
 def compute_logits(params: Mapping[str, Any], config: ModelConfig, hidden_states: jax.Array,
                    backend: str = "reference", gemv_rows: int = 0) -> jax.Array:
     """LM head on already-normed hidden states: the model's last step, also used alone for
-    prompt logprobs. The head is the embedding table when tied; [vocab, hidden] either way."""
+    prompt logprobs. The head is the embedding table when tied; [vocab, hidden] either way.
+    Granite's logits are divided by its `logits_scaling`."""
     head = params["embed_tokens"] if config.tie_word_embeddings else params["lm_head"]
-    return linear(hidden_states, head, backend, gemv_rows).astype(jnp.float32)
+    logits = linear(hidden_states, head, backend, gemv_rows).astype(jnp.float32)
+    return logits if config.logits_scaling == 1 else logits / config.logits_scaling

@@ -1,10 +1,17 @@
 """Rotary position embedding tables: the frequencies a checkpoint's RoPE uses (plain, or
-stretched by the `linear`, `llama3` and `yarn` scalings Hugging Face configs name, or by a GGUF's
-`rope_freqs` factors) turned into the [max_position, head_dim] cos/sin table the RoPE kernels
-read (pallas_kernels/rope.py).
+stretched by the `linear`, `llama3`, `yarn` and `longrope` scalings Hugging Face configs name, or
+by a GGUF's `rope_freqs` factors) turned into the [max_position, head_dim] cos/sin table the
+RoPE kernels read (pallas_kernels/rope.py).
 
 Computed once at load in float64 (see `rope_cos_sin_cache`), passed to the step beside the
 params in their own "rope" collection.
+
+Partial rotary (RoPE on the first `rotary_dim` dims of each head, the rest passed through, as
+Hugging Face's Phi-3 does) runs on the same kernels, which rotate dim i with dim i + head_dim / 2:
+the loader reorders each q and k head's dims (`rotary_head_order`) so that the rotated pairs
+are (i, i + head_dim / 2) for i < rotary_dim / 2, and the table holds cos 1, sin 0 on the
+passed-through lanes, which the kernels then leave as they are. Attention sees the same
+q . k (q and k reordered alike; v is not), and the KV cache holds k in that order.
 """
 
 from __future__ import annotations
@@ -19,9 +26,10 @@ from jaxllm.model_executor.config import ModelConfig, RopeScaling
 from pallas_kernels.rope import rope_cos_sin_cache
 
 
-def inv_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
-    """(inverse frequencies [head_dim / 2] float64, the factor cos and sin are scaled by)."""
-    dim = config.head_dim
+def inv_frequencies(config: ModelConfig, long: bool = False) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [rotary_dim / 2] float64, the factor cos and sin are scaled by);
+    `long`: longrope's long factors (its short ones otherwise)."""
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if config.rope_freq_factors is not None:
         factors = np.asarray(config.rope_freq_factors, np.float64)
@@ -38,7 +46,22 @@ def inv_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
         return _llama3(inv_freq, scaling), 1.0
     if scaling.rope_type == "yarn":
         return _yarn(inv_freq, scaling, config.rope_theta, dim)
+    if scaling.rope_type == "longrope":
+        return _longrope(inv_freq, scaling, long)
     raise ValueError(f"rope type {scaling.rope_type!r} is not supported")
+
+
+def _longrope(inv_freq: np.ndarray, s: RopeScaling, long: bool) -> tuple[np.ndarray, float]:
+    """LongRoPE (Phi-3): each frequency divided by its short or long factor; cos and sin scaled
+    by the attention factor, by default sqrt(1 + ln(factor) / ln(original length))."""
+    original = s.original_max_position_embeddings
+    assert original is not None and s.short_factor and s.long_factor  # RopeScaling.from_hf
+    factors = np.asarray(s.long_factor if long else s.short_factor, np.float64)
+    attention_factor = s.attention_factor
+    if attention_factor is None:
+        attention_factor = (1.0 if s.factor <= 1
+                            else math.sqrt(1 + math.log(s.factor) / math.log(original)))
+    return inv_freq / factors, float(attention_factor)
 
 
 def _llama3(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
@@ -87,10 +110,44 @@ def _yarn(inv_freq: np.ndarray, s: RopeScaling, base: float, dim: int
     return inv, float(attention_factor)
 
 
+def _cos_sin(config: ModelConfig, positions: np.ndarray, long: bool = False) -> np.ndarray:
+    """Rows of the table for these positions: [cos | sin], each half rotary_dim / 2 lanes of
+    the rotation then cos 1, sin 0 on the lanes passed through (see the module docstring)."""
+    inv_freq, attention_factor = inv_frequencies(config, long)
+    angle = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    pad = config.head_dim // 2 - inv_freq.size
+    ones = np.ones((positions.size, pad))
+    return np.concatenate([np.cos(angle) * attention_factor, ones,
+                           np.sin(angle) * attention_factor, 0 * ones], axis=-1)
+
+
 def rope_variables(config: ModelConfig) -> dict[str, jax.Array]:
     """The model's "rope" collection: {"cos_sin_cache": [max_context_len, head_dim]
-    float32}."""
-    inv_freq, attention_factor = inv_frequencies(config)
-    return {"cos_sin_cache": rope_cos_sin_cache(
-        config.head_dim, config.max_context_len, config.rope_theta, jnp.float32,
-        inv_freq=inv_freq, attention_factor=attention_factor)}
+    float32}. longrope's rows: the short factors' below original_max_position_embeddings, the
+    long ones' from there on, so each token's rotation depends on its position alone."""
+    n = config.max_context_len
+    s = config.rope_scaling
+    if config.rotary_dim == config.head_dim and (s is None or s.rope_type != "longrope"):
+        inv_freq, attention_factor = inv_frequencies(config)
+        return {"cos_sin_cache": rope_cos_sin_cache(
+            config.head_dim, n, config.rope_theta, jnp.float32,
+            inv_freq=inv_freq, attention_factor=attention_factor)}
+    table = _cos_sin(config, np.arange(n))
+    if s is not None and s.rope_type == "longrope":
+        start = s.original_max_position_embeddings
+        assert start is not None
+        if n > start:
+            table[start:] = _cos_sin(config, np.arange(start, n), long=True)
+    return {"cos_sin_cache": jnp.asarray(table.astype(np.float32))}
+
+
+def rotary_head_order(config: ModelConfig) -> np.ndarray | None:
+    """The dims of one q or k head in the order the kernels rotate them, as indices into
+    Hugging Face's order ([rotated first half, passed first half, rotated second half, passed
+    second half]); None with RoPE on the whole head."""
+    head, rot = config.head_dim, config.rotary_dim
+    if rot == head:
+        return None
+    half, passed = rot // 2, (head - rot) // 2
+    return np.concatenate([np.arange(half), rot + np.arange(passed), half + np.arange(half),
+                           rot + passed + np.arange(passed)])

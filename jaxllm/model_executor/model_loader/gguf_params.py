@@ -53,6 +53,17 @@ _LAYER_WEIGHTS = {
     ("mlp", "gate_up_proj"): ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     ("mlp", "down_proj"): ["mlp.down_proj.weight"],
 }
+# Architectures whose checkpoints store q/k/v and gate/up fused, in our params' order.
+FUSED_ON_DISK = ("Phi3ForCausalLM",)
+
+
+def layer_weights(config: ModelConfig) -> dict[tuple[str, str], list[str]]:
+    """A dense decoder layer's weight matrices -> the HF names (after `layers.{i}.`) of the
+    tensors stacked into each."""
+    if config.architecture not in FUSED_ON_DISK:
+        return _LAYER_WEIGHTS
+    return {**_LAYER_WEIGHTS, ("self_attn", "qkv_proj"): ["self_attn.qkv_proj.weight"],
+            ("mlp", "gate_up_proj"): ["mlp.gate_up_proj.weight"]}
 
 
 def _device(r: RepackedBlocks, packed: bool, compact: bool, int8: bool = False) -> GGUFWeight:
@@ -144,7 +155,7 @@ def quantized_param_trees(config: ModelConfig,
         layer = {group: dict(mods) for group, mods in params[f"layers_{i}"].items()}
         for group in ("self_attn", "mlp"):
             layer[group] = {name: dict(p) for name, p in layer[group].items()}
-        for (group, mod), hf_names in _LAYER_WEIGHTS.items():
+        for (group, mod), hf_names in layer_weights(config).items():
             # XLA's fused GEMV lost to float32 on rows as wide as down_proj's.
             if not single_chunk(layer[group][mod]["weight"].shape[1]):
                 continue

@@ -26,9 +26,10 @@ from tqdm.auto import tqdm
 
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
+from jaxllm.model_executor.layers.rotary_embedding import rotary_head_order
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.gguf_file import read_gguf
-from jaxllm.model_executor.model_loader.gguf_params import quantized_param_trees
+from jaxllm.model_executor.model_loader.gguf_params import layer_weights, quantized_param_trees
 from jaxllm.model_executor.model_loader.gguf_repack import FLOAT_TYPES, SUPPORTED_TYPES
 from jaxllm.model_executor.models.registry import (
     abstract_params,
@@ -182,8 +183,12 @@ def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> LoadedModel:
         # A checkpoint converted to Llama's layout with q/k/v biases only: transformers fills
         # the absent o_proj bias with zeros, which is no bias.
         config = dataclasses.replace(config, o_proj_bias=False)
-    params = _assemble_params(config, lambda n: tensors.pop(n, None), dtype, path,
-                              hf_names=True)
+    def take(name: str) -> np.ndarray | None:
+        arr = tensors.pop(name, None)
+        rows = rotary_row_order(config, name)
+        return arr if arr is None or rows is None else arr[rows]
+
+    params = _assemble_params(config, take, dtype, path, hf_names=True)
     # A weight left over has no place in the model: running without it would be silently wrong
     # (RoPE's precomputed buffers, which some checkpoints carry, are recomputed instead).
     unused = sorted(n for n in tensors if not n.rsplit(".", 1)[-1].endswith(_ROPE_BUFFERS))
@@ -219,13 +224,20 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
     vocab_size = int(by_name["token_embd.weight"].shape[-1])
     freqs = by_name.get("rope_freqs.weight")
+    longrope = [by_name.get(f"rope_factors_{kind}.weight") for kind in ("short", "long")]
     try:
         factors = None if freqs is None else _rope_freq_factors(freqs.data)
+        if any(t is not None for t in longrope) and not all(t is not None for t in longrope):
+            raise ValueError("one of rope_factors_short.weight and rope_factors_long.weight "
+                             "without the other")
+        longrope_factors = None if longrope[0] is None else tuple(
+            np.asarray(t.data, np.float64).reshape(-1).tolist() for t in longrope)
         config = ModelConfig.from_gguf_metadata(meta, vocab_size,
                                                 tied="output.weight" not in by_name,
                                                 attention_bias="blk.0.attn_q.bias" in by_name,
                                                 o_proj_bias="blk.0.attn_output.bias" in by_name,
-                                                rope_freq_factors=factors)
+                                                rope_freq_factors=factors,
+                                                longrope_factors=longrope_factors)
         check_supported(config)
         if factors is not None and len(factors) != config.head_dim // 2:
             raise ValueError(f"rope_freqs.weight holds {len(factors)} factors, head_dim "
@@ -309,6 +321,9 @@ _GGUF_LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Phi-3's fused tensors (gate and up: gate first).
+_GGUF_FUSED_NAMES = {"self_attn.qkv_proj.weight": "attn_qkv.weight",
+                     "mlp.gate_up_proj.weight": "ffn_up.weight"}
 _GGUF_GLOBAL_NAMES = {
     "embed_tokens.weight": "token_embd.weight",
     "norm.weight": "output_norm.weight",
@@ -316,12 +331,37 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def gguf_row_order(config: ModelConfig, hf_name: str) -> np.ndarray | None:
-    """Rows of a GGUF tensor in Hugging Face's order, where they differ: llama.cpp's converter
-    interleaves the two halves of each Llama q and k head (its RoPE rotates adjacent pairs,
-    Hugging Face's and ours rotate halves); None where the rows are as stored."""
-    if config.architecture != "LlamaForCausalLM" or not hf_name.startswith("layers."):
+def rotary_row_order(config: ModelConfig, hf_name: str) -> np.ndarray | None:
+    """Rows of a q or k weight (or Phi-3's fused q/k/v) in the order our RoPE kernels rotate
+    with partial rotary (`rotary_embedding.rotary_head_order`); None where they are as stored."""
+    order = rotary_head_order(config)
+    if order is None or not hf_name.startswith("layers."):
         return None
+    part = hf_name.split(".", 2)[2]
+    hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+
+    def heads(n: int, start: int = 0) -> np.ndarray:
+        return (start + hd * np.arange(n)[:, None] + order[None, :]).reshape(-1)
+
+    if part.startswith("self_attn.q_proj."):
+        return heads(nh)
+    if part.startswith("self_attn.k_proj."):
+        return heads(nkv)
+    if part.startswith("self_attn.qkv_proj."):
+        return np.concatenate([heads(nh), heads(nkv, nh * hd), (nh + nkv) * hd
+                               + np.arange(nkv * hd)])
+    return None
+
+
+def gguf_row_order(config: ModelConfig, hf_name: str) -> np.ndarray | None:
+    """Rows of a GGUF tensor in our order, where they differ from the file's: llama.cpp's
+    converter interleaves the two halves of each Llama (and Granite) q and k head (its RoPE
+    rotates adjacent pairs, Hugging Face's and ours rotate halves); partial rotary reorders q
+    and k as from a Hugging Face checkpoint (`rotary_row_order`); None where the rows are as
+    stored."""
+    if config.architecture not in ("LlamaForCausalLM", "GraniteForCausalLM") \
+            or not hf_name.startswith("layers."):
+        return rotary_row_order(config, hf_name)
     part = hf_name.split(".", 2)[2]
     if part.startswith("self_attn.q_proj."):
         heads = config.num_attention_heads
@@ -336,7 +376,7 @@ def gguf_row_order(config: ModelConfig, hf_name: str) -> np.ndarray | None:
 def _gguf_name(hf_name: str) -> str:
     if hf_name.startswith("layers."):
         _, idx, rest = hf_name.split(".", 2)
-        return f"blk.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        return f"blk.{idx}.{_GGUF_LAYER_NAMES.get(rest) or _GGUF_FUSED_NAMES[rest]}"
     return _GGUF_GLOBAL_NAMES[hf_name]
 
 
@@ -372,10 +412,11 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
         return dev(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
 
     qk_norm = get_model_class(config.architecture).QK_NORM
+    names = layer_weights(config)
     params: dict[str, Any] = {"embed_tokens": matrix(["embed_tokens.weight"])}
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
-        qkv = {"weight": matrix([p + f"self_attn.{x}_proj.weight" for x in "qkv"])}
+        qkv = {"weight": matrix([p + n for n in names["self_attn", "qkv_proj"]])}
         if config.attention_bias:
             qkv["bias"] = dev(np.concatenate([need(p + f"self_attn.{x}_proj.bias")
                                               for x in "qkv"], axis=0))
@@ -393,7 +434,7 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
             "self_attn": attn,
             "mlp": (_moe_params(config, p, take, need, dev, matrix)
                     if config.moe is not None and i in config.moe.sparse_layers
-                    else _mlp_params(p + "mlp.", matrix)),
+                    else _mlp_params(p + "mlp.", matrix, names)),
         }
     params["norm"] = {"weight": dev(need("norm.weight"))}
     if not config.tie_word_embeddings:
@@ -407,10 +448,14 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
     return params
 
 
-def _mlp_params(prefix: str, matrix: Callable[[list[str]], Any]) -> dict:
-    """A SwiGLU MLP's params (gate and up fused) from `{prefix}{gate,up,down}_proj.weight`."""
-    return {"gate_up_proj": {"weight": matrix([prefix + "gate_proj.weight",
-                                               prefix + "up_proj.weight"])},
+def _mlp_params(prefix: str, matrix: Callable[[list[str]], Any],
+                names: dict[tuple[str, str], list[str]] | None = None) -> dict:
+    """A SwiGLU MLP's params (gate and up fused) from `{prefix}{gate,up,down}_proj.weight`, or
+    from the tensors `names` (`layer_weights`) gives."""
+    gate_up = ["gate_proj.weight", "up_proj.weight"]
+    if names is not None:
+        gate_up = [n.removeprefix("mlp.") for n in names["mlp", "gate_up_proj"]]
+    return {"gate_up_proj": {"weight": matrix([prefix + n for n in gate_up])},
             "down_proj": {"weight": matrix([prefix + "down_proj.weight"])}}
 
 

@@ -68,7 +68,8 @@ class LlamaAttention(nn.Module):
             qkv = jnp.concatenate([q, k, v], axis=-1)
         out, kv_cache = Attention(nh, nkv, hd, self.layer_idx, self.backend,
                                   self.attention_impl,
-                                  cfg.layer_sliding_window(self.layer_idx), name="attn")(
+                                  cfg.layer_sliding_window(self.layer_idx),
+                                  cfg.attention_scale, name="attn")(
             qkv, bias, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len,
             num_splits)
         out = RowParallelLinear(cfg.hidden_size, self.dtype, self.backend, self.gemv_rows,
@@ -125,10 +126,16 @@ class LlamaDecoderLayer(nn.Module):
                                      name="self_attn")(
             h, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len, num_splits)
         h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
-                              name="post_attention_layernorm")(h, residual)
+                              name="post_attention_layernorm")(_residual_scaled(h, cfg), residual)
         h = self.mlp_cls(cfg, self.dtype, self.backend, self.tp_axis, self.gemv_rows,
                          name="mlp")(h)
-        return h, residual, kv_cache
+        return _residual_scaled(h, cfg), residual, kv_cache
+
+
+def _residual_scaled(h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """An attention or MLP output as it joins the residual (Granite scales it)."""
+    m = cfg.residual_multiplier
+    return h if m == 1 else h * jnp.asarray(m, h.dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -170,6 +177,8 @@ class LlamaForCausalLM(nn.Module):
         cos_sin_cache = self.variable(
             "rope", "cos_sin_cache", lambda: rope_variables(cfg)["cos_sin_cache"]).value
         h = embed_tokens(embed, input_ids, self.activation_dtype or self.dtype, self.tp_axis)
+        if cfg.embedding_multiplier != 1:  # Granite
+            h = h * jnp.asarray(cfg.embedding_multiplier, h.dtype)
         residual = None
         # Unrolled on purpose: a lax.scan over stacked layers copies weight slices every step
         # on CPU (docs/perf/cpu-step.md).

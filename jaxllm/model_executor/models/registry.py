@@ -9,8 +9,10 @@ import jax.numpy as jnp
 
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
+from jaxllm.model_executor.models.granite import GraniteForCausalLM
 from jaxllm.model_executor.models.llama import LlamaForCausalLM
 from jaxllm.model_executor.models.mixtral import MixtralForCausalLM
+from jaxllm.model_executor.models.phi3 import Phi3ForCausalLM
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from jaxllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
 from jaxllm.model_executor.models.qwen3 import Qwen3ForCausalLM
@@ -26,6 +28,8 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
