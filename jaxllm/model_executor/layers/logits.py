@@ -29,6 +29,10 @@ def embed_tokens(embed: jax.Array | GGUFWeight, input_ids: jax.Array, dtype: Any
 def compute_logits(params: Mapping[str, Any], config: ModelConfig, hidden_states: jax.Array,
                    backend: str = "reference", gemv_rows: int = 0) -> jax.Array:
     """LM head on already-normed hidden states: the model's last step, also used alone for
-    prompt logprobs. The head is the embedding table when tied; [vocab, hidden] either way."""
+    prompt logprobs. The head is the embedding table when tied; [vocab, hidden] either way.
+    With the config's `final_logit_softcapping` (Gemma 2) the logits are capped here, so that
+    sampling and logprobs see them as Hugging Face's model returns them."""
     head = params["embed_tokens"] if config.tie_word_embeddings else params["lm_head"]
-    return linear(hidden_states, head, backend, gemv_rows).astype(jnp.float32)
+    logits = linear(hidden_states, head, backend, gemv_rows).astype(jnp.float32)
+    cap = config.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -9,6 +9,7 @@ params in their own "rope" collection.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -89,8 +90,16 @@ def _yarn(inv_freq: np.ndarray, s: RopeScaling, base: float, dim: int
 
 def rope_variables(config: ModelConfig) -> dict[str, jax.Array]:
     """The model's "rope" collection: {"cos_sin_cache": [max_context_len, head_dim]
-    float32}."""
+    float32}, and "local_cos_sin_cache" of the sliding-window layers' own RoPE where the config
+    has one (Gemma 3's `rope_local_theta`)."""
+    tables = {"cos_sin_cache": _table(config)}
+    if config.rope_local_theta is not None:
+        tables["local_cos_sin_cache"] = _table(dataclasses.replace(
+            config, rope_theta=config.rope_local_theta, rope_scaling=config.rope_local_scaling))
+    return tables
+
+
+def _table(config: ModelConfig) -> jax.Array:
     inv_freq, attention_factor = inv_frequencies(config)
-    return {"cos_sin_cache": rope_cos_sin_cache(
-        config.head_dim, config.max_context_len, config.rope_theta, jnp.float32,
-        inv_freq=inv_freq, attention_factor=attention_factor)}
+    return rope_cos_sin_cache(config.head_dim, config.max_context_len, config.rope_theta,
+                              jnp.float32, inv_freq=inv_freq, attention_factor=attention_factor)

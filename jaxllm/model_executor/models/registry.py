@@ -9,6 +9,9 @@ import jax.numpy as jnp
 
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
+from jaxllm.model_executor.models.gemma import GemmaForCausalLM
+from jaxllm.model_executor.models.gemma2 import Gemma2ForCausalLM
+from jaxllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from jaxllm.model_executor.models.llama import LlamaForCausalLM
 from jaxllm.model_executor.models.mixtral import MixtralForCausalLM
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -26,6 +29,9 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
