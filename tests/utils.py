@@ -50,6 +50,23 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     # Phi3Config's pad and end ids (32000) lie outside a tiny vocabulary.
     "phi3": ("Phi3Config", {"pad_token_id": 0, "eos_token_id": 2}),
     "granite": ("GraniteConfig", {}),
+    # Gemma: head_dim 32 (hidden / heads is 16). Gemma 2: q.k scaled by 24 ** -0.5, a window
+    # of 20 on layer 0, soft caps that weights ten times transformers' initialization reach.
+    # Gemma 3 (text): layers 0 and 1 slide (one global layer in three), the sliding layers'
+    # RoPE base 100, the global layer's 10000 stretched linearly by 2; weights five times
+    # transformers' initialization (ten: float32 rounding alone nears the tolerance at 150
+    # tokens, in transformers' float32 model as in ours).
+    "gemma": ("GemmaConfig", {"head_dim": 32}),
+    "gemma2": ("Gemma2Config", {"head_dim": 32, "query_pre_attn_scalar": 24,
+                                "sliding_window": 20, "attn_logit_softcapping": 2.0,
+                                "final_logit_softcapping": 5.0, "initializer_range": 0.1}),
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 20,
+        "num_hidden_layers": 3, "sliding_window_pattern": 3, "initializer_range": 0.05,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                               "rope_theta": 10000.0},
+                            "sliding_attention": {"rope_type": "default",
+                                                  "rope_theta": 100.0}}}),
 }
 
 
@@ -77,11 +94,14 @@ def make_tiny_checkpoint(path, tied: bool, vocab_size: int = 512, seed: int = 0,
         config_cls, family_kw = arch, {}
     kw = {**TINY_KW, **family_kw, **overrides}
     # transformers 5 spells RoPE's parameters `rope_parameters` (rope_theta inside them) and
-    # still takes the older `rope_scaling`: one of them, theta included.
+    # still takes the older `rope_scaling`: one of them, theta included (Gemma 3's are keyed by
+    # layer type, each with its own theta).
     rope = kw.pop("rope_parameters", None) or kw.pop("rope_scaling", None)
     kw.pop("rope_scaling", None)
     if rope is not None:
-        kw["rope_parameters"] = {"rope_theta": kw.pop("rope_theta"), **rope}
+        theta = kw.pop("rope_theta")
+        kw["rope_parameters"] = rope if "full_attention" in rope else {"rope_theta": theta,
+                                                                        **rope}
     config = config_cls(vocab_size=vocab_size, tie_word_embeddings=tied, **kw)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     assert model.config.tie_word_embeddings == tied

@@ -17,9 +17,13 @@ _ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCa
                                "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                "qwen2_moe": "Qwen2MoeForCausalLM",
                                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                               "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
+                               "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+                               "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                               "gemma3_text": "Gemma3ForCausalLM"}
 # Architectures whose feed-forward is a mixture of experts (`MoEConfig`).
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# The Gemma families (`_gemma_fields`).
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # llama.cpp's names of MoE architectures, which its files store with per-expert tensors that
 # the GGUF loader has no place for.
 GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "mixtral", "deepseek2", "olmoe")
@@ -249,6 +253,19 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # The MLP's activation on its gate: "silu" (SwiGLU), or Gemma's "gelu_pytorch_tanh" (GELU's
+    # tanh approximation).
+    hidden_act: str = "silu"
+    # Gemma 2/3: q.k scaled by query_pre_attn_scalar ** -0.5; None: by head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # Gemma 2: the attention's scaled logits, and the LM head's logits, become
+    # cap * tanh(x / cap); None: not capped.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Gemma 3: the RoPE base (and scaling) of the sliding-window layers, apart from the other
+    # layers' `rope_theta` / `rope_scaling`; None: every layer has the same RoPE.
+    rope_local_theta: float | None = None
+    rope_local_scaling: RopeScaling | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -257,8 +274,13 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return (self.head_dim ** -0.5 if self.attention_multiplier is None
-                else self.attention_multiplier)
+        """The scale of q.k: Granite's attention_multiplier, Gemma's
+        query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar ** -0.5
+        return self.head_dim ** -0.5
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The window of layer `layer`'s attention; None: the whole context."""
@@ -283,7 +305,9 @@ class ModelConfig:
         scaling (whose configs leave it at the trained length, as vLLM reads them; Llama 3's
         already name the stretched one)."""
         s = self.rope_scaling
-        if s is None or s.rope_type not in ("linear", "yarn"):
+        # Gemma 3's max_position_embeddings is already the stretched length (as vLLM reads it).
+        if s is None or s.rope_type not in ("linear", "yarn") \
+                or self.architecture == "Gemma3ForCausalLM":
             return self.max_position_embeddings
         trained = s.original_max_position_embeddings if s.rope_type == "yarn" else None
         return max(self.max_position_embeddings,
@@ -340,6 +364,17 @@ class ModelConfig:
                     raise ValueError(f"model config: rope {name} must list rotary dims / 2 = "
                                      f"{rotary // 2} factors, got "
                                      f"{None if factors is None else len(factors)}")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported "
+                             f"(silu, gelu_pytorch_tanh)")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))
+                                      or not (math.isfinite(value) and value > 0)):
+                raise ValueError(f"model config: {name} must be a finite number > 0 or null, "
+                                 f"got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple "
@@ -398,7 +433,7 @@ class ModelConfig:
             raise ValueError("model config: mlp_bias (biases on the MLP projections) is not "
                              "supported")
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-        if act != "silu":
+        if act != "silu" and architecture not in GEMMA_ARCHITECTURES:  # Gemma's: _gemma_fields
             raise ValueError(f"model config: hidden_act {act!r} is not supported (the MLPs "
                              f"here are SwiGLU: silu)")
         # Qwen2's q/k/v always carry biases and its o_proj none (Qwen2-MoE's as its `qkv_bias`
@@ -414,7 +449,7 @@ class ModelConfig:
             o_bias = bias
         window, full_layers = _hf_sliding_window(cfg, architecture)
         moe = MoEConfig.from_hf(cfg, architecture) if architecture in MOE_ARCHITECTURES else None
-        return cls(
+        config = cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -440,6 +475,9 @@ class ModelConfig:
             partial_rotary_factor=partial,
             **_granite_multipliers(cfg, architecture),
         )
+        if architecture in GEMMA_ARCHITECTURES:
+            config = dataclasses.replace(config, **_gemma_fields(cfg, architecture))
+        return config
 
     def with_generation_config(self, path: str | Path) -> ModelConfig:
         """This config with the end-of-generation tokens a generation_config.json beside it
@@ -490,6 +528,12 @@ class ModelConfig:
                              f"model: ffn_gate_inp / ffn_*_exps tensors) is not supported from "
                              f"GGUF; the Hugging Face checkpoints (safetensors) of Qwen2-MoE, "
                              f"Qwen3-MoE and Mixtral load")
+        if arch in ("gemma", "gemma2", "gemma3"):
+            # llama.cpp's converter stores Gemma's norm weights with the 1 already added, and a
+            # Gemma 3 file holds the vision tower's metadata beside the text model's.
+            raise ValueError(f"GGUF architecture {arch!r} (Gemma) is not supported from GGUF; "
+                             f"the Hugging Face checkpoints (safetensors) of Gemma, Gemma 2 and "
+                             f"Gemma 3 load")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
                              f"{', '.join(GGUF_ARCHITECTURES)})")
@@ -617,6 +661,90 @@ def _hf_sliding_window(cfg: dict[str, Any], architecture: str
     if len(full) == len(layer_types):
         return None, ()
     return window, full
+
+
+def _gemma_fields(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """What a Gemma config.json sets beyond Llama's fields, as transformers' Gemma, Gemma2 and
+    Gemma3Text configs read it (their defaults where the file is silent): the GELU activation,
+    tied embeddings, the context length, and for Gemma 2/3 the attention scale, soft caps,
+    sliding-window layers and (Gemma 3) the sliding layers' own RoPE. Options no model here
+    runs are refused by name."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("model config: use_bidirectional_attention (a Gemma encoder: every "
+                         "token sees the whole sequence) is not supported")
+    gemma1 = architecture == "GemmaForCausalLM"
+    # Gemma's config reads `hidden_act`, whose legacy "gelu" means the tanh approximation;
+    # Gemma 2's and 3's read `hidden_activation` only.
+    act = (cfg.get("hidden_act") if gemma1 else cfg.get("hidden_activation")) \
+        or "gelu_pytorch_tanh"
+    if gemma1 and act == "gelu":
+        act = "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        name = "hidden_act" if gemma1 else "hidden_activation"
+        raise ValueError(f"model config: {name} {act!r} is not supported for {architecture} "
+                         f"(gelu_pytorch_tanh)")
+    gemma3 = architecture == "Gemma3ForCausalLM"
+    max_pos = cfg.get("max_position_embeddings", 131072 if gemma3 else 8192)
+    fields: dict[str, Any] = {"hidden_act": act, "max_position_embeddings": max_pos,
+                              "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True))}
+    if gemma1:
+        return fields
+    attn_cap = cfg.get("attn_logit_softcapping", None if gemma3 else 50.0)
+    if gemma3 and attn_cap is not None:
+        # Gemma 3's attention in transformers never applies it.
+        raise ValueError(f"model config: attn_logit_softcapping {attn_cap!r} is not supported "
+                         f"for Gemma3ForCausalLM (its attention has no soft cap)")
+    fields.update(query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
+                  attn_logit_softcapping=attn_cap,
+                  final_logit_softcapping=cfg.get("final_logit_softcapping",
+                                                  None if gemma3 else 30.0))
+    num_layers = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        # Every `pattern`-th layer attends to the whole context (Gemma 2: every second).
+        pattern = cfg.get("sliding_window_pattern", 6) if gemma3 else 2
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"model config: sliding_window_pattern must be a positive integer, "
+                             f"got {pattern!r}")
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(num_layers if isinstance(num_layers, int) else 0)]
+    if not isinstance(layer_types, list) or not set(layer_types) <= {"sliding_attention",
+                                                                      "full_attention"}:
+        raise ValueError(f"model config: layer_types must list \"sliding_attention\" or "
+                         f"\"full_attention\" per layer, got {layer_types!r}")
+    if len(layer_types) != num_layers:
+        raise ValueError(f"model config: layer_types names {len(layer_types)} layers, "
+                         f"num_hidden_layers is {num_layers}")
+    window = cfg.get("sliding_window", 4096)
+    full = tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")
+    if window is None or len(full) == len(layer_types):
+        window, full = None, ()
+    fields.update(sliding_window=window, full_attention_layers=full)
+    if gemma3:
+        fields.update(_gemma3_rope(cfg, max_pos))
+    return fields
+
+
+def _gemma3_rope(cfg: dict[str, Any], max_pos: Any) -> dict[str, Any]:
+    """Gemma 3's two RoPEs as transformers 5 builds them: `rope_parameters` keyed by layer type
+    ("full_attention", "sliding_attention"), or in older files `rope_theta` (default 1e6) and
+    `rope_scaling` for the full layers and `rope_local_base_freq` (default 1e4) for the
+    sliding ones."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and ({"full_attention", "sliding_attention"} & set(params)):
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+    else:
+        full = {**(cfg.get("rope_scaling") or {}), **(params or {})}
+        local = {}
+    if not isinstance(full, dict) or not isinstance(local, dict):
+        raise ValueError(f"model config: rope parameters must be objects, got {params!r}")
+    theta = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    return {"rope_theta": _float(theta, "rope_theta"),
+            "rope_scaling": RopeScaling.from_hf(full, max_pos),
+            "rope_local_theta": _float(local_theta, "rope_local_base_freq"),
+            "rope_local_scaling": RopeScaling.from_hf(local, max_pos)}
 
 
 def _window(value: Any) -> Any:

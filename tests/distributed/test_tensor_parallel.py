@@ -57,14 +57,16 @@ def tp_pallas_results(tmp_path_factory):
     return dict(np.load(out))
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "gemma2"])
 def tp_family_results(request, tmp_path_factory):
-    """TP 1 and 2 over a tiny Qwen3 (per-head q/k norms, head_dim 32) and a tiny Llama 3 (scaled
-    RoPE; biases on q, k, v and o_proj, the last added once after the sum): 4 query heads and 2
-    KV heads, one KV head per device at TP 2."""
+    """TP 1 and 2 over a tiny Qwen3 (per-head q/k norms, head_dim 32), a tiny Llama 3 (scaled
+    RoPE; biases on q, k, v and o_proj, the last added once after the sum) and a tiny Gemma 2
+    (soft-capped attention and final logits on the vocabulary slices, a windowed layer, scaled
+    embeddings, tied): 4 query heads and 2 KV heads, one KV head per device at TP 2."""
     path = tmp_path_factory.mktemp(f"tp_tiny_{request.param}")
     bias = {"attention_bias": True} if request.param == "llama" else {}
-    save_tiny_checkpoint(path, tied=False, seed=6, arch=request.param, **bias)
+    save_tiny_checkpoint(path, tied=request.param == "gemma2", seed=6, arch=request.param,
+                         **bias)
     out = path / "results.npz"
     run_child([str(path), str(out), "1,2", '{"max_num_seqs": 2, "max_num_batched_tokens": 16}'],
               timeout=400, devices=2)

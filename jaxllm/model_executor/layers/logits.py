@@ -30,7 +30,12 @@ def compute_logits(params: Mapping[str, Any], config: ModelConfig, hidden_states
                    backend: str = "reference", gemv_rows: int = 0) -> jax.Array:
     """LM head on already-normed hidden states: the model's last step, also used alone for
     prompt logprobs. The head is the embedding table when tied; [vocab, hidden] either way.
-    Granite's logits are divided by its `logits_scaling`."""
+    Granite's logits are divided by its `logits_scaling`; with the config's
+    `final_logit_softcapping` (Gemma 2) they are capped here, so that sampling and logprobs see
+    them as Hugging Face's model returns them."""
     head = params["embed_tokens"] if config.tie_word_embeddings else params["lm_head"]
     logits = linear(hidden_states, head, backend, gemv_rows).astype(jnp.float32)
-    return logits if config.logits_scaling == 1 else logits / config.logits_scaling
+    if config.logits_scaling != 1:
+        logits = logits / config.logits_scaling
+    cap = config.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)

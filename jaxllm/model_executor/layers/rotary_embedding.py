@@ -16,6 +16,7 @@ q . k (q and k reordered alike; v is not), and the KV cache holds k in that orde
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -123,22 +124,32 @@ def _cos_sin(config: ModelConfig, positions: np.ndarray, long: bool = False) -> 
 
 def rope_variables(config: ModelConfig) -> dict[str, jax.Array]:
     """The model's "rope" collection: {"cos_sin_cache": [max_context_len, head_dim]
-    float32}. longrope's rows: the short factors' below original_max_position_embeddings, the
-    long ones' from there on, so each token's rotation depends on its position alone."""
+    float32}, and "local_cos_sin_cache" of the sliding-window layers' own RoPE where the config
+    has one (Gemma 3's `rope_local_theta`)."""
+    tables = {"cos_sin_cache": _table(config)}
+    if config.rope_local_theta is not None:
+        tables["local_cos_sin_cache"] = _table(dataclasses.replace(
+            config, rope_theta=config.rope_local_theta, rope_scaling=config.rope_local_scaling))
+    return tables
+
+
+def _table(config: ModelConfig) -> jax.Array:
+    """One [max_context_len, head_dim] table. longrope's rows: the short factors' below
+    original_max_position_embeddings, the long ones' from there on, so each token's rotation
+    depends on its position alone."""
     n = config.max_context_len
     s = config.rope_scaling
     if config.rotary_dim == config.head_dim and (s is None or s.rope_type != "longrope"):
         inv_freq, attention_factor = inv_frequencies(config)
-        return {"cos_sin_cache": rope_cos_sin_cache(
-            config.head_dim, n, config.rope_theta, jnp.float32,
-            inv_freq=inv_freq, attention_factor=attention_factor)}
+        return rope_cos_sin_cache(config.head_dim, n, config.rope_theta, jnp.float32,
+                                  inv_freq=inv_freq, attention_factor=attention_factor)
     table = _cos_sin(config, np.arange(n))
     if s is not None and s.rope_type == "longrope":
         start = s.original_max_position_embeddings
         assert start is not None
         if n > start:
             table[start:] = _cos_sin(config, np.arange(start, n), long=True)
-    return {"cos_sin_cache": jnp.asarray(table.astype(np.float32))}
+    return jnp.asarray(table.astype(np.float32))
 
 
 def rotary_head_order(config: ModelConfig) -> np.ndarray | None:

@@ -411,8 +411,20 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
         parts = [need(name) for name in names]
         return dev(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
 
-    qk_norm = get_model_class(config.architecture).QK_NORM
+    model_cls = get_model_class(config.architecture)
+    qk_norm = model_cls.QK_NORM
     names = layer_weights(config)
+
+    def norm(name: str) -> dict[str, jax.Array]:
+        if not model_cls.NORM_WEIGHT_OFFSET:
+            return {"weight": dev(need(name))}
+        # Gemma's norms scale by (1 + weight) computed in float32: the one is added here, in
+        # float32, and the sum kept in float32 whatever the model's dtype, so the norm kernels
+        # (which scale by a float32 copy of their weight) compute exactly Hugging Face's
+        # x * rsqrt(...) * (1.0 + w.float()); a bfloat16 sum would round it once more.
+        w = np.asarray(need(name), np.float32) + np.float32(model_cls.NORM_WEIGHT_OFFSET)
+        return {"weight": jnp.asarray(w, jnp.float32)}
+
     params: dict[str, Any] = {"embed_tokens": matrix(["embed_tokens.weight"])}
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
@@ -425,18 +437,19 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
         if config.o_proj_bias:
             attn["o_proj"]["bias"] = dev(need(p + "self_attn.o_proj.bias"))
         if qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                attn[norm] = {"weight": dev(need(p + f"self_attn.{norm}.weight"))}
+            for name in ("q_norm", "k_norm"):
+                attn[name] = norm(p + f"self_attn.{name}.weight")
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if model_cls.SANDWICH_NORM:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         params[f"layers_{i}"] = {
-            "input_layernorm": {"weight": dev(need(p + "input_layernorm.weight"))},
-            "post_attention_layernorm": {
-                "weight": dev(need(p + "post_attention_layernorm.weight"))},
+            **{name: norm(p + f"{name}.weight") for name in norms},
             "self_attn": attn,
             "mlp": (_moe_params(config, p, take, need, dev, matrix)
                     if config.moe is not None and i in config.moe.sparse_layers
                     else _mlp_params(p + "mlp.", matrix, names)),
         }
-    params["norm"] = {"weight": dev(need("norm.weight"))}
+    params["norm"] = norm("norm.weight")
     if not config.tie_word_embeddings:
         params["lm_head"] = matrix(["lm_head.weight"])
     else:

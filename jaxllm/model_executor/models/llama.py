@@ -12,6 +12,7 @@ module runs under `jax.shard_map` on one device's slice of the model (its config
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -69,7 +70,8 @@ class LlamaAttention(nn.Module):
         out, kv_cache = Attention(nh, nkv, hd, self.layer_idx, self.backend,
                                   self.attention_impl,
                                   cfg.layer_sliding_window(self.layer_idx),
-                                  cfg.attention_scale, name="attn")(
+                                  cfg.attention_scale, cfg.attn_logit_softcapping,
+                                  name="attn")(
             qkv, bias, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len,
             num_splits)
         out = RowParallelLinear(cfg.hidden_size, self.dtype, self.backend, self.gemv_rows,
@@ -92,9 +94,11 @@ class LlamaMLP(nn.Module):
         gate_up = Linear(2 * inter, False, self.dtype, self.backend, self.gemv_rows,
                          name="gate_up_proj")(x)
         gate, up = jnp.split(gate_up, 2, axis=-1)
+        # SwiGLU, or Gemma's GeGLU (GELU's tanh approximation, as gelu_pytorch_tanh).
+        act = nn.silu if self.config.hidden_act == "silu" else functools.partial(
+            nn.gelu, approximate=True)
         return RowParallelLinear(self.config.hidden_size, self.dtype, self.backend,
-                                 self.gemv_rows, self.tp_axis, name="down_proj")(
-            nn.silu(gate) * up)
+                                 self.gemv_rows, self.tp_axis, name="down_proj")(act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,6 +113,7 @@ class LlamaDecoderLayer(nn.Module):
     # The feed-forward module, built as LlamaMLP is (an MoE family's sparse block; see
     # `LlamaForCausalLM.mlp_class`).
     mlp_cls: Callable[..., nn.Module] = LlamaMLP
+    sandwich_norm: bool = False  # see LlamaForCausalLM.SANDWICH_NORM
 
     @nn.compact
     def __call__(self, h, residual, positions, kv_cache, attn_metadata, cos_sin_cache,
@@ -125,11 +130,23 @@ class LlamaDecoderLayer(nn.Module):
                                      self.gemv_rows, self.attention_impl, self.qk_norm,
                                      name="self_attn")(
             h, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len, num_splits)
+        mlp = self.mlp_cls(cfg, self.dtype, self.backend, self.tp_axis, self.gemv_rows,
+                           name="mlp")
+        if not self.sandwich_norm:
+            h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
+                                  name="post_attention_layernorm")(_residual_scaled(h, cfg),
+                                                                   residual)
+            return _residual_scaled(mlp(h), cfg), residual, kv_cache
+        # Gemma 2/3: the attention's and the MLP's outputs are normed before they join the
+        # residual stream; each joins it inside the next pre-norm's fused add (vLLM's way), so
+        # the layer returns the MLP's normed output beside the residual, as Llama's does.
+        h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
+                    name="post_attention_layernorm")(h)
         h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
-                              name="post_attention_layernorm")(_residual_scaled(h, cfg), residual)
-        h = self.mlp_cls(cfg, self.dtype, self.backend, self.tp_axis, self.gemv_rows,
-                         name="mlp")(h)
-        return _residual_scaled(h, cfg), residual, kv_cache
+                              name="pre_feedforward_layernorm")(h, residual)
+        h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
+                    name="post_feedforward_layernorm")(mlp(h))
+        return h, residual, kv_cache
 
 
 def _residual_scaled(h: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -142,8 +159,16 @@ class LlamaForCausalLM(nn.Module):
     """Returns (logits [R, vocab] float32 for the rows in `attn_metadata.logits_indices`,
     final-normed hidden states [T, hidden] of every row, the updated kv_cache)."""
 
-    # Per-head RMSNorm of q and k before RoPE (Qwen3).
+    # Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
     QK_NORM: ClassVar[bool] = False
+    # Added to every RMSNorm weight at load (model_loader/loader.py): Gemma's norms scale by
+    # (1 + weight).
+    NORM_WEIGHT_OFFSET: ClassVar[float] = 0.0
+    # The embeddings scaled by sqrt(hidden_size) (Gemma).
+    EMBED_SCALE: ClassVar[bool] = False
+    # Four norms per layer (Gemma 2/3): the attention's and the MLP's outputs normed too
+    # (params post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm).
+    SANDWICH_NORM: ClassVar[bool] = False
 
     config: ModelConfig
     dtype: Any = jnp.float32
@@ -176,18 +201,28 @@ class LlamaForCausalLM(nn.Module):
         # (layers/rotary_embedding.py `rope_variables`), passed with the params.
         cos_sin_cache = self.variable(
             "rope", "cos_sin_cache", lambda: rope_variables(cfg)["cos_sin_cache"]).value
+        # Gemma 3: the sliding-window layers' own RoPE.
+        local_cos_sin_cache = None if cfg.rope_local_theta is None else self.variable(
+            "rope", "local_cos_sin_cache",
+            lambda: rope_variables(cfg)["local_cos_sin_cache"]).value
         h = embed_tokens(embed, input_ids, self.activation_dtype or self.dtype, self.tp_axis)
         if cfg.embedding_multiplier != 1:  # Granite
             h = h * jnp.asarray(cfg.embedding_multiplier, h.dtype)
+        if self.EMBED_SCALE:
+            # Rounded to the weights' dtype first, as Hugging Face does (sqrt(3072) is 55.5 in
+            # bfloat16), so a bfloat16 checkpoint computed in float32 scales as it does there.
+            h = h * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype).astype(h.dtype)
         residual = None
         # Unrolled on purpose: a lax.scan over stacked layers copies weight slices every step
         # on CPU (docs/perf/cpu-step.md).
         for i in range(cfg.num_hidden_layers):
+            local = local_cos_sin_cache is not None and cfg.layer_sliding_window(i) is not None
             h, residual, kv_cache = LlamaDecoderLayer(
                 cfg, i, self.dtype, self.kernel_backend, self.tp_axis, self.gemv_kernel_rows,
-                self.attention_impl, self.QK_NORM, self.mlp_class(i), name=f"layers_{i}")(
-                    h, residual, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len,
-                    num_splits)
+                self.attention_impl, self.QK_NORM, self.mlp_class(i), self.SANDWICH_NORM,
+                name=f"layers_{i}")(
+                    h, residual, positions, kv_cache, attn_metadata,
+                    local_cos_sin_cache if local else cos_sin_cache, max_query_len, num_splits)
         hidden_states, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend,
                                    name="norm")(h, residual)
         # Only the sampled rows go through the LM head (the vocabulary GEMM is the costly part);

@@ -9,6 +9,9 @@ import jax.numpy as jnp
 
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
+from jaxllm.model_executor.models.gemma import GemmaForCausalLM
+from jaxllm.model_executor.models.gemma2 import Gemma2ForCausalLM
+from jaxllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from jaxllm.model_executor.models.granite import GraniteForCausalLM
 from jaxllm.model_executor.models.llama import LlamaForCausalLM
 from jaxllm.model_executor.models.mixtral import MixtralForCausalLM
@@ -30,6 +33,9 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
