@@ -598,15 +598,18 @@ class ModelConfig:
             # llama.cpp names one window for every layer.
             sliding_window=_window(meta.get(f"{arch}.attention.sliding_window")),
             partial_rotary_factor=partial,
-            **({} if arch != "granite" else {
-                "embedding_multiplier": _float(meta.get(f"{arch}.embedding_scale", 1.0),
-                                               "embedding_scale"),
-                "residual_multiplier": _float(meta.get(f"{arch}.residual_scale", 1.0),
-                                              "residual_scale"),
-                "attention_multiplier": _float(meta.get(f"{arch}.attention.scale", 1.0),
-                                               "attention.scale"),
-                "logits_scaling": _float(meta.get(f"{arch}.logit_scale", 1.0), "logit_scale")}),
+            **_gguf_granite_multipliers(meta, arch),
         )
+
+
+def _gguf_granite_multipliers(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Granite's multipliers as llama.cpp stores them (1.0 where the file names none); none
+    for other architectures."""
+    if arch != "granite":
+        return {}
+    keys = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+            "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
+    return {name: _float(meta.get(f"{arch}.{key}", 1.0), key) for name, key in keys.items()}
 
 
 def _granite_multipliers(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:

@@ -224,14 +224,15 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
     vocab_size = int(by_name["token_embd.weight"].shape[-1])
     freqs = by_name.get("rope_freqs.weight")
-    longrope = [by_name.get(f"rope_factors_{kind}.weight") for kind in ("short", "long")]
+    short, long = (by_name.get(f"rope_factors_{kind}.weight") for kind in ("short", "long"))
     try:
         factors = None if freqs is None else _rope_freq_factors(freqs.data)
-        if any(t is not None for t in longrope) and not all(t is not None for t in longrope):
+        if (short is None) != (long is None):
             raise ValueError("one of rope_factors_short.weight and rope_factors_long.weight "
                              "without the other")
-        longrope_factors = None if longrope[0] is None else tuple(
-            np.asarray(t.data, np.float64).reshape(-1).tolist() for t in longrope)
+        longrope_factors = None if short is None or long is None else (
+            np.asarray(short.data, np.float64).reshape(-1).tolist(),
+            np.asarray(long.data, np.float64).reshape(-1).tolist())
         config = ModelConfig.from_gguf_metadata(meta, vocab_size,
                                                 tied="output.weight" not in by_name,
                                                 attention_bias="blk.0.attn_q.bias" in by_name,
