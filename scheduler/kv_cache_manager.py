@@ -107,7 +107,8 @@ class KVCacheManager:
 
         `new_computed_blocks` (from get_computed_blocks, only for a request without blocks)
         are referenced and prepended. Returns the newly allocated blocks, or None (changing
-        nothing) when the free queue is too short.
+        nothing but the freeing of blocks behind a sliding window, which holds either way)
+        when the free queue is too short.
         """
         self.remove_skipped_blocks(request, request.num_computed_tokens)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])

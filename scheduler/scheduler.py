@@ -253,6 +253,11 @@ class Scheduler:
                     drafts, lookahead = [], 0
                     continue
                 if len(self.running) == 1:
+                    if kv.sliding_window is not None and request.num_inflight_tokens:
+                        # The step in flight frees the blocks behind its window when it
+                        # lands: wait for it rather than end the request.
+                        scheduled = False
+                        break
                     self.running.pop()
                     self._finish_unfittable(request)
                     scheduled = False

@@ -720,6 +720,11 @@ def _gemma_fields(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
                          f"num_hidden_layers is {num_layers}")
     window = cfg.get("sliding_window", 4096)
     full = tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")
+    if gemma3 and window is None and len(full) < len(layer_types):
+        # transformers then attends to the whole context on its sliding layers but keeps their
+        # own RoPE, which this config cannot express (the local RoPE follows the window).
+        raise ValueError("model config: sliding_window null with sliding_attention layers is "
+                         "not supported for Gemma3ForCausalLM")
     if window is None or len(full) == len(layer_types):
         window, full = None, ()
     fields.update(sliding_window=window, full_attention_layers=full)
@@ -751,11 +756,12 @@ def _gemma3_rope(cfg: dict[str, Any], max_pos: Any) -> dict[str, Any]:
 
 
 def _window(value: Any) -> Any:
-    """A GGUF window as an int (the reader may hand back numpy integers); anything else as is,
-    for __post_init__ to name."""
+    """A GGUF window as an int (the reader may hand back numpy integers), 0 as None (how
+    llama.cpp's converter writes a config's null window, Phi-4's); anything else as is, for
+    __post_init__ to name."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         return value
-    return operator.index(value)
+    return operator.index(value) or None
 
 
 def _quotient(hidden: Any, num_heads: Any) -> Any:

@@ -306,6 +306,7 @@ def test_gemma2_defaults_are_transformers():
     ("gemma", {"hidden_act": "silu"}, "hidden_act 'silu'"),
     ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping"),
     ("gemma2", {"layer_types": ["full_attention"]}, "layer_types names 1 layers"),
+    ("gemma3", {"sliding_window": None}, "sliding_window null with sliding_attention"),
 ])
 def test_gemma_configs_refused_by_name(name, changes, words):
     with pytest.raises(ValueError, match=words):

@@ -114,6 +114,10 @@ def test_gguf_sliding_window_is_every_layers():
     assert [config.layer_sliding_window(i) for i in range(2)] == [16, 16]
     del meta["llama.attention.sliding_window"]
     assert ModelConfig.from_gguf_metadata(meta, vocab_size=64, tied=False).sliding_window is None
+    # llama.cpp's converter writes a null window as 0 (Phi-4's files).
+    phi4 = {k.replace("llama.", "phi3."): v for k, v in meta.items()}
+    phi4.update({"general.architecture": "phi3", "phi3.attention.sliding_window": 0})
+    assert ModelConfig.from_gguf_metadata(phi4, vocab_size=64, tied=False).sliding_window is None
 
 
 def test_rope_parameters_in_both_config_forms():

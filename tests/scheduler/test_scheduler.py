@@ -912,3 +912,30 @@ def test_scheduler_output_pickles() -> None:
     assert pickle.loads(pickle.dumps(out)) == out
     assert out.scheduled[0].sampling_params == {"temperature": 0.0}
 
+
+
+def test_sliding_window_async_waits_for_the_step_in_flight() -> None:
+    """Async scheduling in a pool that holds little more than the window: the blocks the step
+    in flight leaves behind its window are freed once it lands, so a request that finds the
+    pool full meanwhile waits a step instead of ending early."""
+    # 3 usable blocks of 2: a step for position q holds q - 4 .. q, which fits; one scheduled
+    # for q + 1 while q's is in flight holds q - 4 .. q + 1 until q's step lands: 4 blocks.
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=4, max_model_len=200,
+                          block_size=2, num_blocks=4, sliding_window=5)
+    sched = Scheduler(cfg)
+    sched.add_request(Request("r", [3, 4, 5, 6], max_tokens=60, ignore_eos=True))
+    tokens: list[int] = []
+    finished = None
+    prev = sched.schedule()
+    for _ in range(400):
+        out = sched.schedule()  # the next step, scheduled while `prev` runs
+        sampled = {i.request_id: [7] for i in prev.scheduled if i.do_sample}
+        for o in sched.update_from_output(prev, sampled):
+            tokens += o.new_token_ids
+            if o.finished:
+                finished = o.finish_reason
+        prev = out
+        if finished is not None:
+            break
+    assert (finished, len(tokens)) == ("length", 60)
+    assert sched.kv_cache_manager.num_free_blocks == cfg.num_blocks - 1
