@@ -653,6 +653,16 @@ def _hf_sliding_window(cfg: dict[str, Any], architecture: str
         else:
             layer_types = ["sliding_attention" if i >= first else "full_attention"
                            for i in range(n)]
+    _check_layer_types(layer_types, num_layers)
+    full = tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")
+    if len(full) == len(layer_types):
+        return None, ()
+    return window, full
+
+
+def _check_layer_types(layer_types: Any, num_layers: Any) -> None:
+    """A ValueError unless `layer_types` names each of the model's layers "sliding_attention"
+    or "full_attention"."""
     if not isinstance(layer_types, list) or not set(layer_types) <= {"sliding_attention",
                                                                       "full_attention"}:
         raise ValueError(f"model config: layer_types must list \"sliding_attention\" or "
@@ -660,10 +670,6 @@ def _hf_sliding_window(cfg: dict[str, Any], architecture: str
     if len(layer_types) != num_layers:
         raise ValueError(f"model config: layer_types names {len(layer_types)} layers, "
                          f"num_hidden_layers is {num_layers}")
-    full = tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")
-    if len(full) == len(layer_types):
-        return None, ()
-    return window, full
 
 
 def _gemma_fields(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
@@ -711,13 +717,7 @@ def _gemma_fields(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
                              f"got {pattern!r}")
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                        for i in range(num_layers if isinstance(num_layers, int) else 0)]
-    if not isinstance(layer_types, list) or not set(layer_types) <= {"sliding_attention",
-                                                                      "full_attention"}:
-        raise ValueError(f"model config: layer_types must list \"sliding_attention\" or "
-                         f"\"full_attention\" per layer, got {layer_types!r}")
-    if len(layer_types) != num_layers:
-        raise ValueError(f"model config: layer_types names {len(layer_types)} layers, "
-                         f"num_hidden_layers is {num_layers}")
+    _check_layer_types(layer_types, num_layers)
     window = cfg.get("sliding_window", 4096)
     full = tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")
     if gemma3 and window is None and len(full) < len(layer_types):
