@@ -8,6 +8,21 @@ from scheduler.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from scheduler.request import Request
 
 
+def prompt_blocks_needed(num_tokens: int, block_size: int, sliding_window: int | None,
+                         max_chunk: int) -> int:
+    """The most KV blocks a prompt of `num_tokens` tokens holds at once while it is computed
+    in chunks of at most `max_chunk` tokens: all of its blocks, or, when every layer slides
+    over `sliding_window` keys, those under one chunk's queries' windows (the blocks behind
+    them are freed first), so such a prompt may be longer than the whole cache."""
+    need = -(-num_tokens // block_size)
+    if sliding_window is None:
+        return need
+    # A span of W - 1 + chunk positions, wherever it starts, touches at most one block more
+    # than it fills.
+    span = sliding_window - 1 + min(num_tokens, max_chunk)
+    return min(need, -(-span // block_size) + 1)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  sliding_window: int | None = None) -> None:

@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache_manager import KVCacheManager, prompt_blocks_needed
 from scheduler.output import FinishAfter, RequestResult, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 
@@ -124,7 +124,8 @@ class Scheduler:
                 f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens exceeds "
                 f"max_model_len={cfg.max_model_len}"
             )
-        need = self.kv_cache_manager.num_blocks_needed(request.num_prompt_tokens)
+        need = prompt_blocks_needed(request.num_prompt_tokens, cfg.block_size,
+                                    cfg.sliding_window, cfg.max_num_batched_tokens)
         have = self.num_usable_blocks
         if need > have:
             raise ValueError(

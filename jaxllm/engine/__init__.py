@@ -125,6 +125,8 @@ class EngineCoreInfo(msgspec.Struct):
     eos_token_ids: list[int]  # from the model's config
     bucket_shapes: list[tuple[int, int]]
     compile_time_s: float
+    # The scheduler's window when every layer slides (it frees the blocks behind it), else None.
+    sliding_window: int | None = None
 
     @property
     def num_usable_blocks(self) -> int:

@@ -151,7 +151,8 @@ class EngineCore:
             num_kv_blocks=num_blocks,
             eos_token_ids=list(model_config.eos_token_ids) or (
                 [] if model_config.eos_token_id is None else [model_config.eos_token_id]),
-            bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s)
+            bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s,
+            sliding_window=self.scheduler.config.sliding_window)
         self.sampling_states = SamplingStates()
         # Built at the first constrained request (loads the tokenizer then).
         self.structured_output_manager: StructuredOutputManager | None = None

@@ -18,6 +18,7 @@ from jaxllm.engine import EngineCoreInfo, EngineCoreRequest
 from jaxllm.pooling_params import PoolingParams, wrong_runner
 from jaxllm.reasoning import THINK_END, THINK_START
 from jaxllm.sampling_params import INT64_MAX, RequestOutputKind, SamplingParams
+from scheduler import prompt_blocks_needed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -89,6 +90,8 @@ class Processor:
         self.max_model_len = info.max_model_len
         self.block_size = info.config.block_size
         self.num_usable_blocks = info.num_usable_blocks
+        self.sliding_window = info.sliding_window
+        self.max_num_batched_tokens = info.config.max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self.max_n = max_n
         # Each bad word's spellings, once: the server checks a request's words before it
@@ -309,10 +312,11 @@ class Processor:
         self._check_truncation(params.truncate_prompt_tokens, "SamplingParams")
 
     def _check_fits(self, num_prompt: int) -> None:
-        need = -(-num_prompt // self.block_size)
+        need = prompt_blocks_needed(num_prompt, self.block_size, self.sliding_window,
+                                    self.max_num_batched_tokens)
         if need > self.num_usable_blocks:
             raise ValueError(f"the prompt of {num_prompt} tokens needs {need} KV blocks of "
-                             f"{self.block_size} tokens; the whole KV cache holds "
+                             f"{self.block_size} tokens at once; the whole KV cache holds "
                              f"{self.num_usable_blocks}")
 
     def _check_truncation(self, k: int | None, owner: str) -> None:

@@ -319,6 +319,11 @@ def test_a_window_on_every_layer_frees_the_blocks_behind_it(family, tmp_path):
     assert out.num_cached_tokens == 96
     with torch.no_grad():
         assert out.outputs[0].token_ids == hf_greedy_tokens(hf, follow, MAX_NEW)
+    # A prompt longer than the pool is computed chunk by chunk behind its window.
+    long = random_prompts(12, [130])[0]
+    out = _greedy(llm, [long])[0]
+    with torch.no_grad():
+        assert out.outputs[0].token_ids == hf_greedy_tokens(hf, long, MAX_NEW)
     assert_pool_free(llm)
     llm.shutdown()
 

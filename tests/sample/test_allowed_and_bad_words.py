@@ -128,8 +128,9 @@ def make_processor(tokenizer: Any = None, vocab: int = 1000, max_model_len: int 
     info = SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab, hidden_size=64),
                            max_model_len=max_model_len,
                            config=SimpleNamespace(block_size=16, runner="generate",
-                                                  reasoning_parser=None),
-                           num_usable_blocks=100)
+                                                  reasoning_parser=None,
+                                                  max_num_batched_tokens=64),
+                           num_usable_blocks=100, sliding_window=None)
     return Processor(tokenizer, cast(Any, info), frozenset({0}), max_n=4)
 
 

@@ -24,6 +24,7 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    prompt_blocks_needed,
 )
 from scheduler.block_pool import hash_block_tokens
 
@@ -386,6 +387,38 @@ def test_sliding_window_runs_past_the_pool() -> None:
     assert results == {s.rid: reference(s, 200, 9) for s in specs}
     assert [len(results[s.rid][0]) for s in specs] == [120, 40]
     assert stats.freed_blocks >= 25
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    window=st.integers(1, 12),
+    block_size=st.integers(1, 5),
+    budget=st.integers(1, 16),
+    prompt_len=st.integers(1, 90),
+    caching=st.booleans(),
+)
+def test_a_windowed_prompt_needs_only_its_chunks_windows(
+    seed: int, window: int, block_size: int, budget: int, prompt_len: int, caching: bool
+) -> None:
+    """In the smallest pool `prompt_blocks_needed` accepts, a windowed prompt, however much
+    longer than the pool, is computed chunk by chunk to its first token, the windowed
+    reference's; one block fewer is refused."""
+    need = prompt_blocks_needed(prompt_len, block_size, window, budget)
+    assert need <= -(-prompt_len // block_size)
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=budget, max_model_len=200,
+                          block_size=block_size, num_blocks=1 + need,
+                          enable_prefix_caching=caching, sliding_window=window)
+    rng = random.Random(seed)
+    spec = Spec("p", [rng.randrange(1, VOCAB) for _ in range(prompt_len)], max_tokens=1,
+                ignore_eos=True)
+    results, _ = run(cfg, [spec])
+    assert results == {"p": reference(spec, 200, window)}
+    assert results["p"][1] == "length" and len(results["p"][0]) == 1
+    if need > 1:
+        smaller = Scheduler(replace(cfg, num_blocks=need))
+        with pytest.raises(ValueError, match="KV blocks"):
+            smaller.add_request(spec.make())
 
 
 # ---- stop conditions, with the sampled tokens scripted ------------------------------------
