@@ -378,8 +378,12 @@ class EngineCore:
             new_tokens[sampled.req_ids[j]] = verified.token_ids
         grammar_ends = self._advance_matchers(new_tokens) \
             if self.sampling_states.num_constrained else {}
+        ends = dict(grammar_ends)
+        for rid, why in sampled.errors_after_drafts.items():
+            # A grammar that ends the request among those drafts ends it first.
+            ends.setdefault(rid, FinishAfter(RequestStatus.FINISHED_ERROR, why))
         pooled = self._pool(scheduler_output, out) if out is not None else {}
-        results = self.scheduler.update_from_output(scheduler_output, new_tokens, grammar_ends)
+        results = self.scheduler.update_from_output(scheduler_output, new_tokens, ends)
         outputs = self._make_outputs(results, stats)
         by_id = {o.request_id: o for o in outputs.outputs}
         for rid, vector in pooled.items():

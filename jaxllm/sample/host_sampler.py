@@ -105,6 +105,9 @@ class SampledTokens:
     logprobs: list[LogprobsLists | None]
     # Requests whose constraint allows no next token (their token here is meaningless), and why.
     errors: dict[str, str] = field(default_factory=dict)
+    # Requests whose accepted drafts (in `verified`) lead to a position that allows no token:
+    # they end with an error after those drafts, and why.
+    errors_after_drafts: dict[str, str] = field(default_factory=dict)
     # Speculative decoding, by live position: the verification of the requests with drafts
     # (their accepted drafts and the token after them; `tokens` holds that last token).
     verified: dict[int, VerifiedTokens] = field(default_factory=dict)
@@ -248,8 +251,10 @@ class HostSampler:
                                 all_sampled_logprobs=False)
                 stats.num_full_row_samples += len(rows)
             if result.error is not None:
-                sampled.errors[rid] = result.error
-                continue
+                if not result.token_ids:
+                    sampled.errors[rid] = result.error
+                    continue
+                sampled.errors_after_drafts[rid] = result.error
             sampled.verified[j] = result
             sampled.tokens[j] = result.token_ids[-1]
             sampled.logprobs_raw[j] = result.sampled_logprobs[-1]

@@ -56,8 +56,9 @@ class VerifiedTokens:
     # One row per emitted token when the request asked for logprobs, else None.
     logprobs: LogprobsLists | None
     num_accepted: int
-    # Why a position's processing left no token to sample (sampler.empty_row_reason); then the
-    # request cannot go on and the tokens above are not emitted.
+    # Why a position's processing left no token to sample (sampler.empty_row_reason): the
+    # request cannot go on past the drafts accepted before it (`token_ids`, no token after
+    # them), as it would have stopped there without speculation.
     error: str | None = None
 
 

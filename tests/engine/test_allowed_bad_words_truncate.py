@@ -194,3 +194,25 @@ def test_no_token_left_finishes_that_request_with_an_error(request, which):
         first.stop_reason)
     assert [o.outputs[0].token_ids for o in outs[1:]] == [o.outputs[0].token_ids for o in alone]
     assert_pool_free(llm)
+
+
+def test_drafts_accepted_before_a_position_with_no_token_are_kept(plain, spec):
+    """Allowed only the token the model repeats, and banned from repeating it n times: the
+    request ends with an error after n - 1 of them. With speculation, drafts accepted before
+    that position are emitted as the tokens they are, not dropped with the error."""
+    token = tokens(plain, PROMPTS[1:2], SamplingParams(**GREEDY))[0][0]
+    word = plain.get_tokenizer().decode([token])
+    lengths = (8, 10, 13)
+    params = [SamplingParams(**GREEDY, allowed_token_ids=[token], bad_words=[word * n])
+              for n in lengths]
+    assert [plain.llm_engine.processor.bad_words_token_ids([word * n]) for n in lengths] == \
+        [[[token] * n] for n in lengths]
+    counters = SpecCounters(spec)
+    for llm in (plain, spec):
+        outs = [llm.generate(PROMPTS[1:2], p, use_tqdm=False)[0].outputs[0] for p in params]
+        assert [list(o.token_ids) for o in outs] == [[token] * (n - 1) for n in lengths]
+        assert all(o.finish_reason == "error" and "bad_words" in str(o.stop_reason)
+                   for o in outs)
+    assert counters.delta()["num_spec_accepted_tokens"] > 0
+    assert_pool_free(plain)
+    assert_pool_free(spec)

@@ -389,6 +389,8 @@ def test_verify_stops_where_the_drafts_lead_to_no_token():
     sp = with_bad_words([[5, 5], [5, 9]], temperature=0.0, allowed_token_ids=[5, 9])
     got = verify(logits, [5, 5], SamplingRow(sp, None, [1], [2]))
     assert got.error is not None and "bad_words" in got.error
+    # The draft accepted before that position is kept: the request ends after it.
+    assert got.token_ids == [5] and got.num_accepted == 1
     # Without the drafts, position 0 samples the 5 and the next step finds nothing left.
     first = sample(logits[:1], [SamplingRow(sp, None, [1], [2])])
     assert first.token_ids.tolist() == [5] and not first.errors
