@@ -16,6 +16,7 @@ import functools
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from jaxllm import SamplingParams
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.loader import load_model
+from jaxllm.model_executor.models.registry import abstract_params, get_model_class
 from tests.gguf_models import write_skeleton_gguf
 from tests.model_inputs import prefill_logits
 from tests.utils import (
@@ -178,6 +180,11 @@ def test_norm_weights_are_one_plus_weight_in_float32(family):
         want = tensors[theirs].astype(np.float32) + np.float32(1.0)
         np.testing.assert_array_equal(np.asarray(ours["weight"]), want)
         assert not np.array_equal(want, want.astype(jnp.bfloat16).astype(np.float32))
+    # The abstract tree the CUDA lowering checks compile against is the loaded one, dtypes too.
+    abstract = abstract_params(get_model_class("Gemma3ForCausalLM")(
+        ModelConfig.from_json_file(path / "config.json"), dtype=jnp.bfloat16))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == \
+        jax.tree.map(lambda a: (a.shape, a.dtype), params)
 
 
 # --- logits, both kernel backends --------------------------------------------------------------

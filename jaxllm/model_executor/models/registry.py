@@ -67,4 +67,15 @@ def abstract_params(model: LlamaForCausalLM) -> dict:
     variables = jax.eval_shape(
         lambda kv: model.init(jax.random.PRNGKey(0), jnp.zeros((t,), jnp.int32),
                               jnp.zeros((t,), jnp.int32), kv, attn_metadata), kv)
-    return variables["params"]
+    params = variables["params"]
+    if not type(model).NORM_WEIGHT_OFFSET:
+        return params
+
+    # The loader keeps (offset + weight) norms in float32 whatever the model's dtype.
+    def norm_in_float32(path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        module = getattr(path[-2], "key", "") if len(path) > 1 else ""
+        if str(module).endswith("norm"):
+            return jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(norm_in_float32, params)
