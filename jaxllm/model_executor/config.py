@@ -30,7 +30,8 @@ GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "mixtral", "deepseek2", "olmoe
 # GGUF `general.architecture` -> Hugging Face architecture.
 GGUF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM",
-                      "granite": "GraniteForCausalLM"}
+                      "granite": "GraniteForCausalLM", "gemma": "GemmaForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # transformers' config-class defaults of the fields a file of these families may leave out (the
 # generic defaults below are Qwen2's).
@@ -528,12 +529,6 @@ class ModelConfig:
                              f"model: ffn_gate_inp / ffn_*_exps tensors) is not supported from "
                              f"GGUF; the Hugging Face checkpoints (safetensors) of Qwen2-MoE, "
                              f"Qwen3-MoE and Mixtral load")
-        if arch in ("gemma", "gemma2", "gemma3"):
-            # llama.cpp's converter stores Gemma's norm weights with the 1 already added, and a
-            # Gemma 3 file holds the vision tower's metadata beside the text model's.
-            raise ValueError(f"GGUF architecture {arch!r} (Gemma) is not supported from GGUF; "
-                             f"the Hugging Face checkpoints (safetensors) of Gemma, Gemma 2 and "
-                             f"Gemma 3 load")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
                              f"{', '.join(GGUF_ARCHITECTURES)})")
@@ -570,7 +565,7 @@ class ModelConfig:
             scaling = RopeScaling.from_hf(
                 {"rope_type": scaling_type, "factor": meta.get(f"{arch}.rope.scaling.factor")},
                 max_pos, original)
-        return cls(
+        config = cls(
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
@@ -600,6 +595,9 @@ class ModelConfig:
             partial_rotary_factor=partial,
             **_gguf_granite_multipliers(meta, arch),
         )
+        if config.architecture in GEMMA_ARCHITECTURES:
+            config = dataclasses.replace(config, **_gguf_gemma_fields(meta, arch, config))
+        return config
 
 
 def _gguf_granite_multipliers(meta: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -610,6 +608,68 @@ def _gguf_granite_multipliers(meta: dict[str, Any], arch: str) -> dict[str, Any]
     keys = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
             "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
     return {name: _float(meta.get(f"{arch}.{key}", 1.0), key) for name, key in keys.items()}
+
+
+# llama.cpp's layer counts of Gemma 2 27B and Gemma 3 27B, whose q.k scale is
+# (hidden / heads) ** -0.5 rather than head_dim's, as their query_pre_attn_scalar says.
+_GGUF_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gguf_gemma_fields(meta: dict[str, Any], arch: str, config: ModelConfig) -> dict[str, Any]:
+    """What a Gemma GGUF's metadata sets beyond Llama's fields, as llama.cpp reads it (its
+    defaults where the file is silent). llama.cpp's converter writes no activation (GELU's
+    tanh approximation), no query_pre_attn_scalar, no sliding-window pattern and, for Gemma 3,
+    no local RoPE base; they are derived as llama.cpp derives them."""
+    fields: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh"}
+    if arch == "gemma":
+        return fields
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    scalar = config.head_dim
+    if _GGUF_GEMMA_27B_LAYERS[arch] == layers:
+        scalar = hidden // config.num_attention_heads
+    fields["query_pre_attn_scalar"] = scalar
+    caps = {name: meta.get(f"{arch}.{name}") for name in ("attn_logit_softcapping",
+                                                          "final_logit_softcapping")}
+    if arch == "gemma2":  # Gemma 2 always caps, at llama.cpp's defaults where the file is silent
+        defaults = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+        caps = {name: defaults[name] if cap is None else cap for name, cap in caps.items()}
+    else:  # Gemma 3's attention has no cap, and its final cap 0 is none
+        caps = {"attn_logit_softcapping": None,
+                "final_logit_softcapping": caps["final_logit_softcapping"] or None}
+    fields.update({name: None if cap is None else _float(cap, name)
+                   for name, cap in caps.items()})
+    # Gemma 2's window defaults to 4096; a Gemma 3 file without one (or 0) slides nowhere.
+    window = _window(meta.get(f"{arch}.attention.sliding_window",
+                              4096 if arch == "gemma2" else None))
+    sliding = _gguf_sliding_layers(meta.get(f"{arch}.attention.sliding_window_pattern",
+                                            2 if arch == "gemma2" else 6), layers, arch)
+    if window is None or not any(sliding):
+        return {**fields, "sliding_window": None, "full_attention_layers": ()}
+    fields.update(sliding_window=window,
+                  full_attention_layers=tuple(i for i, s in enumerate(sliding) if not s))
+    # The sliding layers' RoPE: `rope.freq_base_swa` where the file names it, else Gemma 3's
+    # 10,000 unscaled (the global layers' scaling is theirs alone) and Gemma 2's global RoPE.
+    local = meta.get(f"{arch}.rope.freq_base_swa", 10_000.0 if arch == "gemma3" else None)
+    if local is not None:
+        fields.update(rope_local_theta=_float(local, "rope.freq_base_swa"),
+                      rope_local_scaling=config.rope_scaling if arch == "gemma2" else None)
+    return fields
+
+
+def _gguf_sliding_layers(pattern: Any, num_layers: int, arch: str) -> list[bool]:
+    """Whether each layer slides, from a GGUF's `attention.sliding_window_pattern`: a list of
+    one flag per layer, or llama.cpp's period n (every n-th layer global, the others sliding;
+    0: every layer slides)."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers or not all(isinstance(p, (bool, int)) for p in pattern):
+            raise ValueError(f"GGUF {key} must flag each of the {num_layers} layers, got "
+                             f"{pattern!r}")
+        return [bool(p) for p in pattern]
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+        raise ValueError(f"GGUF {key} must be a period (an integer >= 0) or per-layer flags, "
+                         f"got {pattern!r}")
+    return [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
 
 
 def _granite_multipliers(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:

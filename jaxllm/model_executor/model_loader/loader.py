@@ -251,7 +251,7 @@ def _load_gguf(path: Path, dtype: Any, progress: bool, quantization: str | None 
 
     def tensor(hf_name: str) -> Any:
         """The reader's tensor (None if absent), counted on the bar when first read."""
-        t = by_name.get(_gguf_name(hf_name))
+        t = by_name.get(_gguf_name(hf_name, config))
         if t is not None and t.name not in counted:
             counted.add(t.name)
             bar.update(1)
@@ -322,6 +322,13 @@ _GGUF_LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# The norms of a layer with four (Gemma 2 and 3, `SANDWICH_NORM`): llama.cpp names the one
+# before the MLP as other families' post-attention norm.
+_GGUF_SANDWICH_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 # Phi-3's fused tensors (gate and up: gate first).
 _GGUF_FUSED_NAMES = {"self_attn.qkv_proj.weight": "attn_qkv.weight",
                      "mlp.gate_up_proj.weight": "ffn_up.weight"}
@@ -374,9 +381,11 @@ def gguf_row_order(config: ModelConfig, hf_name: str) -> np.ndarray | None:
     return np.arange(heads * 2 * half).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, config: ModelConfig) -> str:
     if hf_name.startswith("layers."):
         _, idx, rest = hf_name.split(".", 2)
+        if get_model_class(config.architecture).SANDWICH_NORM and rest in _GGUF_SANDWICH_NAMES:
+            return f"blk.{idx}.{_GGUF_SANDWICH_NAMES[rest]}"
         return f"blk.{idx}.{_GGUF_LAYER_NAMES.get(rest) or _GGUF_FUSED_NAMES[rest]}"
     return _GGUF_GLOBAL_NAMES[hf_name]
 
@@ -395,7 +404,7 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
     def need(name: str) -> np.ndarray:
         arr = take(name)
         if arr is None:
-            shown = name if hf_names else f"{name} (GGUF {_gguf_name(name)})"
+            shown = name if hf_names else f"{name} (GGUF {_gguf_name(name, config)})"
             if name == "lm_head.weight":
                 shown += " (the config does not tie word embeddings)"
             raise ModelLoadError(f"{path}: missing tensor {shown}")
@@ -423,7 +432,10 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
         # float32, and the sum kept in float32 whatever the model's dtype, so the norm kernels
         # (which scale by a float32 copy of their weight) compute exactly Hugging Face's
         # x * rsqrt(...) * (1.0 + w.float()); a bfloat16 sum would round it once more.
-        w = np.asarray(need(name), np.float32) + np.float32(model_cls.NORM_WEIGHT_OFFSET)
+        # llama.cpp's converter has added the one already: a GGUF holds the sum.
+        w = np.asarray(need(name), np.float32)
+        if hf_names:
+            w = w + np.float32(model_cls.NORM_WEIGHT_OFFSET)
         return {"weight": jnp.asarray(w, jnp.float32)}
 
     params: dict[str, Any] = {"embed_tokens": matrix(["embed_tokens.weight"])}
