@@ -16,7 +16,7 @@ JAX011_IGNORE=(
     tests/engine/test_backends_e2e.py tests/kernels/test_gguf_kernel.py
     tests/model/test_cpu_int8_activations.py tests/model/test_model_families.py
     tests/model/test_moe_models.py tests/model/test_phi_granite_models.py
-    tests/model/test_gemma_models.py
+    tests/model/test_gemma_models.py tests/model/test_gemma_gguf.py
     tests/engine/test_data_parallel_ray.py
 )
 
