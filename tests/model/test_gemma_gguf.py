@@ -63,11 +63,12 @@ MAX_NEW = 12
 # --- llama.cpp's conversion ----------------------------------------------------------------------
 
 
-def write_gemma_gguf(path, hf, ftype: str = "F32", vocab: list[str] | None = None) -> None:
+def write_gemma_gguf(path, hf, ftype: str = "F32", vocab: list[str] | None = None,
+                     drop: tuple[str, ...] = ()) -> None:
     """`hf` as convert_hf_to_gguf.py's GemmaModel / Gemma2Model / Gemma3Model write it, its
     matrices as `ftype` (F32, F16, BF16 or Q8_0, gguf's own quantizer), vectors F32; with
     `vocab`, a SentencePiece vocabulary as its `_set_vocab_sentencepiece` lays one out (pad,
-    eos, bos and unk first, as Gemma's)."""
+    eos, bos and unk first, as Gemma's); without the tensors named in `drop` (GGUF names)."""
     cfg = hf.config
     arch = GGUF_ARCH[cfg.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
@@ -108,6 +109,8 @@ def write_gemma_gguf(path, hf, ftype: str = "F32", vocab: list[str] | None = Non
         writer.add_add_space_prefix(False)
     state = hf.state_dict()
     for hf_name, name in gguf_names(hf).items():
+        if name in drop:
+            continue
         data = state[hf_name].detach().float().numpy().copy()
         if hf_name.endswith("norm.weight"):  # Gemma's RMSNorm scales by 1 + weight
             data = data + np.float32(1.0)
@@ -414,16 +417,17 @@ def _sentencepiece_vocab(size: int) -> list[str]:
     return vocab + [f"<unused{i}>" for i in range(size - len(vocab))]
 
 
-def test_gemma_vocabulary_from_gguf_metadata(family, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_gemma_vocabulary_from_gguf_metadata(family, tmp_path, monkeypatch, name):
     """A SentencePiece vocabulary as llama.cpp's converter stores Gemma's (no merges, no space
-    prefix, bos added) becomes a tokenizer: text encodes to the file's pieces after <bos>, and
-    decodes back."""
+    prefix, bos added) becomes a tokenizer, Gemma 1's too (whose config transformers does not
+    read from a GGUF): text encodes to the file's pieces after <bos>, and decodes back."""
     from jaxllm.model_executor.model_loader.tokenizer import load_tokenizer
 
     monkeypatch.setenv("JAXLLM_CACHE_DIR", str(tmp_path / "cache"))
     vocab = _sentencepiece_vocab(512)
-    path = tmp_path / "gemma3-vocab.gguf"
-    write_gemma_gguf(path, family("gemma3")[1], vocab=vocab)
+    path = tmp_path / f"{name}-vocab.gguf"
+    write_gemma_gguf(path, family(name)[1], vocab=vocab)
     tokenizer = load_tokenizer(path)
     ids = tokenizer.encode("hello world the")
     assert [vocab[i] for i in ids] == ["<bos>", "hello", "▁world", "▁the"]
@@ -497,6 +501,15 @@ def test_other_gemma_architectures_are_refused_by_name(tmp_path, arch):
     message = str(e.value).replace(str(path), "")
     assert f"GGUF architecture {arch!r} is not supported" in message, message
     assert "gemma, gemma2, gemma3" in message, message
+
+
+def test_a_file_without_a_norm_is_refused_naming_it(family, tmp_path):
+    path = tmp_path / "no-post-ffw-norm.gguf"
+    write_gemma_gguf(path, family("gemma2")[1], drop=("blk.1.post_ffw_norm.weight",))
+    with pytest.raises(ModelLoadError, match=r"missing tensor layers\.1\."
+                                             r"post_feedforward_layernorm\.weight \(GGUF "
+                                             r"blk\.1\.post_ffw_norm\.weight\)"):
+        load_model(path, progress=False)
 
 
 @pytest.mark.parametrize("extra, words", [

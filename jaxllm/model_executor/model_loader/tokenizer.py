@@ -10,6 +10,8 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from jaxllm.model_executor.model_loader.default_model import cache_dir
+from jaxllm.model_executor.model_loader.errors import ModelLoadError
+from jaxllm.model_executor.model_loader.gguf_file import read_gguf
 
 
 def _gguf_cache_key(path: Path) -> str:
@@ -44,7 +46,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              local_files_only=True)
+                                              local_files_only=True, **_gguf_tokenizer_type(path))
     # Saved beside, then renamed: a concurrent or interrupted run never sees half a tokenizer.
     tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
     tokenizer.save_pretrained(str(tmp))
@@ -53,3 +55,15 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
+
+
+def _gguf_tokenizer_type(path: Path) -> dict[str, str]:
+    """AutoTokenizer's `tokenizer_type` for a GGUF whose architecture transformers reads no
+    config of (llama.cpp's "gemma", Gemma 1), where it would otherwise pick the tokenizer class
+    from that config; its GGUF vocabulary builder for the architecture is then reached by the
+    class's name. Empty for every other file."""
+    try:
+        architecture = read_gguf(path).metadata.get("general.architecture")
+    except (ModelLoadError, OSError):
+        return {}  # AutoTokenizer names what is wrong with the file
+    return {"tokenizer_type": "gemma"} if architecture == "gemma" else {}
