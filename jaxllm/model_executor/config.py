@@ -621,12 +621,12 @@ def _gguf_gemma_fields(meta: dict[str, Any], arch: str, config: ModelConfig) -> 
     tanh approximation), no query_pre_attn_scalar, no sliding-window pattern and, for Gemma 3,
     no local RoPE base; they are derived as llama.cpp derives them."""
     fields: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh"}
-    if arch == "gemma":
-        return fields
-    layers, hidden = config.num_hidden_layers, config.hidden_size
+    if arch == "gemma":  # llama.cpp's Gemma reads no window
+        return {**fields, "sliding_window": None}
+    layers = config.num_hidden_layers
     scalar = config.head_dim
     if _GGUF_GEMMA_27B_LAYERS[arch] == layers:
-        scalar = hidden // config.num_attention_heads
+        scalar = config.hidden_size // config.num_attention_heads
     fields["query_pre_attn_scalar"] = scalar
     caps = {name: meta.get(f"{arch}.{name}") for name in ("attn_logit_softcapping",
                                                           "final_logit_softcapping")}

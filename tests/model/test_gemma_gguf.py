@@ -451,7 +451,8 @@ def _windows(config: ModelConfig) -> list[int | None]:
 
 
 def test_llama_cpp_defaults_and_derivations():
-    gemma = ModelConfig.from_gguf_metadata(_meta("gemma"), 512, tied=True)
+    gemma = ModelConfig.from_gguf_metadata(_meta("gemma", **{"attention.sliding_window": 16}),
+                                           512, tied=True)
     assert (gemma.architecture, gemma.hidden_act, gemma.attention_scale, _windows(gemma)) == (
         "GemmaForCausalLM", "gelu_pytorch_tanh", HEAD_DIM ** -0.5, [None] * 4)
     # Gemma 2 with nothing but the shapes: llama.cpp's caps, window and period.
