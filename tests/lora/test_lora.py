@@ -264,3 +264,19 @@ def test_block_hash_keys_on_the_adapter():
     tokens = list(range(16))
     assert hash_block_tokens(None, tokens, 0) == hash_block_tokens(None, tokens)
     assert len({hash_block_tokens(None, tokens, i) for i in (0, 1, 2)}) == 3
+
+
+def test_interpret_backend_in_a_core_process(setup):
+    # The Pallas kernels in interpret mode (Qwen2's q/k/v bias then rides to the RoPE kernel
+    # apart from the GEMM) and the core in its own process: the adapters cross the wire.
+    llm = make_llm(setup["base_dir"], enable_lora=True, max_loras=2, max_lora_rank=16,
+                   dtype="float32", kernel_backend="interpret", multiprocess_mode=True,
+                   max_num_seqs=4, max_num_batched_tokens=32)
+    try:
+        prompts = random_prompts(17, [6, 11, 4])
+        ids = [2, 0, 1]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(),
+                            use_tqdm=False, lora_request=[setup["requests"].get(i) for i in ids])
+        _check(setup, prompts, ids, outs)
+    finally:
+        llm.shutdown()
