@@ -172,8 +172,11 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Run one conversation or a list of them through the model's chat template.
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
+        """Run one conversation or a list of them through the model's chat template
+        (`lora_request` as generate's).
 
         `tools`: OpenAI tool definitions ({"type": "function", "function": {"name",
         "description", "parameters"}}), rendered by the template (Qwen2.5's asks for calls as
@@ -212,7 +215,8 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
             prompts.append({"prompt": kept.prompt, "prompt_token_ids": kept.prompt_token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[AnyRequestOutput]:
         engine = self.llm_engine
