@@ -280,3 +280,25 @@ def test_interpret_backend_in_a_core_process(setup):
         _check(setup, prompts, ids, outs)
     finally:
         llm.shutdown()
+
+
+def test_server_lora_modules_name_models():
+    from types import SimpleNamespace
+
+    from jaxllm.entrypoints.cli.serve import parse_lora_modules
+    from jaxllm.entrypoints.openai.protocol import APIError
+    from jaxllm.entrypoints.openai.serving_engine import OpenAIServing
+
+    mods = parse_lora_modules(["sql=/adapters/sql", "chat=/adapters/chat"])
+    assert [(m.lora_name, m.lora_int_id) for m in mods.values()] == [("sql", 1), ("chat", 2)]
+    for bad in (["nopath"], ["a=/x", "a=/y"]):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_modules(bad)
+    serving = SimpleNamespace(model_name="base", lora_modules=mods)
+    assert OpenAIServing.check_model(serving, None) is None
+    assert OpenAIServing.check_model(serving, "base") is None
+    assert OpenAIServing.check_model(serving, "chat") == mods["chat"]
+    assert OpenAIServing.response_model(serving, "chat") == "chat"
+    assert OpenAIServing.response_model(serving, None) == "base"
+    with pytest.raises(APIError, match="`base`, `sql`, `chat`"):
+        OpenAIServing.check_model(serving, "other")
