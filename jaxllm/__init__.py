@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams
     from jaxllm.engine.async_llm import AsyncLLM
     from jaxllm.entrypoints.llm import LLM
+    from jaxllm.lora.request import LoRARequest
     from jaxllm.outputs import (
         CompletionOutput,
         EmbeddingOutput,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 _MODULE_ATTRS = {
     "AsyncLLM": "jaxllm.engine.async_llm",
     "BeamSearchOutput": "jaxllm.beam_search",
+    "LoRARequest": "jaxllm.lora.request",
     "BeamSearchParams": "jaxllm.beam_search",
     "LLM": "jaxllm.entrypoints.llm",
     "CompletionOutput": "jaxllm.outputs",
@@ -41,7 +43,8 @@ _MODULE_ATTRS = {
 }
 
 __all__ = ["LLM", "AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "CompletionOutput",
-           "EmbeddingOutput", "EmbeddingRequestOutput", "PoolingParams", "RequestOutput",
+           "EmbeddingOutput", "EmbeddingRequestOutput", "LoRARequest", "PoolingParams",
+           "RequestOutput",
            "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 

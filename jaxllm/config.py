@@ -298,6 +298,10 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     runner: str = "generate"  # "generate" or "pooling" ("auto" resolved)
     pooler_config: PoolerConfig | None = None  # the pooling runner's; None for "generate"
+    # LoRA adapters (jaxllm/lora/): max_loras device slots of rank up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     reasoning_parser: str | None = None  # jaxllm/reasoning.py REASONING_PARSERS
 
     @property

@@ -17,13 +17,18 @@ NULL_BLOCK_ID = 0
 _ROOT_HASH = bytes(32)
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Hash of a full block: its parent's hash and its own tokens.
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
+                      lora_int_id: int = 0) -> bytes:
+    """Hash of a full block: its parent's hash, its own tokens and the LoRA adapter that
+    computed its KV (0: none, which adds nothing, so base-model hashes stay as they were).
 
     sha256 over little-endian int64s: unlike Python's `hash()` it is the same in every process,
     and collisions (which would silently serve another prompt's KV) are out of reach.
     """
     data = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    if lora_int_id:
+        # After the tokens, marked so no token sequence spells the same bytes.
+        data += b"lora" + struct.pack("<q", lora_int_id)
     return hashlib.sha256((parent_hash or _ROOT_HASH) + data).digest()
 
 

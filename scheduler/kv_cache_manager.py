@@ -68,7 +68,8 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs],
+                                            request.lora_int_id))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -40,6 +40,8 @@ class ScheduledRequest:
     # Speculative decoding: the last this many of `token_ids` are draft tokens to verify; the
     # step samples at each of them too, and the result accepts a prefix of them plus one token.
     num_draft_tokens: int = 0
+    # The request's LoRA adapter (Request.lora_int_id), read when it `is_new`; 0: none.
+    lora_int_id: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -61,6 +61,9 @@ class Request:
     # An embedding request: its prompt is computed (in chunks) and nothing is sampled; it
     # finishes "stop" with the step that computes its last prompt token.
     pooling: bool = False
+    # The LoRA adapter it runs with (0: none): its KV differs from the base model's, so the
+    # prefix cache keys its blocks on it, and the scheduler counts it against max_loras.
+    lora_int_id: int = 0
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     # Prompt followed by outputs, kept as one list so a recompute after preemption and the

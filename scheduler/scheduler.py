@@ -27,6 +27,8 @@ class SchedulerConfig:
     # Every layer's attention window (None: some layer sees the whole context): a request's
     # blocks wholly before its next query's window are freed as it advances.
     sliding_window: int | None = None
+    # LoRA: most distinct adapters among the running requests (0: no LoRA).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -286,6 +288,10 @@ class Scheduler:
             and len(self.running) < cfg.max_num_seqs
         ):
             request = self.waiting[0]
+            if self._lora_full(request):
+                # Waits until a running adapter's requests finish; FCFS holds (nobody
+                # overtakes it), so the invariant above does too.
+                break
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, computed_blocks,
@@ -313,6 +319,14 @@ class Scheduler:
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         out.truncated_block_tables, self._truncated = self._truncated, {}
         return out
+
+    def _lora_full(self, request: Request) -> bool:
+        """Whether starting `request` would run more than max_loras adapters at once."""
+        lora = request.lora_int_id
+        if not lora or not self.config.max_loras:
+            return False
+        running = {r.lora_int_id for r in self.running} - {0}
+        return lora not in running and len(running) >= self.config.max_loras
 
     def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
         """Lookahead slots for the request after `num_new` more tokens, within max_model_len."""
@@ -367,6 +381,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 arrival_index=request.arrival_index,
                 num_draft_tokens=num_draft,
+                lora_int_id=request.lora_int_id,
             )
         )
         request.num_inflight_tokens += num_new

@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 
 from jaxllm.config import EngineConfig
+from jaxllm.lora.request import LoRARequest
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sample.logprobs import LogprobsLists
@@ -41,6 +42,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # token.
     reasoning_end_token_id: int | None = None
     reasoning_start_token_id: int | None = None
+    # The LoRA adapter it runs with (the Processor checked it against the model); None: none.
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -209,6 +209,13 @@ class EngineArgs:
               "wins). MEAN and CLS requests skip the prefix cache (every row is needed). Not "
               "given: LAST, normalized")
 
+    enable_lora: bool = _arg(
+        False, "LoRA adapters: requests name a PEFT adapter (LLM.generate's lora_request); "
+               "dense Llama, Mistral, Qwen2 and Qwen3 models on one device")
+    max_loras: int = _arg(1, "with enable_lora: most distinct adapters in one step (device "
+                             "slots)")
+    max_lora_rank: int = _arg(16, "with enable_lora: the highest adapter rank accepted")
+
     def __post_init__(self) -> None:
         if self.model is not None:
             self.model = str(self.model)
@@ -243,6 +250,8 @@ class EngineArgs:
                 ("num_processes", 1, True, "a positive integer or None"),
                 ("process_id", 0, True, "a non-negative integer or None"),
                 ("seed", 0, False, "a non-negative integer"),
+                ("max_loras", 1, False, "a positive integer"),
+                ("max_lora_rank", 1, False, "a positive integer"),
                 ("max_model_len", 2, True, "an integer >= 2 (a prompt token and a new one) or "
                                            "None for the model's"),
                 ("num_kv_blocks", 2, True, "an integer >= 2 (block 0 is reserved) or None"),
@@ -289,6 +298,16 @@ class EngineArgs:
         if self.runner == "pooling" and self.speculative_config is not None:
             raise ValueError("speculative_config drafts tokens to generate; runner='pooling' "
                              "generates none: drop one of them")
+        if self.enable_lora not in (True, False):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        if self.enable_lora:
+            for clash, why in ((self.tensor_parallel_size > 1, "tensor_parallel_size > 1"),
+                               (self.speculative_config is not None, "speculative_config"),
+                               (self.runner == "pooling", "runner='pooling'"),
+                               (self.num_processes not in (None, 1), "several hosts")):
+                if clash:
+                    raise ValueError(f"enable_lora runs on one device without speculative "
+                                     f"decoding or pooling: it does not combine with {why}")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, numbers.Real) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
@@ -438,6 +457,8 @@ class EngineArgs:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_n=self.max_n,
             enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
+            enable_lora=self.enable_lora, max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
             skip_tokenizer_init=self.skip_tokenizer_init, show_progress=self.show_progress,
             platform=platform,
             speculative_config=spec,

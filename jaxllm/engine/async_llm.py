@@ -32,6 +32,7 @@ from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.frontend import EngineFrontend, ParentRequests
 from jaxllm.engine.processor import PromptType
 from jaxllm.entrypoints.utils import enable_compilation_cache
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -169,11 +170,13 @@ class AsyncLLM(EngineFrontend):
     # --- requests -----------------------------------------------------------------------------
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       request_id: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs as the core produces them (by
         `sampling_params.output_kind`); the last one has `finished` set. Leaving the loop early
-        (break, cancellation) aborts the request."""
-        outputs = self._outputs(prompt, sampling_params, request_id)
+        (break, cancellation) aborts the request. `lora_request`: the adapter it runs with
+        (needs enable_lora)."""
+        outputs = self._outputs(prompt, sampling_params, request_id, lora_request)
         try:
             async for out in outputs:
                 yield out
@@ -193,12 +196,13 @@ class AsyncLLM(EngineFrontend):
             await outputs.aclose()  # now, not when collected: it aborts an unfinished request
 
     async def _outputs(self, prompt: PromptType, params: SamplingParams | PoolingParams | None,
-                       request_id: str | None) -> AsyncGenerator[Any, None]:
+                       request_id: str | None, lora_request: LoRARequest | None = None
+                       ) -> AsyncGenerator[Any, None]:
         """Queue the request and yield its outputs until the finished one; leaving early
         aborts it."""
         if request_id is None:
             request_id = f"async-{self.parent_requests.request_index}"
-        queue = await self.add_request(request_id, prompt, params)
+        queue = await self.add_request(request_id, prompt, params, lora_request)
         finished = False
         try:
             while not finished:
@@ -212,14 +216,15 @@ class AsyncLLM(EngineFrontend):
                 await self.abort(request_id)
 
     async def add_request(self, request_id: str, prompt: PromptType,
-                          sampling_params: SamplingParams | PoolingParams | None = None
-                          ) -> asyncio.Queue:
+                          sampling_params: SamplingParams | PoolingParams | None = None,
+                          lora_request: LoRARequest | None = None) -> asyncio.Queue:
         """Validate and queue a request; returns the queue its outputs arrive on."""
         state = self._state
         if state.dead is not None:
             raise EngineDeadError(*state.dead.args)
         self._ensure_output_handler()
-        req = self.processor.process_inputs(request_id, prompt, sampling_params)
+        req = self.processor.process_inputs(request_id, prompt, sampling_params,
+                                            lora_request=lora_request)
         parent = self.parent_requests.admit(req)
         queue: asyncio.Queue = asyncio.Queue()
         state.queues[request_id] = queue

@@ -41,6 +41,7 @@ from jaxllm.engine import (
     SchedulerStats,
 )
 from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.lora.adapter import check_lora_model
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.pooling_params import PoolingParams, wrong_runner
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
@@ -125,6 +126,8 @@ class EngineCore:
                              f"(max_position_embeddings "
                              f"{model_config.max_position_embeddings}, times the factor of a "
                              f"linear or YaRN RoPE scaling)")
+        if config.enable_lora:
+            check_lora_model(model_config)
         self.async_scheduling = config.async_scheduling
         self.runner = ModelRunner.from_engine_config(
             config, loaded, max_model_len, gemv_max_rows=config.gemv_max_rows,
@@ -145,7 +148,8 @@ class EngineCore:
             num_lookahead_tokens=0 if spec is None or not use_draft_model
             else spec.num_speculative_tokens,
             # A draft model reads the same block tables with its own attention.
-            sliding_window=None if use_draft_model else model_config.every_layer_window))
+            sliding_window=None if use_draft_model else model_config.every_layer_window,
+            max_loras=config.max_loras if config.enable_lora else 0))
         self.info = EngineCoreInfo(
             config=config, model_config=model_config, max_model_len=max_model_len,
             num_kv_blocks=num_blocks,
@@ -201,7 +205,10 @@ class EngineCore:
             stop_token_ids=list(params.stop_token_ids or ()) + extra_stop, sampling_params=params,
             skip_prefix_cache=params.prompt_logprobs is not None or (
                 self.pooler is not None and not self.pooler.uses_prefix_cache),
-            pooling=pooling)
+            pooling=pooling,
+            lora_int_id=0 if req.lora_request is None else req.lora_request.lora_int_id)
+        if req.lora_request is not None:
+            self.runner.add_lora(req.lora_request)
         if req.request_id in self._waiting_for_grammar:
             raise ValueError(f"request id {req.request_id!r} is already in the engine core")
         if params.structured_outputs is not None:

@@ -16,6 +16,7 @@ from jaxllm.engine import EngineCoreDeadError, SchedulerStats
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.frontend import EngineFrontend
 from jaxllm.engine.processor import ProcessedRequest, PromptType
+from jaxllm.lora.request import LoRARequest
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.outputs import AnyRequestOutput
 from jaxllm.pooling_params import PoolingParams
@@ -52,10 +53,11 @@ class LLMEngine(EngineFrontend):
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | PoolingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate and queue one request; a bad one raises ValueError and changes nothing."""
-        self.add_processed_request(
-            self.processor.process_inputs(request_id, prompt, params, arrival_time))
+        self.add_processed_request(self.processor.process_inputs(
+            request_id, prompt, params, arrival_time, lora_request=lora_request))
 
     def add_processed_request(self, req: ProcessedRequest) -> None:
         """Queue a request the Processor validated; if the core refuses it, nothing of it is

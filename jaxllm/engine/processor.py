@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from jaxllm.engine import EngineCoreInfo, EngineCoreRequest
+from jaxllm.lora.adapter import load_adapter
+from jaxllm.lora.request import LoRARequest
 from jaxllm.pooling_params import PoolingParams, wrong_runner
 from jaxllm.reasoning import THINK_END, THINK_START
 from jaxllm.sampling_params import INT64_MAX, RequestOutputKind, SamplingParams
@@ -103,6 +105,11 @@ class Processor:
         self.reasoning_parser = info.config.reasoning_parser
         self.think_token_ids = think_token_ids(tokenizer, self.reasoning_parser)
         self.hidden_size = info.model_config.hidden_size
+        self.model_config = info.model_config
+        self.enable_lora = info.config.enable_lora
+        self.max_lora_rank = info.config.max_lora_rank
+        # Adapters checked so far: id -> request (an id names one adapter for good).
+        self._loras: dict[int, LoRARequest] = {}
 
     @functools.cached_property
     def max_prompt_chars(self) -> int | None:
@@ -113,9 +120,11 @@ class Processor:
 
     def process_inputs(self, request_id: str, prompt: PromptType,
                        params: SamplingParams | PoolingParams | None = None,
-                       arrival_time: float | None = None) -> ProcessedRequest:
+                       arrival_time: float | None = None,
+                       lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Validate and tokenize one request (PoolingParams: an embedding request, for a
-        pooling runner); ValueError names what is wrong. Children without a seed of their own
+        pooling runner; `lora_request`: the adapter it runs with); ValueError names what is
+        wrong. Children without a seed of their own
         get theirs from the engine when it queues them."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -125,6 +134,7 @@ class Processor:
             raise ValueError(wrong_runner(self.runner))
         params = SamplingParams() if params is None else params
         self.check_params(params)
+        self.check_lora(lora_request)
         bad_words_ids = self.bad_words_token_ids(params.bad_words)
         always_banned = {w[0] for w in bad_words_ids or () if len(w) == 1}
         if params.allowed_token_ids and set(params.allowed_token_ids) <= always_banned:
@@ -169,9 +179,32 @@ class Processor:
                 eos_token_ids=sorted(self.eos_token_ids),
                 seed=sp.seed, max_tokens=max_tokens,
                 arrival_time=arrival_time, reasoning_end_token_id=reasoning_end,
-                reasoning_start_token_id=reasoning_start))
+                reasoning_start_token_id=reasoning_start, lora_request=lora_request))
         return ProcessedRequest(request_id, processed.prompt, processed.prompt_token_ids,
                                 children, arrival_time)
+
+    def check_lora(self, lora: LoRARequest | None) -> None:
+        """ValueError unless `lora` is None or an adapter this engine can run: its files are
+        read once per adapter id, so the core never gets one it would refuse."""
+        if lora is None:
+            return
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        if not self.enable_lora:
+            raise ValueError("lora_request needs an engine started with enable_lora=True")
+        if isinstance(lora.lora_int_id, bool) or not isinstance(lora.lora_int_id, int) \
+                or lora.lora_int_id < 1:
+            raise ValueError(f"LoRARequest.lora_int_id must be a positive integer, got "
+                             f"{lora.lora_int_id!r}")
+        known = self._loras.get(lora.lora_int_id)
+        if known is not None:
+            if known.lora_path != lora.lora_path:
+                raise ValueError(f"lora_int_id {lora.lora_int_id} is already adapter "
+                                 f"{known.lora_name!r} at {known.lora_path!r}, not "
+                                 f"{lora.lora_path!r}: each adapter needs its own id")
+            return
+        load_adapter(lora.lora_path, self.model_config, self.max_lora_rank)
+        self._loras[lora.lora_int_id] = lora
 
     def think_state(self, prompt_token_ids: Sequence[int]) -> str:
         """Where a thinking model's answer to this prompt stands, for a constraint that

@@ -14,6 +14,7 @@ from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.processor import ProcessedRequest, PromptType
 from jaxllm.entrypoints.utils import enable_compilation_cache
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import AnyRequestOutput, EmbeddingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams, wrong_runner
 from jaxllm.sampling_params import SamplingParams
@@ -62,8 +63,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete each prompt; results come back in input order.
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Complete each prompt; results come back in input order. `lora_request`: one
+        adapter for every prompt, or one (or None) per prompt (needs enable_lora).
 
         All or nothing: every prompt is validated before any is queued; a bad one raises
         ValueError naming its index, and the engine is left as it was.
@@ -74,7 +78,15 @@ class LLM:
                                            "sampling_params")
         if any(isinstance(p, PoolingParams) for p in params_list):
             raise TypeError("sampling_params got PoolingParams: embeddings come from LLM.embed")
-        return cast(list[RequestOutput], self._add_and_run(prompts, params_list, use_tqdm))
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora_request; "
+                                 f"pass one, or one per prompt")
+        return cast(list[RequestOutput], self._add_and_run(prompts, params_list, use_tqdm,
+                                                           loras))
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -95,14 +107,16 @@ class LLM:
 
     def _add_and_run(self, prompts: list[PromptType],
                      params_list: Sequence[SamplingParams | PoolingParams],
-                     use_tqdm: bool) -> list[AnyRequestOutput]:
+                     use_tqdm: bool, loras: Sequence[LoRARequest | None] | None = None
+                     ) -> list[AnyRequestOutput]:
         """Validate every request, queue them, run the engine until they are done."""
         engine = self.llm_engine
         processed: list[ProcessedRequest] = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params_list, strict=True)):
+        loras = loras or [None] * len(prompts)
+        for i, (prompt, sp, lora) in enumerate(zip(prompts, params_list, loras, strict=True)):
             try:
                 processed.append(engine.processor.process_inputs(
-                    str(self._request_counter + i), prompt, sp))
+                    str(self._request_counter + i), prompt, sp, lora_request=lora))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         added: list[str] = []
@@ -158,8 +172,11 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Run one conversation or a list of them through the model's chat template.
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
+        """Run one conversation or a list of them through the model's chat template
+        (`lora_request` as generate's).
 
         `tools`: OpenAI tool definitions ({"type": "function", "function": {"name",
         "description", "parameters"}}), rendered by the template (Qwen2.5's asks for calls as
@@ -198,7 +215,8 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
             prompts.append({"prompt": kept.prompt, "prompt_token_ids": kept.prompt_token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[AnyRequestOutput]:
         engine = self.llm_engine

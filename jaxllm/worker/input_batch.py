@@ -38,17 +38,25 @@ class DeviceInputs:
     logits_indices: np.ndarray
 
     @staticmethod
-    def shapes(num_tokens: int, num_seqs: int, num_rows: int, max_blocks_per_seq: int
-               ) -> dict[str, tuple[int, ...]]:
+    def shapes(num_tokens: int, num_seqs: int, num_rows: int, max_blocks_per_seq: int,
+               lora: bool = False) -> dict[str, tuple[int, ...]]:
+        """Each field's shape, in packing order; with `lora`, each token's adapter slot
+        (`StepInputs.lora_slots`) last."""
         t, s = num_tokens, num_seqs
-        return {"input_ids": (t,), "positions": (t,), "slot_mapping": (t,),
-                "block_tables": (s, max_blocks_per_seq), "seq_lens": (s,),
-                "query_start_loc": (s + 1,), "logits_indices": (num_rows,)}
+        shapes = {"input_ids": (t,), "positions": (t,), "slot_mapping": (t,),
+                  "block_tables": (s, max_blocks_per_seq), "seq_lens": (s,),
+                  "query_start_loc": (s + 1,), "logits_indices": (num_rows,)}
+        if lora:
+            shapes["lora_slots"] = (t,)
+        return shapes
 
     def pack(self) -> np.ndarray:
         """Every device field, flattened into one int32 vector."""
-        return np.concatenate([getattr(self, f.name).ravel()
-                               for f in dataclasses.fields(DeviceInputs)], dtype=np.int32)
+        arrays = [getattr(self, f.name).ravel() for f in dataclasses.fields(DeviceInputs)]
+        lora_slots = getattr(self, "lora_slots", None)
+        if lora_slots is not None:
+            arrays.append(lora_slots)
+        return np.concatenate(arrays, dtype=np.int32)
 
     @staticmethod
     def unpack(flat: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -59,9 +67,9 @@ class DeviceInputs:
             raise ValueError(f"packed step inputs hold {flat.shape} values; the bucket's "
                              f"fields take ({need},)")
         out, start = {}, 0
-        for f in dataclasses.fields(DeviceInputs):
-            size = math.prod(shapes[f.name])
-            out[f.name] = flat[start:start + size].reshape(shapes[f.name])
+        for name, shape in shapes.items():
+            size = math.prod(shape)
+            out[name] = flat[start:start + size].reshape(shape)
             start += size
         return out
 
@@ -85,6 +93,8 @@ class StepInputs(DeviceInputs):
     num_verified_drafts: np.ndarray = dataclasses.field(
         default_factory=lambda: np.zeros(0, np.intp))
     draft_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    # [T] int32, each token's LoRA slot (0: no adapter), packed last; None without LoRA.
+    lora_slots: np.ndarray | None = None
 
     @property
     def num_sampled_rows(self) -> int:
@@ -92,7 +102,8 @@ class StepInputs(DeviceInputs):
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_blocks_per_seq: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_blocks_per_seq: int, block_size: int,
+                 lora: bool = False) -> None:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_seq), np.int32)
@@ -102,6 +113,14 @@ class InputBatch:
         self.sampling = SamplingMetadata.empty(max_num_reqs)
         # Lowest free row on top, so live rows stay packed at the front.
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # With LoRA: each row's adapter id and the slot the runner loaded it into.
+        self.lora = lora
+        self.lora_id = np.zeros(max_num_reqs, np.int64)
+        self.lora_slot = np.zeros(max_num_reqs, np.int32)
+
+    def live_lora_ids(self) -> set[int]:
+        """The adapters the live rows run with."""
+        return {int(self.lora_id[row]) for row in self.req_id_to_row.values()} - {0}
 
     @property
     def num_reqs(self) -> int:
@@ -130,6 +149,7 @@ class InputBatch:
                 row = self._free_rows.pop()
                 self.req_id_to_row[r.request_id] = row
                 self.sampling.set_row(row, r.sampling_params)
+                self.lora_id[row] = r.lora_int_id
             else:
                 row = self.req_id_to_row[r.request_id]
             new = r.new_block_ids
@@ -147,6 +167,7 @@ class InputBatch:
             return
         self.block_table[row, :self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
+        self.lora_id[row] = self.lora_slot[row] = 0
         self._free_rows.append(row)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput, padded_tokens: int,
@@ -183,13 +204,18 @@ class InputBatch:
         num_rows = num_seqs if num_rows is None else num_rows
         logits_indices = np.zeros(num_rows, np.int32)
         last = query_start_loc[sampling + 1] - 1
+        lora_slots = None
+        if self.lora:
+            lora_slots = np.zeros(padded_tokens, np.int32)
+            lora_slots[:total] = self.lora_slot[rows[req_of_token]]
         if not scheduler_output.total_num_draft_tokens:
             logits_indices[:len(sampling)] = last
             return StepInputs(input_ids, positions, slot_mapping, block_tables, seq_lens,
                               query_start_loc, logits_indices,
                               [reqs[i].request_id for i in sampling], num_tokens,
                               self.sampling.rows(rows[sampling]),
-                              np.arange(len(sampling)), np.zeros(len(sampling), np.intp), [])
+                              np.arange(len(sampling)), np.zeros(len(sampling), np.intp), [],
+                              lora_slots)
         num_drafts = np.fromiter((reqs[i].num_draft_tokens for i in sampling.tolist()),
                                  np.intp, len(sampling))
         # Rows left beyond one per sampling request go to drafts in request order; drafts
@@ -208,4 +234,5 @@ class InputBatch:
         return StepInputs(input_ids, positions, slot_mapping, block_tables, seq_lens,
                           query_start_loc, logits_indices,
                           [reqs[i].request_id for i in sampling], num_tokens,
-                          self.sampling.rows(rows[sampling]), sample_rows, verified, drafts)
+                          self.sampling.rows(rows[sampling]), sample_rows, verified, drafts,
+                          lora_slots)

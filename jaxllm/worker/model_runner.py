@@ -67,6 +67,9 @@ from jaxllm.distributed.tensor_parallel import (
     shard_params,
     tp_layout,
 )
+from jaxllm.lora.layers import apply_lora
+from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.slots import LoRASlots
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
 from jaxllm.model_executor.layers.attention import attention_impl as fit_attention_impl
@@ -191,11 +194,13 @@ class ModelRunner:
                  kv_cache_dtype: Any = None, activation_dtype: Any = None,
                  tensor_parallel_size: int = 1, matmul_precision: str = "default",
                  num_speculative_tokens: int = 0, pallas_gemv_max_rows: int = 0,
-                 attention_impl: str | None = None) -> None:
-        """`gemv_max_rows`, `kv_cache_dtype`, `activation_dtype`, `matmul_precision` and
-        `attention_impl` as EngineConfig resolved them (None: `dtype`; as the config would
-        resolve it); with `gemv_max_rows` and no `gemv_params`, the GEMV buckets run on float32
-        copies of `params`."""
+                 attention_impl: str | None = None, max_loras: int = 0,
+                 max_lora_rank: int = 0) -> None:
+        """`max_loras` > 0: LoRA adapters, in that many device slots of rank up to
+        `max_lora_rank` (jaxllm/lora/). `gemv_max_rows`, `kv_cache_dtype`,
+        `activation_dtype`, `matmul_precision` and `attention_impl` as EngineConfig resolved
+        them (None: `dtype`; as the config would resolve it); with `gemv_max_rows` and no
+        `gemv_params`, the GEMV buckets run on float32 copies of `params`."""
         self.config = config
         self.local_config = config  # one device's slice of the model
         self.mesh = None
@@ -262,7 +267,10 @@ class ModelRunner:
         if self.mesh is not None:
             self.rope = jax.device_put(self.rope, self._replicated())
         self.kv_cache: jax.Array | None = None
-        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size)
+        self.lora_slots = None if not max_loras else LoRASlots(
+            config, max_loras, max_lora_rank, self.activation_dtype)
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size,
+                                      lora=self.lora_slots is not None)
         # 0: the step returns full logits only (the host finds candidates and normalisers).
         self.top_k = min(TOPK, config.vocab_size) if topk_sampling else 0
         # The logits output reuses the previous step's buffer of its shape (donated): no
@@ -305,7 +313,9 @@ class ModelRunner:
             matmul_precision=config.matmul_precision,
             num_speculative_tokens=num_speculative_tokens,
             pallas_gemv_max_rows=config.pallas_gemv_max_rows,
-            attention_impl=config.attention_impl)
+            attention_impl=config.attention_impl,
+            max_loras=config.max_loras if config.enable_lora else 0,
+            max_lora_rank=config.max_lora_rank)
 
     def _forward(self, params: dict, rope: dict, kv_cache: jax.Array, logits_buf: jax.Array,
                  packed: jax.Array, num_tokens: int, max_query_len: int,
@@ -314,9 +324,16 @@ class ModelRunner:
         fields = DeviceInputs.unpack(packed, self.input_shapes((num_tokens, max_query_len)))
         attn_metadata = AttentionMetadata(**{name: fields[name]
                                              for name in AttentionMetadata._fields})
-        return forward_step(self.model, self.top_k, self.mesh, params, rope, kv_cache,
-                            fields["input_ids"], fields["positions"], attn_metadata,
-                            max_query_len, num_splits)
+
+        def run(rope: dict) -> StepOutputs:
+            return forward_step(self.model, self.top_k, self.mesh, params, rope, kv_cache,
+                                fields["input_ids"], fields["positions"], attn_metadata,
+                                max_query_len, num_splits)
+
+        if self.lora_slots is None:
+            return run(rope)
+        with apply_lora(rope["lora"], fields["lora_slots"], self.lora_slots.num_slots):
+            return run(rope["rope"])
 
     def _prompt_stats(self, params: dict, hidden: jax.Array, rows: jax.Array, targets: jax.Array
                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -358,7 +375,15 @@ class ModelRunner:
 
     def input_shapes(self, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
         """Each step input's shape in a bucket (`DeviceInputs.shapes`)."""
-        return DeviceInputs.shapes(shape[0], *self.step_sizes(shape), self.max_blocks_per_seq)
+        return DeviceInputs.shapes(shape[0], *self.step_sizes(shape), self.max_blocks_per_seq,
+                                   lora=self.lora_slots is not None)
+
+    def step_consts(self) -> dict:
+        """What a step reads besides the params that never changes per step: the RoPE
+        tables, and with LoRA the adapter slots beside them (changed when a slot loads)."""
+        if self.lora_slots is None:
+            return self.rope
+        return {"rope": self.rope, "lora": self.lora_slots.device_weights()}
 
     def bucket_table(self) -> list[tuple[int, int, int]]:
         """(num_tokens, max_query_len, attention split count) of every compiled step."""
@@ -382,7 +407,8 @@ class ModelRunner:
                                        sharding=self._sharding(KV_SPEC))
         splits = self.decode_splits[num_tokens] if max_query_len == 1 else 1
         with jax.default_matmul_precision(self.matmul_precision):
-            return self._step.lower(self.params_for(num_tokens, max_query_len), self.rope,
+            return self._step.lower(self.params_for(num_tokens, max_query_len),
+                                    self.step_consts(),
                                     kv_spec, self._logits_spec(
                                         self.step_sizes((num_tokens, max_query_len))[1]),
                                     self._packed_spec((num_tokens, max_query_len)),
@@ -497,7 +523,7 @@ class ModelRunner:
         """Call the compiled steps through `StepCall` (True; only without a mesh and where this
         JAX has what it needs) or through `Compiled.__call__`; both run the same executables."""
         self.fast_dispatch = enabled
-        self._calls = {shape: StepCall(compiled, (self.params_for(*shape), self.rope))
+        self._calls = {shape: StepCall(compiled, (self.params_for(*shape), self.step_consts()))
                        for shape, compiled in self._compiled.items()
                        if enabled and self.mesh is None and StepCall.supported(compiled)}
 
@@ -538,6 +564,33 @@ class ModelRunner:
         """Apply a schedule to the persistent batch; also for a step with nothing to run, so
         that the requests it reports finished free their rows."""
         self.input_batch.update_states(scheduler_output)
+        if self.lora_slots is not None:
+            self._activate_loras(scheduler_output)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read and check an adapter a request brings (ValueError if it does not fit)."""
+        if self.lora_slots is None:
+            raise ValueError("a lora_request needs an engine started with enable_lora=True")
+        self.lora_slots.register(lora)
+
+    def _activate_loras(self, scheduler_output: SchedulerOutput) -> None:
+        """Give each request that starts this step its adapter's slot; if a slot was
+        loaded, the steps bind the new slot arrays (they are immutable: a step still in
+        flight keeps reading the ones it was launched with)."""
+        assert self.lora_slots is not None
+        batch = self.input_batch
+        before = self.lora_slots.device_weights()
+        in_use = None
+        for r in scheduler_output.scheduled:
+            if r.is_new and r.lora_int_id:
+                if in_use is None:
+                    in_use = batch.live_lora_ids()
+                row = batch.req_id_to_row[r.request_id]
+                batch.lora_slot[row] = self.lora_slots.activate(r.lora_int_id, in_use)
+        if self.lora_slots.device_weights() is not before:
+            consts = self.step_consts()
+            for shape, call in self._calls.items():
+                call.rebind((self.params_for(*shape), consts))
 
     def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """Host inputs of a non-empty step (after applying it to the persistent batch)."""
@@ -600,7 +653,7 @@ class ModelRunner:
             *out, self.kv_cache = call(self.kv_cache, buf, packed)
         else:
             *out, self.kv_cache = self._compiled[shape](
-                self.params_for(*shape), self.rope, self.kv_cache, buf, packed)
+                self.params_for(*shape), self.step_consts(), self.kv_cache, buf, packed)
         self.launches += 1
         return tuple(out)
 

@@ -46,6 +46,14 @@ class StepCall:
             raise ValueError("StepCall runs single-device steps; a mesh uses the compiled call")
         self._avals: dict[int, Any] = {}
 
+    def rebind(self, weights: Any) -> None:
+        """Bind new weight arrays of the same tree and shapes (LoRA slots after a load)."""
+        leaves = jax.tree.leaves(weights)
+        if len(leaves) != len(self.weights):
+            raise ValueError(f"rebind got {len(leaves)} arrays; the step takes "
+                             f"{len(self.weights)}")
+        self.weights = leaves
+
     @staticmethod
     def supported(compiled: Any) -> bool:
         """Whether this JAX exposes what `StepCall` uses (else callers use `compiled`)."""

@@ -129,7 +129,8 @@ def make_processor(tokenizer: Any = None, vocab: int = 1000, max_model_len: int 
                            max_model_len=max_model_len,
                            config=SimpleNamespace(block_size=16, runner="generate",
                                                   reasoning_parser=None,
-                                                  max_num_batched_tokens=64),
+                                                  max_num_batched_tokens=64,
+                                                  enable_lora=False, max_lora_rank=16),
                            num_usable_blocks=100, sliding_window=None)
     return Processor(tokenizer, cast(Any, info), frozenset({0}), max_n=4)
 

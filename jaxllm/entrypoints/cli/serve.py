@@ -9,6 +9,7 @@ import os
 import signal
 
 from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.lora.request import LoRARequest
 
 API_KEY_ENV = "JAXLLM_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -33,6 +34,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: MODEL as given, or the "
                         "embedded model's name)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) a request's `model` may name, listed "
+                        "by /v1/models; needs --enable-lora")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set "
                         f"{API_KEY_ENV})")
@@ -157,6 +161,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_parallel_tool_calls is not None and args.max_parallel_tool_calls < 1:
         raise ValueError(f"--max-parallel-tool-calls must be positive, got "
                          f"{args.max_parallel_tool_calls}")
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     if args.max_structured_output_depth > 512:  # counted by recursion in Python
         raise ValueError(f"--max-structured-output-depth must be at most 512, got "
                          f"{args.max_structured_output_depth}")
@@ -187,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        engine_config.model if tag is None else engine_config.model_path,
                        metrics, args.max_request_bytes, so_config,
                        args.trust_request_chat_template, limits,
-                       engine_config.reasoning_parser)
+                       engine_config.reasoning_parser, lora_modules)
     state.body_timeout = args.request_body_timeout
     app = build_app(state, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port,
@@ -212,3 +219,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.shutdown()
     log.info("server stopped")
     return 0
+
+
+def parse_lora_modules(specs: list[str] | None) -> dict[str, LoRARequest]:
+    """`--lora-modules name=path ...` -> name -> LoRARequest, ids 1, 2, ... in order."""
+    out: dict[str, LoRARequest] = {}
+    for spec in specs or ():
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        out[name] = LoRARequest(name, len(out) + 1, path)
+    return out

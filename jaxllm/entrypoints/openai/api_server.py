@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,6 +47,7 @@ from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxllm.entrypoints.openai.serving_engine import ServerLimits, StructuredOutputsConfig
+from jaxllm.lora.request import LoRARequest
 from jaxllm.structured_output.validator import GrammarValidator
 
 logger = logging.getLogger("jaxllm.server")
@@ -75,6 +76,8 @@ class ServerState:
     # Seconds a client gets to send a whole request body (408 after).
     body_timeout: float = 60.0
     embedding: OpenAIServingEmbedding | None = None
+    # --lora-modules: adapter name -> its request, each also a model a request may name.
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
 
 
 def engine_dead(engine: AsyncLLM) -> bool:
@@ -232,7 +235,8 @@ _OK_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-def openapi_schema(app: FastAPI, api_key: bool, model_name: str) -> dict[str, Any]:
+def openapi_schema(app: FastAPI, api_key: bool, model_name: str,
+                   adapter_names: list[str] | None = None) -> dict[str, Any]:
     """FastAPI's schema of the routes, with what it cannot see: the bodies are read by
     `read_json`, not by FastAPI, so each POST route's request model is added here (`model`
     narrowed to the served name, the only one not answered 404), with the error body of every
@@ -266,8 +270,9 @@ def openapi_schema(app: FastAPI, api_key: bool, model_name: str) -> dict[str, An
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}",
                                                by_alias=True)
                 components.update(body.pop("$defs", {}))
-                body["properties"]["model"] = {"anyOf": [{"const": model_name},
-                                                         {"type": "null"}]}
+                body["properties"]["model"] = {"anyOf": [
+                    *({"const": name} for name in [model_name, *(adapter_names or [])]),
+                    {"type": "null"}]}
                 components[model.__name__] = body
                 op["requestBody"] = {"required": True, "content": {"application/json": {
                     "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
@@ -298,7 +303,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     def openapi() -> dict[str, Any]:
         if not cached:
-            cached.append(openapi_schema(app, api_key is not None, state.model_name))
+            cached.append(openapi_schema(app, api_key is not None, state.model_name,
+                                         list(state.lora_modules)))
         return cached[0]
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -388,10 +394,13 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         live()
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "jaxllm", "root": state.model_root, "parent": None,
-            "max_model_len": state.completion.max_model_len}]}
+        base = {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "jaxllm", "root": state.model_root, "parent": None,
+                "max_model_len": state.completion.max_model_len}
+        # As vLLM: each adapter a model of its own, its parent the base model.
+        adapters = [{**base, "id": name, "root": lora.lora_path, "parent": state.model_name}
+                    for name, lora in state.lora_modules.items()]
+        return {"object": "list", "data": [base, *adapters]}
 
     async def generate(request: Request, create: Callable[[Any], Awaitable[Any]]) -> Response:
         body = await body_of(request)
@@ -509,12 +518,20 @@ def make_state(engine: AsyncLLM, model_name: str, model_root: str,
                structured_outputs_config: StructuredOutputsConfig | None = None,
                trust_request_chat_template: bool = False,
                limits: ServerLimits | None = None,
-               reasoning_parser: str | None = None) -> ServerState:
+               reasoning_parser: str | None = None,
+               lora_modules: dict[str, LoRARequest] | None = None) -> ServerState:
+    """`lora_modules`: adapter name -> LoRARequest, each checked by the engine's processor
+    now (a bad one stops the server from starting, naming it)."""
     limits = limits or ServerLimits()
+    lora_modules = dict(lora_modules or {})
+    for name, lora in lora_modules.items():
+        if name == model_name:
+            raise ValueError(f"--lora-modules: adapter name {name!r} is the served model's")
+        engine.processor.check_lora(lora)
     # One pool of validator workers for both routes.
     validator = GrammarValidator(timeout_s=limits.structured_output_timeout,
                                  memory_mib=limits.structured_output_memory_mib)
-    return ServerState(engine, model_name, model_root,
+    state = ServerState(engine, model_name, model_root,
                        OpenAIServingCompletion(engine, model_name, metrics,
                                                structured_outputs_config, limits=limits,
                                                validator=validator),
@@ -524,5 +541,10 @@ def make_state(engine: AsyncLLM, model_name: str, model_root: str,
                                          reasoning_parser),
                        metrics, max_request_bytes, int(time.time()),
                        embedding=OpenAIServingEmbedding(engine, model_name, metrics,
-                                                        limits=limits, validator=validator))
+                                                        limits=limits, validator=validator),
+                       lora_modules=lora_modules)
+    for serving in (state.completion, state.chat, state.embedding):
+        if serving is not None:
+            serving.lora_modules = lora_modules
+    return state
 

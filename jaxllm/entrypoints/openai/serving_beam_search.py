@@ -32,6 +32,12 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,)}
 
 
+def check_lora_beam(req: Any, lora: Any) -> None:
+    """A 400 for a beam search with a LoRA adapter: the search's steps run without one."""
+    if req.use_beam_search and lora is not None:
+        raise APIError(400, "use_beam_search does not run with a LoRA adapter", "model")
+
+
 def check_beam_search(req: Any, constraint: Constraint | None) -> None:
     """A 400 naming what of the request a beam search would ignore (before anything is
     validated or compiled for it), or `length_penalty` without one."""

@@ -31,6 +31,7 @@ from jaxllm.entrypoints.openai.serving_beam_search import (
     beam_search,
     beam_search_params,
     check_beam_search,
+    check_lora_beam,
 )
 from jaxllm.entrypoints.openai.serving_engine import (
     Constraint,
@@ -281,7 +282,7 @@ class OpenAIServingChat(OpenAIServing):
                                      ) -> dict[str, Any] | AsyncGenerator[str, None]:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body,
                                                    UNSUPPORTED_CHAT)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_runner("generate", "/v1/chat/completions")
         check_logprobs(req.top_logprobs, "top_logprobs")
         if req.top_logprobs and not req.logprobs:
@@ -308,6 +309,7 @@ class OpenAIServingChat(OpenAIServing):
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         constraint = constraint or tool_use.constraint
         check_beam_search(req, constraint)
+        check_lora_beam(req, lora)
         params = self.sampling_params(req, max_tokens, len(prompt.token_ids), num_top,
                                       req.stream, constraint,
                                       max_tokens_field=max_tokens_field,
@@ -315,7 +317,7 @@ class OpenAIServingChat(OpenAIServing):
                                           constraint))
         beam = beam_search_params(req, params)
         request_id = random_id("chatcmpl")
-        gen = self.generate(prompt, params, request_id) if beam is None \
+        gen = self.generate(prompt, params, request_id, lora) if beam is None \
             else beam_search(self, prompt, beam, params, request_id)
         if req.stream:
             return self._stream(req, request_id, len(prompt.token_ids), gen, tool_use.parse)
@@ -369,7 +371,7 @@ class OpenAIServingChat(OpenAIServing):
                     "index": c.index, "message": message, "logprobs": logprobs,
                     "finish_reason": finish_reason, "stop_reason": c.stop_reason}
         return {"id": request_id, "object": "chat.completion", "created": now(),
-                "model": self.model_name, "choices": choices,
+                "model": self.response_model(req.model), "choices": choices,
                 "usage": self.usage(num_prompt, num_completion)}
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
@@ -377,7 +379,7 @@ class OpenAIServingChat(OpenAIServing):
         forced = _calls_forced(req.tool_choice)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         base = {"id": request_id, "object": "chat.completion.chunk", "created": now(),
-                "model": self.model_name}
+                "model": self.response_model(req.model)}
         extra = {"usage": None} if include_usage else {}
         num_completion = 0
         parsers = [HermesToolParser(complete_calls_only=forced) for _ in range(req.n)] \

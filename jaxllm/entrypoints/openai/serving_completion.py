@@ -24,6 +24,7 @@ from jaxllm.entrypoints.openai.serving_beam_search import (
     beam_search,
     beam_search_params,
     check_beam_search,
+    check_lora_beam,
 )
 from jaxllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -86,7 +87,7 @@ class CompletionLogprobs:
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, body: Any) -> dict[str, Any] | AsyncGenerator[str, None]:
         req: CompletionRequest = parse_request(CompletionRequest, body, UNSUPPORTED_COMPLETION)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_runner("generate", "/v1/completions")
         check_logprobs(req.logprobs, "logprobs")
         check_logprobs(req.prompt_logprobs, "prompt_logprobs")
@@ -98,6 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                 "with logprobs streams the prompt's logprobs)", "prompt_logprobs")
         constraint = request_constraint(req)
         check_beam_search(req, constraint)
+        check_lora_beam(req, lora)
         # As vLLM: echo with logprobs asks the engine for the prompt's logprobs too.
         prompt_logprobs = req.prompt_logprobs
         if prompt_logprobs is None and req.echo:
@@ -114,7 +116,7 @@ class OpenAIServingCompletion(OpenAIServing):
         beams = [beam_search_params(req, p) for p in params]
         request_id = random_id("cmpl")
         created = now()
-        gens = [self.generate(t, p, f"{request_id}-{i}") if b is None
+        gens = [self.generate(t, p, f"{request_id}-{i}", lora) if b is None
                 else beam_search(self, t, b, p, f"{request_id}-{i}")
                 for i, (t, p, b) in enumerate(zip(tokenized, params, beams, strict=True))]
         if req.stream:
@@ -198,7 +200,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices[i * n + c.index] = choice
         num_prompt = sum(len(t.token_ids) for t in tokenized)
         return {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": choices,
+                "model": self.response_model(req.model), "choices": choices,
                 "usage": self.usage(num_prompt, num_completion)}
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int,
@@ -210,7 +212,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if req.logprobs is not None else None
         num_completion = 0
         base = {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model_name}
+                "model": self.response_model(req.model)}
         # Echo: a choice's first chunk carries its prompt, and with logprobs the prompt's
         # logprobs, which arrive with (or before) the first generated token.
         echo_pending = set(range(len(gens) * n)) if req.echo else set()

@@ -32,7 +32,9 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def create_embedding(self, body: Any) -> dict[str, Any]:
         self.check_runner("pooling", "/v1/embeddings")
         req: EmbeddingRequest = parse_request(EmbeddingRequest, body)
-        self.check_model(req.model)
+        if self.check_model(req.model) is not None:
+            raise APIError(400, "LoRA adapters serve generation; /v1/embeddings runs the base "
+                                "model", "model")
         hidden = self.engine.core_info.model_config.hidden_size
         if req.dimensions is not None and not 1 <= req.dimensions <= hidden:
             raise APIError(400, f"dimensions must be in [1, {hidden}] (the model's hidden "

@@ -18,6 +18,7 @@ from jaxllm.engine import EngineDeadError
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.metrics import ServerMetrics
 from jaxllm.entrypoints.openai.protocol import APIError
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -208,6 +209,8 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.model_name = served_model_name
+        # --lora-modules: the adapters a request's `model` may name (filled by make_state).
+        self.lora_modules: dict[str, LoRARequest] = {}
         if engine.tokenizer is None:
             raise ValueError("the OpenAI server needs the engine's tokenizer (drop "
                              "skip_tokenizer_init)")
@@ -219,11 +222,21 @@ class OpenAIServing:
 
     # --- validation ---------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        # As vLLM: a request may leave the model out; a different name is a 404.
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model). As vLLM: a request may
+        leave the model out; an unknown name is a 404."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.lora_modules.get(model)
+        if lora is None:
+            names = ", ".join(f"`{n}`" for n in (self.model_name, *self.lora_modules))
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.model_name}`", "model", "NotFoundError")
+                                f"{names}", "model", "NotFoundError")
+        return lora
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the adapter the request ran with, else the base."""
+        return model if model is not None and model in self.lora_modules else self.model_name
 
     def check_runner(self, runner: str, route: str) -> None:
         """A 400 naming the engine's runner when `route` needs the other one (an engine serves
@@ -382,7 +395,8 @@ class OpenAIServing:
     # --- generation ---------------------------------------------------------------------------
 
     async def generate(self, prompt: TokenizedPrompt, params: SamplingParams,
-                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+                       request_id: str, lora_request: LoRARequest | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """engine.generate with the server's error mapping and per-request metrics."""
         engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt.token_ids}
         if prompt.text is not None:
@@ -391,7 +405,8 @@ class OpenAIServing:
         last: RequestOutput | None = None
         reason: str | None = "abort"
         try:
-            async for out in self.engine.generate(engine_prompt, params, request_id):
+            async for out in self.engine.generate(engine_prompt, params, request_id,
+                                                  lora_request):
                 last = out
                 num_generated += sum(len(c.token_ids) for c in out.outputs)
                 if out.finished:

@@ -1,0 +1,304 @@
+"""LoRA adapters end to end: requests with different adapters and without one in one batch,
+each against Hugging Face transformers running the base weights with that adapter merged in by
+numpy (W + scale * B @ A, PEFT's semantics), so the oracle shares no code with jaxllm/lora/."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jaxllm import LoRARequest, SamplingParams
+from jaxllm.engine import EngineCoreRequest
+from jaxllm.engine.arg_utils import EngineArgs
+from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from scheduler.block_pool import hash_block_tokens
+from tests.utils import (
+    compile_count,
+    make_llm,
+    make_tiny_checkpoint,
+    on_each_step,
+    random_prompts,
+    runner_of,
+)
+
+torch = pytest.importorskip("torch", reason="the oracle is Hugging Face transformers (torch)")
+
+MAX_NEW = 8
+# Float32 on both sides; the merged weights round differently from the engine's separate
+# LoRA matmuls, so logprobs agree to this, not bit for bit.
+LOGPROB_ATOL = 2e-4
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _dims(cfg) -> dict[str, tuple[int, int]]:
+    h, hd = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    q, kv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, \
+        cfg.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def write_adapter(path, cfg, *, rank: int, alpha: float, targets: tuple[str, ...], seed: int,
+                  rslora: bool = False, **extra) -> dict:
+    """A PEFT directory with random A and B (PEFT itself starts B at zero, which would test
+    nothing); returns {(layer, module): (A, B, scale)} for the merge."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+    tensors, merged = {}, {}
+    for i in range(cfg.num_hidden_layers):
+        for m in targets:
+            d_in, d_out = _dims(cfg)[m]
+            a = rng.normal(0, 1 / math.sqrt(d_in), (rank, d_in)).astype(np.float32)
+            b = rng.normal(0, 0.3 / math.sqrt(rank), (d_out, rank)).astype(np.float32)
+            parent = "self_attn" if m in _ATTN else "mlp"
+            prefix = f"base_model.model.model.layers.{i}.{parent}.{m}"
+            tensors[f"{prefix}.lora_A.weight"] = a
+            tensors[f"{prefix}.lora_B.weight"] = b
+            merged[(i, parent, m)] = (a, b, scale)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+              "target_modules": list(targets), "use_rslora": rslora, "bias": "none",
+              "use_dora": False, **extra}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return merged
+
+
+def merged_model(base, merged: dict):
+    """The HF model with the adapter merged into its weights, by numpy."""
+    model = copy.deepcopy(base)
+    state = model.state_dict()
+    for (i, parent, m), (a, b, scale) in merged.items():
+        key = f"model.layers.{i}.{parent}.{m}.weight"
+        w = state[key].numpy() + scale * (b @ a)
+        state[key] = torch.from_numpy(w.astype(np.float32))
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def hf_greedy_with_logprobs(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    ids, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(MAX_NEW):
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+            ids.append(int(logp.argmax()))
+            lps.append(float(logp[ids[-1]]))
+    return ids[len(prompt):], lps
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base_dir = tmp_path_factory.mktemp("base")
+    hf = make_tiny_checkpoint(base_dir, tied=False).eval()
+    root = tmp_path_factory.mktemp("adapters")
+    adapters = {
+        # Attention only, rank 8.
+        1: write_adapter(root / "a1", hf.config, rank=8, alpha=16, targets=_ATTN, seed=1),
+        # The MLP and v only, rank 16, rsLoRA's scaling.
+        2: write_adapter(root / "a2", hf.config, rank=16, alpha=8, seed=2, rslora=True,
+                         targets=("v_proj", "gate_proj", "up_proj", "down_proj")),
+        # Everything, rank 4.
+        3: write_adapter(root / "a3", hf.config, rank=4, alpha=8, seed=3,
+                         targets=_ATTN + ("gate_proj", "up_proj", "down_proj")),
+    }
+    requests = {i: LoRARequest(f"adapter{i}", i, str(root / f"a{i}")) for i in adapters}
+    oracles = {0: hf, **{i: merged_model(hf, m) for i, m in adapters.items()}}
+    llm = make_llm(base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, dtype="float32")
+    return {"base_dir": base_dir, "root": root, "llm": llm, "requests": requests,
+            "oracles": oracles, "config": hf.config}
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+
+
+def _check(setup, prompts: list[list[int]], lora_ids: list[int], outs) -> None:
+    for prompt, lid, out in zip(prompts, lora_ids, outs, strict=True):
+        want_tokens, want_lps = hf_greedy_with_logprobs(setup["oracles"][lid], prompt)
+        comp = out.outputs[0]
+        assert comp.token_ids == want_tokens, f"adapter {lid}"
+        got = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
+        np.testing.assert_allclose(got, want_lps, atol=LOGPROB_ATOL, err_msg=f"adapter {lid}")
+
+
+def _generate(setup, prompts, lora_ids):
+    reqs = [setup["requests"].get(i) for i in lora_ids]
+    return setup["llm"].generate([{"prompt_token_ids": p} for p in prompts], _params(),
+                                 use_tqdm=False, lora_request=reqs)
+
+
+def test_two_adapters_and_none_in_one_batch_match_the_merged_models(setup):
+    prompts = random_prompts(10, [5, 21, 12, 9])
+    ids = [1, 2, 0, 1]
+    outs = _generate(setup, prompts, ids)
+    _check(setup, prompts, ids, outs)
+    # The adapters change the output: the comparison above is not the base model's thrice.
+    base = [hf_greedy_with_logprobs(setup["oracles"][0], p)[0] for p in prompts]
+    assert outs[0].outputs[0].token_ids != base[0]
+    assert outs[1].outputs[0].token_ids != base[1]
+
+
+def test_one_lora_request_for_every_prompt(setup):
+    prompts = random_prompts(11, [6, 14])
+    outs = setup["llm"].generate([{"prompt_token_ids": p} for p in prompts], _params(),
+                                 use_tqdm=False, lora_request=setup["requests"][2])
+    _check(setup, prompts, [2, 2], outs)
+
+
+def test_prefix_cache_is_not_shared_between_adapters(setup):
+    prompt = random_prompts(12, [40])[0]  # two full blocks of 16
+    first = _generate(setup, [prompt], [1])[0]
+    assert first.num_cached_tokens == 0
+    others = _generate(setup, [prompt, prompt], [2, 0])
+    assert [o.num_cached_tokens for o in others] == [0, 0]
+    _check(setup, [prompt, prompt], [2, 0], others)
+    again = _generate(setup, [prompt], [1])[0]
+    assert again.num_cached_tokens == 32  # the same adapter does hit its own blocks
+    _check(setup, [prompt], [1], [again])
+
+
+def test_more_adapters_than_slots_all_finish_right_without_recompiling(setup):
+    llm = setup["llm"]
+    _generate(setup, random_prompts(13, [4]), [3])  # every step shape warm
+    before = compile_count(llm)
+    prompts = random_prompts(14, [7, 19, 4, 11, 25, 8])
+    ids = [3, 1, 2, 0, 3, 2]  # three adapters over two slots
+    _check(setup, prompts, ids, _generate(setup, prompts, ids))
+    assert compile_count(llm) == before
+
+
+def test_the_scheduler_runs_at_most_max_loras_adapters_at_once(setup):
+    seen: list[set[int]] = []
+    running: dict[str, int] = {}
+
+    def record(so):
+        for rid in so.finished_req_ids + so.preempted_req_ids:
+            running.pop(rid, None)
+        for r in so.scheduled:
+            running[r.request_id] = r.lora_int_id
+        seen.append(set(running.values()) - {0})
+
+    llm = setup["llm"]
+    on_each_step(llm, record)
+    try:
+        _generate(setup, random_prompts(15, [5, 5, 5, 5]), [1, 2, 3, 1])
+    finally:
+        runner_of(llm).__dict__.pop("prepare", None)
+    assert max(len(s) for s in seen) == 2
+    assert any(3 in s for s in seen)
+
+
+def test_bad_lora_requests_are_refused_and_the_engine_keeps_serving(setup, tmp_path):
+    llm, root, cfg = setup["llm"], setup["root"], setup["config"]
+    write_adapter(tmp_path / "big", cfg, rank=32, alpha=32, targets=("q_proj",), seed=4)
+    write_adapter(tmp_path / "dora", cfg, rank=4, alpha=4, targets=("q_proj",), seed=5,
+                  use_dora=True)
+    write_adapter(tmp_path / "embed", cfg, rank=4, alpha=4, targets=("q_proj",), seed=6)
+    emb_cfg = json.loads((tmp_path / "embed" / "adapter_config.json").read_text())
+    emb_cfg["target_modules"] = ["q_proj", "embed_tokens"]
+    (tmp_path / "embed" / "adapter_config.json").write_text(json.dumps(emb_cfg))
+    cases = [
+        (LoRARequest("missing", 10, str(tmp_path / "nope")), "does not exist"),
+        (LoRARequest("big", 11, str(tmp_path / "big")), "rank 32 exceeds max_lora_rank 16"),
+        (LoRARequest("dora", 12, str(tmp_path / "dora")), "DoRA"),
+        (LoRARequest("embed", 13, str(tmp_path / "embed")), "embed_tokens"),
+        (LoRARequest("clash", 1, str(root / "a2")), "already adapter 'adapter1'"),
+        (LoRARequest("zero", 0, str(root / "a2")), "positive integer"),
+    ]
+    _generate(setup, [[1, 2, 3]], [1])  # id 1 known at a1
+    for lora, match in cases:
+        with pytest.raises(ValueError, match=match):
+            llm.generate({"prompt_token_ids": [1, 2, 3]}, _params(), use_tqdm=False,
+                         lora_request=lora)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate([{"prompt_token_ids": [1, 2]}] * 2, _params(), use_tqdm=False,
+                     lora_request=[setup["requests"][1]])
+    prompts = random_prompts(16, [6])
+    _check(setup, prompts, [2], _generate(setup, prompts, [2]))
+
+
+def test_engine_settings_lora_refuses():
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        EngineArgs(enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineArgs(enable_lora=True, speculative_config={"method": "ngram",
+                                                         "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):
+        EngineArgs(enable_lora=True, max_lora_rank=0)
+
+
+def test_moe_model_is_refused_by_name(tmp_path):
+    make_tiny_checkpoint(tmp_path, tied=False, arch="qwen2_moe")
+    with pytest.raises(ValueError, match="Qwen2MoeForCausalLM"):
+        make_llm(tmp_path, enable_lora=True)
+
+
+def test_lora_request_without_enable_lora_is_refused(setup):
+    # An engine without LoRA: refuses the request by name and packs no slot field.
+    llm = make_llm(setup["base_dir"], dtype="float32", max_num_batched_tokens=16,
+                   max_num_seqs=2)
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, _params(), use_tqdm=False,
+                     lora_request=setup["requests"][1])
+    runner = runner_of(llm)
+    assert runner.lora_slots is None
+    assert "lora_slots" not in runner.input_shapes(runner.bucket_shapes()[0])
+    llm.shutdown()
+
+
+def test_lora_request_travels_to_a_core_process():
+    req = EngineCoreRequest(request_id="r", prompt_token_ids=[1, 2], sampling_params=_params(),
+                            eos_token_ids=[0], max_tokens=4,
+                            lora_request=LoRARequest("a", 7, "/x"))
+    back = MsgpackDecoder(EngineCoreRequest).decode(MsgpackEncoder().encode(req))
+    assert back.lora_request == LoRARequest("a", 7, "/x")
+
+
+def test_block_hash_keys_on_the_adapter():
+    tokens = list(range(16))
+    assert hash_block_tokens(None, tokens, 0) == hash_block_tokens(None, tokens)
+    assert len({hash_block_tokens(None, tokens, i) for i in (0, 1, 2)}) == 3
+
+
+def test_interpret_backend_in_a_core_process(setup):
+    # The Pallas kernels in interpret mode (Qwen2's q/k/v bias then rides to the RoPE kernel
+    # apart from the GEMM) and the core in its own process: the adapters cross the wire.
+    llm = make_llm(setup["base_dir"], enable_lora=True, max_loras=2, max_lora_rank=16,
+                   dtype="float32", kernel_backend="interpret", multiprocess_mode=True,
+                   max_num_seqs=4, max_num_batched_tokens=32)
+    try:
+        prompts = random_prompts(17, [6, 11, 4])
+        ids = [2, 0, 1]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(),
+                            use_tqdm=False, lora_request=[setup["requests"].get(i) for i in ids])
+        _check(setup, prompts, ids, outs)
+    finally:
+        llm.shutdown()
+
+
+def test_server_lora_modules_name_models():
+    from types import SimpleNamespace
+
+    from jaxllm.entrypoints.cli.serve import parse_lora_modules
+    from jaxllm.entrypoints.openai.protocol import APIError
+    from jaxllm.entrypoints.openai.serving_engine import OpenAIServing
+
+    mods = parse_lora_modules(["sql=/adapters/sql", "chat=/adapters/chat"])
+    assert [(m.lora_name, m.lora_int_id) for m in mods.values()] == [("sql", 1), ("chat", 2)]
+    for bad in (["nopath"], ["a=/x", "a=/y"]):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_modules(bad)
+    serving = SimpleNamespace(model_name="base", lora_modules=mods)
+    assert OpenAIServing.check_model(serving, None) is None
+    assert OpenAIServing.check_model(serving, "base") is None
+    assert OpenAIServing.check_model(serving, "chat") == mods["chat"]
+    assert OpenAIServing.response_model(serving, "chat") == "chat"
+    assert OpenAIServing.response_model(serving, None) == "base"
+    with pytest.raises(APIError, match="`base`, `sql`, `chat`"):
+        OpenAIServing.check_model(serving, "other")
