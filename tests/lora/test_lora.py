@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from jaxllm.engine import EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from scheduler.block_pool import hash_block_tokens
+from tests.lora_adapters import ATTENTION_MODULES, write_adapter
 from tests.utils import (
     compile_count,
     make_llm,
@@ -31,43 +31,6 @@ MAX_NEW = 8
 # Float32 on both sides; the merged weights round differently from the engine's separate
 # LoRA matmuls, so logprobs agree to this, not bit for bit.
 LOGPROB_ATOL = 2e-4
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def _dims(cfg) -> dict[str, tuple[int, int]]:
-    h, hd = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
-    q, kv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, \
-        cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-
-
-def write_adapter(path, cfg, *, rank: int, alpha: float, targets: tuple[str, ...], seed: int,
-                  rslora: bool = False, **extra) -> dict:
-    """A PEFT directory with random A and B (PEFT itself starts B at zero, which would test
-    nothing); returns {(layer, module): (A, B, scale)} for the merge."""
-    from safetensors.numpy import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
-    tensors, merged = {}, {}
-    for i in range(cfg.num_hidden_layers):
-        for m in targets:
-            d_in, d_out = _dims(cfg)[m]
-            a = rng.normal(0, 1 / math.sqrt(d_in), (rank, d_in)).astype(np.float32)
-            b = rng.normal(0, 0.3 / math.sqrt(rank), (d_out, rank)).astype(np.float32)
-            parent = "self_attn" if m in _ATTN else "mlp"
-            prefix = f"base_model.model.model.layers.{i}.{parent}.{m}"
-            tensors[f"{prefix}.lora_A.weight"] = a
-            tensors[f"{prefix}.lora_B.weight"] = b
-            merged[(i, parent, m)] = (a, b, scale)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
-              "target_modules": list(targets), "use_rslora": rslora, "bias": "none",
-              "use_dora": False, **extra}
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    return merged
 
 
 def merged_model(base, merged: dict):
@@ -99,13 +62,14 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     adapters = {
         # Attention only, rank 8.
-        1: write_adapter(root / "a1", hf.config, rank=8, alpha=16, targets=_ATTN, seed=1),
+        1: write_adapter(root / "a1", hf.config, rank=8, alpha=16, targets=ATTENTION_MODULES,
+                         seed=1),
         # The MLP and v only, rank 16, rsLoRA's scaling.
         2: write_adapter(root / "a2", hf.config, rank=16, alpha=8, seed=2, rslora=True,
                          targets=("v_proj", "gate_proj", "up_proj", "down_proj")),
         # Everything, rank 4.
         3: write_adapter(root / "a3", hf.config, rank=4, alpha=8, seed=3,
-                         targets=_ATTN + ("gate_proj", "up_proj", "down_proj")),
+                         targets=ATTENTION_MODULES + ("gate_proj", "up_proj", "down_proj")),
     }
     requests = {i: LoRARequest(f"adapter{i}", i, str(root / f"a{i}")) for i in adapters}
     oracles = {0: hf, **{i: merged_model(hf, m) for i, m in adapters.items()}}
