@@ -27,8 +27,9 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, select: jax.Array) -> j
 @contextmanager
 def apply_lora(weights: dict, slots: jax.Array, num_slots: int):
     """While tracing the model inside this block, add each token's adapter (`slots` [T]
-    int32, 0: none) to the projections `weights` holds (`LoRASlots`' tree)."""
-    select = jax.nn.one_hot(slots, num_slots, dtype=jnp.float32)
+    int32, 1..num_slots; 0: none) to the projections `weights` holds (`LoRASlots`' tree)."""
+    # Slot 0 is one_hot's out-of-range -1: a row of zeros.
+    select = jax.nn.one_hot(slots - 1, num_slots, dtype=jnp.float32)
 
     def intercept(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         out = next_fun(*args, **kwargs)

@@ -1,6 +1,7 @@
 """The adapters the step can read: per decoder layer and fused projection, A [S, in, width]
-and B [S, width, out] over S = max_loras + 1 slots, slot 0 all zeros (requests without an
-adapter). A fused projection's parts (q, k, v; gate, up) each own `max_lora_rank` columns of
+and B [S, width, out] over S = max_loras slots; a token's slot is 1..S, or 0 for a request
+without an adapter, which reads none of them (the step reads every slot's weights, so a zero
+slot would cost as much as a real one). A fused projection's parts (q, k, v; gate, up) each own `max_lora_rank` columns of
 A and rows of B, so B is block-diagonal over the parts and one contraction serves them all;
 ranks below the maximum are zero-padded, the scaling is in B.
 
@@ -41,7 +42,7 @@ class LoRASlots:
         self.dtype = dtype
         dims = module_dims(config)
         r = max_lora_rank
-        s = max_loras + 1
+        s = max_loras
         # fused name -> (in, [(PEFT part, first output column, width)], out)
         self.layout: dict[str, tuple[int, list[tuple[str, int, int]], int]] = {}
         for fused, names in FUSED_MODULES.items():
@@ -63,7 +64,8 @@ class LoRASlots:
 
     @property
     def num_slots(self) -> int:
-        return self.max_loras + 1
+        """Slots holding adapters, numbered from 1."""
+        return self.max_loras
 
     def register(self, lora: LoRARequest) -> None:
         """Read and check a request's adapter (ValueError if it does not fit the model), once
@@ -101,7 +103,7 @@ class LoRASlots:
         slot = self.slot_of.pop(lora_id, None)
         if slot is None:
             taken = set(self.slot_of.values())
-            free = [i for i in range(1, self.num_slots) if i not in taken]
+            free = [i for i in range(1, self.num_slots + 1) if i not in taken]
             if free:
                 slot = free[0]
             else:
@@ -117,17 +119,18 @@ class LoRASlots:
 
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         r = self.max_lora_rank
+        k = slot - 1
         for layer in self.host.values():
             for w in layer.values():
-                w["A"][slot] = 0
-                w["B"][slot] = 0
+                w["A"][k] = 0
+                w["B"][k] = 0
         for (i, name), (a, b) in adapter.weights.items():
             fused, part = FUSED_PARTS[name]
             _, parts, _ = self.layout[fused]
             _, col, width = parts[part]
             w = self.host[f"layers_{i}"][fused]
-            w["A"][slot, :, part * r:part * r + adapter.rank] = a.T
-            w["B"][slot, part * r:part * r + adapter.rank, col:col + width] = b.T
+            w["A"][k, :, part * r:part * r + adapter.rank] = a.T
+            w["B"][k, part * r:part * r + adapter.rank, col:col + width] = b.T
         self._device = None
 
     def device_weights(self) -> dict:
