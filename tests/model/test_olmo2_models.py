@@ -6,8 +6,8 @@ k, v and o_proj (added before the q/k norms) and YaRN RoPE. Each feature is firs
 change transformers' logits; then logits on the reference, interpret-mode Pallas and CPU
 attention kernels, greedy tokens through LLM with chunked prefill and prefix-cache hits and
 with n-gram speculation, tensor parallelism 2 and 4 (the q/k norms' statistics spanning the
-devices, KV heads replicated at 4) against one device, float32 GGUF files as llama.cpp
-converts them, configs and refusals.
+devices, KV heads replicated at 4) against one device, float32 and Q8_0 GGUF files as
+llama.cpp converts them (Q8_0 kept quantized), configs and refusals.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def test_defaults_are_transformers_olmo2_config():
         hf.rope_parameters["rope_theta"], hf.attention_bias, hf.tie_word_embeddings,
         hf.num_key_value_heads)
     windowed = ModelConfig.from_hf_config({**raw, "use_sliding_window": True,
-                                           "sliding_window": 8})
+                                           "sliding_window": 8, "max_window_layers": 0})
     assert windowed.sliding_window is None
 
 
@@ -307,6 +307,40 @@ def test_float32_gguf_matches_hf(family, loaded, hf_logits, tmp_path, name):
     for prompt, g in zip(prompts, _logits(got, prompts, "reference"), strict=True):
         np.testing.assert_allclose(g, hf_logits(name, tuple(prompt)), atol=1e-4, rtol=0,
                                    err_msg=f"{name}, {len(prompt)} tokens")
+
+
+def test_q8_0_gguf_kept_quantized_matches_hf_on_the_files_values(family, tmp_path):
+    """A Q8_0 file with quantization="gguf" (on CPU the engine runs our fused dequant matmul
+    kernel over its blocks) against transformers holding the weights gguf dequantizes from the
+    file (transformers reads no `olmo2` GGUF itself): logits within 1e-3, greedy tokens
+    equal."""
+    import copy
+
+    import gguf
+
+    _, hf = family("olmo2")
+    path = tmp_path / "olmo2-q8_0.gguf"
+    write_gguf_from_hf(path, hf, "Q8_0")
+    oracle = copy.deepcopy(hf)
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for param in oracle.parameters():
+            if param.ndim == 2:  # every matrix is stored quantized, the vectors as float32
+                blocks = gguf.quants.quantize(param.numpy(), q8_0)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, q8_0)))
+    assert not torch.equal(oracle.lm_head.weight, hf.lm_head.weight)
+    prompts = random_prompts(7, [9, 70])
+    got = _logits(load_model(path, progress=False, quantization="gguf"), prompts, "reference")
+    for prompt, g in zip(prompts, got, strict=True):
+        np.testing.assert_allclose(g, hf_prompt_logits(oracle, prompt), atol=1e-3, rtol=0)
+    llm = make_llm(path, quantization="gguf", max_model_len=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+                        use_tqdm=False)
+    llm.shutdown()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy_tokens(oracle, prompt, MAX_NEW), \
+            f"prompt of {len(prompt)} tokens"
 
 
 def test_olmo2_gguf_with_a_window_is_refused_by_name(tmp_path):
