@@ -6,8 +6,8 @@ k, v and o_proj (added before the q/k norms) and YaRN RoPE. Each feature is firs
 change transformers' logits; then logits on the reference, interpret-mode Pallas and CPU
 attention kernels, greedy tokens through LLM with chunked prefill and prefix-cache hits and
 with n-gram speculation, tensor parallelism 2 and 4 (the q/k norms' statistics spanning the
-devices, KV heads replicated at 4) against one device, float32 and Q8_0 GGUF files as
-llama.cpp converts them (Q8_0 kept quantized), configs and refusals.
+devices, KV heads replicated at 4) against one device and lowered for CUDA, float32 and Q8_0
+GGUF files as llama.cpp converts them (Q8_0 kept quantized), configs and refusals.
 """
 
 from __future__ import annotations
@@ -284,6 +284,26 @@ def test_tensor_parallel_matches_one_device(family, tmp_path):
         np.testing.assert_array_equal(r[f"tp{tp}_tokens"], r["tp1_tokens"])
         np.testing.assert_allclose(r[f"tp{tp}_logits"], r["tp1_logits"], rtol=0, atol=1e-5,
                                    err_msg=f"TP {tp}")
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_tensor_parallel_step_lowers_for_cuda_with_the_norms_statistics_all_reduced(kv_heads):
+    """TP 2 lowered for CUDA on an abstract mesh (no devices), the Pallas kernels per device,
+    bfloat16: per layer the o_proj and down_proj all-reduces plus one float32 value per token
+    for the q norm and one for the k norm (KV heads split, or replicated with one KV head)."""
+    from jaxllm.distributed.check_tp_lowering import collectives, lower_sharded_step
+
+    cfg = ModelConfig.from_hf_config(dict(
+        architectures=["Olmo2ForCausalLM"], vocab_size=512, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads))
+    tokens, layers = 64, cfg.num_hidden_layers
+    text = lower_sharded_step(cfg, 2, tokens, decode=False, max_model_len=512)
+    assert "__gpu$xla.gpu.triton" in text
+    c = collectives(text)
+    assert c.all_reduces == 4 * layers + 1
+    assert c.all_reduce_bytes == (2 * layers + 1) * tokens * cfg.hidden_size * 2 \
+        + 2 * layers * tokens * 4
 
 
 # --- GGUF files, converted as llama.cpp converts them --------------------------------------------
