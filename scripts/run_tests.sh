@@ -17,6 +17,7 @@ JAX011_IGNORE=(
     tests/model/test_cpu_int8_activations.py tests/model/test_model_families.py
     tests/model/test_moe_models.py tests/model/test_phi_granite_models.py
     tests/model/test_gemma_models.py tests/model/test_gemma_gguf.py
+    tests/model/test_olmo2_models.py
     tests/engine/test_data_parallel_ray.py tests/lora/test_lora.py
 )
 

@@ -141,7 +141,8 @@ def hf_model_from(tensors: dict):
 
 # Hugging Face model_type -> GGUF general.architecture (llama.cpp writes Mistral as "llama").
 GGUF_ARCH_OF_MODEL_TYPE = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama",
-                           "mistral": "llama", "phi3": "phi3", "granite": "granite"}
+                           "mistral": "llama", "phi3": "phi3", "granite": "granite",
+                           "olmo2": "olmo2"}
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -175,15 +176,16 @@ def llama3_rope_factors(head_dim: int, theta: float, rope: dict) -> np.ndarray:
 
 
 def write_gguf_from_hf(path, hf_model, ftype: str = "F32") -> None:
-    """Convert a tiny HF Qwen2 / Qwen3 / Llama / Mistral / Phi-3 / Granite model to a GGUF as
-    llama.cpp does: tensors renamed by gguf's own name map (Phi-3's fused `attn_qkv` and
-    `ffn_up`, gate and up); Llama's and Granite's q and k rows (weights and biases) permuted
-    for its interleaved RoPE; Qwen3's per-head q/k norms as attn_q_norm / attn_k_norm; no
-    output.weight when the embeddings are tied; RoPE scaling as metadata (linear, yarn) or, for
-    Llama 3's, the `rope_freqs` tensor; Phi-3's rotary dims, window and longrope (its factors as
-    `rope_factors_short` / `rope_factors_long` tensors); Granite's multipliers. `ftype`: the
-    matrices' type, F32, F16 or Q8_0 (gguf's own quantizer); vectors stay F32. No tokenizer:
-    prompts go in as token ids."""
+    """Convert a tiny HF Qwen2 / Qwen3 / Llama / Mistral / Phi-3 / Granite / OLMo 2 model to a
+    GGUF as llama.cpp does: tensors renamed by gguf's own name map (Phi-3's fused `attn_qkv`
+    and `ffn_up`, gate and up; OLMo 2's post-sublayer norms as `post_attention_norm` and
+    `post_ffw_norm`); Llama's and Granite's q and k rows (weights and biases) permuted for its
+    interleaved RoPE; Qwen3's per-head q/k norms (OLMo 2's whole-projection ones) as
+    attn_q_norm / attn_k_norm; no output.weight when the embeddings are tied; RoPE scaling as
+    metadata (linear, yarn) or, for Llama 3's, the `rope_freqs` tensor; Phi-3's rotary dims,
+    window and longrope (its factors as `rope_factors_short` / `rope_factors_long` tensors);
+    Granite's multipliers. `ftype`: the matrices' type, F32, F16 or Q8_0 (gguf's own
+    quantizer); vectors stay F32. No tokenizer: prompts go in as token ids."""
     import gguf as g
 
     cfg = hf_model.config

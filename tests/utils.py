@@ -50,6 +50,8 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     # Phi3Config's pad and end ids (32000) lie outside a tiny vocabulary.
     "phi3": ("Phi3Config", {"pad_token_id": 0, "eos_token_id": 2}),
     "granite": ("GraniteConfig", {}),
+    # Olmo2Config's end id (50279) lies outside a tiny vocabulary.
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0, "eos_token_id": 2}),
     # Gemma: head_dim 32 (hidden / heads is 16). Gemma 2: q.k scaled by 24 ** -0.5, a window
     # of 20 on layer 0, soft caps that weights ten times transformers' initialization reach.
     # Gemma 3 (text): layers 0 and 1 slide (one global layer in three), the sliding layers'

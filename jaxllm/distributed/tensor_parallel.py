@@ -15,7 +15,9 @@ collectives, two all-reduces per layer plus one for the embedding:
     dimension as the dense MLP's (stacked gate_up column-parallel, down row-parallel), its
     shared expert likewise; its router and shared-expert gate are replicated; one all-reduce
     sums the routed and shared outputs;
-  - norms and RoPE tables are replicated.
+  - norms and RoPE tables are replicated, but for norms over a whole q or k projection
+    (OLMo 2's `q_proj_norm`, `k_proj_norm`), split as the projection's heads are, whose mean
+    of squares is then averaged over the devices (layers/layernorm.py `ShardedRMSNorm`).
 The paged KV array is sharded on its kv-head axis. When N exceeds the KV heads, each KV head is
 replicated on the N / num_kv_heads devices whose query heads read it (the array then has N
 heads, one per device), so attention stays local.
@@ -116,7 +118,9 @@ def _leaf_spec(path: tuple[str, ...]) -> P:
         return P(TP_AXIS) if name == "bias" else P(TP_AXIS, None)
     if parent in ("o_proj", "down_proj"):
         return P() if name == "bias" else P(None, TP_AXIS)  # the bias: added after the sum
-    return P()  # norms: replicated
+    if parent in ("q_proj_norm", "k_proj_norm"):
+        return P(TP_AXIS)
+    return P()  # other norms: replicated
 
 
 def param_specs(params: dict) -> dict:
@@ -132,11 +136,18 @@ def _per_shard_qkv(x: np.ndarray, layout: TPLayout) -> np.ndarray:
     hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     q, k, v = np.split(x, [nh * hd, (nh + nkv) * hd])
     q = q.reshape(n, nh // n * hd, *x.shape[1:])
-    k, v = (a.reshape(nkv, hd, *x.shape[1:]) for a in (k, v))
+    k, v = (_per_shard_kv(a, layout) for a in (k, v))
+    return np.concatenate([q, k, v], axis=1).reshape(-1, *x.shape[1:])
+
+
+def _per_shard_kv(x: np.ndarray, layout: TPLayout) -> np.ndarray:
+    """KV-head rows (heads * head_dim, any trailing dims) -> [devices, rows per device, ...],
+    KV heads repeated for the devices that share them."""
+    hd, nkv = layout.config.head_dim, layout.config.num_key_value_heads
+    x = x.reshape(nkv, hd, *x.shape[1:])
     # Device d's KV heads: d * kv_local ... (no replicas) or head d // replicas.
     heads = np.arange(layout.num_kv_heads_total) // layout.kv_replicas
-    k, v = (a[heads].reshape(n, -1, *x.shape[1:]) for a in (k, v))
-    return np.concatenate([q, k, v], axis=1).reshape(-1, *x.shape[1:])
+    return x[heads].reshape(layout.size, -1, *x.shape[2:])
 
 
 def _per_shard_gate_up(x: np.ndarray, n: int) -> np.ndarray:
@@ -157,6 +168,8 @@ def shard_params(params: dict, layout: TPLayout, mesh: Mesh) -> dict:
                 continue
             if key in ("weight", "bias") and names[-1:] == ("qkv_proj",):
                 x = _per_shard_qkv(np.asarray(x), layout)
+            elif key == "weight" and names[-1:] == ("k_proj_norm",):
+                x = _per_shard_kv(np.asarray(x), layout).reshape(-1)
             elif key == "weight" and names[-1:] == ("gate_up_proj",):
                 x = _per_shard_gate_up(np.asarray(x), layout.size)
             elif key == "gate_up_proj" and names[-1:] == ("experts",):

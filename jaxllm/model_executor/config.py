@@ -19,7 +19,7 @@ _ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCa
                                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                                "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
                                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                               "gemma3_text": "Gemma3ForCausalLM"}
+                               "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 # Architectures whose feed-forward is a mixture of experts (`MoEConfig`).
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # The Gemma families (`_gemma_fields`).
@@ -31,7 +31,8 @@ GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "mixtral", "deepseek2", "olmoe
 GGUF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM",
                       "granite": "GraniteForCausalLM", "gemma": "GemmaForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                      "olmo2": "Olmo2ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # transformers' config-class defaults of the fields a file of these families may leave out (the
 # generic defaults below are Qwen2's).
@@ -40,6 +41,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000},
     "GraniteForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                            "bos_token_id": 1, "eos_token_id": 2},
+    "Olmo2ForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                         "eos_token_id": 50279},
 }
 
 
@@ -529,6 +532,11 @@ class ModelConfig:
                              f"model: ffn_gate_inp / ffn_*_exps tensors) is not supported from "
                              f"GGUF; the Hugging Face checkpoints (safetensors) of Qwen2-MoE, "
                              f"Qwen3-MoE and Mixtral load")
+        if arch == "olmo2" and _window(meta.get(f"{arch}.attention.sliding_window")):
+            # llama.cpp's converter writes OLMo 3 as olmo2 with a window on three layers in
+            # four; transformers' OLMo 2 has none.
+            raise ValueError("GGUF architecture 'olmo2' with a sliding window (an OLMo 3 "
+                             "file) is not supported; OLMo 2 files (no window) load")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
                              f"{', '.join(GGUF_ARCHITECTURES)})")
@@ -690,6 +698,8 @@ def _hf_sliding_window(cfg: dict[str, Any], architecture: str
     window they use only with `use_sliding_window`, and then on the layers `layer_types` names
     "sliding_attention", by default those from `max_window_layers` on. A model none of whose
     layers slides has no window."""
+    if architecture == "Olmo2ForCausalLM":  # its attention has no window
+        return None, ()
     if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         # Phi-3's too: every layer, with the window its file names (none by default).
         default = 4096 if architecture == "MistralForCausalLM" else None

@@ -186,7 +186,7 @@ def test_gguf_metadata_of_each_family():
         "Qwen3ForCausalLM", 16, None)
     with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported "
                                          r"\(supported: qwen2, qwen3, llama, phi3, granite, "
-                                         r"gemma, gemma2, gemma3\)"):
+                                         r"gemma, gemma2, gemma3, olmo2\)"):
         ModelConfig.from_gguf_metadata({"general.architecture": "gpt2"}, 64, tied=True)
 
 

@@ -322,8 +322,9 @@ _GGUF_LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-# The norms of a layer with four (Gemma 2 and 3, `SANDWICH_NORM`): llama.cpp names the one
-# before the MLP as other families' post-attention norm.
+# The norms of a layer with four (Gemma 2 and 3, `SANDWICH_NORM`), or with its two norms after
+# its sublayers (OLMo 2, `POST_NORM`): llama.cpp names the one before the MLP as other
+# families' post-attention norm.
 _GGUF_SANDWICH_NAMES = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -384,7 +385,8 @@ def gguf_row_order(config: ModelConfig, hf_name: str) -> np.ndarray | None:
 def _gguf_name(hf_name: str, config: ModelConfig) -> str:
     if hf_name.startswith("layers."):
         _, idx, rest = hf_name.split(".", 2)
-        if get_model_class(config.architecture).SANDWICH_NORM and rest in _GGUF_SANDWICH_NAMES:
+        model_cls = get_model_class(config.architecture)
+        if (model_cls.SANDWICH_NORM or model_cls.POST_NORM) and rest in _GGUF_SANDWICH_NAMES:
             return f"blk.{idx}.{_GGUF_SANDWICH_NAMES[rest]}"
         return f"blk.{idx}.{_GGUF_LAYER_NAMES.get(rest) or _GGUF_FUSED_NAMES[rest]}"
     return _GGUF_GLOBAL_NAMES[hf_name]
@@ -452,9 +454,15 @@ def _assemble_params(config: ModelConfig, take: Callable[[str], np.ndarray | Non
         if qk_norm:
             for name in ("q_norm", "k_norm"):
                 attn[name] = norm(p + f"self_attn.{name}.weight")
+        if model_cls.PROJECTION_QK_NORM:
+            # Apart from per-head norms in the tree: tensor parallelism splits these by head.
+            for x in "qk":
+                attn[f"{x}_proj_norm"] = norm(p + f"self_attn.{x}_norm.weight")
         norms = ["input_layernorm", "post_attention_layernorm"]
         if model_cls.SANDWICH_NORM:
             norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        if model_cls.POST_NORM:
+            norms = ["post_attention_layernorm", "post_feedforward_layernorm"]
         params[f"layers_{i}"] = {
             **{name: norm(p + f"{name}.weight") for name in norms},
             "self_attn": attn,

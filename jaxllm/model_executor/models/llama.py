@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.attention import Attention, AttentionMetadata
-from jaxllm.model_executor.layers.layernorm import RMSNorm
+from jaxllm.model_executor.layers.layernorm import RMSNorm, ShardedRMSNorm
 from jaxllm.model_executor.layers.linear import (
     Linear,
     LinearDeferredBias,
@@ -42,6 +42,8 @@ class LlamaAttention(nn.Module):
     gemv_rows: int = 0
     attention_impl: str | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and of k, before RoPE
+    # OLMo 2: RMSNorm over the whole q projection and the whole k projection, before RoPE.
+    projection_qk_norm: bool = False
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, attn_metadata: AttentionMetadata[jax.Array],
@@ -54,7 +56,8 @@ class LlamaAttention(nn.Module):
         # q/k norms need it added before them.
         width = (nh + 2 * nkv) * hd
         bias = None
-        if cfg.attention_bias and self.backend != "reference" and not self.qk_norm:
+        normed = self.qk_norm or self.projection_qk_norm
+        if cfg.attention_bias and self.backend != "reference" and not normed:
             qkv, bias = LinearDeferredBias(width, self.dtype, self.backend, self.gemv_rows,
                                            name="qkv_proj")(x)
         else:
@@ -66,6 +69,13 @@ class LlamaAttention(nn.Module):
             q = norm(q.reshape(-1, nh, hd)).reshape(q.shape)
             norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend, name="k_norm")
             k = norm(k.reshape(-1, nkv, hd)).reshape(k.shape)
+            qkv = jnp.concatenate([q, k, v], axis=-1)
+        if self.projection_qk_norm:
+            q, k, v = jnp.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
+            q = ShardedRMSNorm(cfg.rms_norm_eps, self.dtype, self.backend, self.tp_axis,
+                               name="q_proj_norm")(q)
+            k = ShardedRMSNorm(cfg.rms_norm_eps, self.dtype, self.backend, self.tp_axis,
+                               name="k_proj_norm")(k)
             qkv = jnp.concatenate([q, k, v], axis=-1)
         out, kv_cache = Attention(nh, nkv, hd, self.layer_idx, self.backend,
                                   self.attention_impl,
@@ -114,11 +124,16 @@ class LlamaDecoderLayer(nn.Module):
     # `LlamaForCausalLM.mlp_class`).
     mlp_cls: Callable[..., nn.Module] = LlamaMLP
     sandwich_norm: bool = False  # see LlamaForCausalLM.SANDWICH_NORM
+    post_norm: bool = False  # see LlamaForCausalLM.POST_NORM
+    projection_qk_norm: bool = False
 
     @nn.compact
     def __call__(self, h, residual, positions, kv_cache, attn_metadata, cos_sin_cache,
                  max_query_len, num_splits=1):
         cfg = self.config
+        if self.post_norm:
+            return self._post_norm_layer(h, residual, positions, kv_cache, attn_metadata,
+                                         cos_sin_cache, max_query_len, num_splits)
         # vLLM's fused_add_rms_norm: the residual add rides along with the norm.
         if residual is None:
             residual = h
@@ -126,12 +141,9 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
                                   name="input_layernorm")(h, residual)
-        h, kv_cache = LlamaAttention(cfg, self.layer_idx, self.dtype, self.backend, self.tp_axis,
-                                     self.gemv_rows, self.attention_impl, self.qk_norm,
-                                     name="self_attn")(
+        h, kv_cache = self._attention()(
             h, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len, num_splits)
-        mlp = self.mlp_cls(cfg, self.dtype, self.backend, self.tp_axis, self.gemv_rows,
-                           name="mlp")
+        mlp = self._mlp()
         if not self.sandwich_norm:
             h, residual = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
                                   name="post_attention_layernorm")(_residual_scaled(h, cfg),
@@ -147,6 +159,30 @@ class LlamaDecoderLayer(nn.Module):
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
                     name="post_feedforward_layernorm")(mlp(h))
         return h, residual, kv_cache
+
+    def _attention(self) -> LlamaAttention:
+        return LlamaAttention(self.config, self.layer_idx, self.dtype, self.backend,
+                              self.tp_axis, self.gemv_rows, self.attention_impl, self.qk_norm,
+                              self.projection_qk_norm, name="self_attn")
+
+    def _mlp(self) -> nn.Module:
+        return self.mlp_cls(self.config, self.dtype, self.backend, self.tp_axis, self.gemv_rows,
+                            name="mlp")
+
+    def _post_norm_layer(self, h, residual, positions, kv_cache, attn_metadata, cos_sin_cache,
+                         max_query_len, num_splits):
+        """OLMo 2: h = x + norm(attn(x)), then h + norm(mlp(h)); no norm before either. A norm
+        here precedes its residual add, so none fuses with one: the layer returns the MLP's
+        normed output beside h, and the next layer (or the final norm's fused add) sums them."""
+        cfg = self.config
+        x = h if residual is None else h + residual
+        h, kv_cache = self._attention()(
+            x, positions, kv_cache, attn_metadata, cos_sin_cache, max_query_len, num_splits)
+        h = x + RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
+                        name="post_attention_layernorm")(h)
+        out = RMSNorm(cfg.rms_norm_eps, self.dtype, self.backend,
+                      name="post_feedforward_layernorm")(self._mlp()(h))
+        return out, h, kv_cache
 
 
 def _residual_scaled(h: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -169,6 +205,13 @@ class LlamaForCausalLM(nn.Module):
     # Four norms per layer (Gemma 2/3): the attention's and the MLP's outputs normed too
     # (params post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm).
     SANDWICH_NORM: ClassVar[bool] = False
+    # No pre-norms (OLMo 2): each sublayer's output is normed, then added to the residual
+    # (params post_attention_layernorm, post_feedforward_layernorm).
+    POST_NORM: ClassVar[bool] = False
+    # RMSNorm over the whole q projection and the whole k projection (all heads at once)
+    # before RoPE (OLMo 2; params q_proj_norm [heads * head_dim], k_proj_norm
+    # [kv heads * head_dim]); with tensor parallelism its statistics span the devices' heads.
+    PROJECTION_QK_NORM: ClassVar[bool] = False
 
     config: ModelConfig
     dtype: Any = jnp.float32
@@ -220,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
             h, residual, kv_cache = LlamaDecoderLayer(
                 cfg, i, self.dtype, self.kernel_backend, self.tp_axis, self.gemv_kernel_rows,
                 self.attention_impl, self.QK_NORM, self.mlp_class(i), self.SANDWICH_NORM,
-                name=f"layers_{i}")(
+                self.POST_NORM, self.PROJECTION_QK_NORM, name=f"layers_{i}")(
                     h, residual, positions, kv_cache, attn_metadata,
                     local_cos_sin_cache if local else cos_sin_cache, max_query_len, num_splits)
         hidden_states, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend,

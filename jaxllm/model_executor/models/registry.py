@@ -15,6 +15,7 @@ from jaxllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from jaxllm.model_executor.models.granite import GraniteForCausalLM
 from jaxllm.model_executor.models.llama import LlamaForCausalLM
 from jaxllm.model_executor.models.mixtral import MixtralForCausalLM
+from jaxllm.model_executor.models.olmo2 import Olmo2ForCausalLM
 from jaxllm.model_executor.models.phi3 import Phi3ForCausalLM
 from jaxllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from jaxllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -36,6 +37,7 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
