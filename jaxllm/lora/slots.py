@@ -1,9 +1,9 @@
 """The adapters the step can read: per decoder layer and fused projection, A [S, in, width]
 and B [S, width, out] over S = max_loras slots; a token's slot is 1..S, or 0 for a request
 without an adapter, which reads none of them (the step reads every slot's weights, so a zero
-slot would cost as much as a real one). A fused projection's parts (q, k, v; gate, up) each own `max_lora_rank` columns of
-A and rows of B, so B is block-diagonal over the parts and one contraction serves them all;
-ranks below the maximum are zero-padded, the scaling is in B.
+slot would cost as much as a real one). A fused projection's parts (q, k, v; gate, up) each
+own `max_lora_rank` columns of A and rows of B, so B is block-diagonal over the parts and one
+contraction serves them all; ranks below the maximum are zero-padded, the scaling is in B.
 
 Slots are filled on the host, least recently activated first, never one a live request reads
 (the scheduler keeps the adapters of running requests within max_loras), and the whole tree
@@ -135,10 +135,11 @@ class LoRASlots:
 
     def device_weights(self) -> dict:
         """The slots' tree on the device (put there again after a slot changed)."""
-        if self._device is None:
-            self._device = jax.device_put(jax.tree.map(lambda x: x.astype(self.dtype),
-                                                       self.host))
-        return self._device
+        device = self._device
+        if device is None:
+            device = self._device = jax.device_put(
+                jax.tree.map(lambda x: x.astype(self.dtype), self.host))
+        return device
 
     def abstract(self) -> dict:
         """The tree's shapes and dtypes, for lowering the step."""

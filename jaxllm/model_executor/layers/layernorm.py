@@ -3,7 +3,7 @@ backend."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -44,7 +44,7 @@ class ShardedRMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if self.tp_axis is None:
-            return rms_norm(x, weight, self.eps, backend=self.backend)
+            return cast(jax.Array, rms_norm(x, weight, self.eps, backend=self.backend))
         # The norm kernel takes its statistics from the row it holds, here a slice of one.
         xf = x.astype(jnp.float32)
         var = jax.lax.pmean(jnp.mean(xf * xf, axis=-1, keepdims=True), self.tp_axis)
