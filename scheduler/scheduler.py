@@ -75,7 +75,10 @@ class Scheduler:
     Invariant the preemption choice rests on: `running` is in arrival order and every running
     request arrived before every waiting one (the waiting queue is FCFS and never skipped;
     a preempted request, the latest running one, goes back to its front). So running[-1] is
-    the latest arrival, and never one already scheduled earlier in the same step.
+    the latest arrival, and never one already scheduled earlier in the same step. The one
+    exception is LoRA's: while the queue's head waits for a free adapter slot (max_loras),
+    requests that need none are started past it; running[-1] is then the latest started, and
+    still never one scheduled earlier in the step (the running loop goes front to back).
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -289,9 +292,11 @@ class Scheduler:
         ):
             request = self.waiting[0]
             if self._lora_full(request):
-                # Waits until a running adapter's requests finish; FCFS holds (nobody
-                # overtakes it), so the invariant above does too.
-                break
+                # It waits for a running adapter's requests to finish; requests that need no
+                # adapter slot (none, or one running) go ahead of it meanwhile, vLLM's rule.
+                request = next((r for r in self.waiting if not self._lora_full(r)), None)
+                if request is None:
+                    break
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, computed_blocks,
@@ -299,10 +304,10 @@ class Scheduler:
                     and kv.allocate_slots(request, num_new, computed_blocks) is None:
                 if self.running:
                     break
-                self.waiting.popleft()
+                self.waiting.remove(request)
                 self._finish_unfittable(request)
                 continue
-            self.waiting.popleft()
+            self.waiting.remove(request)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING

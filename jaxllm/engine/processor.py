@@ -193,9 +193,14 @@ class Processor:
         if not self.enable_lora:
             raise ValueError("lora_request needs an engine started with enable_lora=True")
         if isinstance(lora.lora_int_id, bool) or not isinstance(lora.lora_int_id, int) \
-                or lora.lora_int_id < 1:
-            raise ValueError(f"LoRARequest.lora_int_id must be a positive integer, got "
-                             f"{lora.lora_int_id!r}")
+                or not 1 <= lora.lora_int_id <= INT64_MAX:
+            # The prefix cache hashes it as a signed 64-bit integer.
+            raise ValueError(f"LoRARequest.lora_int_id must be an integer in [1, {INT64_MAX}], "
+                             f"got {lora.lora_int_id!r}")
+        for name in ("lora_name", "lora_path"):
+            if not isinstance(getattr(lora, name), str):
+                raise ValueError(f"LoRARequest.{name} must be a str, got "
+                                 f"{type(getattr(lora, name)).__name__}")
         known = self._loras.get(lora.lora_int_id)
         if known is not None:
             if known.lora_path != lora.lora_path:

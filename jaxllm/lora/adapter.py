@@ -71,9 +71,12 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
                          f"adapters are read)")
     try:
         cfg = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} is unreadable: {e}") from e
     where = f"LoRA adapter {str(path)!r}"
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: {CONFIG_FILE} must hold a JSON object, got "
+                         f"{type(cfg).__name__}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LORA")
     if cfg.get("use_dora"):
@@ -89,7 +92,7 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
     if refused:
         raise ValueError(f"{where}: target modules {refused} are not supported (embeddings and "
                          f"the LM head)")
-    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)  # PEFT's LoraConfig default
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"{where}: r must be a positive integer, got {rank!r}")
     if rank > max_lora_rank:

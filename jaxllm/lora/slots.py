@@ -13,7 +13,6 @@ not in a slot starts, not per step.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import jax
@@ -57,8 +56,10 @@ class LoRASlots:
             for fused, (d_in, parts, d_out) in self.layout.items()}
             for i in range(config.num_hidden_layers)}
         self.requests: dict[int, LoRARequest] = {}
-        # Parsed adapters kept for slot loads, least recently used first.
-        self._cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        # Every registered adapter, parsed once: a slot load inside a step never reads the
+        # disk, where a file deleted or rewritten since would fail the step (or change the
+        # weights behind blocks the prefix cache keys on the adapter's id).
+        self.adapters: dict[int, LoRAAdapter] = {}
         self.slot_of: dict[int, int] = {}  # adapter id -> slot, least recently activated first
         self._device: dict | None = None
 
@@ -77,23 +78,9 @@ class LoRASlots:
                                  f"{known.lora_name!r} at {known.lora_path!r}, not "
                                  f"{lora.lora_path!r}: each adapter needs its own id")
             return
-        self._remember(lora.lora_int_id, load_adapter(lora.lora_path, self.config,
-                                                      self.max_lora_rank))
+        self.adapters[lora.lora_int_id] = load_adapter(lora.lora_path, self.config,
+                                                      self.max_lora_rank)
         self.requests[lora.lora_int_id] = lora
-
-    def _remember(self, lora_id: int, adapter: LoRAAdapter) -> None:
-        self._cache[lora_id] = adapter
-        self._cache.move_to_end(lora_id)
-        while len(self._cache) > self.max_loras:
-            self._cache.popitem(last=False)
-
-    def _adapter(self, lora_id: int) -> LoRAAdapter:
-        adapter = self._cache.get(lora_id)
-        if adapter is None:
-            adapter = load_adapter(self.requests[lora_id].lora_path, self.config,
-                                   self.max_lora_rank)
-        self._remember(lora_id, adapter)
-        return adapter
 
     def activate(self, lora_id: int, in_use: set[int]) -> int:
         """The slot of adapter `lora_id` (0 for no adapter), loading it into the least
@@ -113,7 +100,7 @@ class LoRASlots:
                                        f"running requests; the scheduler admits at most "
                                        f"max_loras adapters at once")
                 slot = self.slot_of.pop(victim)
-            self._write(slot, self._adapter(lora_id))
+            self._write(slot, self.adapters[lora_id])
         self.slot_of[lora_id] = slot
         return slot
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -173,8 +175,13 @@ def test_bad_lora_requests_are_refused_and_the_engine_keeps_serving(setup, tmp_p
         (LoRARequest("dora", 12, str(tmp_path / "dora")), "DoRA"),
         (LoRARequest("embed", 13, str(tmp_path / "embed")), "embed_tokens"),
         (LoRARequest("clash", 1, str(root / "a2")), "already adapter 'adapter1'"),
-        (LoRARequest("zero", 0, str(root / "a2")), "positive integer"),
+        (LoRARequest("zero", 0, str(root / "a2")), r"in \[1, 9223372036854775807\]"),
+        (LoRARequest("huge", 2**63, str(root / "a2")), r"in \[1, 9223372036854775807\]"),
+        (LoRARequest("path", 14, cast(Any, root / "a2")), "lora_path must be a str"),
+        (LoRARequest("listed", 15, str(tmp_path / "listed")), "must hold a JSON object"),
     ]
+    write_adapter(tmp_path / "listed", cfg, rank=4, alpha=4, targets=("q_proj",), seed=7)
+    (tmp_path / "listed" / "adapter_config.json").write_text("[]")
     _generate(setup, [[1, 2, 3]], [1])  # id 1 known at a1
     for lora, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -185,6 +192,28 @@ def test_bad_lora_requests_are_refused_and_the_engine_keeps_serving(setup, tmp_p
                      lora_request=[setup["requests"][1]])
     prompts = random_prompts(16, [6])
     _check(setup, prompts, [2], _generate(setup, prompts, [2]))
+    # A path refused as a Path is the same adapter as a str afterwards.
+    ok = LoRARequest("path", 14, str(root / "a2"))
+    _check(setup, prompts, [2], setup["llm"].generate(
+        [{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False, lora_request=ok))
+
+
+def test_an_adapter_is_read_once_its_files_may_go(setup, tmp_path):
+    """An adapter's weights are kept from its first request: put back into a slot after two
+    others took both, it runs although its directory is gone, and the engine stays up."""
+    shutil.copytree(setup["root"] / "a1", tmp_path / "copy")
+    copy_of_1 = LoRARequest("copy", 21, str(tmp_path / "copy"))
+    prompts = random_prompts(17, [7])
+    generate = setup["llm"].generate
+    outs = generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False,
+                    lora_request=copy_of_1)
+    _check(setup, prompts, [1], outs)
+    _generate(setup, prompts * 2, [2, 3])  # both slots taken by others
+    shutil.rmtree(tmp_path / "copy")
+    outs = generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False,
+                    lora_request=copy_of_1)
+    _check(setup, prompts, [1], outs)
+    _check(setup, prompts, [0], _generate(setup, prompts, [0]))
 
 
 def test_engine_settings_lora_refuses():

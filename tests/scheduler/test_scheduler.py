@@ -51,6 +51,7 @@ class Spec:
     eos_token_id: int | None = EOS
     stop_token_ids: list[int] = field(default_factory=list)
     arrival_step: int = 0
+    lora_int_id: int = 0
 
     def make(self) -> Request:
         return Request(
@@ -61,6 +62,7 @@ class Spec:
             ignore_eos=self.ignore_eos,
             eos_token_id=self.eos_token_id,
             stop_token_ids=self.stop_token_ids,
+            lora_int_id=self.lora_int_id,
         )
 
 
@@ -419,6 +421,35 @@ def test_a_windowed_prompt_needs_only_its_chunks_windows(
         smaller = Scheduler(replace(cfg, num_blocks=need))
         with pytest.raises(ValueError, match="KV blocks"):
             smaller.add_request(spec.make())
+
+
+def test_requests_needing_no_adapter_slot_pass_a_head_waiting_for_one() -> None:
+    """max_loras 1: a request with a second adapter waits for the first's requests to finish;
+    a request without an adapter and one with the running adapter start past it, and no step
+    runs two adapters."""
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=200,
+                          block_size=4, num_blocks=64, max_loras=1)
+    specs = [Spec("a", [1, 2, 3], max_tokens=30, ignore_eos=True, lora_int_id=1),
+             Spec("b", [4, 5, 6], max_tokens=5, ignore_eos=True, lora_int_id=2),
+             Spec("base", [7, 8], max_tokens=5, ignore_eos=True),
+             Spec("a2", [9, 10], max_tokens=5, ignore_eos=True, lora_int_id=1)]
+    sched = Scheduler(cfg)
+    for spec in specs:
+        sched.add_request(spec.make())
+    first: dict[str, int] = {}
+    lora_of = {s.rid: s.lora_int_id for s in specs}
+    for step in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        for item in out.scheduled:
+            first.setdefault(item.request_id, step)
+        assert len({lora_of[r.request_id] for r in sched.running} - {0}) <= 1
+        sched.update_from_output(out, {i.request_id: [7] for i in out.scheduled
+                                       if i.do_sample})
+    assert not sched.has_unfinished_requests()
+    assert first["a"] == first["base"] == first["a2"] == 0
+    assert first["b"] >= 30  # after a's 30 tokens
 
 
 # ---- stop conditions, with the sampled tokens scripted ------------------------------------

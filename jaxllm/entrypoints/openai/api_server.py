@@ -239,8 +239,8 @@ def openapi_schema(app: FastAPI, api_key: bool, model_name: str,
                    adapter_names: list[str] | None = None) -> dict[str, Any]:
     """FastAPI's schema of the routes, with what it cannot see: the bodies are read by
     `read_json`, not by FastAPI, so each POST route's request model is added here (`model`
-    narrowed to the served name, the only one not answered 404), with the error body of every
-    4xx/5xx the server answers."""
+    narrowed to the served name and the LoRA adapters' names, the only ones not answered
+    404), with the error body of every 4xx/5xx the server answers."""
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["ErrorResponse"] = _ERROR_SCHEMA
