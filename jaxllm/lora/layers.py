@@ -13,6 +13,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+# The decoder module holding each fused projection LoRA adds to.
+PARENT_MODULE = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
+                 "down_proj": "mlp"}
+
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, select: jax.Array) -> jax.Array:
     """x [T, in] through every slot's A [S, in, w], each token keeping only its own slot's
@@ -30,17 +34,20 @@ def apply_lora(weights: dict, slots: jax.Array, num_slots: int):
     int32, 1..num_slots; 0: none) to the projections `weights` holds (`LoRASlots`' tree)."""
     # Slot 0 is one_hot's out-of-range -1: a row of zeros.
     select = jax.nn.one_hot(slots - 1, num_slots, dtype=jnp.float32)
+    # The decoder's path to each projection the slots hold; each must be met exactly once,
+    # so a model whose modules are named or nested otherwise fails the trace, not the tokens.
+    want = {(layer, PARENT_MODULE[name], name) for layer, mods in weights.items()
+            for name in mods}
+    met: list[tuple[str, ...]] = []
 
     def intercept(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         out = next_fun(*args, **kwargs)
         module = context.module
-        if context.method_name != "__call__" or module.name is None:
+        path = tuple(module.path)
+        if context.method_name != "__call__" or path not in want:
             return out
-        path = module.path
-        layer = weights.get(path[0]) if len(path) >= 2 else None
-        w = None if layer is None else layer.get(module.name)
-        if w is None:
-            return out
+        met.append(path)
+        w = weights[path[0]][path[2]]
         delta = lora_delta(args[0], w["A"], w["B"], select)
         if isinstance(out, tuple):  # LinearDeferredBias: (x W^T, bias)
             return (out[0] + delta.astype(out[0].dtype), *out[1:])
@@ -48,3 +55,8 @@ def apply_lora(weights: dict, slots: jax.Array, num_slots: int):
 
     with nn.intercept_methods(intercept):
         yield
+    if sorted(met) != sorted(want):
+        missed = sorted(want - set(met))[:3]
+        raise RuntimeError(f"LoRA: the model's projections were not each met once while "
+                           f"tracing the step (missed, e.g. {missed}; met {len(met)} of "
+                           f"{len(want)})")
