@@ -13,10 +13,6 @@ import numpy as np
 import pytest
 
 from jaxllm import LoRARequest, SamplingParams
-from jaxllm.engine import EngineCoreRequest
-from jaxllm.engine.arg_utils import EngineArgs
-from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
-from scheduler.block_pool import hash_block_tokens
 from tests.lora_adapters import ATTENTION_MODULES, write_adapter
 from tests.utils import (
     compile_count,
@@ -216,16 +212,6 @@ def test_an_adapter_is_read_once_its_files_may_go(setup, tmp_path):
     _check(setup, prompts, [0], _generate(setup, prompts, [0]))
 
 
-def test_engine_settings_lora_refuses():
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
-        EngineArgs(enable_lora=True, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="speculative_config"):
-        EngineArgs(enable_lora=True, speculative_config={"method": "ngram",
-                                                         "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):
-        EngineArgs(enable_lora=True, max_lora_rank=0)
-
-
 def test_moe_model_is_refused_by_name(tmp_path):
     make_tiny_checkpoint(tmp_path, tied=False, arch="qwen2_moe")
     with pytest.raises(ValueError, match="Qwen2MoeForCausalLM"):
@@ -245,20 +231,6 @@ def test_lora_request_without_enable_lora_is_refused(setup):
     llm.shutdown()
 
 
-def test_lora_request_travels_to_a_core_process():
-    req = EngineCoreRequest(request_id="r", prompt_token_ids=[1, 2], sampling_params=_params(),
-                            eos_token_ids=[0], max_tokens=4,
-                            lora_request=LoRARequest("a", 7, "/x"))
-    back = MsgpackDecoder(EngineCoreRequest).decode(MsgpackEncoder().encode(req))
-    assert back.lora_request == LoRARequest("a", 7, "/x")
-
-
-def test_block_hash_keys_on_the_adapter():
-    tokens = list(range(16))
-    assert hash_block_tokens(None, tokens, 0) == hash_block_tokens(None, tokens)
-    assert len({hash_block_tokens(None, tokens, i) for i in (0, 1, 2)}) == 3
-
-
 def test_interpret_backend_in_a_core_process(setup):
     # The Pallas kernels in interpret mode (Qwen2's q/k/v bias then rides to the RoPE kernel
     # apart from the GEMM) and the core in its own process: the adapters cross the wire.
@@ -275,23 +247,3 @@ def test_interpret_backend_in_a_core_process(setup):
         llm.shutdown()
 
 
-def test_server_lora_modules_name_models():
-    from types import SimpleNamespace
-
-    from jaxllm.entrypoints.cli.serve import parse_lora_modules
-    from jaxllm.entrypoints.openai.protocol import APIError
-    from jaxllm.entrypoints.openai.serving_engine import OpenAIServing
-
-    mods = parse_lora_modules(["sql=/adapters/sql", "chat=/adapters/chat"])
-    assert [(m.lora_name, m.lora_int_id) for m in mods.values()] == [("sql", 1), ("chat", 2)]
-    for bad in (["nopath"], ["a=/x", "a=/y"]):
-        with pytest.raises(ValueError, match="--lora-modules"):
-            parse_lora_modules(bad)
-    serving = SimpleNamespace(model_name="base", lora_modules=mods)
-    assert OpenAIServing.check_model(serving, None) is None
-    assert OpenAIServing.check_model(serving, "base") is None
-    assert OpenAIServing.check_model(serving, "chat") == mods["chat"]
-    assert OpenAIServing.response_model(serving, "chat") == "chat"
-    assert OpenAIServing.response_model(serving, None) == "base"
-    with pytest.raises(APIError, match="`base`, `sql`, `chat`"):
-        OpenAIServing.check_model(serving, "other")
