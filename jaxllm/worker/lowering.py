@@ -11,6 +11,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxllm.lora.layers import apply_lora
+from jaxllm.lora.slots import LoRASlots
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
 from jaxllm.model_executor.layers.rotary_embedding import rope_variables
@@ -23,12 +25,14 @@ from pallas_kernels.common import lower_for_cuda
 def lower_step_for_cuda(config: ModelConfig, num_tokens: int, decode: bool, *,
                         query_len: int = 1, dtype: Any = jnp.bfloat16, block_size: int = 16,
                         num_blocks: int = 4096, max_model_len: int = 4096,
-                        max_num_seqs: int = 64) -> jax.stages.Lowered:
+                        max_num_seqs: int = 64, lora: tuple[int, int] | None = None
+                        ) -> jax.stages.Lowered:
     """The runner's step with the Pallas kernels, lowered for CUDA from abstract inputs: a
     decode bucket of `num_tokens` sequences (split-K attention as the runner sizes it), a
     speculative-decoding verify bucket (`decode` with `query_len` 1 + k: num_tokens / query_len
     sequences of query_len tokens, max_query_len query_len, a logits row per token, unsplit
-    attention) or a prefill bucket of `num_tokens` tokens."""
+    attention) or a prefill bucket of `num_tokens` tokens. `lora` (max_loras, max_lora_rank):
+    with the LoRA adapters' slots, as an engine with enable_lora runs it."""
     if query_len < 1 or num_tokens % query_len or (query_len > 1 and not decode):
         raise ValueError(f"query_len must be >= 1, divide num_tokens ({num_tokens}) and be 1 "
                          f"for a prefill bucket, got {query_len} (decode={decode})")
@@ -52,5 +56,14 @@ def lower_step_for_cuda(config: ModelConfig, num_tokens: int, decode: bool, *,
                            max_query_len=query_len if decode else num_tokens, num_splits=splits)
     kv = jax.ShapeDtypeStruct(kv_cache_shape(config, num_blocks, block_size), dtype)
     rope = jax.eval_shape(lambda: rope_variables(config))
-    return lower_for_cuda(fn, (abstract_params(model), rope, kv, i32(num_tokens),
-                               i32(num_tokens), attn_metadata), donate_argnums=2)
+    args = (abstract_params(model), rope, kv, i32(num_tokens), i32(num_tokens), attn_metadata)
+    if lora is None:
+        return lower_for_cuda(fn, args, donate_argnums=2)
+    slots = LoRASlots(config, *lora, dtype)
+
+    def with_lora(params, rope, kv, input_ids, positions, attn_metadata, weights, token_slots):
+        with apply_lora(weights, token_slots, slots.num_slots):
+            return fn(params, rope, kv, input_ids, positions, attn_metadata)
+
+    return lower_for_cuda(with_lora, (*args, slots.abstract(), i32(num_tokens)),
+                          donate_argnums=2)

@@ -154,6 +154,17 @@ def test_model_step_has_one_triton_module_per_kernel_kind(phase, num_tokens) -> 
         assert lowered.out_info[3].shape == (num_tokens, config.vocab_size)
 
 
+def test_step_with_lora_slots_lowers_with_the_same_kernels() -> None:
+    # LoRA adds XLA matmuls beside the projections: the Pallas kernels are the plain step's.
+    config = _step_config(2)
+    plain = triton_modules(lower_step_for_cuda(config, 8, True))
+    lowered = lower_step_for_cuda(config, 8, True, lora=(2, 16))
+    assert triton_modules(lowered) == plain
+    text = lowered.as_text()
+    assert text.count("stablehlo.dot_general") > \
+        lower_step_for_cuda(config, 8, True).as_text().count("stablehlo.dot_general")
+
+
 def test_step_query_len_is_checked() -> None:
     config = _step_config(1)
     for num_tokens, decode, query_len in ((48, True, 5), (48, False, 6), (48, True, 0)):
