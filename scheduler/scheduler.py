@@ -38,6 +38,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}"
             )
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0 (0: no LoRA), got {self.max_loras}")
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:

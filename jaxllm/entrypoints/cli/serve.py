@@ -164,6 +164,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if args.enable_lora and not lora_modules:
+        # A request names an adapter only through --lora-modules: the slots cost every step.
+        log.warning("--enable-lora without --lora-modules: no request can name an adapter, "
+                    "and every step still computes the adapter slots")
     if args.max_structured_output_depth > 512:  # counted by recursion in Python
         raise ValueError(f"--max-structured-output-depth must be at most 512, got "
                          f"{args.max_structured_output_depth}")
