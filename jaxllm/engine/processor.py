@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from jaxllm.engine import EngineCoreInfo, EngineCoreRequest
 from jaxllm.lora.adapter import load_adapter
-from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.request import LoRARequest, check_same_adapter
 from jaxllm.pooling_params import PoolingParams, wrong_runner
 from jaxllm.reasoning import THINK_END, THINK_START
 from jaxllm.sampling_params import INT64_MAX, RequestOutputKind, SamplingParams
@@ -201,12 +201,7 @@ class Processor:
             if not isinstance(getattr(lora, name), str):
                 raise ValueError(f"LoRARequest.{name} must be a str, got "
                                  f"{type(getattr(lora, name)).__name__}")
-        known = self._loras.get(lora.lora_int_id)
-        if known is not None:
-            if known.lora_path != lora.lora_path:
-                raise ValueError(f"lora_int_id {lora.lora_int_id} is already adapter "
-                                 f"{known.lora_name!r} at {known.lora_path!r}, not "
-                                 f"{lora.lora_path!r}: each adapter needs its own id")
+        if check_same_adapter(self._loras.get(lora.lora_int_id), lora):
             return
         load_adapter(lora.lora_path, self.model_config, self.max_lora_rank)
         self._loras[lora.lora_int_id] = lora

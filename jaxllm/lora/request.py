@@ -25,3 +25,15 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def path(self) -> str:
         return self.lora_path
+
+
+def check_same_adapter(known: LoRARequest | None, lora: LoRARequest) -> bool:
+    """Whether `lora`'s id is already known (`known`, the request first seen with it); a
+    ValueError when that id names another adapter's path."""
+    if known is None:
+        return False
+    if known.lora_path != lora.lora_path:
+        raise ValueError(f"lora_int_id {lora.lora_int_id} is already adapter "
+                         f"{known.lora_name!r} at {known.lora_path!r}, not "
+                         f"{lora.lora_path!r}: each adapter needs its own id")
+    return True

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxllm.lora.adapter import FUSED_PARTS, LoRAAdapter, load_adapter, module_dims
-from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.request import LoRARequest, check_same_adapter
 from jaxllm.model_executor.config import ModelConfig
 
 # Fused projection -> its PEFT parts in output order.
@@ -71,12 +71,7 @@ class LoRASlots:
     def register(self, lora: LoRARequest) -> None:
         """Read and check a request's adapter (ValueError if it does not fit the model), once
         per adapter id."""
-        known = self.requests.get(lora.lora_int_id)
-        if known is not None:
-            if known.lora_path != lora.lora_path:
-                raise ValueError(f"lora_int_id {lora.lora_int_id} is already adapter "
-                                 f"{known.lora_name!r} at {known.lora_path!r}, not "
-                                 f"{lora.lora_path!r}: each adapter needs its own id")
+        if check_same_adapter(self.requests.get(lora.lora_int_id), lora):
             return
         self.adapters[lora.lora_int_id] = load_adapter(lora.lora_path, self.config,
                                                       self.max_lora_rank)
