@@ -131,9 +131,9 @@ def _read_response(s: socket.socket) -> bytes:
 
 
 def test_an_idle_kept_alive_connection_outlives_the_header_timeout(server):
-    """Between requests only the keep-alive timeout applies (uvicorn's, 5 s): a connection
-    idle longer than the header timeout still serves its next request, while the next
-    request's headers, once begun, get the header timeout again."""
+    """Between requests only the keep-alive timeout applies (the server's, KEEP_ALIVE_S): a
+    connection idle longer than the header timeout still serves its next request, while the
+    next request's headers, once begun, get the header timeout again."""
     get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
     with socket.create_connection(("127.0.0.1", server.port), timeout=HEADER_TIMEOUT_S + 10) as s:
         s.sendall(get)
