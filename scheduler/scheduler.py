@@ -296,7 +296,9 @@ class Scheduler:
             if self._lora_full(request):
                 # It waits for a running adapter's requests to finish; requests that need no
                 # adapter slot (none, or one running) go ahead of it meanwhile, vLLM's rule.
-                request = next((r for r in self.waiting if not self._lora_full(r)), None)
+                running = self._running_loras()
+                request = next((r for r in self.waiting
+                                if not r.lora_int_id or r.lora_int_id in running), None)
                 if request is None:
                     break
             computed_blocks, num_hit = kv.get_computed_blocks(request)
@@ -332,8 +334,11 @@ class Scheduler:
         lora = request.lora_int_id
         if not lora or not self.config.max_loras:
             return False
-        running = {r.lora_int_id for r in self.running} - {0}
+        running = self._running_loras()
         return lora not in running and len(running) >= self.config.max_loras
+
+    def _running_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.running} - {0}
 
     def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
         """Lookahead slots for the request after `num_new` more tokens, within max_model_len."""
