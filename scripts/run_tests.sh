@@ -20,6 +20,9 @@ JAX011_IGNORE=(
     tests/model/test_olmo2_models.py
     tests/engine/test_data_parallel_ray.py tests/lora/test_lora.py
 )
+# The first lane leaves to the second what a GPU machine checks with the second lane's JAX
+# (0.11.2): compiling every kernel to sm_90a machine code with pip triton.
+LANE1_IGNORE=(tests/kernels/test_compile.py)
 
 if [ "${1:-}" = "--jax011" ]; then
     shift
@@ -30,4 +33,4 @@ fi
 bash scripts/ensure_venv.sh
 .venv/bin/ruff check .
 .venv/bin/basedpyright -p .  # the repo's config only, never a pyrightconfig.json above it
-exec .venv/bin/python -m pytest -q --durations=30 "$@"  # the slowest tests, for the suite budget
+exec .venv/bin/python -m pytest -q --durations=30 "${LANE1_IGNORE[@]/#/--ignore=}" "$@"  # the slowest tests, for the suite budget
