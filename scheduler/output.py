@@ -13,10 +13,10 @@ class ScheduledRequest:
     """One request's share of a step: compute `token_ids` at positions
     `start_position, start_position + 1, ...`.
 
-    The runner keeps each running request's block table (its persistent batch): a request
-    scheduled `is_new` brings its whole table in `new_block_ids`; a continuing one only the
-    blocks allocated this step, to append. Slot of position p: table[p // block_size] *
-    block_size + p % block_size. The table covers at least `start_position + len(token_ids)`
+    The runner keeps each running request's block tables, one per KV cache group (its
+    persistent batch): a request scheduled `is_new` brings its whole tables in
+    `new_block_ids`; a continuing one only the blocks allocated this step, to append. Slot of
+    position p in a group: table[p // block_size] * block_size + p % block_size. The table covers at least `start_position + len(token_ids)`
     tokens; the KV of positions below `start_position` is already in it.
     """
 
@@ -24,7 +24,7 @@ class ScheduledRequest:
     token_ids: list[int]
     # The request's num_computed_tokens before this step.
     start_position: int
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # one list per KV cache group
     # False for a prefill chunk that stops short of the end of the sequence: no token is
     # sampled from it (vLLM V0's do_sample).
     do_sample: bool
@@ -67,7 +67,7 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     # Requests whose block table lost its last blocks since the previous schedule() (the
     # blocks of rejected draft tokens went back to the pool): request id -> blocks kept. The
-    # runner cuts its table there before appending this step's new blocks.
+    # runner cuts its tables (every group's) there before appending this step's new blocks.
     truncated_block_tables: dict[str, int] = field(default_factory=dict)
     # Prefix-cache hit tokens of the requests taken from the waiting queue this step.
     num_cached_tokens: dict[str, int] = field(default_factory=dict)

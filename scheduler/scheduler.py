@@ -24,9 +24,10 @@ class SchedulerConfig:
     # Speculative decoding with a draft model: slots a request keeps past its scheduled tokens,
     # where the draft model writes the KV of its drafts before the target sees them.
     num_lookahead_tokens: int = 0
-    # Every layer's attention window (None: some layer sees the whole context): a request's
-    # blocks wholly before its next query's window are freed as it advances.
-    sliding_window: int | None = None
+    # Each KV cache group's attention window, None for full attention
+    # (KVCacheManager's group_windows): in a sliding group a request's blocks wholly before its
+    # next query's window are freed as it advances.
+    kv_group_windows: tuple[int | None, ...] = (None,)
     # LoRA: most distinct adapters among the running requests (0: no LoRA).
     max_loras: int = 0
 
@@ -87,7 +88,7 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching,
-            config.sliding_window,
+            config.kv_group_windows,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -132,7 +133,7 @@ class Scheduler:
                 f"max_model_len={cfg.max_model_len}"
             )
         need = prompt_blocks_needed(request.num_prompt_tokens, cfg.block_size,
-                                    cfg.sliding_window, cfg.max_num_batched_tokens)
+                                    cfg.kv_group_windows, cfg.max_num_batched_tokens)
         have = self.num_usable_blocks
         if need > have:
             raise ValueError(
@@ -261,7 +262,7 @@ class Scheduler:
                     drafts, lookahead = [], 0
                     continue
                 if len(self.running) == 1:
-                    if kv.sliding_window is not None and request.num_inflight_tokens:
+                    if kv.frees_behind_windows and request.num_inflight_tokens:
                         # The step in flight frees the blocks behind its window when it
                         # lands: wait for it rather than end the request.
                         scheduled = False
@@ -279,7 +280,8 @@ class Scheduler:
             if not scheduled:
                 break
             assert new_blocks is not None  # the loop above exits with blocks or unscheduled
-            self._add_to_output(out, request, num_new, [b.block_id for b in new_blocks],
+            self._add_to_output(out, request, num_new,
+                                tuple([b.block_id for b in blocks] for blocks in new_blocks),
                                 is_new=False, drafts=drafts)
             budget -= num_new
             i += 1
@@ -366,7 +368,7 @@ class Scheduler:
         out: SchedulerOutput,
         request: Request,
         num_new: int,
-        new_block_ids: list[int],
+        new_block_ids: tuple[list[int], ...],
         is_new: bool,
         drafts: Sequence[int] = (),
     ) -> None:

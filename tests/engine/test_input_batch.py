@@ -90,7 +90,7 @@ def test_persistent_inputs_equal_stateless_construction(data):
             batch.update_states(so)
             # The batch holds exactly the running requests, each with the manager's table.
             assert set(batch.req_id_to_row) == {r.request_id for r in sched.running}
-            tables = {rid: kv.get_block_ids(rid) for rid in batch.req_id_to_row}
+            tables = {rid: kv.get_block_ids(rid)[0] for rid in batch.req_id_to_row}
             for rid, table in tables.items():
                 assert batch.block_ids(rid) == table
             if so.is_empty:

@@ -85,8 +85,8 @@ def test_prefix_hits_for_shared_prefixes() -> None:
     # Shares the two full blocks, then diverges.
     b = make_request("b", base[:8] + [1, 2, 3])
     assert prefill(mgr, b) == 8
-    assert mgr.get_block_ids("b")[:2] == mgr.get_block_ids("a")[:2]
-    assert mgr.block_pool.blocks[mgr.get_block_ids("a")[0]].ref_cnt == 2
+    assert mgr.get_block_ids("b")[0][:2] == mgr.get_block_ids("a")[0][:2]
+    assert mgr.block_pool.blocks[mgr.get_block_ids("a")[0][0]].ref_cnt == 2
     assert mgr.num_free_blocks == 31 - 3 - 1
 
     # Diverges inside the first block: nothing to share.
@@ -119,7 +119,7 @@ def test_freed_cached_blocks_stay_findable_until_reused_lru() -> None:
     reqs = {n: make_request(n, [i] * BS + [0]) for i, n in enumerate("abc", start=1)}
     for r in reqs.values():
         assert prefill(mgr, r) == 0
-    full_block = {n: mgr.get_block_ids(n)[0] for n in reqs}
+    full_block = {n: mgr.get_block_ids(n)[0][0] for n in reqs}
     assert mgr.num_free_blocks == 0
     for n in "bac":  # b is freed first, so its cached block is the first to go
         mgr.free(reqs[n])
@@ -150,9 +150,10 @@ def test_hit_on_free_block_touches_it() -> None:
     mgr.free(a)
     assert mgr.num_free_blocks == 7
     b = make_request("b", [5] * 9)
-    blocks, num_hit = mgr.get_computed_blocks(b)
+    hits, num_hit = mgr.get_computed_blocks(b)
+    (blocks,) = hits
     assert num_hit == 8 and all(blk.ref_cnt == 0 for blk in blocks)
-    assert mgr.allocate_slots(b, 1, blocks) is not None
+    assert mgr.allocate_slots(b, 1, hits) is not None
     assert all(blk.ref_cnt == 1 for blk in blocks)
     assert all(blk.block_id not in mgr.block_pool.free_queue for blk in blocks)
     assert mgr.num_free_blocks == 7 - 3
@@ -164,7 +165,7 @@ def test_allocate_fails_cleanly_when_short() -> None:
     assert prefill(mgr, a) == 0
     b = make_request("b", [2] * 5)
     assert mgr.allocate_slots(b, 5) is None
-    assert mgr.get_block_ids("b") == [] and mgr.num_free_blocks == 0
+    assert mgr.get_block_ids("b")[0] == [] and mgr.num_free_blocks == 0
     mgr.free(a)
     # A hit on a free block counts against the free blocks too: 2 hits + 1 new = 3.
     c = make_request("c", [1] * 9)
@@ -220,7 +221,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.counter = 0
 
     def _write(self, req: Request, start: int, end: int) -> None:
-        ids = self.mgr.get_block_ids(req.request_id)
+        ids = self.mgr.get_block_ids(req.request_id)[0]
         for pos in range(start, end):
             self.fake_kv[ids[pos // BS]][pos % BS] = req.all_token_ids[pos]
         toks = req.all_token_ids[:end]
@@ -240,7 +241,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         req = make_request(f"r{self.counter}", prompt)
         blocks, num_hit = self.mgr.get_computed_blocks(req)
         assert num_hit % BS == 0 and num_hit <= len(prompt) - 1
-        for i, blk in enumerate(blocks):
+        for i, blk in enumerate(blocks[0]):
             assert self.fake_kv[blk.block_id] == prompt[i * BS : i * BS + BS]
         # Every full block a live request computed since the last reset must be found.
         expect = 0
@@ -250,7 +251,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             expect = max(expect, min(shared // BS, (len(prompt) - 1) // BS) * BS)
         assert num_hit >= expect
         if self.mgr.allocate_slots(req, len(prompt) - num_hit, blocks) is None:
-            assert self.mgr.get_block_ids(req.request_id) == []
+            assert self.mgr.get_block_ids(req.request_id)[0] == []
             return
         self._write(req, num_hit, len(prompt))
         req.num_computed_tokens = len(prompt)
@@ -289,7 +290,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         pool = self.mgr.block_pool
         holders: Counter[int] = Counter()
         for rid, req in self.live.items():
-            ids = self.mgr.get_block_ids(rid)
+            ids = self.mgr.get_block_ids(rid)[0]
             assert len(ids) == len(set(ids)), "a block held twice by one request"
             assert NULL_BLOCK_ID not in ids
             assert len(ids) == -(-req.num_computed_tokens // BS)

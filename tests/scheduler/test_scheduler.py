@@ -88,7 +88,7 @@ class FakeRunner:
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.bs = cfg.block_size
         # A windowed model reads only the last `window` positions through its table.
-        self.window = cfg.sliding_window
+        (self.window,) = cfg.kv_group_windows
         self.kv: list[list[int | None]] = [[None] * self.bs for _ in range(cfg.num_blocks)]
         # Block tables kept as a runner keeps them: only from each step's new_block_ids.
         self.tables: dict[str, list[int]] = {}
@@ -99,9 +99,9 @@ class FakeRunner:
         for item in out.scheduled:
             if item.is_new:
                 assert item.request_id not in self.tables
-                self.tables[item.request_id] = list(item.new_block_ids)
+                self.tables[item.request_id] = list(item.new_block_ids[0])
             else:
-                self.tables[item.request_id].extend(item.new_block_ids)
+                self.tables[item.request_id].extend(item.new_block_ids[0])
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         bs = self.bs
@@ -135,8 +135,8 @@ def check_pool(sched: Scheduler) -> None:
     kv = sched.kv_cache_manager
     pool = kv.block_pool
     holders: Counter[int] = Counter()
-    for ids in map(kv.get_block_ids, kv.req_to_blocks):
-        if sched.config.sliding_window:
+    for (ids,) in map(kv.get_block_ids, kv.req_to_blocks):
+        if sched.config.kv_group_windows[0]:
             # Blocks out of the window are freed: the null block holds their place.
             held = [b for b in ids if b != NULL_BLOCK_ID]
             assert ids[:len(ids) - len(held)] == [NULL_BLOCK_ID] * (len(ids) - len(held))
@@ -169,7 +169,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput, tables: dict[str, list[in
     for rid in out.preempted_req_ids:
         req = sched.requests[rid]
         assert req.status == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
-        assert sched.kv_cache_manager.get_block_ids(rid) == []
+        assert sched.kv_cache_manager.get_block_ids(rid)[0] == []
     for item in out.scheduled:
         req = sched.requests[item.request_id]
         start, n = item.start_position, item.num_tokens
@@ -180,12 +180,12 @@ def check_step(sched: Scheduler, out: SchedulerOutput, tables: dict[str, list[in
         table = tables[item.request_id]
         assert len(table) * bs >= start + n
         assert len(table) == -(-(start + n) // bs)
-        held = sched.kv_cache_manager.get_block_ids(item.request_id)
-        if cfg.sliding_window:
+        held = sched.kv_cache_manager.get_block_ids(item.request_id)[0]
+        if cfg.kv_group_windows[0]:
             # The runner keeps a freed block's id; the scheduler frees only blocks wholly
             # before the window of the step's first query.
             freed = [i for i, b in enumerate(held) if b == NULL_BLOCK_ID]
-            assert all((i + 1) * bs <= start - cfg.sliding_window + 1 for i in freed)
+            assert all((i + 1) * bs <= start - cfg.kv_group_windows[0] + 1 for i in freed)
             stats.freed_blocks = max(stats.freed_blocks, len(freed))
             held = [t if h == NULL_BLOCK_ID else h for t, h in zip(table, held, strict=True)]
         assert table == held
@@ -353,7 +353,7 @@ def test_sliding_window_frees_blocks_behind_it(
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=mml,
         block_size=block_size, num_blocks=1 + -(-mml // block_size) + extra_blocks,
-        enable_prefix_caching=caching, sliding_window=window,
+        enable_prefix_caching=caching, kv_group_windows=(window,),
     )
     specs = random_specs(seed, n=8, max_prompt=mml)
     results, stats = run(cfg, specs)
@@ -366,7 +366,7 @@ def test_sliding_window_prefix_hit_needs_only_the_window() -> None:
     """The first blocks of a finished windowed prompt are evicted first (freed first); a later
     prompt sharing it still hits, since only the blocks in its first query's window count."""
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
-                          block_size=4, num_blocks=13, sliding_window=8)
+                          block_size=4, num_blocks=13, kv_group_windows=(8,))
     rng = random.Random(5)
     shared = [rng.randrange(1, VOCAB) for _ in range(40)]
     specs = [Spec("a", shared, max_tokens=1),
@@ -382,7 +382,7 @@ def test_sliding_window_runs_past_the_pool() -> None:
     """A request longer than the whole KV pool finishes on its own max_tokens, not the pool's
     length: only its window's blocks are held."""
     cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=200,
-                          block_size=4, num_blocks=8, sliding_window=9)
+                          block_size=4, num_blocks=8, kv_group_windows=(9,))
     specs = [Spec("long", [5, 6, 7, 8, 9, 10], max_tokens=120, ignore_eos=True),
              Spec("other", [3, 4], max_tokens=40, ignore_eos=True, arrival_step=30)]
     results, stats = run(cfg, specs)
@@ -406,11 +406,11 @@ def test_a_windowed_prompt_needs_only_its_chunks_windows(
     """In the smallest pool `prompt_blocks_needed` accepts, a windowed prompt, however much
     longer than the pool, is computed chunk by chunk to its first token, the windowed
     reference's; one block fewer is refused."""
-    need = prompt_blocks_needed(prompt_len, block_size, window, budget)
+    need = prompt_blocks_needed(prompt_len, block_size, (window,), budget)
     assert need <= -(-prompt_len // block_size)
     cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=budget, max_model_len=200,
                           block_size=block_size, num_blocks=1 + need,
-                          enable_prefix_caching=caching, sliding_window=window)
+                          enable_prefix_caching=caching, kv_group_windows=(window,))
     rng = random.Random(seed)
     spec = Spec("p", [rng.randrange(1, VOCAB) for _ in range(prompt_len)], max_tokens=1,
                 ignore_eos=True)
@@ -837,14 +837,14 @@ def test_drafts_accepted_and_rejected_advance_computed_tokens() -> None:
     sched.update_from_output(sched.schedule(), {"b": [4]})
     out = _decode_with_drafts(sched, "b", [5, 6, 7, 8, 10])
     assert out.scheduled[0].num_draft_tokens == 5
-    assert len(sched.kv_cache_manager.get_block_ids("b")) == 3  # positions 0..8
+    assert len(sched.kv_cache_manager.get_block_ids("b")[0]) == 3  # positions 0..8
     free = sched.kv_cache_manager.block_pool.num_free_blocks
     (o,) = sched.update_from_output(out, {"b": [5, 9]})  # draft 5 accepted, 6 rejected
     assert (o.new_token_ids, o.num_draft_tokens, o.num_accepted_tokens) == ([5, 9], 5, 1)
     req = sched.requests["b"]
     assert req.num_computed_tokens == 5 and req.all_token_ids == [1, 2, 3, 4, 5, 9]
     # Positions 0..5 need two blocks: the third goes back, and the runner learns it.
-    assert len(sched.kv_cache_manager.get_block_ids("b")) == 2
+    assert len(sched.kv_cache_manager.get_block_ids("b")[0]) == 2
     assert sched.kv_cache_manager.block_pool.num_free_blocks == free + 1
     out = sched.schedule()
     (item,) = out.scheduled
@@ -891,9 +891,9 @@ def test_requests_whose_drafts_fill_blocks_never_share_their_hashes() -> None:
     a, b = sched.requests["a"], sched.requests["b"]
     assert a.block_hashes[1] != b.block_hashes[1]
     hits, num_hit = kv.get_computed_blocks(Request("c", a.all_token_ids, max_tokens=2))
-    assert num_hit == 8 and hits[1].block_id == kv.get_block_ids("a")[1]
+    assert num_hit == 8 and hits[0][1].block_id == kv.get_block_ids("a")[0][1]
     hits, num_hit = kv.get_computed_blocks(Request("d", b.all_token_ids, max_tokens=2))
-    assert num_hit == 8 and hits[1].block_id == kv.get_block_ids("b")[1]
+    assert num_hit == 8 and hits[0][1].block_id == kv.get_block_ids("b")[0][1]
 
 
 def test_drafts_capped_by_max_tokens_and_budget() -> None:
@@ -985,7 +985,7 @@ def test_sliding_window_async_waits_for_the_step_in_flight() -> None:
     # 3 usable blocks of 2: a step for position q holds q - 4 .. q, which fits; one scheduled
     # for q + 1 while q's is in flight holds q - 4 .. q + 1 until q's step lands: 4 blocks.
     cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=4, max_model_len=200,
-                          block_size=2, num_blocks=4, sliding_window=5)
+                          block_size=2, num_blocks=4, kv_group_windows=(5,))
     sched = Scheduler(cfg)
     sched.add_request(Request("r", [3, 4, 5, 6], max_tokens=60, ignore_eos=True))
     tokens: list[int] = []
