@@ -303,6 +303,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     reasoning_parser: str | None = None  # jaxllm/reasoning.py REASONING_PARSERS
+    # A model mixing full and sliding-window layers gets a KV cache group per kind
+    # (model_executor/kv_cache_groups.py); False: one group, nothing freed behind a window.
+    hybrid_kv_cache: bool = True
 
     @property
     def parallel_config(self) -> ParallelConfig:

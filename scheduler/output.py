@@ -16,8 +16,9 @@ class ScheduledRequest:
     The runner keeps each running request's block tables, one per KV cache group (its
     persistent batch): a request scheduled `is_new` brings its whole tables in
     `new_block_ids`; a continuing one only the blocks allocated this step, to append. Slot of
-    position p in a group: table[p // block_size] * block_size + p % block_size. The table covers at least `start_position + len(token_ids)`
-    tokens; the KV of positions below `start_position` is already in it.
+    position p in a group: table[p // block_size] * block_size + p % block_size. Each table
+    covers at least `start_position + len(token_ids)` tokens; the KV of positions below
+    `start_position` is already in it.
     """
 
     request_id: str

@@ -128,8 +128,9 @@ class EngineCoreInfo(msgspec.Struct):
     eos_token_ids: list[int]  # from the model's config
     bucket_shapes: list[tuple[int, int]]
     compile_time_s: float
-    # The scheduler's window when every layer slides (it frees the blocks behind it), else None.
-    sliding_window: int | None = None
+    # The scheduler's KV cache groups' windows (None: full attention; a sliding group frees
+    # the blocks behind its window).
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
     @property
     def num_usable_blocks(self) -> int:

@@ -113,6 +113,11 @@ class EngineArgs:
         512, "token budget per step (longer prompts are prefilled in chunks)")
     max_n: int = _arg(128, "most sequences one request may ask for (SamplingParams.n)")
     enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False, "a model mixing full and sliding-window layers (Gemma 2/3) keeps every layer's "
+               "KV of every token, as if none slid; default: its sliding layers free the "
+               "blocks behind their window, and a block holds one group of layers "
+               "(docs/architecture.md, KV cache groups)")
     seed: int = _arg(0, "seeds requests that bring no seed of their own")
     skip_tokenizer_init: bool = _arg(False, "no tokenizer: token-id prompts only, no text")
     show_progress: bool = _arg(True, "loading and compiling progress bars")
@@ -457,6 +462,9 @@ class EngineArgs:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_n=self.max_n,
             enable_prefix_caching=self.enable_prefix_caching, seed=self.seed,
+            # A draft model reads the target's block tables with its own attention.
+            hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager and (
+                spec is None or spec.method != "draft_model"),
             enable_lora=self.enable_lora, max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
             skip_tokenizer_init=self.skip_tokenizer_init, show_progress=self.show_progress,

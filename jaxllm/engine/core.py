@@ -147,8 +147,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             num_lookahead_tokens=0 if spec is None or not use_draft_model
             else spec.num_speculative_tokens,
-            # A draft model reads the same block tables with its own attention.
-            sliding_window=None if use_draft_model else model_config.every_layer_window,
+            kv_group_windows=self.runner.kv_groups.windows,
             max_loras=config.max_loras if config.enable_lora else 0))
         self.info = EngineCoreInfo(
             config=config, model_config=model_config, max_model_len=max_model_len,
@@ -156,7 +155,7 @@ class EngineCore:
             eos_token_ids=list(model_config.eos_token_ids) or (
                 [] if model_config.eos_token_id is None else [model_config.eos_token_id]),
             bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s,
-            sliding_window=self.scheduler.config.sliding_window)
+            kv_group_windows=self.scheduler.config.kv_group_windows)
         self.sampling_states = SamplingStates()
         # Built at the first constrained request (loads the tokenizer then).
         self.structured_output_manager: StructuredOutputManager | None = None

@@ -92,7 +92,7 @@ class Processor:
         self.max_model_len = info.max_model_len
         self.block_size = info.config.block_size
         self.num_usable_blocks = info.num_usable_blocks
-        self.sliding_window = info.sliding_window
+        self.kv_group_windows = info.kv_group_windows
         self.max_num_batched_tokens = info.config.max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self.max_n = max_n
@@ -345,7 +345,7 @@ class Processor:
         self._check_truncation(params.truncate_prompt_tokens, "SamplingParams")
 
     def _check_fits(self, num_prompt: int) -> None:
-        need = prompt_blocks_needed(num_prompt, self.block_size, self.sliding_window,
+        need = prompt_blocks_needed(num_prompt, self.block_size, self.kv_group_windows,
                                     self.max_num_batched_tokens)
         if need > self.num_usable_blocks:
             raise ValueError(f"the prompt of {num_prompt} tokens needs {need} KV blocks of "

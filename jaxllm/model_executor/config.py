@@ -290,13 +290,6 @@ class ModelConfig:
         """The window of layer `layer`'s attention; None: the whole context."""
         return None if layer in self.full_attention_layers else self.sliding_window
 
-    @property
-    def every_layer_window(self) -> int | None:
-        """The window when every layer slides (then KV blocks before it can be freed); None
-        when some layer sees the whole context."""
-        windows = {self.layer_sliding_window(i) for i in range(self.num_hidden_layers)}
-        return None if None in windows else max(w for w in windows if w is not None)
-
     def max_attended_keys(self, max_model_len: int) -> int:
         """The most keys any layer's query sees in a context of max_model_len tokens: the
         window when every layer slides (what sizes split-K decode)."""

@@ -114,7 +114,8 @@ class DraftModelProposer:
             drafts[i].append(int(tokens[j]))
         for step in range(1, k):
             scheduled = [ScheduledRequest(ids[i], [drafts[i][-1]],
-                                          requests[i].num_tokens + step - 1, [], True, False)
+                                          requests[i].num_tokens + step - 1, ([],), True,
+                                          False)
                          for i in active]
             tokens = self._greedy(scheduled)
             for j, i in enumerate(active):
@@ -166,7 +167,7 @@ class DraftModelProposer:
                 budget -= n
                 done = start + n == r.num_tokens
                 scheduled.append(ScheduledRequest(r.request_id, r.all_token_ids[start:start + n],
-                                                  start, [], done, False))
+                                                  start, ([],), done, False))
             tokens = self._greedy(scheduled)
             j = 0
             for item in scheduled:

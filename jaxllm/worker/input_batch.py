@@ -29,6 +29,7 @@ class DeviceInputs:
 
     input_ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int32
+    # With several KV cache groups these two lead with a group axis ([G, T], [G, S, blocks]).
     slot_mapping: np.ndarray  # [T] int32, -1 for padding
     block_tables: np.ndarray  # [S, max_blocks_per_seq] int32
     seq_lens: np.ndarray  # [S] int32, 0 for padding
@@ -39,12 +40,13 @@ class DeviceInputs:
 
     @staticmethod
     def shapes(num_tokens: int, num_seqs: int, num_rows: int, max_blocks_per_seq: int,
-               lora: bool = False) -> dict[str, tuple[int, ...]]:
+               lora: bool = False, num_groups: int = 1) -> dict[str, tuple[int, ...]]:
         """Each field's shape, in packing order; with `lora`, each token's adapter slot
         (`StepInputs.lora_slots`) last."""
         t, s = num_tokens, num_seqs
-        shapes = {"input_ids": (t,), "positions": (t,), "slot_mapping": (t,),
-                  "block_tables": (s, max_blocks_per_seq), "seq_lens": (s,),
+        g = () if num_groups == 1 else (num_groups,)
+        shapes = {"input_ids": (t,), "positions": (t,), "slot_mapping": (*g, t),
+                  "block_tables": (*g, s, max_blocks_per_seq), "seq_lens": (s,),
                   "query_start_loc": (s + 1,), "logits_indices": (num_rows,)}
         if lora:
             shapes["lora_slots"] = (t,)
@@ -103,10 +105,12 @@ class StepInputs(DeviceInputs):
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_blocks_per_seq: int, block_size: int,
-                 lora: bool = False) -> None:
+                 lora: bool = False, num_groups: int = 1) -> None:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_seq), np.int32)
+        # One table per KV cache group, all of one length per row.
+        self.num_groups = num_groups
+        self.block_table = np.zeros((num_groups, max_num_reqs, max_blocks_per_seq), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
         self.req_id_to_row: dict[str, int] = {}
         # Each row's sampling parameters, written once when its request gets the row.
@@ -126,9 +130,10 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.req_id_to_row)
 
-    def block_ids(self, request_id: str) -> list[int]:
+    def block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table in each group."""
         row = self.req_id_to_row[request_id]
-        return self.block_table[row, :self.num_blocks[row]].tolist()
+        return tuple(self.block_table[:, row, :self.num_blocks[row]].tolist())
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply a step's schedule: drop finished and preempted requests, give new ones a row
@@ -138,7 +143,7 @@ class InputBatch:
         for rid, kept in scheduler_output.truncated_block_tables.items():
             row = self.req_id_to_row.get(rid)
             if row is not None and kept < self.num_blocks[row]:
-                self.block_table[row, kept:self.num_blocks[row]] = 0
+                self.block_table[:, row, kept:self.num_blocks[row]] = 0
                 self.num_blocks[row] = kept
         for r in scheduler_output.scheduled:
             if r.is_new:
@@ -153,19 +158,23 @@ class InputBatch:
             else:
                 row = self.req_id_to_row[r.request_id]
             new = r.new_block_ids
-            if new:
+            if len(new) != self.num_groups:
+                raise RuntimeError(f"request {r.request_id!r}: block ids for {len(new)} KV "
+                                   f"cache groups, the runner has {self.num_groups}")
+            num_new = len(new[0])
+            if num_new:
                 start = int(self.num_blocks[row])
-                if start + len(new) > self.max_blocks_per_seq:
-                    raise RuntimeError(f"request {r.request_id!r}: {start + len(new)} blocks "
+                if start + num_new > self.max_blocks_per_seq:
+                    raise RuntimeError(f"request {r.request_id!r}: {start + num_new} blocks "
                                        f"exceed max_model_len's {self.max_blocks_per_seq}")
-                self.block_table[row, start:start + len(new)] = new
-                self.num_blocks[row] = start + len(new)
+                self.block_table[:, row, start:start + num_new] = new
+                self.num_blocks[row] = start + num_new
 
     def _remove(self, request_id: str) -> None:
         row = self.req_id_to_row.pop(request_id, None)
         if row is None:
             return
-        self.block_table[row, :self.num_blocks[row]] = 0
+        self.block_table[:, row, :self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
         self.lora_id[row] = self.lora_slot[row] = 0
         self._free_rows.append(row)
@@ -194,10 +203,14 @@ class InputBatch:
         pos = (np.arange(total, dtype=np.int32) - query_start_loc[req_of_token]
                + starts[req_of_token])
         positions[:total] = pos
-        slot_mapping = np.full(padded_tokens, -1, np.int32)
-        slot_mapping[:total] = self.block_table[rows[req_of_token], pos // bs] * bs + pos % bs
-        block_tables = np.zeros((num_seqs, self.max_blocks_per_seq), np.int32)
-        np.take(self.block_table, rows, axis=0, out=block_tables[:n])
+        g = self.num_groups
+        slot_mapping = np.full((g, padded_tokens), -1, np.int32)
+        slot_mapping[:, :total] = (self.block_table[:, rows[req_of_token], pos // bs] * bs
+                                   + pos % bs)
+        block_tables = np.zeros((g, num_seqs, self.max_blocks_per_seq), np.int32)
+        np.take(self.block_table, rows, axis=1, out=block_tables[:, :n])
+        if g == 1:
+            slot_mapping, block_tables = slot_mapping[0], block_tables[0]
         seq_lens = np.zeros(num_seqs, np.int32)
         seq_lens[:n] = starts + num_tokens
         sampling = np.flatnonzero(np.fromiter((r.do_sample for r in reqs), bool, n))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxllm.lora.layers import apply_lora
 from jaxllm.lora.slots import LoRASlots
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.kv_cache_groups import kv_cache_groups
 from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
 from jaxllm.model_executor.layers.rotary_embedding import rope_variables
 from jaxllm.model_executor.models.registry import abstract_params, get_model_class
@@ -25,18 +26,22 @@ from pallas_kernels.common import lower_for_cuda
 def lower_step_for_cuda(config: ModelConfig, num_tokens: int, decode: bool, *,
                         query_len: int = 1, dtype: Any = jnp.bfloat16, block_size: int = 16,
                         num_blocks: int = 4096, max_model_len: int = 4096,
-                        max_num_seqs: int = 64, lora: tuple[int, int] | None = None
-                        ) -> jax.stages.Lowered:
+                        max_num_seqs: int = 64, lora: tuple[int, int] | None = None,
+                        hybrid_kv_cache: bool = True) -> jax.stages.Lowered:
     """The runner's step with the Pallas kernels, lowered for CUDA from abstract inputs: a
     decode bucket of `num_tokens` sequences (split-K attention as the runner sizes it), a
     speculative-decoding verify bucket (`decode` with `query_len` 1 + k: num_tokens / query_len
     sequences of query_len tokens, max_query_len query_len, a logits row per token, unsplit
     attention) or a prefill bucket of `num_tokens` tokens. `lora` (max_loras, max_lora_rank):
-    with the LoRA adapters' slots, as an engine with enable_lora runs it."""
+    with the LoRA adapters' slots, as an engine with enable_lora runs it. The KV array and
+    block tables are laid out in the model's KV cache groups as an engine with
+    `hybrid_kv_cache` lays them out."""
     if query_len < 1 or num_tokens % query_len or (query_len > 1 and not decode):
         raise ValueError(f"query_len must be >= 1, divide num_tokens ({num_tokens}) and be 1 "
                          f"for a prefill bucket, got {query_len} (decode={decode})")
-    model = get_model_class(config.architecture)(config, dtype=dtype, kernel_backend="pallas")
+    groups = kv_cache_groups(config, max_model_len, hybrid_kv_cache)
+    model = get_model_class(config.architecture)(config, dtype=dtype, kernel_backend="pallas",
+                                                 kv_groups=groups)
     if query_len > 1 and num_tokens // query_len > max_num_seqs:
         raise ValueError(f"a verify bucket of {num_tokens} tokens holds "
                          f"{num_tokens // query_len} sequences, more than max_num_seqs "
@@ -47,14 +52,17 @@ def lower_step_for_cuda(config: ModelConfig, num_tokens: int, decode: bool, *,
     def i32(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
-    attn_metadata = AttentionMetadata(i32(num_tokens), i32(seqs, -(-max_model_len // block_size)),
+    g = () if groups.num_groups == 1 else (groups.num_groups,)
+    attn_metadata = AttentionMetadata(i32(*g, num_tokens),
+                                      i32(*g, seqs, -(-max_model_len // block_size)),
                                       i32(seqs), i32(seqs + 1), i32(rows))
     splits = (decode_num_splits(config.max_attended_keys(max_model_len), seqs,
                                 config.num_key_value_heads)
               if decode and query_len == 1 else 1)
     fn = functools.partial(forward_step, model, 0, None,
                            max_query_len=query_len if decode else num_tokens, num_splits=splits)
-    kv = jax.ShapeDtypeStruct(kv_cache_shape(config, num_blocks, block_size), dtype)
+    kv = jax.ShapeDtypeStruct(kv_cache_shape(config, num_blocks, block_size, groups.num_slots),
+                              dtype)
     rope = jax.eval_shape(lambda: rope_variables(config))
     args = (abstract_params(model), rope, kv, i32(num_tokens), i32(num_tokens), attn_metadata)
     if lora is None:

@@ -30,7 +30,8 @@ matmul kernel (layers/quantization/cpu_dequant_matmul.cc, pallas_kernels/dequant
 With dtype bfloat16 on CPU, buckets under MIN_TOKEN_BUCKET rows run on float32 copies of the
 bfloat16 weights (a bf16 GEMV is many times slower than a float32 one there), the others on the
 bfloat16 weights (bf16 GEMMs outrun float32 ones on AVX512-BF16 cores; docs/perf/gguf-cpu.md).
-Block tables are always max_model_len wide; each running request keeps its row in the
+Block tables are always max_model_len wide, one per KV cache group
+(model_executor/kv_cache_groups.py); each running request keeps its row in the
 persistent InputBatch, updated from each SchedulerOutput's new block ids. The KV array is one
 preallocated buffer, sized from a memory budget (`initialize_kv_cache`, after
 `measure_activation_bytes` on a GPU), donated to every step so XLA updates it in place; so is
@@ -71,6 +72,7 @@ from jaxllm.lora.layers import apply_lora
 from jaxllm.lora.request import LoRARequest
 from jaxllm.lora.slots import LoRASlots
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.kv_cache_groups import KVCacheGroups, kv_cache_groups
 from jaxllm.model_executor.layers.attention import AttentionMetadata, kv_cache_shape
 from jaxllm.model_executor.layers.attention import attention_impl as fit_attention_impl
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
@@ -118,8 +120,11 @@ def float32_weights(params: dict) -> dict:
                         is_leaf=lambda x: isinstance(x, GGUFWeight))
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: Any) -> int:
-    return (math.prod(kv_cache_shape(config, 1, block_size)) * jnp.dtype(dtype).itemsize)
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: Any,
+                   num_slots: int | None = None) -> int:
+    """Bytes of one block id's KV: `num_slots` layers' (KVCacheGroups.num_slots; None: all)."""
+    return (math.prod(kv_cache_shape(config, 1, block_size, num_slots))
+            * jnp.dtype(dtype).itemsize)
 
 
 def gpu_sm_count(default: int = 132) -> int:
@@ -149,7 +154,8 @@ def num_kv_blocks_for(config: EngineConfig, runner: ModelRunner) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     # Per device: with tensor parallelism each holds its kv heads' slice of every block.
-    per_block = kv_block_bytes(runner.local_config, config.block_size, runner.kv_cache_dtype)
+    per_block = kv_block_bytes(runner.local_config, config.block_size, runner.kv_cache_dtype,
+                               runner.kv_groups.num_slots)
     total = device_memory_bytes()
     if config.kv_cache_memory_bytes is not None:
         budget, how = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
@@ -195,9 +201,10 @@ class ModelRunner:
                  tensor_parallel_size: int = 1, matmul_precision: str = "default",
                  num_speculative_tokens: int = 0, pallas_gemv_max_rows: int = 0,
                  attention_impl: str | None = None, max_loras: int = 0,
-                 max_lora_rank: int = 0) -> None:
+                 max_lora_rank: int = 0, kv_groups: KVCacheGroups | None = None) -> None:
         """`max_loras` > 0: LoRA adapters, in that many device slots of rank up to
-        `max_lora_rank` (jaxllm/lora/). `gemv_max_rows`, `kv_cache_dtype`,
+        `max_lora_rank` (jaxllm/lora/). `kv_groups`: how the layers share the KV array and
+        its block tables (None: one group). `gemv_max_rows`, `kv_cache_dtype`,
         `activation_dtype`, `matmul_precision` and `attention_impl` as EngineConfig resolved
         them (None: `dtype`; as the config would resolve it); with `gemv_max_rows` and no
         `gemv_params`, the GEMV buckets run on float32 copies of `params`."""
@@ -249,11 +256,13 @@ class ModelRunner:
                 tensor_parallel_size)
         self.attention_impl = fit_attention_impl(attention_impl, kernel_backend,
                                                  config.head_dim)
+        self.kv_groups = kv_groups or KVCacheGroups.single(config.num_hidden_layers)
         self.model = get_model_class(config.architecture)(
             self.local_config, dtype=dtype, kernel_backend=kernel_backend,
             activation_dtype=self.activation_dtype,
             tp_axis=None if self.mesh is None else TP_AXIS,
-            gemv_kernel_rows=pallas_gemv_max_rows, attention_impl=self.attention_impl)
+            gemv_kernel_rows=pallas_gemv_max_rows, attention_impl=self.attention_impl,
+            kv_groups=self.kv_groups)
         # Split-K decode (flash-decoding) per decode bucket: static, sized from the keys a
         # query sees at most (max_model_len, or the window when every layer slides) and the
         # bucket's sequences against the GPU's SM count. The reference backend (CPU) has one
@@ -270,7 +279,8 @@ class ModelRunner:
         self.lora_slots = None if not max_loras else LoRASlots(
             config, max_loras, max_lora_rank, self.activation_dtype)
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size,
-                                      lora=self.lora_slots is not None)
+                                      lora=self.lora_slots is not None,
+                                      num_groups=self.kv_groups.num_groups)
         # 0: the step returns full logits only (the host finds candidates and normalisers).
         self.top_k = min(TOPK, config.vocab_size) if topk_sampling else 0
         # The logits output reuses the previous step's buffer of its shape (donated): no
@@ -315,7 +325,8 @@ class ModelRunner:
             pallas_gemv_max_rows=config.pallas_gemv_max_rows,
             attention_impl=config.attention_impl,
             max_loras=config.max_loras if config.enable_lora else 0,
-            max_lora_rank=config.max_lora_rank)
+            max_lora_rank=config.max_lora_rank,
+            kv_groups=kv_cache_groups(loaded.config, max_model_len, config.hybrid_kv_cache))
 
     def _forward(self, params: dict, rope: dict, kv_cache: jax.Array, logits_buf: jax.Array,
                  packed: jax.Array, num_tokens: int, max_query_len: int,
@@ -345,7 +356,8 @@ class ModelRunner:
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The KV array's global shape: kv heads times the TP size (with replicas)."""
-        shape = list(kv_cache_shape(self.local_config, num_blocks, self.block_size))
+        shape = list(kv_cache_shape(self.local_config, num_blocks, self.block_size,
+                                    self.kv_groups.num_slots))
         shape[2] *= 1 if self.mesh is None else self.mesh.size
         return tuple(shape)
 
@@ -376,7 +388,8 @@ class ModelRunner:
     def input_shapes(self, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
         """Each step input's shape in a bucket (`DeviceInputs.shapes`)."""
         return DeviceInputs.shapes(shape[0], *self.step_sizes(shape), self.max_blocks_per_seq,
-                                   lora=self.lora_slots is not None)
+                                   lora=self.lora_slots is not None,
+                                   num_groups=self.kv_groups.num_groups)
 
     def step_consts(self) -> dict:
         """What a step reads besides the params that never changes per step: the RoPE
@@ -452,7 +465,7 @@ class ModelRunner:
         return need
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the one paged KV array (all layers); compile() comes after."""
+        """Allocate the one paged KV array (every group's layers); compile() comes after."""
         self.num_kv_blocks = num_blocks
         self.kv_cache = jnp.zeros(self.kv_shape(num_blocks), self.kv_cache_dtype,
                                   device=self._sharding(KV_SPEC))

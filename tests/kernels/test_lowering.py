@@ -172,3 +172,25 @@ def test_step_query_len_is_checked() -> None:
             lower_step_for_cuda(config, num_tokens, decode, query_len=query_len)
     with pytest.raises(ValueError, match=r"holds 8 sequences, more than max_num_seqs \(4\)"):
         lower_step_for_cuda(config, 48, True, query_len=6, max_num_seqs=4)
+
+
+def test_hybrid_kv_cache_step_lowers_with_the_same_kernels() -> None:
+    # Two full and two sliding layers (Qwen2's max_window_layers): hybrid, the KV array holds
+    # two layers per block and the block tables and slot mapping lead with a group axis; the
+    # Triton modules and their calls are those of the one-group layout.
+    shape = QWEN2_SHAPES["qwen2.5-0.5b"]
+    config = ModelConfig.from_hf_config(shape.hf_config(
+        num_hidden_layers=4, vocab_size=1024, rope_theta=1e6, use_sliding_window=True,
+        sliding_window=64, max_window_layers=2))
+    assert [config.layer_sliding_window(i) for i in range(4)] == [None, None, 64, 64]
+    hybrid = lower_step_for_cuda(config, 8, True)
+    single = lower_step_for_cuda(config, 8, True, hybrid_kv_cache=False)
+    for lowered, layers, g in ((hybrid, 2, (2,)), (single, 4, ())):
+        args = lowered.args_info[0]
+        kv, metadata = args[2], args[5]
+        assert kv.shape[0] == layers
+        assert metadata.block_tables.shape == (*g, 8, 4096 // 16)
+        assert metadata.slot_mapping.shape == (*g, 8)
+    counts = triton_modules(hybrid)
+    assert counts == triton_modules(single)
+    assert counts.ops["rope_write_kv"] == counts.ops["paged_attention_split"] == 4

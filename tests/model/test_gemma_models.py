@@ -243,6 +243,47 @@ def test_greedy_tokens_match_hf_with_chunked_prefill_and_prefix_hits(family, hf_
     assert first[0].prompt_logprobs is not None
 
 
+def test_hybrid_kv_cache_runs_prompts_one_group_could_not_hold(family, hf_greedy):
+    """Gemma 3 (two sliding layers, one global): its three layers make three KV cache groups
+    of one layer each, so a block of the same byte budget holds one layer and the pool three
+    times the blocks; a sliding group keeps only its window's. Prompts of 300, 200 and 150
+    tokens, in a pool where one group (every layer in every block) holds 176 tokens, come out
+    as HF's greedy tokens, the scheduler waiting or preempting as the pool fills, and every
+    block back in the pool at the end. With the hybrid manager disabled the 300-token prompt
+    is refused, naming the blocks it needs."""
+    from jaxllm.model_executor.kv_cache_groups import kv_cache_groups
+    from jaxllm.worker.model_runner import kv_block_bytes
+    from tests.utils import assert_pool_free, scheduler_state
+
+    path, _ = family("gemma3")
+    cfg = load_model(path, progress=False).config
+    groups = kv_cache_groups(cfg, 512)
+    assert groups.windows == (None, WINDOW, WINDOW) and groups.num_slots == 1
+    budget = 12 * kv_block_bytes(cfg, 16, np.float32)  # 12 blocks of all three layers
+    args = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=16, max_num_seqs=3,
+                kv_cache_memory_bytes=budget, num_kv_blocks=None)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (300, 200, 150)]
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    llm = make_llm(path, **args)
+    try:
+        state = scheduler_state(llm)
+        assert state["num_usable_blocks"] == 36 - 1
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert out.outputs[0].token_ids == hf_greedy("gemma3", tuple(prompt)), len(prompt)
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+    llm = make_llm(path, disable_hybrid_kv_cache_manager=True, **args)
+    try:
+        assert scheduler_state(llm)["num_usable_blocks"] == 12 - 1
+        with pytest.raises(ValueError, match="needs 19 KV blocks"):
+            llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
 # --- configs and refusals -----------------------------------------------------------------------
 
 

@@ -131,7 +131,7 @@ def make_processor(tokenizer: Any = None, vocab: int = 1000, max_model_len: int 
                                                   reasoning_parser=None,
                                                   max_num_batched_tokens=64,
                                                   enable_lora=False, max_lora_rank=16),
-                           num_usable_blocks=100, sliding_window=None)
+                           num_usable_blocks=100, kv_group_windows=(None,))
     return Processor(tokenizer, cast(Any, info), frozenset({0}), max_n=4)
 
 

@@ -7,7 +7,7 @@ model's head size here.
 
 from __future__ import annotations
 
-from typing import Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 import flax.linen as nn
 import jax
@@ -25,7 +25,10 @@ CPU_KERNEL = "cpu"
 
 
 class AttentionMetadata(NamedTuple, Generic[ArrayOrSpec]):
-    """What every layer needs to find its tokens' KV slots (shapes: T tokens, S sequences)."""
+    """What every layer needs to find its tokens' KV slots (shapes: T tokens, S sequences).
+    With several KV cache groups (jaxllm/model_executor/kv_cache_groups.py) the slot mapping
+    and block tables lead with a group axis, [G, T] and [G, S, max_blocks_per_seq]: each
+    layer reads its group's (`for_group`)."""
 
     slot_mapping: ArrayOrSpec  # [T] int32, -1 for padding tokens (not written)
     block_tables: ArrayOrSpec  # [S, max_blocks_per_seq] int32
@@ -33,11 +36,20 @@ class AttentionMetadata(NamedTuple, Generic[ArrayOrSpec]):
     query_start_loc: ArrayOrSpec  # [S + 1] int32, cumulative query lengths
     logits_indices: ArrayOrSpec  # [R] int32, token rows whose logits leave the device
 
+    def for_group(self, group: int, num_groups: int) -> AttentionMetadata[ArrayOrSpec]:
+        """The metadata a layer of KV cache group `group` reads (static slices)."""
+        if num_groups == 1:
+            return self
+        slot_mapping, block_tables = cast(Any, self.slot_mapping), cast(Any, self.block_tables)
+        return self._replace(slot_mapping=slot_mapping[group], block_tables=block_tables[group])
 
-def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """[layers, K/V, kv_heads, blocks, block_size, head_dim]: a (head, block) tile is contiguous."""
-    return (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size,
-            config.head_dim)
+
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int,
+                   num_slots: int | None = None) -> tuple[int, ...]:
+    """[layers, K/V, kv_heads, blocks, block_size, head_dim]: a (head, block) tile is contiguous.
+    `num_slots` layers on the first axis (KVCacheGroups.num_slots); None: every layer's own."""
+    layers = config.num_hidden_layers if num_slots is None else num_slots
+    return (layers, 2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
 
 
 def attention_impl(resolved: str, kernel_backend: str, head_dim: int) -> str:
@@ -55,7 +67,7 @@ class Attention(nn.Module):
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    layer_idx: int
+    layer_idx: int  # the layer's index on the KV array's first axis (KVCacheGroups.layer_slot)
     backend: str  # the kernel backend (RoPE and the KV write)
     impl: str | None = None  # `attention_impl`'s choice; None: the kernel backend's
     # Keys each query sees, its own included (ModelConfig.layer_sliding_window); None: all.

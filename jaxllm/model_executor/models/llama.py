@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.kv_cache_groups import KVCacheGroups
 from jaxllm.model_executor.layers.attention import Attention, AttentionMetadata
 from jaxllm.model_executor.layers.layernorm import RMSNorm, ShardedRMSNorm
 from jaxllm.model_executor.layers.linear import (
@@ -44,6 +45,7 @@ class LlamaAttention(nn.Module):
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and of k, before RoPE
     # OLMo 2: RMSNorm over the whole q projection and the whole k projection, before RoPE.
     projection_qk_norm: bool = False
+    kv_slot: int | None = None  # the layer's index on the KV array (None: layer_idx)
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, attn_metadata: AttentionMetadata[jax.Array],
@@ -77,7 +79,8 @@ class LlamaAttention(nn.Module):
             k = ShardedRMSNorm(cfg.rms_norm_eps, self.dtype, self.backend, self.tp_axis,
                                name="k_proj_norm")(k)
             qkv = jnp.concatenate([q, k, v], axis=-1)
-        out, kv_cache = Attention(nh, nkv, hd, self.layer_idx, self.backend,
+        kv_slot = self.layer_idx if self.kv_slot is None else self.kv_slot
+        out, kv_cache = Attention(nh, nkv, hd, kv_slot, self.backend,
                                   self.attention_impl,
                                   cfg.layer_sliding_window(self.layer_idx),
                                   cfg.attention_scale, cfg.attn_logit_softcapping,
@@ -126,6 +129,7 @@ class LlamaDecoderLayer(nn.Module):
     sandwich_norm: bool = False  # see LlamaForCausalLM.SANDWICH_NORM
     post_norm: bool = False  # see LlamaForCausalLM.POST_NORM
     projection_qk_norm: bool = False
+    kv_slot: int | None = None  # see LlamaAttention
 
     @nn.compact
     def __call__(self, h, residual, positions, kv_cache, attn_metadata, cos_sin_cache,
@@ -163,7 +167,7 @@ class LlamaDecoderLayer(nn.Module):
     def _attention(self) -> LlamaAttention:
         return LlamaAttention(self.config, self.layer_idx, self.dtype, self.backend,
                               self.tp_axis, self.gemv_rows, self.attention_impl, self.qk_norm,
-                              self.projection_qk_norm, name="self_attn")
+                              self.projection_qk_norm, self.kv_slot, name="self_attn")
 
     def _mlp(self) -> nn.Module:
         return self.mlp_cls(self.config, self.dtype, self.backend, self.tp_axis, self.gemv_rows,
@@ -226,6 +230,9 @@ class LlamaForCausalLM(nn.Module):
     # layers/attention.py's `attention_impl`, chosen once by the runner; None: the kernel
     # backend's paged attention.
     attention_impl: str | None = None
+    # Where each layer's KV lives and which block tables it reads; None: one group, layer i
+    # at index i (model_executor/kv_cache_groups.py).
+    kv_groups: KVCacheGroups | None = None
 
     def mlp_class(self, layer_idx: int) -> Callable[..., nn.Module]:
         """The feed-forward module of decoder layer `layer_idx` (MoE families swap in their
@@ -258,13 +265,16 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         # Unrolled on purpose: a lax.scan over stacked layers copies weight slices every step
         # on CPU (docs/perf/cpu-step.md).
+        groups = self.kv_groups or KVCacheGroups.single(cfg.num_hidden_layers)
         for i in range(cfg.num_hidden_layers):
             local = local_cos_sin_cache is not None and cfg.layer_sliding_window(i) is not None
             h, residual, kv_cache = LlamaDecoderLayer(
                 cfg, i, self.dtype, self.kernel_backend, self.tp_axis, self.gemv_kernel_rows,
                 self.attention_impl, self.QK_NORM, self.mlp_class(i), self.SANDWICH_NORM,
-                self.POST_NORM, self.PROJECTION_QK_NORM, name=f"layers_{i}")(
-                    h, residual, positions, kv_cache, attn_metadata,
+                self.POST_NORM, self.PROJECTION_QK_NORM, groups.layer_slot[i],
+                name=f"layers_{i}")(
+                    h, residual, positions, kv_cache,
+                    attn_metadata.for_group(groups.layer_group[i], groups.num_groups),
                     local_cos_sin_cache if local else cos_sin_cache, max_query_len, num_splits)
         hidden_states, _ = RMSNorm(cfg.rms_norm_eps, self.dtype, self.kernel_backend,
                                    name="norm")(h, residual)

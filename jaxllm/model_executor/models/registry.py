@@ -59,6 +59,7 @@ def check_supported(config: ModelConfig) -> None:
 
 def abstract_params(model: LlamaForCausalLM) -> dict:
     """The param tree's shapes and dtypes, without allocating anything."""
+    model = model.clone(kv_groups=None)  # the params are the same in any KV layout
     cfg = model.config
     t, s = 4, 1
     attn_metadata = AttentionMetadata(
