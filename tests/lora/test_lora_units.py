@@ -1,8 +1,11 @@
 """LoRA's parts that need no model: the engine settings refused, the request on the wire to a
-core process, the prefix cache's adapter key, the server's `--lora-modules` names and the device
-slots' one-slot writes (the engine tests, against Hugging Face, are test_lora.py's)."""
+core process, the prefix cache's adapter key, the server's `--lora-modules` names, the device
+slots' one-slot writes and which paths name one adapter (the engine tests, against Hugging
+Face, are test_lora.py's)."""
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,7 @@ from jaxllm import LoRARequest, SamplingParams
 from jaxllm.engine import EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from jaxllm.lora.request import check_same_adapter
 from jaxllm.lora.slots import LoRASlots
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.worker.compile_counter import compile_count
@@ -187,3 +191,26 @@ def test_a_slot_load_sends_one_slot_through_one_executable(tmp_path, dtype, monk
     # Written in place: the tree before the first load was donated to it.
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(tree))
 
+
+def test_an_adapter_id_keeps_its_directory_under_another_spelling(tmp_path, monkeypatch):
+    write_adapter(tmp_path / "a", TINY, rank=2, alpha=4, targets=("q_proj",), seed=1)
+    write_adapter(tmp_path / "b", TINY, rank=2, alpha=4, targets=("q_proj",), seed=2)
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    monkeypatch.chdir(tmp_path)
+    known = LoRARequest("a", 1, str(tmp_path / "a"))
+    for path in (str(tmp_path / "a") + "/", "a", "./a/", str(tmp_path / "link"),
+                 str(tmp_path / "b" / ".." / "a")):
+        same = LoRARequest("a", 1, path)
+        assert check_same_adapter(known, same), path
+        assert same.lora_path == path  # kept as the user gave it
+    for path in (str(tmp_path / "b"), "b", os.path.join("a", "..", "b")):
+        with pytest.raises(ValueError, match="already adapter 'a'"):
+            check_same_adapter(known, LoRARequest("b", 1, path))
+    # The slots read the adapter once, whichever spelling comes later.
+    slots = LoRASlots(TINY, max_loras=1, max_lora_rank=RANK, dtype=jnp.float32)
+    slots.register(known)
+    adapter = slots.adapters[1]
+    slots.register(LoRARequest("a", 1, "a/"))
+    assert slots.adapters[1] is adapter
+    with pytest.raises(ValueError, match="already adapter 'a'"):
+        slots.register(LoRARequest("b", 1, "b"))
