@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 
@@ -29,10 +31,13 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
 def check_same_adapter(known: LoRARequest | None, lora: LoRARequest) -> bool:
     """Whether `lora`'s id is already known (`known`, the request first seen with it); a
-    ValueError when that id names another adapter's path."""
+    ValueError when that id names another adapter's directory. Paths are compared resolved
+    (a trailing slash, a relative path, a symlink name the same directory) but kept as
+    given."""
     if known is None:
         return False
-    if known.lora_path != lora.lora_path:
+    if known.lora_path != lora.lora_path \
+            and os.path.realpath(known.lora_path) != os.path.realpath(lora.lora_path):
         raise ValueError(f"lora_int_id {lora.lora_int_id} is already adapter "
                          f"{known.lora_name!r} at {known.lora_path!r}, not "
                          f"{lora.lora_path!r}: each adapter needs its own id")

@@ -5,10 +5,13 @@ slot would cost as much as a real one). A fused projection's parts (q, k, v; gat
 own `max_lora_rank` columns of A and rows of B, so B is block-diagonal over the parts and one
 contraction serves them all; ranks below the maximum are zero-padded, the scaling is in B.
 
-Slots are filled on the host, least recently activated first, never one a live request reads
-(the scheduler keeps the adapters of running requests within max_loras), and the whole tree
-is put on the device again after a change: a change happens when a request with an adapter
-not in a slot starts, not per step.
+Slots are filled least recently activated first, never one a live request reads (the
+scheduler keeps the adapters of running requests within max_loras). A fill happens when a
+request with an adapter not in a slot starts, and requests already running wait for it: so it
+builds only that slot's A and B on the host, in the slots' dtype, and one compiled update
+writes them into the device tree in place (the tree is donated, the slot index traced, so one
+executable serves every slot). The update returns new arrays; the steps bound to the old
+ones must be rebound before they run again (`ModelRunner._activate_loras`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.lora.adapter import FUSED_PARTS, LoRAAdapter, load_adapter, module_dims
@@ -40,8 +44,6 @@ class LoRASlots:
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         dims = module_dims(config)
-        r = max_lora_rank
-        s = max_loras
         # fused name -> (in, [(PEFT part, first output column, width)], out)
         self.layout: dict[str, tuple[int, list[tuple[str, int, int]], int]] = {}
         for fused, names in FUSED_MODULES.items():
@@ -50,11 +52,6 @@ class LoRASlots:
                 offsets.append((name, col, dims[name][1]))
                 col += dims[name][1]
             self.layout[fused] = (dims[names[0]][0], offsets, col)
-        self.host = {f"layers_{i}": {
-            fused: {"A": np.zeros((s, d_in, len(parts) * r), np.float32),
-                    "B": np.zeros((s, len(parts) * r, d_out), np.float32)}
-            for fused, (d_in, parts, d_out) in self.layout.items()}
-            for i in range(config.num_hidden_layers)}
         self.requests: dict[int, LoRARequest] = {}
         # Every registered adapter, parsed once: a slot load inside a step never reads the
         # disk, where a file deleted or rewritten since would fail the step (or change the
@@ -62,6 +59,7 @@ class LoRASlots:
         self.adapters: dict[int, LoRAAdapter] = {}
         self.slot_of: dict[int, int] = {}  # adapter id -> slot, least recently activated first
         self._device: dict | None = None
+        self._update: Any = None  # the compiled one-slot write (`compile_update`)
 
     @property
     def num_slots(self) -> int:
@@ -73,9 +71,17 @@ class LoRASlots:
         per adapter id."""
         if check_same_adapter(self.requests.get(lora.lora_int_id), lora):
             return
-        self.adapters[lora.lora_int_id] = load_adapter(lora.lora_path, self.config,
-                                                      self.max_lora_rank)
+        self.add_adapter(lora.lora_int_id, load_adapter(lora.lora_path, self.config,
+                                                        self.max_lora_rank))
         self.requests[lora.lora_int_id] = lora
+
+    def add_adapter(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        """Keep a read adapter for its slot loads, its matrices cast to the slots' dtype
+        once (a bfloat16 engine holds half the bytes, and a load casts nothing)."""
+        dtype = np.dtype(self.dtype)
+        self.adapters[lora_id] = LoRAAdapter(adapter.rank, adapter.scale, {
+            key: (a.astype(dtype, copy=False), b.astype(dtype, copy=False))
+            for key, (a, b) in adapter.weights.items()})
 
     def activate(self, lora_id: int, in_use: set[int]) -> int:
         """The slot of adapter `lora_id` (0 for no adapter), loading it into the least
@@ -99,30 +105,68 @@ class LoRASlots:
         self.slot_of[lora_id] = slot
         return slot
 
-    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+    def _shapes(self) -> dict:
+        """Each leaf's shape in one slot: A [in, width], B [width, out]."""
         r = self.max_lora_rank
-        k = slot - 1
-        for layer in self.host.values():
-            for w in layer.values():
-                w["A"][k] = 0
-                w["B"][k] = 0
+        return {f"layers_{i}": {fused: {"A": (d_in, len(parts) * r),
+                                        "B": (len(parts) * r, d_out)}
+                                for fused, (d_in, parts, d_out) in self.layout.items()}
+                for i in range(self.config.num_hidden_layers)}
+
+    def slot_weights(self, adapter: LoRAAdapter) -> dict:
+        """One slot's host arrays for `adapter`, in the slots' dtype: each part's A columns
+        and B rows at its place in the fused projection, zeros elsewhere."""
+        r = self.max_lora_rank
+        dtype = np.dtype(self.dtype)
+        tree = jax.tree.map(lambda shape: np.zeros(shape, dtype), self._shapes(),
+                            is_leaf=_is_shape)
         for (i, name), (a, b) in adapter.weights.items():
             fused, part = FUSED_PARTS[name]
-            _, parts, _ = self.layout[fused]
-            _, col, width = parts[part]
-            w = self.host[f"layers_{i}"][fused]
-            w["A"][k, :, part * r:part * r + adapter.rank] = a.T
-            w["B"][k, part * r:part * r + adapter.rank, col:col + width] = b.T
-        self._device = None
+            _, col, width = self.layout[fused][1][part]
+            w = tree[f"layers_{i}"][fused]
+            # No cast for an adapter kept by `add_adapter`; another is cast per matrix before
+            # its strided copy into place (faster than casting in the copy).
+            w["A"][:, part * r:part * r + adapter.rank] = a.T.astype(dtype, copy=False)
+            w["B"][part * r:part * r + adapter.rank, col:col + width] = \
+                b.T.astype(dtype, copy=False)
+        return tree
+
+    def compile_update(self) -> Any:
+        """The executable writing one slot into the device tree (compiled on first use; the
+        runner compiles it with its steps, so that serving compiles nothing)."""
+        if self._update is None:
+            slot = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, self.dtype),
+                                self._shapes(), is_leaf=_is_shape)
+            self._update = jax.jit(_set_slot, donate_argnums=0).lower(
+                self.abstract(), slot, jax.ShapeDtypeStruct((), np.int32)).compile()
+        return self._update
+
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        update = self.compile_update()
+        tree = self.device_weights()
+        # Only this slot crosses to the device; the other slots stay where they are.
+        weights, index = jax.device_put((self.slot_weights(adapter), np.int32(slot - 1)))
+        self._device = update(tree, weights, index)
 
     def device_weights(self) -> dict:
-        """The slots' tree on the device (put there again after a slot changed)."""
+        """The slots' tree on the device: a new tree after each slot write, the one before it
+        donated to the write (no longer readable)."""
         device = self._device
         if device is None:
-            device = self._device = jax.device_put(
-                jax.tree.map(lambda x: x.astype(self.dtype), self.host))
+            device = self._device = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                                 self.abstract())
         return device
 
     def abstract(self) -> dict:
         """The tree's shapes and dtypes, for lowering the step."""
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, self.dtype), self.host)
+        s = self.max_loras
+        return jax.tree.map(lambda shape: jax.ShapeDtypeStruct((s, *shape), self.dtype),
+                            self._shapes(), is_leaf=_is_shape)
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+def _set_slot(tree: dict, slot: dict, index: jax.Array) -> dict:
+    return jax.tree.map(lambda t, w: t.at[index].set(w), tree, slot)

@@ -508,6 +508,8 @@ class ModelRunner:
 
             with ThreadPoolExecutor(compile_threads(len(lowered))) as pool:
                 done = dict(pool.map(compile_one, lowered.items()))
+        if self.lora_slots is not None:
+            self.lora_slots.compile_update()
         self._compiled_prompt.clear()
         for key, compiled in done.items():
             if key[0] == "step":
@@ -588,22 +590,25 @@ class ModelRunner:
 
     def _activate_loras(self, scheduler_output: SchedulerOutput) -> None:
         """Give each request that starts this step its adapter's slot; if a slot was
-        loaded, the steps bind the new slot arrays (they are immutable: a step still in
-        flight keeps reading the ones it was launched with)."""
+        loaded, the steps bind the new slot arrays. A load donates the old ones to its
+        in-place write: a step still in flight has already been handed them, and the device
+        runs the write after it, but no step may be launched with them again."""
         assert self.lora_slots is not None
         batch = self.input_batch
         before = self.lora_slots.device_weights()
-        in_use = None
-        for r in scheduler_output.scheduled:
-            if r.is_new and r.lora_int_id:
-                if in_use is None:
-                    in_use = batch.live_lora_ids()
-                row = batch.req_id_to_row[r.request_id]
-                batch.lora_slot[row] = self.lora_slots.activate(r.lora_int_id, in_use)
-        if self.lora_slots.device_weights() is not before:
-            consts = self.step_consts()
-            for shape, call in self._calls.items():
-                call.rebind((self.params_for(*shape), consts))
+        try:
+            in_use = None
+            for r in scheduler_output.scheduled:
+                if r.is_new and r.lora_int_id:
+                    if in_use is None:
+                        in_use = batch.live_lora_ids()
+                    row = batch.req_id_to_row[r.request_id]
+                    batch.lora_slot[row] = self.lora_slots.activate(r.lora_int_id, in_use)
+        finally:  # a load before a failing one has donated `before` all the same
+            if self.lora_slots.device_weights() is not before:
+                consts = self.step_consts()
+                for shape, call in self._calls.items():
+                    call.rebind((self.params_for(*shape), consts))
 
     def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """Host inputs of a non-empty step (after applying it to the persistent batch)."""

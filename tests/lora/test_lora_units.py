@@ -1,16 +1,27 @@
 """LoRA's parts that need no model: the engine settings refused, the request on the wire to a
-core process, the prefix cache's adapter key and the server's `--lora-modules` names (the
-engine tests, against Hugging Face, are test_lora.py's)."""
+core process, the prefix cache's adapter key, the server's `--lora-modules` names, the device
+slots' one-slot writes and which paths name one adapter (the engine tests, against Hugging
+Face, are test_lora.py's)."""
 
 from __future__ import annotations
 
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxllm import LoRARequest, SamplingParams
 from jaxllm.engine import EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from jaxllm.lora.request import check_same_adapter
+from jaxllm.lora.slots import LoRASlots
+from jaxllm.model_executor.config import ModelConfig
+from jaxllm.worker.compile_counter import compile_count
 from scheduler.block_pool import hash_block_tokens
+from tests.lora_adapters import ATTENTION_MODULES, write_adapter
 
 
 def _params() -> SamplingParams:
@@ -61,3 +72,145 @@ def test_server_lora_modules_name_models():
     assert OpenAIServing.response_model(serving, None) == "base"
     with pytest.raises(APIError, match="`base`, `sql`, `chat`"):
         OpenAIServing.check_model(serving, "other")
+
+
+# --- the device slots ---------------------------------------------------------------------------
+
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# q 16, kv 8, intermediate 24: every fused part a different width.
+TINY = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                   architecture="LlamaForCausalLM", attention_bias=False)
+RANK = 8
+
+
+def _expected_slot(cfg: ModelConfig, merged: dict) -> dict:
+    """The slot an adapter fills, built from PEFT's A, B and scale: per layer and fused
+    projection, part p's A^T in columns [p*RANK, p*RANK + r) of A [in, parts*RANK], its
+    (scale*B)^T in those rows of B and its own output columns, zeros elsewhere."""
+    h, q, kv, inter = cfg.hidden_size, 16, 8, cfg.intermediate_size
+    # module -> (fused, part, first output column)
+    place = {"q_proj": ("qkv_proj", 0, 0), "k_proj": ("qkv_proj", 1, q),
+             "v_proj": ("qkv_proj", 2, q + kv), "o_proj": ("o_proj", 0, 0),
+             "gate_proj": ("gate_up_proj", 0, 0), "up_proj": ("gate_up_proj", 1, inter),
+             "down_proj": ("down_proj", 0, 0)}
+    shapes = {"qkv_proj": (h, 3, q + 2 * kv), "o_proj": (q, 1, h),
+              "gate_up_proj": (h, 2, 2 * inter), "down_proj": (inter, 1, h)}
+    out = {f"layers_{i}": {f: {"A": np.zeros((d_in, n * RANK), np.float32),
+                               "B": np.zeros((n * RANK, d_out), np.float32)}
+                           for f, (d_in, n, d_out) in shapes.items()}
+           for i in range(cfg.num_hidden_layers)}
+    for (i, _, m), (a, b, scale) in merged.items():
+        fused, part, col = place[m]
+        r = a.shape[0]
+        w = out[f"layers_{i}"][fused]
+        w["A"][:, part * RANK:part * RANK + r] = a.T
+        w["B"][part * RANK:part * RANK + r, col:col + b.shape[0]] = (b * np.float32(scale)).T
+    return out
+
+
+def _adapters(tmp_path) -> dict[int, tuple[LoRARequest, dict]]:
+    specs = {1: (RANK, ATTENTION_MODULES), 2: (4, ATTENTION_MODULES + MLP_MODULES),
+             3: (2, ("v_proj",) + MLP_MODULES), 4: (3, ("k_proj", "up_proj", "o_proj"))}
+    out = {}
+    for i, (rank, targets) in specs.items():
+        merged = write_adapter(tmp_path / f"a{i}", TINY, rank=rank, alpha=2 * rank + 1,
+                               targets=targets, seed=i)
+        out[i] = (LoRARequest(f"a{i}", i, str(tmp_path / f"a{i}")), merged)
+    return out
+
+
+def _host(tree: dict) -> dict:
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_slot_load_rewrites_that_slot_and_leaves_the_others(tmp_path, dtype):
+    adapters = _adapters(tmp_path)
+    slots = LoRASlots(TINY, max_loras=3, max_lora_rank=RANK, dtype=dtype)
+    for lora, _ in adapters.values():
+        slots.register(lora)
+    assert [slots.activate(i, set()) for i in (1, 2, 3)] == [1, 2, 3]
+    tree = slots.device_weights()
+    # Copied on the device: a host view of the tree would keep its buffers from being reused.
+    before = jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+    buffers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
+    # Adapter 2 is the least recently activated one no live request reads.
+    assert slots.activate(4, {1, 3}) == 2
+    # In place: the new tree lives in the old one's buffers.
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(slots.device_weights())] \
+        == buffers
+    before, after = _host(before), _host(slots.device_weights())
+    want = _expected_slot(TINY, adapters[4][1])
+    for path, got in jax.tree_util.tree_leaves_with_path(after):
+        old = before
+        exp = want
+        for key in path:
+            old, exp = old[key.key], exp[key.key]
+        assert got.dtype == np.dtype(dtype), path
+        for k in (0, 2):  # bit for bit
+            assert got[k].tobytes() == old[k].tobytes(), (path, k)
+        assert got[1].tobytes() == exp.astype(dtype).tobytes(), path
+    # Activating an adapter that has its slot writes nothing.
+    tree = slots.device_weights()
+    assert slots.activate(3, {1, 4}) == 3
+    assert slots.device_weights() is tree
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_slot_load_sends_one_slot_through_one_executable(tmp_path, dtype, monkeypatch):
+    adapters = _adapters(tmp_path)
+    slots = LoRASlots(TINY, max_loras=2, max_lora_rank=RANK, dtype=dtype)
+    for lora, _ in adapters.values():
+        slots.register(lora)
+    tree = slots.device_weights()
+    itemsize = np.dtype(dtype).itemsize
+    h, q, kv, inter = 16, 16, 8, 24
+    one_slot = TINY.num_hidden_layers * itemsize * RANK * (
+        h * 3 + 3 * (q + 2 * kv) + q + h + h * 2 + 2 * 2 * inter + inter + h)
+    sent: list[list[tuple[int, np.dtype]]] = []
+    put = jax.device_put
+
+    def record(x, *args, **kwargs):
+        sent.append([(np.asarray(leaf).nbytes, np.asarray(leaf).dtype)
+                     for leaf in jax.tree.leaves(x)])
+        return put(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", record)
+    compiles = compile_count()
+    # Every implicit host-to-device copy refused: what crosses goes through device_put.
+    with jax.transfer_guard_host_to_device("disallow"):
+        order = [slots.activate(i, set()) for i in (1, 2, 3, 4, 1)]
+    assert order == [1, 2, 1, 2, 1]
+    assert compile_count() - compiles <= 1  # one executable for every slot
+    assert len(sent) == 5
+    for leaves in sent:
+        arrays = [(n, dt) for n, dt in leaves if n > 4]  # besides the slot index
+        assert sum(n for n, _ in arrays) == one_slot
+        assert all(dt == np.dtype(dtype) for _, dt in arrays)
+    # Written in place: the tree before the first load was donated to it.
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(tree))
+
+
+def test_an_adapter_id_keeps_its_directory_under_another_spelling(tmp_path, monkeypatch):
+    write_adapter(tmp_path / "a", TINY, rank=2, alpha=4, targets=("q_proj",), seed=1)
+    write_adapter(tmp_path / "b", TINY, rank=2, alpha=4, targets=("q_proj",), seed=2)
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    monkeypatch.chdir(tmp_path)
+    known = LoRARequest("a", 1, str(tmp_path / "a"))
+    for path in (str(tmp_path / "a") + "/", "a", "./a/", str(tmp_path / "link"),
+                 str(tmp_path / "b" / ".." / "a")):
+        same = LoRARequest("a", 1, path)
+        assert check_same_adapter(known, same), path
+        assert same.lora_path == path  # kept as the user gave it
+    for path in (str(tmp_path / "b"), "b", os.path.join("a", "..", "b")):
+        with pytest.raises(ValueError, match="already adapter 'a'"):
+            check_same_adapter(known, LoRARequest("b", 1, path))
+    # The slots read the adapter once, whichever spelling comes later.
+    slots = LoRASlots(TINY, max_loras=1, max_lora_rank=RANK, dtype=jnp.float32)
+    slots.register(known)
+    adapter = slots.adapters[1]
+    slots.register(LoRARequest("a", 1, "a/"))
+    assert slots.adapters[1] is adapter
+    with pytest.raises(ValueError, match="already adapter 'a'"):
+        slots.register(LoRARequest("b", 1, "b"))
