@@ -18,6 +18,7 @@ from jaxllm.model_executor.config import ModelConfig
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sampling_params import SamplingParams
+from scheduler import prompt_blocks_needed
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -135,6 +136,14 @@ class EngineCoreInfo(msgspec.Struct):
     @property
     def num_usable_blocks(self) -> int:
         return self.num_kv_blocks - 1
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of max_model_len tokens the KV cache holds at once (vLLM's "maximum
+        concurrency"): a sliding group holds only its window's blocks of each."""
+        need = prompt_blocks_needed(self.max_model_len, self.config.block_size,
+                                    self.kv_group_windows, self.config.max_num_batched_tokens)
+        return self.num_usable_blocks / need
 
 
 # What a client may call on the core besides add/abort/step (vLLM's call_utility). Here, not in

@@ -20,6 +20,7 @@ dead end finishes the request "error" too, with stop_reason saying why.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -67,6 +68,8 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+
+logger = logging.getLogger(__name__)
 
 # While only requests waiting for their grammar are held, how long the core blocks on the
 # compilations before it returns an (empty) step: short, so aborts and new requests still get in.
@@ -156,6 +159,10 @@ class EngineCore:
                 [] if model_config.eos_token_id is None else [model_config.eos_token_id]),
             bucket_shapes=self.runner.bucket_shapes(), compile_time_s=compile_time_s,
             kv_group_windows=self.scheduler.config.kv_group_windows)
+        logger.info("KV cache: %d blocks of %d tokens, %d group(s) (windows %s); %.2f requests "
+                    "of max_model_len (%d) tokens fit at once", num_blocks - 1,
+                    config.block_size, len(self.info.kv_group_windows),
+                    list(self.info.kv_group_windows), self.info.max_concurrency, max_model_len)
         self.sampling_states = SamplingStates()
         # Built at the first constrained request (loads the tokenizer then).
         self.structured_output_manager: StructuredOutputManager | None = None

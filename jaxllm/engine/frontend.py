@@ -200,6 +200,8 @@ class EngineFrontend:
             "model": config.model, "dtype": config.dtype, "quantization": config.quantization,
             "kernel_backend": config.kernel_backend, "num_kv_blocks": info.num_kv_blocks,
             "block_size": config.block_size, "max_model_len": info.max_model_len,
+            "kv_cache_groups": list(info.kv_group_windows),
+            "max_concurrency": round(info.max_concurrency, 2),
             "buckets": [tuple(s) for s in info.bucket_shapes],
             "compile_time_s": round(info.compile_time_s, 2),
             "max_num_seqs": config.max_num_seqs,

@@ -269,6 +269,11 @@ def test_hybrid_kv_cache_runs_prompts_one_group_could_not_hold(family, hf_greedy
     try:
         state = scheduler_state(llm)
         assert state["num_usable_blocks"] == 36 - 1
+        # A 512-token request holds 32 blocks of the full group and 4 of each sliding group
+        # (a 16-token chunk's queries see 35 positions: 3 blocks, 4 where they straddle one).
+        described = llm.llm_engine.describe()
+        assert described["kv_cache_groups"] == [None, WINDOW, WINDOW]
+        assert described["max_concurrency"] == round(35 / (32 + 2 * 4), 2)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         for prompt, out in zip(prompts, outs, strict=True):
             assert out.outputs[0].token_ids == hf_greedy("gemma3", tuple(prompt)), len(prompt)
@@ -278,6 +283,7 @@ def test_hybrid_kv_cache_runs_prompts_one_group_could_not_hold(family, hf_greedy
     llm = make_llm(path, disable_hybrid_kv_cache_manager=True, **args)
     try:
         assert scheduler_state(llm)["num_usable_blocks"] == 12 - 1
+        assert llm.llm_engine.describe()["max_concurrency"] == round(11 / 32, 2)
         with pytest.raises(ValueError, match="needs 19 KV blocks"):
             llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)
     finally:
