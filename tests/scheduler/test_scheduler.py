@@ -1,8 +1,10 @@
 """Scheduler driven by a fake model whose next token is a function of the whole token history.
 
-The fake runner keeps its own paged 'KV' (token ids stored at the slots the scheduler hands it)
-and reads a request's history back through its block table only, so a wrong block table, a
-bad prefix-cache hit or a reused block that was still needed changes the generated tokens.
+The fake runner keeps its own paged 'KV' (token ids stored at the slots the scheduler hands it,
+in every KV cache group's block, tagged with the group) and reads a request's history back
+through its block tables only (a sliding group only its window), so a wrong block table, a bad
+prefix-cache hit, a block read by a group that did not write it or a reused block that was
+still needed changes the generated tokens or fails the read.
 """
 
 from __future__ import annotations
@@ -66,13 +68,20 @@ class Spec:
         )
 
 
-def reference(spec: Spec, max_model_len: int, window: int | None = None
+def model_input(tokens: list[int], windows: tuple[int | None, ...]) -> list[int]:
+    """What the fake model's next token depends on: what every KV cache group reads (a full
+    group all positions, a sliding group of window W the last W), in group order, group g's
+    token t counted as g * VOCAB + t. One full group reads just the tokens."""
+    return [g * VOCAB + t for g, w in enumerate(windows) for t in (tokens[-w:] if w else tokens)]
+
+
+def reference(spec: Spec, max_model_len: int, windows: tuple[int | None, ...] = (None,)
               ) -> tuple[list[int], str, int | None]:
     """The same generation, one request at a time, with the stop rules spelled out again
-    (`window`: the model sees only the last `window` tokens)."""
+    (`windows`: each KV cache group's attention window, as in kv_group_windows)."""
     tokens, out = list(spec.prompt), []
     while True:
-        t = fake_next(tokens[-window:] if window else tokens)
+        t = fake_next(model_input(tokens, windows))
         tokens.append(t)
         out.append(t)
         if len(out) >= spec.min_tokens:
@@ -87,36 +96,60 @@ def reference(spec: Spec, max_model_len: int, window: int | None = None
 class FakeRunner:
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.bs = cfg.block_size
-        # A windowed model reads only the last `window` positions through its table.
-        (self.window,) = cfg.kv_group_windows
-        self.kv: list[list[int | None]] = [[None] * self.bs for _ in range(cfg.num_blocks)]
-        # Block tables kept as a runner keeps them: only from each step's new_block_ids.
-        self.tables: dict[str, list[int]] = {}
+        # Each KV cache group's window: its layers read only the last `window` positions.
+        self.windows = tuple(cfg.kv_group_windows)
+        # Each slot holds (group, token): the group whose layers wrote it, so a group reading
+        # a block another group wrote (a block shared across groups, a hit on another group's
+        # block) is caught.
+        self.kv: list[list[tuple[int, int] | None]] = [
+            [None] * self.bs for _ in range(cfg.num_blocks)]
+        # Block tables, one per group, kept as a runner keeps them: only from each step's
+        # new_block_ids.
+        self.tables: dict[str, list[list[int]]] = {}
 
     def update_tables(self, out: SchedulerOutput) -> None:
         for rid in [*out.finished_req_ids, *out.preempted_req_ids]:
             self.tables.pop(rid, None)
         for item in out.scheduled:
+            assert len(item.new_block_ids) == len(self.windows)
             if item.is_new:
                 assert item.request_id not in self.tables
-                self.tables[item.request_id] = list(item.new_block_ids[0])
+                self.tables[item.request_id] = [list(ids) for ids in item.new_block_ids]
             else:
-                self.tables[item.request_id].extend(item.new_block_ids[0])
+                for table, ids in zip(self.tables[item.request_id], item.new_block_ids,
+                                      strict=True):
+                    table.extend(ids)
+
+    def read(self, table: list[int], group: int, start: int, end: int) -> list[int]:
+        """Group `group`'s tokens at positions start..end-1, through its block table."""
+        bs = self.bs
+        history = []
+        for p in range(start, end):
+            slot = self.kv[table[p // bs]][p % bs]
+            assert slot is not None and slot[0] == group, (
+                f"group {group} reads position {p} in block {table[p // bs]}, holding {slot}")
+            history.append(slot[1])
+        return history
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         bs = self.bs
-        # All writes of the batch land before any read, as in one batched forward pass.
+        # All writes of the batch land before any read, as in one batched forward pass; each
+        # token's KV goes into every group's block of its position.
         for item in out.scheduled:
-            for j, tok in enumerate(item.token_ids):
-                p = item.start_position + j
-                self.kv[self.tables[item.request_id][p // bs]][p % bs] = tok
+            for g, table in enumerate(self.tables[item.request_id]):
+                for j, tok in enumerate(item.token_ids):
+                    p = item.start_position + j
+                    assert table[p // bs] != NULL_BLOCK_ID
+                    self.kv[table[p // bs]][p % bs] = (g, tok)
         sampled = {}
         for item in out.scheduled:
             if item.do_sample:
-                ids = self.tables[item.request_id]
-                first = max(0, item.seq_len - self.window) if self.window else 0
-                history = [self.kv[ids[p // bs]][p % bs] for p in range(first, item.seq_len)]
-                sampled[item.request_id] = [fake_next(history)]
+                end = item.seq_len
+                seen = [g * VOCAB + t
+                        for g, (table, w) in enumerate(zip(self.tables[item.request_id],
+                                                           self.windows, strict=True))
+                        for t in self.read(table, g, max(0, end - w) if w else 0, end)]
+                sampled[item.request_id] = [fake_next(seen)]
         return sampled
 
 
@@ -128,35 +161,65 @@ class RunStats:
     cache_hit_tokens: int = 0
     resumed_with_hits: int = 0
     max_batch: int = 0
-    freed_blocks: int = 0  # the most out-of-window blocks one request had freed
+    freed_blocks: int = 0  # the most out-of-window blocks one request had freed, any group
+    # The same per KV cache group.
+    group_freed_blocks: Counter[int] = field(default_factory=Counter)
 
 
-def check_pool(sched: Scheduler) -> None:
+def leading_nulls(ids: list[int]) -> int:
+    return next((i for i, b in enumerate(ids) if b != NULL_BLOCK_ID), len(ids))
+
+
+def check_pool(sched: Scheduler, runner: FakeRunner | None = None,
+               cached_kv: dict[bytes, tuple] | None = None) -> None:
+    """The pool's invariants over every KV cache group; with the runner, also that the blocks
+    sharing a prefix-cache key hold the same KV (one group's, of the same tokens), ever."""
     kv = sched.kv_cache_manager
+    windows = sched.config.kv_group_windows
     pool = kv.block_pool
     holders: Counter[int] = Counter()
-    for (ids,) in map(kv.get_block_ids, kv.req_to_blocks):
-        if sched.config.kv_group_windows[0]:
-            # Blocks out of the window are freed: the null block holds their place.
-            held = [b for b in ids if b != NULL_BLOCK_ID]
-            assert ids[:len(ids) - len(held)] == [NULL_BLOCK_ID] * (len(ids) - len(held))
-            ids = held
-        assert len(ids) == len(set(ids)) and NULL_BLOCK_ID not in ids
-        holders.update(ids)
+    group_of: dict[int, int] = {}
+    for rid in kv.req_to_blocks:
+        tables = kv.get_block_ids(rid)
+        assert len(tables) == len(windows)
+        assert len({len(ids) for ids in tables}) == 1, f"{rid}: tables of unequal lengths"
+        mine: list[int] = []
+        for g, (ids, w) in enumerate(zip(tables, windows, strict=True)):
+            lead = leading_nulls(ids)
+            # Blocks out of a sliding window are freed: the null block holds their place, a
+            # leading run; never in a group of full attention.
+            assert w is not None or lead == 0, f"{rid}: group {g} (full) freed blocks"
+            held = ids[lead:]
+            assert NULL_BLOCK_ID not in held, f"{rid}: group {g}'s null block not leading"
+            for b in held:
+                assert group_of.setdefault(b, g) == g, f"block {b} held in two groups"
+            mine += held
+        assert len(mine) == len(set(mine)), f"{rid}: a block held twice"
+        holders.update(mine)
     assert set(kv.req_to_blocks) == {r.request_id for r in sched.running}
     for blk in pool.blocks[1:]:
         assert blk.ref_cnt == holders[blk.block_id]
         assert (blk.ref_cnt == 0) == (blk.block_id in pool.free_queue)
+    assert pool.null_block.ref_cnt == 1 and NULL_BLOCK_ID not in pool.free_queue
+    if runner is not None and cached_kv is not None:
+        for key, copies in pool.cached_blocks.items():
+            for bid in copies:
+                content = tuple(runner.kv[bid])
+                assert None not in content and len({g for g, _ in content}) == 1
+                assert cached_kv.setdefault(key, content) == content, (
+                    f"block {bid} cached under a key whose blocks held {cached_kv[key]}, "
+                    f"holds {content}")
     # The order the preemption choice relies on (see Scheduler's docstring).
     arrivals = [r.arrival_index for r in sched.running] + [r.arrival_index for r in sched.waiting]
     assert arrivals == sorted(arrivals)
 
 
-def check_step(sched: Scheduler, out: SchedulerOutput, tables: dict[str, list[int]],
+def check_step(sched: Scheduler, out: SchedulerOutput, tables: dict[str, list[list[int]]],
                stats: RunStats) -> None:
     cfg = sched.config
     bs = cfg.block_size
-    pool = sched.kv_cache_manager.block_pool
+    kv = sched.kv_cache_manager
+    pool = kv.block_pool
     ids = [item.request_id for item in out.scheduled]
     assert len(ids) == len(set(ids))
     assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
@@ -169,7 +232,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput, tables: dict[str, list[in
     for rid in out.preempted_req_ids:
         req = sched.requests[rid]
         assert req.status == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
-        assert sched.kv_cache_manager.get_block_ids(rid)[0] == []
+        assert all(ids == [] for ids in kv.get_block_ids(rid))
     for item in out.scheduled:
         req = sched.requests[item.request_id]
         start, n = item.start_position, item.num_tokens
@@ -177,22 +240,27 @@ def check_step(sched: Scheduler, out: SchedulerOutput, tables: dict[str, list[in
         assert out.num_scheduled_tokens[item.request_id] == n
         assert item.token_ids == req.all_token_ids[start : start + n]
         assert item.do_sample == (start + n == req.num_tokens)
-        table = tables[item.request_id]
-        assert len(table) * bs >= start + n
-        assert len(table) == -(-(start + n) // bs)
-        held = sched.kv_cache_manager.get_block_ids(item.request_id)[0]
-        if cfg.kv_group_windows[0]:
-            # The runner keeps a freed block's id; the scheduler frees only blocks wholly
-            # before the window of the step's first query.
-            freed = [i for i, b in enumerate(held) if b == NULL_BLOCK_ID]
-            assert all((i + 1) * bs <= start - cfg.kv_group_windows[0] + 1 for i in freed)
-            stats.freed_blocks = max(stats.freed_blocks, len(freed))
-            held = [t if h == NULL_BLOCK_ID else h for t, h in zip(table, held, strict=True)]
-        assert table == held
+        runner_tables = tables[item.request_id]
+        held_tables = kv.get_block_ids(item.request_id)
+        assert len(runner_tables) == len(held_tables) == len(cfg.kv_group_windows)
+        for g, (table, held, w) in enumerate(zip(runner_tables, held_tables,
+                                                 cfg.kv_group_windows, strict=True)):
+            assert len(table) == len(held) == -(-(start + n) // bs)
+            if w is not None:
+                # Exactly the blocks wholly before the window of the step's first query are
+                # freed (the runner keeps their ids, and reads none of them).
+                freed = leading_nulls(held)
+                assert freed == max(0, start - w + 1) // bs, (
+                    f"{item.request_id}: group {g} (window {w}) freed {freed} blocks "
+                    f"before position {start}")
+                stats.freed_blocks = max(stats.freed_blocks, freed)
+                stats.group_freed_blocks[g] = max(stats.group_freed_blocks[g], freed)
+                held = table[:freed] + held[freed:]
+            assert table == held, f"{item.request_id}: group {g}'s table {table} != {held}"
+            # Blocks written this step belong to this request alone.
+            for b in table[start // bs : (start + n - 1) // bs + 1]:
+                assert b != NULL_BLOCK_ID and pool.blocks[b].ref_cnt == 1
         assert start + n <= cfg.max_model_len
-        # Blocks written this step belong to this request alone.
-        for b in table[start // bs : (start + n - 1) // bs + 1]:
-            assert pool.blocks[b].ref_cnt == 1
         if not item.do_sample:
             stats.partial_prefills += 1
         if item.is_new and start > 0 and req.num_preemptions > 0:
@@ -203,39 +271,72 @@ def check_step(sched: Scheduler, out: SchedulerOutput, tables: dict[str, list[in
     stats.max_batch = max(stats.max_batch, len(out.scheduled))
 
 
+class Harness:
+    """A scheduler driven by the fake runner, every step checked."""
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.sched = Scheduler(cfg)
+        self.runner = FakeRunner(cfg)
+        self.stats = RunStats()
+        self.tokens: dict[str, list[int]] = {}
+        self.results: dict[str, tuple[list[int], str, int | None]] = {}
+        self.requests: dict[str, Request] = {}
+        # Each prefix-cache key's blocks' fake KV, as first seen.
+        self.cached_kv: dict[bytes, tuple] = {}
+        # The runner's last tables of every request (kept after it finishes).
+        self.last_tables: dict[str, list[list[int]]] = {}
+
+    def add(self, spec: Spec) -> None:
+        req = spec.make()
+        self.requests[req.request_id] = req
+        self.sched.add_request(req)
+        self.tokens[req.request_id] = []
+
+    def step(self) -> SchedulerOutput:
+        sched, runner = self.sched, self.runner
+        out = sched.schedule()
+        runner.update_tables(out)
+        check_step(sched, out, runner.tables, self.stats)
+        for item in out.scheduled:
+            self.last_tables[item.request_id] = [list(t) for t in
+                                                 runner.tables[item.request_id]]
+        for o in sched.update_from_output(out, runner.execute(out)):
+            assert o.request_id not in self.results
+            self.tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                self.results[o.request_id] = (self.tokens[o.request_id], o.finish_reason,
+                                              o.stop_reason)
+        check_pool(sched, runner, self.cached_kv)
+        self.stats.steps += 1
+        return out
+
+    def drain(self, max_steps: int = 5000) -> None:
+        while self.sched.has_unfinished_requests():
+            self.step()
+            assert self.stats.steps < max_steps, "no progress"
+
+    def check_end(self) -> None:
+        sched, cfg = self.sched, self.cfg
+        assert sched.kv_cache_manager.num_free_blocks == cfg.num_blocks - 1
+        assert sched.usage == 0.0 and not sched.requests
+        for rid, (toks, reason, _) in self.results.items():
+            req = self.requests[rid]
+            assert req.output_token_ids == toks and req.finish_reason == reason
+
+
 def run(
     cfg: SchedulerConfig, specs: list[Spec], max_steps: int = 5000
 ) -> tuple[dict[str, tuple[list[int], str, int | None]], RunStats]:
-    sched = Scheduler(cfg)
-    runner = FakeRunner(cfg)
-    stats = RunStats()
+    h = Harness(cfg)
     pending = sorted(specs, key=lambda s: s.arrival_step)
-    tokens: dict[str, list[int]] = {}
-    results: dict[str, tuple[list[int], str, int | None]] = {}
-    requests: dict[str, Request] = {}
-    while pending or sched.has_unfinished_requests():
-        while pending and pending[0].arrival_step <= stats.steps:
-            req = pending.pop(0).make()
-            requests[req.request_id] = req
-            sched.add_request(req)
-            tokens[req.request_id] = []
-        out = sched.schedule()
-        runner.update_tables(out)
-        check_step(sched, out, runner.tables, stats)
-        for o in sched.update_from_output(out, runner.execute(out)):
-            assert o.request_id not in results
-            tokens[o.request_id] += o.new_token_ids
-            if o.finished:
-                results[o.request_id] = (tokens[o.request_id], o.finish_reason, o.stop_reason)
-        check_pool(sched)
-        stats.steps += 1
-        assert stats.steps < max_steps, "no progress"
-    assert sched.kv_cache_manager.num_free_blocks == cfg.num_blocks - 1
-    assert sched.usage == 0.0 and not sched.requests
-    for rid, (toks, reason, _) in results.items():
-        req = requests[rid]
-        assert req.output_token_ids == toks and req.finish_reason == reason
-    return results, stats
+    while pending or h.sched.has_unfinished_requests():
+        while pending and pending[0].arrival_step <= h.stats.steps:
+            h.add(pending.pop(0))
+        h.step()
+        assert h.stats.steps < max_steps, "no progress"
+    h.check_end()
+    return h.results, h.stats
 
 
 def random_specs(seed: int, n: int, max_prompt: int) -> list[Spec]:
@@ -357,7 +458,7 @@ def test_sliding_window_frees_blocks_behind_it(
     )
     specs = random_specs(seed, n=8, max_prompt=mml)
     results, stats = run(cfg, specs)
-    assert results == {s.rid: reference(s, mml, window) for s in specs}
+    assert results == {s.rid: reference(s, mml, (window,)) for s in specs}
     assert stats.freed_blocks > 0 or all(
         len(s.prompt) + s.max_tokens < window + block_size for s in specs)
 
@@ -374,7 +475,7 @@ def test_sliding_window_prefix_hit_needs_only_the_window() -> None:
                   ignore_eos=True, arrival_step=10),
              Spec("c", shared + [1, 2, 3], max_tokens=5, ignore_eos=True, arrival_step=25)]
     results, stats = run(cfg, specs)
-    assert results == {s.rid: reference(s, 64, 8) for s in specs}
+    assert results == {s.rid: reference(s, 64, (8,)) for s in specs}
     assert stats.cache_hit_tokens == 40  # all of c's full blocks of the shared prompt
 
 
@@ -386,7 +487,7 @@ def test_sliding_window_runs_past_the_pool() -> None:
     specs = [Spec("long", [5, 6, 7, 8, 9, 10], max_tokens=120, ignore_eos=True),
              Spec("other", [3, 4], max_tokens=40, ignore_eos=True, arrival_step=30)]
     results, stats = run(cfg, specs)
-    assert results == {s.rid: reference(s, 200, 9) for s in specs}
+    assert results == {s.rid: reference(s, 200, (9,)) for s in specs}
     assert [len(results[s.rid][0]) for s in specs] == [120, 40]
     assert stats.freed_blocks >= 25
 
@@ -415,7 +516,7 @@ def test_a_windowed_prompt_needs_only_its_chunks_windows(
     spec = Spec("p", [rng.randrange(1, VOCAB) for _ in range(prompt_len)], max_tokens=1,
                 ignore_eos=True)
     results, _ = run(cfg, [spec])
-    assert results == {"p": reference(spec, 200, window)}
+    assert results == {"p": reference(spec, 200, (window,))}
     assert results["p"][1] == "length" and len(results["p"][0]) == 1
     if need > 1:
         smaller = Scheduler(replace(cfg, num_blocks=need))
@@ -1003,3 +1104,263 @@ def test_sliding_window_async_waits_for_the_step_in_flight() -> None:
             break
     assert (finished, len(tokens)) == ("length", 60)
     assert sched.kv_cache_manager.num_free_blocks == cfg.num_blocks - 1
+
+
+# ---- several KV cache groups (hybrid models: full attention and sliding windows) ---------
+
+
+WINDOW = st.integers(1, 12)
+# Gemma-like patterns first ((None, W), (None, W, W, W), (W, None)), then any mix of 2-4.
+GROUP_WINDOWS = st.one_of(
+    st.builds(lambda w, k: (None,) + (w,) * k, WINDOW, st.sampled_from([1, 3])),
+    st.builds(lambda w: (w, None), WINDOW),
+    st.lists(st.one_of(st.none(), WINDOW), min_size=2, max_size=4).map(tuple),
+)
+
+
+def hybrid_config(windows: tuple[int | None, ...], mml: int, block_size: int, budget: int,
+                  extra_blocks: int, **kw) -> SchedulerConfig:
+    """A pool that holds any one request of max_model_len tokens (what prompt_blocks_needed
+    asks for one), and `extra_blocks` more."""
+    need = prompt_blocks_needed(mml, block_size, windows, budget)
+    return SchedulerConfig(max_model_len=mml, block_size=block_size,
+                           max_num_batched_tokens=budget, num_blocks=1 + need + extra_blocks,
+                           kv_group_windows=windows, **kw)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    windows=GROUP_WINDOWS,
+    block_size=st.integers(1, 5),
+    extra_blocks=st.integers(0, 24),
+    budget=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+)
+def test_hybrid_groups_match_the_reference_and_free_behind_their_windows(
+    seed: int, windows: tuple[int | None, ...], block_size: int, extra_blocks: int,
+    budget: int, max_num_seqs: int, caching: bool
+) -> None:
+    """Full-attention and sliding-window groups from one pool: the tokens are the reference's
+    (every group read its own KV of the right positions), the invariants hold every step over
+    all groups, every sliding group frees the blocks behind its windows, and all blocks come
+    back."""
+    mml = 40
+    cfg = hybrid_config(windows, mml, block_size, budget, extra_blocks,
+                        max_num_seqs=max_num_seqs, enable_prefix_caching=caching)
+    specs = random_specs(seed, n=8, max_prompt=mml)
+    results, stats = run(cfg, specs)
+    assert results == {s.rid: reference(s, mml, windows) for s in specs}
+    for g, w in enumerate(windows):
+        # A decode step at position s frees the first block once s - w + 1 >= block_size.
+        decoded_past = any(len(out) >= 2 and len(s.prompt) + len(out) - 2 >= w - 1 + block_size
+                           for s in specs for out in [results[s.rid][0]]) if w else False
+        if w is None:
+            assert stats.group_freed_blocks[g] == 0
+        elif decoded_past:
+            assert stats.group_freed_blocks[g] > 0
+
+
+def test_hybrid_sliding_groups_run_past_what_a_full_group_would_hold() -> None:
+    """(None, W, W, W): a long request holds its full group's blocks and only its windows'
+    in the three sliding groups, so a pool far smaller than four full tables runs it."""
+    cfg = hybrid_config((None, 9, 9, 9), mml=120, block_size=4, budget=8, extra_blocks=2,
+                        max_num_seqs=2)
+    # 30 blocks of the full group, 5 of each sliding group (a chunk of 8 and the 8 positions
+    # before it), 2 more.
+    assert cfg.num_blocks == 1 + 30 + 3 * 5 + 2
+    specs = [Spec("long", [5, 6, 7, 8, 9, 10], max_tokens=110, ignore_eos=True),
+             Spec("other", [3, 4], max_tokens=10, ignore_eos=True, arrival_step=50)]
+    results, stats = run(cfg, specs)
+    assert results == {s.rid: reference(s, 120, cfg.kv_group_windows) for s in specs}
+    assert [len(results[s.rid][0]) for s in specs] == [110, 10]
+    # The last step computes position 6 + 110 - 2 = 114: its window starts at 106, in
+    # block 26.
+    assert stats.group_freed_blocks == {1: 26, 2: 26, 3: 26}
+
+
+def assert_hits_hold_group_kv(h: Harness, hits: tuple[list, ...], tokens: list[int]) -> None:
+    """Each group's hit blocks hold that group's KV of the prompt's tokens there (a sliding
+    group's leading null blocks aside)."""
+    bs = h.cfg.block_size
+    for g, blocks in enumerate(hits):
+        for i, blk in enumerate(blocks):
+            if blk.block_id != NULL_BLOCK_ID:
+                assert h.runner.kv[blk.block_id] == [(g, t) for t in tokens[i * bs:(i + 1) * bs]]
+
+
+@pytest.mark.parametrize("windows", [(None, None), (None, 6), (6, None), (None, 5, 5, 5),
+                                     (3, None, 7)])
+def test_a_shared_prefix_hits_in_every_group(windows: tuple[int | None, ...]) -> None:
+    """A prompt sharing a finished one's first 24 tokens hits those 6 blocks in every group:
+    a full group all of them, a sliding group those under its first query's window (null
+    blocks before), each the block the first request's same group computed them in."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
+                          block_size=4, num_blocks=64, kv_group_windows=windows)
+    rng = random.Random(3)
+    shared = [rng.randrange(1, VOCAB) for _ in range(30)]
+    a = Spec("a", shared, max_tokens=2, ignore_eos=True)
+    b = Spec("b", shared[:24] + [1, 2, 3, 4, 5], max_tokens=3, ignore_eos=True)
+    h = Harness(cfg)
+    h.add(a)
+    h.drain()
+    req = b.make()
+    hits, num_hit = h.sched.kv_cache_manager.get_computed_blocks(req)
+    assert num_hit == 24
+    for g, w in enumerate(windows):
+        first = 0 if w is None else (24 - w + 1) // 4
+        ids = [blk.block_id for blk in hits[g]]
+        assert ids == [NULL_BLOCK_ID] * first + h.last_tables["a"][g][first:6]
+    assert_hits_hold_group_kv(h, hits, b.prompt)
+    h.add(b)
+    h.drain()
+    h.check_end()
+    assert h.stats.cache_hit_tokens == 24
+    assert h.results == {s.rid: reference(s, 64, windows) for s in (a, b)}
+
+
+def evict(h: Harness, block_ids: list[int]) -> None:
+    """Take these free cached blocks off the free queue, as new blocks would be, and give
+    them back holding nothing."""
+    pool = h.sched.kv_cache_manager.block_pool
+    for bid in reversed(block_ids):
+        assert pool.blocks[bid].ref_cnt == 0 and pool.blocks[bid].block_hash is not None
+        pool.free_queue.move_to_end(bid, last=False)
+    blocks = pool.get_new_blocks(len(block_ids))
+    assert [b.block_id for b in blocks] == block_ids
+    pool.free_blocks(blocks)
+
+
+@pytest.mark.parametrize("windows", [(None, 4), (4, None)])
+@pytest.mark.parametrize(("c_len", "hit_blocks"), [(7, 3), (11, 2)])
+def test_a_prefix_hit_shrinks_to_what_every_group_still_holds(
+        windows: tuple[int | None, ...], c_len: int, hit_blocks: int) -> None:
+    """A finished prompt's blocks are freed last position first, group by group within a
+    position (the sliding group's first block earlier, behind its window), and evicted in
+    that order. A prompt that takes two blocks per group evicts one group's last block of it
+    (the full group's with (None, 4), the sliding group's with (4, None)); one that takes
+    three, both groups' last blocks and one group's block before. A later prompt sharing all
+    16 tokens hits only what both groups still hold, and its tokens are the reference's."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
+                          block_size=4, num_blocks=11, kv_group_windows=windows)
+    a = Spec("a", list(range(1, 17)), max_tokens=1)
+    c = Spec("c", list(range(30, 30 + c_len)), max_tokens=1)
+    b = Spec("b", a.prompt + [20], max_tokens=3, ignore_eos=True)
+    h = Harness(cfg)
+    h.add(a)
+    h.drain()
+    kv = h.sched.kv_cache_manager
+    full, sliding = (0, 1) if windows[0] is None else (1, 0)
+    a_full, a_sliding = h.last_tables["a"][full], h.last_tables["a"][sliding]
+
+    def check_hit(n: int) -> None:
+        hits, num_hit = kv.get_computed_blocks(b.make())
+        assert num_hit == 4 * n
+        assert [blk.block_id for blk in hits[full]] == a_full[:n]
+        skipped = max(0, n - 1)  # a window of 4 reaches back into the block before only
+        assert [blk.block_id for blk in hits[sliding]] == (
+            [NULL_BLOCK_ID] * skipped + a_sliding[skipped:n])
+        assert_hits_hold_group_kv(h, hits, b.prompt)
+
+    check_hit(4)
+    h.add(c)
+    h.drain()
+    check_hit(hit_blocks)
+    h.add(b)
+    h.drain()
+    h.check_end()
+    assert h.results == {s.rid: reference(s, 64, windows) for s in (a, c, b)}
+    assert h.stats.cache_hit_tokens == 4 * hit_blocks
+
+
+@pytest.mark.parametrize("evicted_group", [0, 1])
+def test_a_block_cached_in_one_group_is_never_a_hit_in_another(evicted_group: int) -> None:
+    """Two full-attention groups compute the same tokens into different blocks (different
+    layers' KV). With one group's blocks evicted, a prompt of the same tokens hits nothing:
+    the other group's blocks of those tokens are no hit for it."""
+    windows = (None, None)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                          block_size=4, num_blocks=32, kv_group_windows=windows)
+    a = Spec("a", list(range(1, 18)), max_tokens=1)
+    b = Spec("b", list(range(1, 18)), max_tokens=4, ignore_eos=True)
+    h = Harness(cfg)
+    h.add(a)
+    h.drain()
+    kv = h.sched.kv_cache_manager
+    hits, num_hit = kv.get_computed_blocks(b.make())
+    assert num_hit == 16
+    for g in range(2):
+        assert [blk.block_id for blk in hits[g]] == h.last_tables["a"][g][:4]
+    evict(h, h.last_tables["a"][evicted_group][:4])
+    hits, num_hit = kv.get_computed_blocks(b.make())
+    assert num_hit == 0 and hits == ([], [])
+    h.add(b)
+    h.drain()
+    h.check_end()
+    assert h.results == {s.rid: reference(s, 64, windows) for s in (a, b)}
+    assert h.stats.cache_hit_tokens == 0
+
+
+def test_a_prefix_hit_is_what_every_group_agrees_on_after_they_cut_it_in_turn() -> None:
+    """(4, None), blocks of 4: the sliding group needs only the block under its first
+    query's window. With its block 2 and the full group's block 3 evicted, the full group
+    cuts a 4-block hit to 3; at 3 the sliding group needs its block 2, so the hit is 2 blocks
+    (the groups are asked again until they agree), and the tokens are the reference's."""
+    windows = (4, None)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                          block_size=4, num_blocks=32, kv_group_windows=windows)
+    a = Spec("a", list(range(1, 18)), max_tokens=1)
+    b = Spec("b", list(range(1, 17)) + [30], max_tokens=4, ignore_eos=True)
+    h = Harness(cfg)
+    h.add(a)
+    h.drain()
+    sliding, full = h.last_tables["a"]
+    evict(h, [sliding[2], full[3]])
+    hits, num_hit = h.sched.kv_cache_manager.get_computed_blocks(b.make())
+    assert num_hit == 8
+    assert [blk.block_id for blk in hits[0]] == [NULL_BLOCK_ID, sliding[1]]
+    assert [blk.block_id for blk in hits[1]] == full[:2]
+    h.add(b)
+    h.drain()
+    h.check_end()
+    assert h.results == {s.rid: reference(s, 64, windows) for s in (a, b)}
+    assert h.stats.cache_hit_tokens == 8
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    # At least one full group, anywhere among up to three sliding ones.
+    windows=st.lists(st.one_of(st.none(), WINDOW), max_size=3).flatmap(
+        lambda ws: st.permutations([None, *ws])).map(tuple),
+    block_size=st.integers(1, 5),
+    budget=st.integers(1, 16),
+    prompt_len=st.integers(1, 90),
+    caching=st.booleans(),
+)
+def test_a_hybrid_prompt_needs_its_full_groups_and_its_chunks_windows(
+    seed: int, windows: tuple[int | None, ...], block_size: int, budget: int,
+    prompt_len: int, caching: bool
+) -> None:
+    """In the smallest pool `prompt_blocks_needed` accepts for a hybrid model (every full
+    group holds the whole prompt, each sliding group one chunk's windows), a prompt is
+    computed chunk by chunk to its first token, the reference's; one block fewer is
+    refused."""
+    num_full = windows.count(None)
+    need = prompt_blocks_needed(prompt_len, block_size, windows, budget)
+    per_group = -(-prompt_len // block_size)
+    assert num_full * per_group <= need <= len(windows) * per_group
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=budget, max_model_len=200,
+                          block_size=block_size, num_blocks=1 + need,
+                          enable_prefix_caching=caching, kv_group_windows=windows)
+    rng = random.Random(seed)
+    spec = Spec("p", [rng.randrange(1, VOCAB) for _ in range(prompt_len)], max_tokens=1,
+                ignore_eos=True)
+    results, _ = run(cfg, [spec])
+    assert results == {"p": reference(spec, 200, windows)}
+    assert results["p"][1] == "length" and len(results["p"][0]) == 1
+    if need > 1:
+        smaller = Scheduler(replace(cfg, num_blocks=need))
+        with pytest.raises(ValueError, match="KV blocks"):
+            smaller.add_request(spec.make())
