@@ -98,7 +98,8 @@ class EngineArgs:
                "(docs/perf/gguf-cpu.md). Without AVX2 (aarch64) a warning and the exact path")
     block_size: int = _arg(16, "tokens per KV block (16 or 32)")
     num_kv_blocks: int | None = _arg(
-        None, "KV blocks, overriding the memory budget; not given: from the budget")
+        None, "KV blocks, overriding the memory budget (with KV cache groups a block holds one "
+              "group's layers); not given: from the budget")
     gpu_memory_utilization: float = _arg(
         0.9, "GPU: fraction of device memory for weights, activations and the KV array")
     kv_cache_memory_bytes: int | None = _arg(

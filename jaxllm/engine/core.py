@@ -150,7 +150,9 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             num_lookahead_tokens=0 if spec is None or not use_draft_model
             else spec.num_speculative_tokens,
-            kv_group_windows=self.runner.kv_groups.windows,
+            # A draft model reads the target's block tables with its own full attention:
+            # nothing may be freed under it, even where every target layer slides.
+            kv_group_windows=(None,) if use_draft_model else self.runner.kv_groups.windows,
             max_loras=config.max_loras if config.enable_lora else 0))
         self.info = EngineCoreInfo(
             config=config, model_config=model_config, max_model_len=max_model_len,

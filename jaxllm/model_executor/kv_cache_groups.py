@@ -43,9 +43,11 @@ class KVCacheGroups:
 def kv_cache_groups(config: ModelConfig, max_model_len: int, hybrid: bool = True
                     ) -> KVCacheGroups:
     """The model's groups: one when its layers share a window (or none), or when `hybrid` is
-    off (then no block is freed behind a window: a layer that slides reads fewer keys of the
-    same table). A window of at least max_model_len keys never slides, so it counts as full
-    attention here."""
+    off (then a mixed model's sliding layers read fewer keys of the one table, whose blocks
+    all stay). A window of at least max_model_len keys never slides, so it counts as full
+    attention here. Group sizes follow vLLM's rule: the rarer kind's layer count, or the
+    commoner kind's when it is less than a quarter larger (fewer groups, a few slots unused
+    in the rarer kind's)."""
     num_layers = config.num_hidden_layers
     windows = []
     for i in range(num_layers):
@@ -57,7 +59,10 @@ def kv_cache_groups(config: ModelConfig, max_model_len: int, hybrid: bool = True
     if not hybrid:
         return KVCacheGroups.single(num_layers)
     layers_of = {kind: [i for i, w in enumerate(windows) if w == kind] for kind in kinds}
-    size = min(len(layers) for layers in layers_of.values())
+    counts = [len(layers) for layers in layers_of.values()]
+    size = min(counts)
+    if max(counts) < size * 1.25:
+        size = max(counts)
     group_windows: list[int | None] = []
     layer_group = [0] * num_layers
     layer_slot = [0] * num_layers

@@ -354,3 +354,27 @@ def test_draft_refused_by_the_engine(kind, model, tmp_path):
     with pytest.raises(ValueError, match=match):
         make_llm(model, dtype="float32", multiprocess_mode=False, max_num_seqs=1,
                  max_num_batched_tokens=8, speculative_config=draft_model(draft, 2))
+
+
+def test_a_windowed_target_frees_nothing_under_a_draft(tmp_path, small_draft, prompts):
+    """Every layer of the target slides over 16 keys: alone, its blocks behind the window go
+    back to the pool; with a draft model, whose full attention reads the target's block tables,
+    none may (the scheduler gets no window), and greedy tokens stay the spec-off ones."""
+    save_tiny_checkpoint(tmp_path, tied=False, seed=3, arch="mistral", sliding_window=16)
+    long_prompts = [p * 3 for p in prompts[:3]]  # 72, 51, 90 tokens: far past the window
+    plain = make_llm(tmp_path, multiprocess_mode=False, **SMALL)
+    try:
+        assert plain.llm_engine.describe()["kv_cache_groups"] == [16]
+        want = token_ids(generate(plain, long_prompts, GREEDY))
+    finally:
+        plain.shutdown()
+    llm = make_llm(tmp_path, multiprocess_mode=False, **SMALL,
+                   speculative_config=draft_model(small_draft, 3))
+    try:
+        assert llm.llm_engine.describe()["kv_cache_groups"] == [None]
+        counters = SpecCounters(llm)
+        assert token_ids(generate(llm, long_prompts, GREEDY)) == want
+        assert counters.delta()["num_spec_drafts"] > 0
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
