@@ -107,6 +107,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # LoRA: the adapters of the running and of the waiting requests, by name, with how many
+    # requests each (empty without LoRA).
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
     # Which data-parallel engine core stepped (set by the frontend's DP client on receipt).
     engine_index: int = 0
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from jaxllm.engine import (
 )
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.lora.adapter import check_lora_model
+from jaxllm.lora.request import LoRARequest
 from jaxllm.model_executor.model_loader.loader import load_model
 from jaxllm.pooling_params import PoolingParams, wrong_runner
 from jaxllm.sample.host_sampler import NOTHING_SAMPLED, HostSampler, SampledTokens
@@ -70,6 +71,17 @@ from scheduler import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def _adapter_counts(requests: Iterable[Request], adapters: Mapping[int, LoRARequest]
+                    ) -> dict[str, int]:
+    """How many of `requests` run each LoRA adapter, by the adapter's name."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_int_id:
+            name = adapters[r.lora_int_id].lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 # While only requests waiting for their grammar are held, how long the core blocks on the
 # compilations before it returns an (empty) step: short, so aborts and new requests still get in.
@@ -539,6 +551,10 @@ class EngineCore:
         stats.num_running_reqs = num_running
         stats.num_waiting_reqs = num_waiting + len(self._waiting_for_grammar)
         stats.kv_cache_usage = self.scheduler.usage
+        slots = self.runner.lora_slots
+        if slots is not None:
+            stats.running_lora_adapters = _adapter_counts(self.scheduler.running, slots.requests)
+            stats.waiting_lora_adapters = _adapter_counts(self.scheduler.waiting, slots.requests)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
 
     # --- utility calls (UTILITY_METHODS) ------------------------------------------------------

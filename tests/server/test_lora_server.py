@@ -87,3 +87,26 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones(client):
     assert "attn" in str(e.value) and "mlp" in str(e.value)
     # The server keeps answering.
     assert client.completions.create(model="attn", prompt="x", max_tokens=2).choices
+
+
+def test_metrics_name_the_running_adapters(client, server):
+    """vLLM's lora_requests_info: while a request of adapter "mlp" streams, a series labelled
+    with it as running is stamped with the current time."""
+    import re
+    import time
+
+    from tests.server.openai_server import http
+
+    start = time.time()
+    stream = client.completions.create(model="mlp", prompt=PROMPTS[1], stream=True,
+                                       temperature=0.0, max_tokens=48)
+    next(iter(stream))  # the request runs
+    body = http("GET", server.url + "/metrics")[1].decode()
+    for _ in stream:
+        pass
+    series = re.findall(r'^jaxllm:lora_requests_info\{([^}]*)\} (\S+)$', body, re.M)
+    running = [(labels, float(v)) for labels, v in series
+               if 'running_lora_adapters="mlp"' in labels]
+    assert running, series
+    assert all('max_lora="2"' in labels for labels, _ in series)
+    assert max(v for _, v in running) >= start - 1

@@ -177,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args, model=tag)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     name = args.served_model_name or tag or DEFAULT_MODEL_NAME
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, engine_args.max_loras if engine_args.enable_lora else 0)
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[metrics.record_stats])
     pid = getattr(engine.engine_core, "core_pid", None)
     if pid is not None:

@@ -28,10 +28,12 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_loras: int = 0) -> None:
+        """`max_loras` > 0: the engine runs LoRA adapters, and `lora_requests_info` says which."""
         self.registry = reg = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
+        self.max_loras = max_loras
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
@@ -92,6 +94,12 @@ class ServerMetrics:
                                          "Draft tokens verified.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
                                             "Draft tokens accepted.")
+        # vLLM's LoRA gauge: the adapters running and waiting (names, comma-separated) in its
+        # labels, the time they were seen as its value; the newest series is the state now.
+        self._lora_info = Gauge(PREFIX + "lora_requests_info",
+                                "LoRA adapters of the running and waiting requests.",
+                                ["model_name", "engine", "max_lora", "running_lora_adapters",
+                                 "waiting_lora_adapters"], registry=reg) if max_loras else None
         self._queries: dict[int, int] = {}
         self._hits: dict[int, int] = {}
 
@@ -113,6 +121,11 @@ class ServerMetrics:
             self._engine(self._prefix_hit_rate, i).set(self._hits[i] / self._queries[i])
         if stats.num_preemptions:
             self._engine(self._preemptions, i).inc(stats.num_preemptions)
+        if self._lora_info is not None:
+            self._lora_info.labels(self.model_name, str(i), str(self.max_loras),
+                                   ",".join(sorted(stats.running_lora_adapters)),
+                                   ",".join(sorted(stats.waiting_lora_adapters))
+                                   ).set_to_current_time()
         if stats.spec_num_drafts:
             self.spec_drafts.inc(stats.spec_num_drafts)
             self.spec_draft_tokens.inc(stats.spec_num_draft_tokens)
