@@ -130,10 +130,11 @@ def test_engine_args_doc_is_generated_from_the_fields():
     for f in dataclasses.fields(EngineArgs):
         assert f.metadata["help"] and f"| `{f.name}` |" in engine_args_markdown()
     # Every resolved setting has its argument (the config adds the model path, dtypes derived
-    # from dtype, the GEMV rows, the GGUF layout, the platform and the launch config, whose
-    # settings but the frontend's kind have their arguments too).
+    # from dtype, the GEMV rows, the GGUF layout, the platform, the launch config, whose
+    # settings but the frontend's kind have their arguments too, and the hybrid KV cache from
+    # disable_hybrid_kv_cache_manager and the speculative config).
     derived = {"model_path", "kv_cache_dtype", "activation_dtype", "gemv_max_rows",
-               "gguf_layout", "attention_impl", "platform", "launch_config"}
+               "gguf_layout", "attention_impl", "platform", "launch_config", "hybrid_kv_cache"}
     args = {f.name for f in dataclasses.fields(EngineArgs)}
     assert {f.name for f in dataclasses.fields(EngineConfig)} - derived <= args
     launch = {f.name for f in dataclasses.fields(LaunchConfig)
