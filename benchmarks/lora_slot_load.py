@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxllm.lora.adapter import FUSED_PARTS, LoRAAdapter, module_dims  # noqa: E402
+from jaxllm.lora.adapter import LoRAAdapter, module_dims  # noqa: E402
 from jaxllm.lora.slots import LoRASlots  # noqa: E402
 from jaxllm.model_executor.config import ModelConfig  # noqa: E402
 
@@ -61,7 +61,7 @@ def whole_tree_put(slots: LoRASlots, host: dict, slot: int, adapter: LoRAAdapter
             w["A"][k] = 0
             w["B"][k] = 0
     for (i, name), (a, b) in adapter.weights.items():
-        fused, part = FUSED_PARTS[name]
+        _, fused, part = slots.parts[name]
         _, col, width = slots.layout[fused][1][part]
         w = host[f"layers_{i}"][fused]
         w["A"][k, :, part * r:part * r + adapter.rank] = a.T

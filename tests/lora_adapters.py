@@ -10,14 +10,20 @@ from typing import Any
 import numpy as np
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Phi-3's checkpoints hold q/k/v and gate/up fused, so its adapters target those modules.
+FUSED_ATTENTION_MODULES = ("qkv_proj", "o_proj")
+FUSED_MLP_MODULES = ("gate_up_proj", "down_proj")
 
 
 def _dims(cfg: Any) -> dict[str, tuple[int, int]]:
-    h, hd = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    # Gemma's head_dim is not hidden_size / num_attention_heads.
+    h = cfg.hidden_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     q, kv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, \
         cfg.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+            "qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * inter)}
 
 
 def write_adapter(path: Any, cfg: Any, *, rank: int, alpha: float, targets: tuple[str, ...],
@@ -35,7 +41,8 @@ def write_adapter(path: Any, cfg: Any, *, rank: int, alpha: float, targets: tupl
             d_in, d_out = _dims(cfg)[m]
             a = rng.normal(0, 1 / math.sqrt(d_in), (rank, d_in)).astype(np.float32)
             b = rng.normal(0, 0.3 / math.sqrt(rank), (d_out, rank)).astype(np.float32)
-            parent = "self_attn" if m in ATTENTION_MODULES else "mlp"
+            parent = "self_attn" if m in ATTENTION_MODULES + FUSED_ATTENTION_MODULES \
+                else "mlp"
             prefix = f"base_model.model.model.layers.{i}.{parent}.{m}"
             tensors[f"{prefix}.lora_A.weight"] = a
             tensors[f"{prefix}.lora_B.weight"] = b

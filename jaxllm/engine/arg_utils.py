@@ -217,7 +217,7 @@ class EngineArgs:
 
     enable_lora: bool = _arg(
         False, "LoRA adapters: requests name a PEFT adapter (LLM.generate's lora_request); "
-               "dense Llama, Mistral, Qwen2 and Qwen3 models on one device")
+               "dense models (every family but the mixtures of experts) on one device")
     max_loras: int = _arg(1, "with enable_lora: most distinct adapters in one step (device "
                              "slots)")
     max_lora_rank: int = _arg(16, "with enable_lora: the highest adapter rank accepted")

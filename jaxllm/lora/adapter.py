@@ -1,5 +1,6 @@
 """A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) read for one model:
-each targeted projection's A [r, in] and B [out, r], with the scaling folded into B.
+each targeted projection's A [r, in] and B [out, r], with the scaling folded into B and B's
+rows in the order the loader puts the model's own weight rows.
 
 What the step cannot apply is refused by name rather than ignored: DoRA, biases, embedding or
 LM-head targets, per-module rank or alpha patterns, modules to save whole, ranks above the
@@ -20,27 +21,35 @@ from jaxllm.model_executor.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# Each PEFT module name -> (the model's fused projection it adds to, its part of that output).
-FUSED_PARTS: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _REFUSED_TARGETS = ("embed_tokens", "lm_head")
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
                   r"\.lora_([AB])(?:\.default)?\.weight$")
 
 
+def lora_parts(config: ModelConfig) -> dict[str, tuple[str, str, int]]:
+    """Each PEFT module name this model's adapters may target -> (its parent module, the
+    model's fused projection it adds to, its part of that output). The names are the
+    checkpoint's own (the loader's `layer_weights`), since PEFT wraps the modules the HF model
+    has: q/k/v and gate/up apart in most families, fused (`qkv_proj`, `gate_up_proj`, one part
+    spanning the whole output) where the checkpoint stores them fused (Phi-3)."""
+    from jaxllm.model_executor.model_loader.gguf_params import layer_weights
+
+    parts = {}
+    for (parent, fused), names in layer_weights(config).items():
+        for i, name in enumerate(names):
+            parts[name.split(".")[1]] = (parent, fused, i)  # "self_attn.q_proj.weight"
+    return parts
+
+
 def module_dims(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each PEFT module name in this model."""
+    """(in, out) features of each PEFT module name this model's adapters may target."""
     h, hd = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     inter = config.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+            "qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * inter)}
+    return {name: dims[name] for name in lora_parts(config)}
 
 
 @dataclass(frozen=True)
@@ -113,7 +122,9 @@ def load_adapter(path: str | Path, config: ModelConfig, max_lora_rank: int) -> L
         tensors = load_file(str(Path(path) / WEIGHTS_FILE))
     except Exception as e:  # a corrupt file: safetensors raises its own error types
         raise ValueError(f"{where}: {WEIGHTS_FILE} is unreadable: {e}") from e
-    dims = module_dims(config)
+    from jaxllm.model_executor.model_loader.loader import rotary_row_order
+
+    dims, targets = module_dims(config), lora_parts(config)
     parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         m = _KEY.match(key)
@@ -122,9 +133,9 @@ def load_adapter(path: str | Path, config: ModelConfig, max_lora_rank: int) -> L
                              f"layer's projection (embedding, LM-head and bias weights are not "
                              f"supported)")
         layer, parent, module, which = int(m[1]), m[2], m[3], m[4]
-        if module not in FUSED_PARTS or _PARENT[module] != parent:
+        if module not in targets or targets[module][0] != parent:
             raise ValueError(f"{where}: tensor {key!r} targets {parent}.{module}, which is not "
-                             f"one of {sorted(FUSED_PARTS)}")
+                             f"one of this {config.architecture}'s {sorted(targets)}")
         if layer >= config.num_hidden_layers:
             raise ValueError(f"{where}: tensor {key!r} is for layer {layer}; the model has "
                              f"{config.num_hidden_layers}")
@@ -140,19 +151,32 @@ def load_adapter(path: str | Path, config: ModelConfig, max_lora_rank: int) -> L
             raise ValueError(f"{where}: layer {layer} {module}: lora_A {a.shape} and lora_B "
                              f"{b.shape} do not fit rank {acfg.rank} and the model's "
                              f"({d_in} in, {d_out} out)")
+        # B's rows are the projection's outputs: in the order the loader puts the base
+        # weight's rows (partial rotary reorders each q and k head), or the delta would land
+        # on other dims than HF's.
+        rows = rotary_row_order(config, f"layers.{layer}.{targets[module][0]}.{module}.weight")
+        if rows is not None:
+            b = b[rows]
         weights[(layer, module)] = (a, b * np.float32(acfg.scale))
     if not weights:
         raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
     return LoRAAdapter(acfg.rank, acfg.scale, weights)
 
 
-# The dense families whose decoder layers are Llama's projections (the delta's targets).
+# The dense families: every decoder layer is Llama's projections (the delta's targets), under
+# whatever norms, multipliers or soft caps the family adds around them.
 LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                      "Qwen3ForCausalLM")
+                      "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+                      "Gemma3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+                      "Phi3ForCausalLM")
+_MOE = "a mixture of experts (the experts' projections take no adapter)"
+_REFUSED_ARCHITECTURES = {"Qwen2MoeForCausalLM": _MOE, "Qwen3MoeForCausalLM": _MOE,
+                          "MixtralForCausalLM": _MOE}
 
 
 def check_lora_model(config: ModelConfig) -> None:
     """ValueError for a model family LoRA adapters do not run on."""
     if config.architecture not in LORA_ARCHITECTURES:
-        raise ValueError(f"enable_lora supports {', '.join(LORA_ARCHITECTURES)}; this model is "
-                         f"{config.architecture}")
+        reason = _REFUSED_ARCHITECTURES.get(config.architecture, "not a family LoRA runs on")
+        raise ValueError(f"enable_lora does not run {config.architecture}: {reason}; it runs "
+                         f"{', '.join(LORA_ARCHITECTURES)}")

@@ -3,7 +3,9 @@ and B [S, width, out] over S = max_loras slots; a token's slot is 1..S, or 0 for
 without an adapter, which reads none of them (the step reads every slot's weights, so a zero
 slot would cost as much as a real one). A fused projection's parts (q, k, v; gate, up) each
 own `max_lora_rank` columns of A and rows of B, so B is block-diagonal over the parts and one
-contraction serves them all; ranks below the maximum are zero-padded, the scaling is in B.
+contraction serves them all; a model whose checkpoints store the projection fused (Phi-3's
+`qkv_proj`, `gate_up_proj`) has adapters on the whole of it, one part whose B rows span every
+output column. Ranks below the maximum are zero-padded, the scaling is in B.
 
 Slots are filled least recently activated first, never one a live request reads (the
 scheduler keeps the adapters of running requests within max_loras). A fill happens when a
@@ -22,15 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.lora.adapter import FUSED_PARTS, LoRAAdapter, load_adapter, module_dims
+from jaxllm.lora.adapter import LoRAAdapter, load_adapter, lora_parts, module_dims
 from jaxllm.lora.request import LoRARequest, check_same_adapter
 from jaxllm.model_executor.config import ModelConfig
-
-# Fused projection -> its PEFT parts in output order.
-FUSED_MODULES: dict[str, tuple[str, ...]] = {}
-for _name, (_fused, _part) in FUSED_PARTS.items():
-    FUSED_MODULES.setdefault(_fused, ())
-    FUSED_MODULES[_fused] += (_name,)
 
 
 class LoRASlots:
@@ -44,14 +40,14 @@ class LoRASlots:
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         dims = module_dims(config)
+        # PEFT module name -> (parent, fused projection, part), parts in output order.
+        self.parts = lora_parts(config)
         # fused name -> (in, [(PEFT part, first output column, width)], out)
         self.layout: dict[str, tuple[int, list[tuple[str, int, int]], int]] = {}
-        for fused, names in FUSED_MODULES.items():
-            offsets, col = [], 0
-            for name in names:
-                offsets.append((name, col, dims[name][1]))
-                col += dims[name][1]
-            self.layout[fused] = (dims[names[0]][0], offsets, col)
+        for name, (_, fused, _) in self.parts.items():
+            d_in, offsets, col = self.layout.get(fused, (dims[name][0], [], 0))
+            offsets.append((name, col, dims[name][1]))
+            self.layout[fused] = (d_in, offsets, col + dims[name][1])
         self.requests: dict[int, LoRARequest] = {}
         # Every registered adapter, parsed once: a slot load inside a step never reads the
         # disk, where a file deleted or rewritten since would fail the step (or change the
@@ -121,7 +117,7 @@ class LoRASlots:
         tree = jax.tree.map(lambda shape: np.zeros(shape, dtype), self._shapes(),
                             is_leaf=_is_shape)
         for (i, name), (a, b) in adapter.weights.items():
-            fused, part = FUSED_PARTS[name]
+            _, fused, part = self.parts[name]
             _, col, width = self.layout[fused][1][part]
             w = tree[f"layers_{i}"][fused]
             # No cast for an adapter kept by `add_adapter`; another is cast per matrix before

@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 
 from jaxllm import LoRARequest, SamplingParams
-from tests.lora_adapters import ATTENTION_MODULES, write_adapter
+from tests.lora_adapters import (
+    ATTENTION_MODULES,
+    FUSED_ATTENTION_MODULES,
+    FUSED_MLP_MODULES,
+    write_adapter,
+)
 from tests.utils import (
     compile_count,
     make_llm,
@@ -81,8 +86,12 @@ def _params() -> SamplingParams:
 
 
 def _check(setup, prompts: list[list[int]], lora_ids: list[int], outs) -> None:
+    _check_against(setup["oracles"], prompts, lora_ids, outs)
+
+
+def _check_against(oracles: dict, prompts: list[list[int]], lora_ids: list[int], outs) -> None:
     for prompt, lid, out in zip(prompts, lora_ids, outs, strict=True):
-        want_tokens, want_lps = hf_greedy_with_logprobs(setup["oracles"][lid], prompt)
+        want_tokens, want_lps = hf_greedy_with_logprobs(oracles[lid], prompt)
         comp = out.outputs[0]
         assert comp.token_ids == want_tokens, f"adapter {lid}"
         got = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
@@ -212,9 +221,64 @@ def test_an_adapter_is_read_once_its_files_may_go(setup, tmp_path):
     _check(setup, prompts, [0], _generate(setup, prompts, [0]))
 
 
+# The other dense families, each with what sets it apart around the projections: Gemma's
+# head_dim (not hidden / heads) and tied embeddings, Gemma 2's soft caps and sandwich norms,
+# Gemma 3's per-head q/k norms and OLMo 2's whole-projection ones (after qkv_proj: the delta
+# must come before them, as PEFT's inside q_proj and k_proj does), Granite's multipliers, and
+# Phi-3's fused qkv_proj and gate_up_proj targets with partial rotary (Phi-4-mini's, whose
+# q/k head rows the loader reorders, and an adapter's B rows with them).
+SPLIT_TARGETS = (ATTENTION_MODULES, ("v_proj", "gate_proj", "up_proj", "down_proj"))
+FAMILIES: dict[str, tuple[dict, tuple[tuple[str, ...], tuple[str, ...]]]] = {
+    "gemma": (dict(arch="gemma", tied=True), SPLIT_TARGETS),
+    "gemma2": (dict(arch="gemma2", tied=True), SPLIT_TARGETS),
+    "gemma3": (dict(arch="gemma3", tied=True), SPLIT_TARGETS),
+    "granite": (dict(arch="granite", tied=False, embedding_multiplier=6.0,
+                     attention_multiplier=0.5, residual_multiplier=0.4, logits_scaling=2.5),
+                SPLIT_TARGETS),
+    "olmo2": (dict(arch="olmo2", tied=False), SPLIT_TARGETS),
+    "phi3": (dict(arch="phi3", tied=False, partial_rotary_factor=0.75),
+             (FUSED_ATTENTION_MODULES, ("qkv_proj",) + FUSED_MLP_MODULES)),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_dense_families_match_the_merged_models(family, tmp_path):
+    """Two adapters of different ranks and targets and a request without one, in one batch."""
+    kw, (targets1, targets2) = FAMILIES[family]
+    hf = make_tiny_checkpoint(tmp_path / "base", seed=30, **kw).eval()
+    adapters = {
+        1: write_adapter(tmp_path / "a1", hf.config, rank=8, alpha=16, targets=targets1,
+                         seed=31),
+        2: write_adapter(tmp_path / "a2", hf.config, rank=4, alpha=8, targets=targets2,
+                         seed=32, rslora=True),
+    }
+    oracles = {0: hf, **{i: merged_model(hf, m) for i, m in adapters.items()}}
+    prompts = random_prompts(33, [5, 11, 8])
+    ids = [1, 2, 0]
+    llm = make_llm(tmp_path / "base", enable_lora=True, max_loras=2, max_lora_rank=8,
+                   dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(),
+                            use_tqdm=False,
+                            lora_request=[LoRARequest(f"a{i}", i, str(tmp_path / f"a{i}"))
+                                          if i else None for i in ids])
+    finally:
+        llm.shutdown()
+    _check_against(oracles, prompts, ids, outs)
+    # Each adapter moves its request off the base model's logprobs: the comparison above
+    # would notice a delta dropped.
+    for prompt, lid, out in zip(prompts, ids, outs, strict=True):
+        if lid:
+            base_tokens, base_lps = hf_greedy_with_logprobs(hf, prompt)
+            comp = out.outputs[0]
+            got = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
+            assert comp.token_ids != base_tokens \
+                or np.abs(np.subtract(got, base_lps)).max() > 100 * LOGPROB_ATOL, lid
+
+
 def test_moe_model_is_refused_by_name(tmp_path):
     make_tiny_checkpoint(tmp_path, tied=False, arch="qwen2_moe")
-    with pytest.raises(ValueError, match="Qwen2MoeForCausalLM"):
+    with pytest.raises(ValueError, match="Qwen2MoeForCausalLM: a mixture of experts"):
         make_llm(tmp_path, enable_lora=True)
 
 

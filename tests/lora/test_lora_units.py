@@ -1,10 +1,12 @@
 """LoRA's parts that need no model: the engine settings refused, the request on the wire to a
 core process, the prefix cache's adapter key, the server's `--lora-modules` names, the device
-slots' one-slot writes and which paths name one adapter (the engine tests, against Hugging
-Face, are test_lora.py's)."""
+slots' one-slot writes, a fused target's place in them (Phi-3), which families and modules an
+adapter may target, and which paths name one adapter (the engine tests, against Hugging Face,
+are test_lora.py's)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -16,12 +18,18 @@ from jaxllm import LoRARequest, SamplingParams
 from jaxllm.engine import EngineCoreRequest
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from jaxllm.lora.adapter import check_lora_model, load_adapter, module_dims
 from jaxllm.lora.request import check_same_adapter
 from jaxllm.lora.slots import LoRASlots
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.worker.compile_counter import compile_count
 from scheduler.block_pool import hash_block_tokens
-from tests.lora_adapters import ATTENTION_MODULES, write_adapter
+from tests.lora_adapters import (
+    ATTENTION_MODULES,
+    FUSED_ATTENTION_MODULES,
+    FUSED_MLP_MODULES,
+    write_adapter,
+)
 
 
 def _params() -> SamplingParams:
@@ -214,3 +222,65 @@ def test_an_adapter_id_keeps_its_directory_under_another_spelling(tmp_path, monk
     assert slots.adapters[1] is adapter
     with pytest.raises(ValueError, match="already adapter 'a'"):
         slots.register(LoRARequest("b", 1, "b"))
+
+
+# Phi-4-mini's shape of Phi-3: head_dim 8 with partial_rotary_factor 0.75 rotates 6 dims of each
+# q and k head; q 32 wide, k and v 16, intermediate 24.
+PHI3 = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   architecture="Phi3ForCausalLM", attention_bias=False,
+                   partial_rotary_factor=0.75)
+# One q or k head's dims in the order the RoPE kernels take them, from Hugging Face's: the
+# rotated first half, the passed first half, the rotated second half, the passed second half.
+PHI3_HEAD_ORDER = [0, 1, 2, 6, 3, 4, 5, 7]
+
+
+def test_a_fused_phi3_adapter_fills_one_part_spanning_the_fused_outputs(tmp_path):
+    """Phi-3's checkpoints, and so its adapters, hold q/k/v and gate/up fused: one rank-r A and
+    a B over every output column per projection (not block-diagonal per part), B's q and k
+    rows in the loader's partial-rotary order and its v rows as they are."""
+    targets = FUSED_ATTENTION_MODULES + FUSED_MLP_MODULES
+    merged = write_adapter(tmp_path / "a", PHI3, rank=3, alpha=5, targets=targets, seed=9)
+    slots = LoRASlots(PHI3, max_loras=1, max_lora_rank=RANK, dtype=jnp.float32)
+    tree = slots.slot_weights(load_adapter(tmp_path / "a", PHI3, RANK))
+    h, qkv, inter = 16, 32 + 2 * 16, 24
+    assert {f: (w["A"].shape, w["B"].shape) for f, w in tree["layers_0"].items()} == {
+        "qkv_proj": ((h, RANK), (RANK, qkv)), "o_proj": ((32, RANK), (RANK, h)),
+        "gate_up_proj": ((h, RANK), (RANK, 2 * inter)), "down_proj": ((inter, RANK), (RANK, h))}
+    q_k_heads = 4 + 2
+    rows = [8 * head + d for head in range(q_k_heads) for d in PHI3_HEAD_ORDER]
+    rows += list(range(q_k_heads * 8, qkv))  # v
+    for (i, _, m), (a, b, scale) in merged.items():
+        w = tree[f"layers_{i}"][m]
+        want_b = (b * np.float32(scale))[rows if m == "qkv_proj" else slice(None)]
+        np.testing.assert_array_equal(w["A"][:, :3], a.T)
+        np.testing.assert_array_equal(w["B"][:3], want_b.T)
+        assert not w["A"][:, 3:].any() and not w["B"][3:].any()
+
+
+def test_adapter_modules_are_the_checkpoints_own(tmp_path):
+    # Phi-3's HF model has no q_proj or gate_proj for PEFT to wrap; the split families have no
+    # qkv_proj or gate_up_proj.
+    write_adapter(tmp_path / "split", PHI3, rank=2, alpha=4, targets=("q_proj",), seed=1)
+    with pytest.raises(ValueError, match=r"targets self_attn\.q_proj.*Phi3ForCausalLM's"):
+        load_adapter(tmp_path / "split", PHI3, RANK)
+    write_adapter(tmp_path / "fused", TINY, rank=2, alpha=4, targets=("gate_up_proj",), seed=2)
+    with pytest.raises(ValueError, match=r"targets mlp\.gate_up_proj.*LlamaForCausalLM's"):
+        load_adapter(tmp_path / "fused", TINY, RANK)
+    # Gemma's head_dim is its own, not hidden_size / num_attention_heads.
+    gemma = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=8, architecture="GemmaForCausalLM", attention_bias=False)
+    assert module_dims(gemma) == {
+        "q_proj": (16, 32), "k_proj": (16, 8), "v_proj": (16, 8), "o_proj": (32, 16),
+        "gate_proj": (16, 24), "up_proj": (16, 24), "down_proj": (24, 16)}
+
+
+@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                  "MixtralForCausalLM"])
+def test_lora_refuses_mixtures_of_experts_by_name(arch):
+    with pytest.raises(ValueError, match=f"{arch}: a mixture of experts"):
+        check_lora_model(dataclasses.replace(TINY, architecture=arch))
+    for dense in ("GemmaForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM",
+                  "GraniteForCausalLM", "Phi3ForCausalLM"):
+        check_lora_model(dataclasses.replace(TINY, architecture=dense))
