@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.model_loader.weight_layout import layer_weights, rotary_row_order
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -32,8 +33,6 @@ def lora_parts(config: ModelConfig) -> dict[str, tuple[str, str, int]]:
     checkpoint's own (the loader's `layer_weights`), since PEFT wraps the modules the HF model
     has: q/k/v and gate/up apart in most families, fused (`qkv_proj`, `gate_up_proj`, one part
     spanning the whole output) where the checkpoint stores them fused (Phi-3)."""
-    from jaxllm.model_executor.model_loader.gguf_params import layer_weights
-
     parts = {}
     for (parent, fused), names in layer_weights(config).items():
         for i, name in enumerate(names):
@@ -122,8 +121,6 @@ def load_adapter(path: str | Path, config: ModelConfig, max_lora_rank: int) -> L
         tensors = load_file(str(Path(path) / WEIGHTS_FILE))
     except Exception as e:  # a corrupt file: safetensors raises its own error types
         raise ValueError(f"{where}: {WEIGHTS_FILE} is unreadable: {e}") from e
-    from jaxllm.model_executor.model_loader.loader import rotary_row_order
-
     dims, targets = module_dims(config), lora_parts(config)
     parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, value in tensors.items():

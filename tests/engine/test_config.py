@@ -155,9 +155,11 @@ def test_cli_flags_and_help_come_from_the_fields():
                               topk_sampling=True, max_num_seqs=3)
 
 
+# jaxllm.lora.adapter: the Processor reads a request's LoRA adapter in the frontend.
 FRONTEND_MODULES = ("jaxllm", "jaxllm.engine.arg_utils", "jaxllm.engine.llm_engine",
                     "jaxllm.engine.async_llm", "jaxllm.engine.mp_client",
-                    "jaxllm.entrypoints.openai.api_server", "jaxllm.entrypoints.cli.main")
+                    "jaxllm.entrypoints.openai.api_server", "jaxllm.entrypoints.cli.main",
+                    "jaxllm.lora.adapter")
 
 
 def test_frontend_imports_no_jax():

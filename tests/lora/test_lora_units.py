@@ -284,3 +284,25 @@ def test_lora_refuses_mixtures_of_experts_by_name(arch):
     for dense in ("GemmaForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM",
                   "GraniteForCausalLM", "Phi3ForCausalLM"):
         check_lora_model(dataclasses.replace(TINY, architecture=dense))
+
+
+def test_reading_an_adapter_loads_no_jax(tmp_path):
+    """The frontend's Processor reads each new adapter to check it: that must not import JAX
+    (a multiprocess frontend never does), Phi-3's fused targets and row order included."""
+    import subprocess
+    import sys
+
+    phi3 = dataclasses.replace(TINY, architecture="Phi3ForCausalLM", partial_rotary_factor=0.5)
+    write_adapter(tmp_path / "a", phi3, rank=2, alpha=4, targets=("qkv_proj",), seed=1)
+    code = ("import sys, dataclasses\n"
+            "from jaxllm.model_executor.config import ModelConfig\n"
+            "from jaxllm.lora.adapter import load_adapter\n"
+            f"cfg = ModelConfig(**{dataclasses.asdict(phi3)!r})\n"
+            f"adapter = load_adapter({str(tmp_path / 'a')!r}, cfg, 4)\n"
+            "assert adapter.weights\n"
+            "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
+            "assert not bad, bad[:5]\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-2000:]

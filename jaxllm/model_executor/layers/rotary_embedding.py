@@ -8,7 +8,7 @@ params in their own "rope" collection.
 
 Partial rotary (RoPE on the first `rotary_dim` dims of each head, the rest passed through, as
 Hugging Face's Phi-3 does) runs on the same kernels, which rotate dim i with dim i + head_dim / 2:
-the loader reorders each q and k head's dims (`rotary_head_order`) so that the rotated pairs
+the loader reorders each q and k head's dims (`model_loader/weight_layout.py`) so the rotated pairs
 are (i, i + head_dim / 2) for i < rotary_dim / 2, and the table holds cos 1, sin 0 on the
 passed-through lanes, which the kernels then leave as they are. Attention sees the same
 q . k (q and k reordered alike; v is not), and the KV cache holds k in that order.
@@ -150,15 +150,3 @@ def _table(config: ModelConfig) -> jax.Array:
         if n > start:
             table[start:] = _cos_sin(config, np.arange(start, n), long=True)
     return jnp.asarray(table.astype(np.float32))
-
-
-def rotary_head_order(config: ModelConfig) -> np.ndarray | None:
-    """The dims of one q or k head in the order the kernels rotate them, as indices into
-    Hugging Face's order ([rotated first half, passed first half, rotated second half, passed
-    second half]); None with RoPE on the whole head."""
-    head, rot = config.head_dim, config.rotary_dim
-    if rot == head:
-        return None
-    half, passed = rot // 2, (head - rot) // 2
-    return np.concatenate([np.arange(half), rot + np.arange(passed), half + np.arange(half),
-                           rot + passed + np.arange(passed)])

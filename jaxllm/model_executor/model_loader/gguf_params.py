@@ -42,29 +42,10 @@ from jaxllm.model_executor.model_loader.gguf_repack import (
     concat_rows,
     repack,
 )
+from jaxllm.model_executor.model_loader.weight_layout import layer_weights
 
 # The layouts (EngineConfig.gguf_layout, named in jaxllm/config.py) of our CPU kernel's panels.
 CPU_KERNEL_LAYOUTS = ("panels", "compact", "int8")
-
-# Fused param -> the HF names of its parts, stacked along rows as the dense loader stacks them.
-_LAYER_WEIGHTS = {
-    ("self_attn", "qkv_proj"): [f"self_attn.{x}_proj.weight" for x in "qkv"],
-    ("self_attn", "o_proj"): ["self_attn.o_proj.weight"],
-    ("mlp", "gate_up_proj"): ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-    ("mlp", "down_proj"): ["mlp.down_proj.weight"],
-}
-# Architectures whose checkpoints store q/k/v and gate/up fused, in our params' order.
-FUSED_ON_DISK = ("Phi3ForCausalLM",)
-
-
-def layer_weights(config: ModelConfig) -> dict[tuple[str, str], list[str]]:
-    """A dense decoder layer's weight matrices -> the HF names (after `layers.{i}.`) of the
-    tensors stacked into each."""
-    if config.architecture not in FUSED_ON_DISK:
-        return _LAYER_WEIGHTS
-    return {**_LAYER_WEIGHTS, ("self_attn", "qkv_proj"): ["self_attn.qkv_proj.weight"],
-            ("mlp", "gate_up_proj"): ["mlp.gate_up_proj.weight"]}
-
 
 def _device(r: RepackedBlocks, packed: bool, compact: bool, int8: bool = False) -> GGUFWeight:
     if int8:

@@ -26,11 +26,11 @@ from tqdm.auto import tqdm
 
 from jaxllm.model_executor.config import ModelConfig
 from jaxllm.model_executor.layers.quantization.gguf import GGUFWeight
-from jaxllm.model_executor.layers.rotary_embedding import rotary_head_order
 from jaxllm.model_executor.model_loader.errors import ModelLoadError
 from jaxllm.model_executor.model_loader.gguf_file import read_gguf
-from jaxllm.model_executor.model_loader.gguf_params import layer_weights, quantized_param_trees
+from jaxllm.model_executor.model_loader.gguf_params import quantized_param_trees
 from jaxllm.model_executor.model_loader.gguf_repack import FLOAT_TYPES, SUPPORTED_TYPES
+from jaxllm.model_executor.model_loader.weight_layout import layer_weights, rotary_row_order
 from jaxllm.model_executor.models.registry import (
     abstract_params,
     check_supported,
@@ -338,28 +338,6 @@ _GGUF_GLOBAL_NAMES = {
     "norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-
-
-def rotary_row_order(config: ModelConfig, hf_name: str) -> np.ndarray | None:
-    """Rows of a q or k weight (or Phi-3's fused q/k/v) in the order our RoPE kernels rotate
-    with partial rotary (`rotary_embedding.rotary_head_order`); None where they are as stored."""
-    order = rotary_head_order(config)
-    if order is None or not hf_name.startswith("layers."):
-        return None
-    part = hf_name.split(".", 2)[2]
-    hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
-
-    def heads(n: int, start: int = 0) -> np.ndarray:
-        return (start + hd * np.arange(n)[:, None] + order[None, :]).reshape(-1)
-
-    if part.startswith("self_attn.q_proj."):
-        return heads(nh)
-    if part.startswith("self_attn.k_proj."):
-        return heads(nkv)
-    if part.startswith("self_attn.qkv_proj."):
-        return np.concatenate([heads(nh), heads(nkv, nh * hd), (nh + nkv) * hd
-                               + np.arange(nkv * hd)])
-    return None
 
 
 def gguf_row_order(config: ModelConfig, hf_name: str) -> np.ndarray | None:
