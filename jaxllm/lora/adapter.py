@@ -91,9 +91,16 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
         raise ValueError(f"{where}: DoRA (use_dora) is not supported")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"{where}: bias {cfg.get('bias')!r} is not supported (only 'none')")
-    for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layer_replication",
+                "alora_invocation_tokens"):
         if cfg.get(key):
             raise ValueError(f"{where}: {key} is not supported")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.split("_")[0].lower() in ("pissa", "olora"):
+        # These change the base weights too; only an adapter converted back to plain LoRA
+        # applies to the unchanged model.
+        raise ValueError(f"{where}: init_lora_weights {init!r} adapters need their base "
+                         f"weights changed; convert the adapter to plain LoRA first")
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     refused = [t for t in targets if any(name in t for name in _REFUSED_TARGETS)]
@@ -127,12 +134,15 @@ def load_adapter(path: str | Path, config: ModelConfig, max_lora_rank: int) -> L
         m = _KEY.match(key)
         if m is None:
             raise ValueError(f"{where}: tensor {key!r} is not a LoRA weight of a decoder "
-                             f"layer's projection (embedding, LM-head and bias weights are not "
-                             f"supported)")
+                             f"layer's projection, named as PEFT saves it for a causal LM "
+                             f"(base_model.model.model.layers.N.self_attn|mlp.MODULE."
+                             f"lora_A|lora_B.weight; embedding, LM-head and bias weights are "
+                             f"not supported)")
         layer, parent, module, which = int(m[1]), m[2], m[3], m[4]
         if module not in targets or targets[module][0] != parent:
             raise ValueError(f"{where}: tensor {key!r} targets {parent}.{module}, which is not "
-                             f"one of this {config.architecture}'s {sorted(targets)}")
+                             f"one of this {config.architecture}'s {sorted(targets)} (the "
+                             f"checkpoint's own projection modules, fused or not)")
         if layer >= config.num_hidden_layers:
             raise ValueError(f"{where}: tensor {key!r} is for layer {layer}; the model has "
                              f"{config.num_hidden_layers}")
@@ -174,6 +184,7 @@ _REFUSED_ARCHITECTURES = {"Qwen2MoeForCausalLM": _MOE, "Qwen3MoeForCausalLM": _M
 def check_lora_model(config: ModelConfig) -> None:
     """ValueError for a model family LoRA adapters do not run on."""
     if config.architecture not in LORA_ARCHITECTURES:
-        reason = _REFUSED_ARCHITECTURES.get(config.architecture, "not a family LoRA runs on")
+        # Every other family the registry runs is in LORA_ARCHITECTURES.
+        reason = _REFUSED_ARCHITECTURES.get(config.architecture, "not a dense family")
         raise ValueError(f"enable_lora does not run {config.architecture}: {reason}; it runs "
                          f"{', '.join(LORA_ARCHITECTURES)}")

@@ -306,3 +306,19 @@ def test_reading_an_adapter_loads_no_jax(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"layer_replication": [[0, 2]]}, "layer_replication"),
+    ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+    ({"init_lora_weights": "pissa_niter_4"}, "convert the adapter to plain LoRA"),
+    ({"init_lora_weights": "olora"}, "convert the adapter to plain LoRA"),
+])
+def test_adapters_the_step_would_misapply_are_refused_by_name(tmp_path, extra, words):
+    write_adapter(tmp_path / "a", TINY, rank=2, alpha=4, targets=("q_proj",), seed=1, **extra)
+    with pytest.raises(ValueError, match=words):
+        load_adapter(tmp_path / "a", TINY, 4)
+    # The same adapter without the setting reads.
+    write_adapter(tmp_path / "b", TINY, rank=2, alpha=4, targets=("q_proj",), seed=1,
+                  init_lora_weights=True)
+    assert load_adapter(tmp_path / "b", TINY, 4).weights
