@@ -13,6 +13,7 @@ import pytest
 from jaxllm.config import kv_budget_bytes
 from jaxllm.engine.arg_utils import EngineArgs
 from jaxllm.model_executor.config import ModelConfig
+from jaxllm.model_executor.kv_cache_groups import KVCacheGroups
 from jaxllm.worker import model_runner as runner_module
 from jaxllm.worker.model_runner import kv_block_bytes, num_kv_blocks_for
 from tests.utils import make_llm
@@ -25,6 +26,7 @@ BLOCK = 2 * 2 * 2 * 16 * 8 * 4
 
 def fake_runner(weights: int, activations: int, logits: int = 0) -> SimpleNamespace:
     return SimpleNamespace(local_config=CONFIG, kv_cache_dtype=np.float32,
+                           kv_groups=KVCacheGroups.single(CONFIG.num_hidden_layers),
                            weight_bytes=lambda: weights,
                            measure_activation_bytes=lambda: activations,
                            logits_buffer_bytes=lambda: logits)
