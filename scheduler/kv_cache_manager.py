@@ -93,6 +93,20 @@ class KVCacheManager:
         """Blocks one group's table needs for `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
+    def num_free_blocks_to_hold(self, request: Request,
+                                computed_blocks: Sequence[Sequence[KVCacheBlock]],
+                                max_chunk: int) -> int:
+        """Free blocks the request's whole sequence so far would take from the pool, computed
+        in chunks of at most `max_chunk` tokens after the prefix-cache hit `computed_blocks`
+        (from get_computed_blocks): hits other requests hold cost nothing, hits on free
+        cached blocks cost one each, like the blocks still to fill."""
+        need = prompt_blocks_needed(request.num_tokens, self.block_size, self.group_windows,
+                                    max_chunk)
+        null = self.block_pool.null_block
+        held = sum(1 for blocks in computed_blocks for b in blocks
+                   if b is not null and b.ref_cnt > 0)
+        return max(0, need - held)
+
     def _update_block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         hashes = request.block_hashes
         bs = self.block_size

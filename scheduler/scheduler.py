@@ -304,6 +304,15 @@ class Scheduler:
                 if request is None:
                     break
             computed_blocks, num_hit = kv.get_computed_blocks(request)
+            if self.running and request.status == RequestStatus.PREEMPTED \
+                    and kv.num_free_blocks_to_hold(request, computed_blocks,
+                                                   cfg.max_num_batched_tokens) \
+                    > kv.num_free_blocks:
+                # A preempted request comes back only when its whole sequence so far fits: if
+                # only its first chunk did, the pool that just ran out would run out again
+                # before it caught up, and it (the latest running) would be preempted again,
+                # its progress lost.
+                break
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, computed_blocks,
                                  self._lookahead(request, num_new, num_hit)) is None \

@@ -750,6 +750,41 @@ def test_preemption_picks_latest_arrival_and_resumes_with_prefix_hits() -> None:
     assert sched.kv_cache_manager.num_free_blocks == 6
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preempted_request_waits_until_its_whole_sequence_fits(prefix_caching: bool) -> None:
+    # Three requests grow in step to 31 computed tokens (8 blocks of 4) in 17 usable blocks:
+    # two fit, the third is preempted. Its recompute runs in chunks of 8 tokens; taken back
+    # when only its first chunk fits, it runs out again before catching up, is preempted
+    # again (it is the latest), and starts over, step after step, while nothing finishes.
+    cfg = SchedulerConfig(max_model_len=64, block_size=4, num_blocks=18,
+                          max_num_batched_tokens=8, enable_prefix_caching=prefix_caching)
+    specs = [Spec(rid, [t] * 8, max_tokens=24, ignore_eos=True)
+             for rid, t in (("a", 1), ("b", 2), ("c", 3))]
+    h = Harness(cfg)
+    for spec in specs:
+        h.add(spec)
+    events: list[tuple[str, str]] = []
+    while h.sched.has_unfinished_requests():
+        out = h.step()
+        events += [("preempted", rid) for rid in out.preempted_req_ids]
+        events += [("finished", rid) for rid in h.results if ("finished", rid) not in events]
+        assert h.stats.steps < 500
+    h.check_end()
+    assert {rid: h.results[rid] for rid in "abc"} == {
+        spec.rid: reference(spec, cfg.max_model_len) for spec in specs}
+    preempted = [rid for kind, rid in events if kind == "preempted"]
+    assert preempted, "the pool is meant to run out"
+    # Between two preemptions of one request, another request finished.
+    for rid in set(preempted):
+        since_last = None
+        for kind, other in events:
+            if kind == "preempted" and other == rid:
+                assert since_last in (None, True), f"{rid} preempted again before any finish"
+                since_last = False
+            elif kind == "finished":
+                since_last = True
+
+
 def test_prefix_cache_hits_reported() -> None:
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=64))
     sched.add_request(Request("a", list(range(1, 11)), max_tokens=1))
