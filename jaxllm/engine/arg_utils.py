@@ -308,12 +308,11 @@ class EngineArgs:
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         if self.enable_lora:
             for clash, why in ((self.tensor_parallel_size > 1, "tensor_parallel_size > 1"),
-                               (self.speculative_config is not None, "speculative_config"),
                                (self.runner == "pooling", "runner='pooling'"),
                                (self.num_processes not in (None, 1), "several hosts")):
                 if clash:
-                    raise ValueError(f"enable_lora runs on one device without speculative "
-                                     f"decoding or pooling: it does not combine with {why}")
+                    raise ValueError(f"enable_lora runs on one device and generates: it does "
+                                     f"not combine with {why}")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, numbers.Real) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")

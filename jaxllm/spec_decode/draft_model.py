@@ -17,6 +17,7 @@ that of rejected drafts is overwritten by the next proposal.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,8 +71,11 @@ class DraftModelProposer:
         self.k = spec.num_speculative_tokens
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        # The draft model runs without the target's LoRA adapters (its weights are another
+        # model's): a request's adapter changes what the target accepts, never the tokens.
         self.runner = ModelRunner.from_engine_config(
-            config, loaded, max_model_len, gemv_max_rows=draft_config.gemv_max_rows)
+            dataclasses.replace(config, enable_lora=False), loaded, max_model_len,
+            gemv_max_rows=draft_config.gemv_max_rows)
         self.runner.initialize_kv_cache(num_blocks)
         self.compile_time_s = self.runner.compile(progress=config.show_progress)
         # Tokens of each request whose KV the draft holds (a prefix of its tokens).

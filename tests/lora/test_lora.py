@@ -26,6 +26,7 @@ from tests.utils import (
     on_each_step,
     random_prompts,
     runner_of,
+    scheduler_state,
 )
 
 torch = pytest.importorskip("torch", reason="the oracle is Hugging Face transformers (torch)")
@@ -274,6 +275,30 @@ def test_other_dense_families_match_the_merged_models(family, tmp_path):
             got = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
             assert comp.token_ids != base_tokens \
                 or np.abs(np.subtract(got, base_lps)).max() > 100 * LOGPROB_ATOL, lid
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_with_adapters_matches_the_merged_models(setup, method):
+    # The draft model is the base model, run without adapters: for a request with one its
+    # drafts are often rejected, and what the target accepts must still be the adapter's.
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(setup["base_dir"])
+    else:
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    llm = make_llm(setup["base_dir"], enable_lora=True, max_loras=2, max_lora_rank=16,
+                   dtype="float32", multiprocess_mode=False, speculative_config=spec)
+    # Repeated spans give the n-gram proposer drafts.
+    prompts = [p * 3 for p in random_prompts(12, [5, 7, 4])] + random_prompts(13, [9])
+    ids = [1, 3, 0, 2]
+    reqs = [setup["requests"].get(i) for i in ids]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False,
+                        lora_request=reqs)
+    _check(setup, prompts, ids, outs)
+    state = scheduler_state(llm)
+    assert state["num_spec_accepted_tokens"] > 0
+    if method == "draft_model":
+        assert state["num_spec_draft_tokens"] > state["num_spec_accepted_tokens"]
 
 
 def test_moe_model_is_refused_by_name(tmp_path):

@@ -39,9 +39,11 @@ def _params() -> SamplingParams:
 def test_engine_settings_lora_refuses():
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         EngineArgs(enable_lora=True, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="speculative_config"):
-        EngineArgs(enable_lora=True, speculative_config={"method": "ngram",
-                                                         "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        EngineArgs(enable_lora=True, runner="pooling")
+    # Speculative decoding combines with adapters (the draft model runs without them).
+    EngineArgs(enable_lora=True, speculative_config={"method": "ngram",
+                                                     "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):
         EngineArgs(enable_lora=True, max_lora_rank=0)
 
