@@ -135,7 +135,7 @@ def _host(tree: dict) -> dict:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_a_slot_load_rewrites_that_slot_and_leaves_the_others(tmp_path, dtype):
     adapters = _adapters(tmp_path)
-    slots = LoRASlots(TINY, max_loras=3, max_lora_rank=RANK, dtype=dtype)
+    slots = LoRASlots(TINY, max_loras=3, max_lora_rank=RANK, dtype=dtype, max_cpu_loras=4)
     for lora, _ in adapters.values():
         slots.register(lora)
     assert [slots.activate(i, set()) for i in (1, 2, 3)] == [1, 2, 3]
@@ -168,7 +168,7 @@ def test_a_slot_load_rewrites_that_slot_and_leaves_the_others(tmp_path, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_a_slot_load_sends_one_slot_through_one_executable(tmp_path, dtype, monkeypatch):
     adapters = _adapters(tmp_path)
-    slots = LoRASlots(TINY, max_loras=2, max_lora_rank=RANK, dtype=dtype)
+    slots = LoRASlots(TINY, max_loras=2, max_lora_rank=RANK, dtype=dtype, max_cpu_loras=4)
     for lora, _ in adapters.values():
         slots.register(lora)
     tree = slots.device_weights()
