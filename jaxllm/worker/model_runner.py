@@ -205,11 +205,12 @@ class ModelRunner:
                  kv_groups: KVCacheGroups | None = None) -> None:
         """`max_loras` > 0: LoRA adapters, in that many device slots of rank up to
         `max_lora_rank`, at most `max_cpu_loras` kept read on the host besides those of
-        unfinished requests (None: max_loras; jaxllm/lora/). `kv_groups`: how the layers share the KV array and
-        its block tables (None: one group). `gemv_max_rows`, `kv_cache_dtype`,
-        `activation_dtype`, `matmul_precision` and `attention_impl` as EngineConfig resolved
-        them (None: `dtype`; as the config would resolve it); with `gemv_max_rows` and no
-        `gemv_params`, the GEMV buckets run on float32 copies of `params`."""
+        unfinished requests (None: max_loras; jaxllm/lora/). `kv_groups`: how the layers
+        share the KV array and its block tables (None: one group). `gemv_max_rows`,
+        `kv_cache_dtype`, `activation_dtype`, `matmul_precision` and `attention_impl` as
+        EngineConfig resolved them (None: `dtype`; as the config would resolve it); with
+        `gemv_max_rows` and no `gemv_params`, the GEMV buckets run on float32 copies of
+        `params`."""
         self.config = config
         self.local_config = config  # one device's slice of the model
         self.mesh = None

@@ -76,7 +76,7 @@ def setup(tmp_path_factory):
     }
     requests = {i: LoRARequest(f"adapter{i}", i, str(root / f"a{i}")) for i in adapters}
     oracles = {0: hf, **{i: merged_model(hf, m) for i, m in adapters.items()}}
-    # Every adapter these tests name stays read (test_cpu_loras.py drops them).
+    # Above the adapters these tests name: each stays read from its first request.
     llm = make_llm(base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, dtype="float32",
                    max_cpu_loras=8)
     return {"base_dir": base_dir, "root": root, "llm": llm, "requests": requests,
