@@ -113,8 +113,8 @@ def test_adapters_named_in_turn_are_dropped_least_recently_used_first_and_read_a
     for n, lid in enumerate(order):
         _run(setup, random_prompts(20 + n, [7]), [lid])
         held.append(list(_slots(setup).adapters))
-    # Two kept: 2 is dropped for 3 and read again at its next request; 1 stays (named last
-    # but one when 3 comes).
+    # Two kept: 1, named again after 2, stays when 3 comes and 2 goes; 2 is read again at
+    # its next request.
     assert held == [[4, 1], [1, 2], [2, 1], [1, 3], [3, 4], [4, 2]]
     assert reads["core"] == ["a1", "a2", "a3", "a4", "a2"]
     assert reads["frontend"] == ["a1", "a2", "a3", "a4", "a2"]
@@ -187,8 +187,11 @@ def test_a_dropped_adapter_is_read_from_its_directory_and_keeps_its_id(setup, tm
     # ... and id 7 still names that directory though no cache holds it: another one is
     # refused, as it is while the adapter is read.
     assert 7 not in _slots(setup).adapters
+    reads["frontend"].clear()
+    reads["core"].clear()
     with pytest.raises(ValueError, match="lora_int_id 7 is already adapter 'x'"):
         generate(LoRARequest("y", 7, str(setup["root"] / "a1")))
+    assert reads == {"frontend": [], "core": []}  # refused by the frontend, unread
     # Gone from disk once dropped: the next request for it is refused by name.
     _start_with(setup, (3, 4))
     shutil.rmtree(tmp_path / "x")

@@ -1,8 +1,9 @@
 """LoRA's parts that need no model: the engine settings refused, the request on the wire to a
 core process, the prefix cache's adapter key, the server's `--lora-modules` names, the device
-slots' one-slot writes, a fused target's place in them (Phi-3), which families and modules an
-adapter may target, and which paths name one adapter (the engine tests, against Hugging Face,
-are test_lora.py's)."""
+slots' one-slot writes, a fused target's place in them (Phi-3), the adapters kept read on the
+host (max_cpu_loras, pinned by unfinished requests), which families and modules an adapter may
+target, and which paths name one adapter (the engine tests, against Hugging Face, are
+test_lora.py's and test_cpu_loras.py's)."""
 
 from __future__ import annotations
 
