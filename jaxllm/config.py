@@ -298,10 +298,12 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     runner: str = "generate"  # "generate" or "pooling" ("auto" resolved)
     pooler_config: PoolerConfig | None = None  # the pooling runner's; None for "generate"
-    # LoRA adapters (jaxllm/lora/): max_loras device slots of rank up to max_lora_rank.
+    # LoRA adapters (jaxllm/lora/): max_loras device slots of rank up to max_lora_rank, and
+    # at most max_cpu_loras adapters read on the host (beyond those of unfinished requests).
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int = 1  # resolved: EngineArgs' None is max_loras
     reasoning_parser: str | None = None  # jaxllm/reasoning.py REASONING_PARSERS
     # A model mixing full and sliding-window layers gets a KV cache group per kind
     # (model_executor/kv_cache_groups.py); False: one group, nothing freed behind a window.

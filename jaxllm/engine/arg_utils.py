@@ -221,6 +221,12 @@ class EngineArgs:
     max_loras: int = _arg(1, "with enable_lora: most distinct adapters in one step (device "
                              "slots)")
     max_lora_rank: int = _arg(16, "with enable_lora: the highest adapter rank accepted")
+    max_cpu_loras: int | None = _arg(
+        None, "with enable_lora: most adapters kept read on the host (an LRU cache, at least "
+              "max_loras); one it dropped is read from its directory again at its next "
+              "request. Adapters of unfinished requests are never dropped, so the cache "
+              "exceeds this while more adapters than this have requests waiting or running. "
+              "Not given: max_loras")
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -258,6 +264,7 @@ class EngineArgs:
                 ("seed", 0, False, "a non-negative integer"),
                 ("max_loras", 1, False, "a positive integer"),
                 ("max_lora_rank", 1, False, "a positive integer"),
+                ("max_cpu_loras", 1, True, "a positive integer or None"),
                 ("max_model_len", 2, True, "an integer >= 2 (a prompt token and a new one) or "
                                            "None for the model's"),
                 ("num_kv_blocks", 2, True, "an integer >= 2 (block 0 is reserved) or None"),
@@ -313,6 +320,10 @@ class EngineArgs:
                 if clash:
                     raise ValueError(f"enable_lora runs on one device and generates: it does "
                                      f"not combine with {why}")
+            if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                                 f"({self.max_loras}): the adapters one step runs are all kept "
+                                 f"on the host")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, numbers.Real) or not 0.0 < util <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
@@ -467,6 +478,7 @@ class EngineArgs:
                 spec is None or spec.method != "draft_model"),
             enable_lora=self.enable_lora, max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras,
             skip_tokenizer_init=self.skip_tokenizer_init, show_progress=self.show_progress,
             platform=platform,
             speculative_config=spec,

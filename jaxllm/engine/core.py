@@ -177,6 +177,10 @@ class EngineCore:
                     "of max_model_len (%d) tokens fit at once", num_blocks - 1,
                     config.block_size, len(self.info.kv_group_windows),
                     list(self.info.kv_group_windows), self.info.max_concurrency, max_model_len)
+        if config.enable_lora:
+            logger.info("LoRA: %d adapter slot(s) of rank %d, at most %d adapter(s) kept read "
+                        "on the host (max_cpu_loras) besides those of unfinished requests",
+                        config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         self.sampling_states = SamplingStates()
         # Built at the first constrained request (loads the tokenizer then).
         self.structured_output_manager: StructuredOutputManager | None = None
@@ -244,6 +248,10 @@ class EngineCore:
         self.sampling_states.add(state)
         if req.pooling_params is not None:
             self._pooling_params[req.request_id] = req.pooling_params
+        if req.lora_request is not None:
+            slots = self.runner.lora_slots
+            assert slots is not None  # add_lora refused the request otherwise
+            slots.pin(req.request_id, req.lora_request.lora_int_id)
 
     def _structured_output(self) -> StructuredOutputManager:
         if self.structured_output_manager is None:
@@ -261,6 +269,7 @@ class EngineCore:
             self._forget_pooling(rid)
             if self.drafter is not None:
                 self.drafter.remove(rid)
+        self._unpin_loras(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar)
@@ -533,6 +542,13 @@ class EngineCore:
             if o.finished:
                 self.sampling_states.remove(o.request_id)
                 self._forget_pooling(o.request_id)
+        self._unpin_loras([o.request_id for o in outputs.outputs if o.finished])
+
+    def _unpin_loras(self, request_ids: list[str]) -> None:
+        """Finished or aborted requests no longer keep their LoRA adapters read."""
+        slots = self.runner.lora_slots
+        if slots is not None and request_ids:
+            slots.unpin(request_ids)
 
     def _make_outputs(self, results: list[RequestResult],
                       stats: SchedulerStats) -> EngineCoreOutputs:

@@ -210,6 +210,8 @@ class EngineFrontend:
             "multiprocess_mode": config.launch_config.multiprocess_mode,
             "platform": config.platform,
             "data_parallel_size": config.launch_config.parallel_config.data_parallel_size,
+            "lora": {"max_loras": config.max_loras, "max_lora_rank": config.max_lora_rank,
+                     "max_cpu_loras": config.max_cpu_loras} if config.enable_lora else None,
         }
 
 

@@ -10,6 +10,7 @@ import functools
 import numbers
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -108,8 +109,12 @@ class Processor:
         self.model_config = info.model_config
         self.enable_lora = info.config.enable_lora
         self.max_lora_rank = info.config.max_lora_rank
-        # Adapters checked so far: id -> request (an id names one adapter for good).
+        self.max_cpu_loras = info.config.max_cpu_loras
+        # Every adapter id seen -> its first request: an id names one directory for good.
         self._loras: dict[int, LoRARequest] = {}
+        # The ids whose directory was read and passed, least recently named first: at most
+        # max_cpu_loras, as the engine core keeps; one dropped is read again when named.
+        self._checked: OrderedDict[int, None] = OrderedDict()
 
     @functools.cached_property
     def max_prompt_chars(self) -> int | None:
@@ -185,7 +190,8 @@ class Processor:
 
     def check_lora(self, lora: LoRARequest | None) -> None:
         """ValueError unless `lora` is None or an adapter this engine can run: its files are
-        read once per adapter id, so the core never gets one it would refuse."""
+        read unless among the max_cpu_loras adapters named last, so the core never gets one it
+        would refuse."""
         if lora is None:
             return
         if not isinstance(lora, LoRARequest):
@@ -201,10 +207,17 @@ class Processor:
             if not isinstance(getattr(lora, name), str):
                 raise ValueError(f"LoRARequest.{name} must be a str, got "
                                  f"{type(getattr(lora, name)).__name__}")
-        if check_same_adapter(self._loras.get(lora.lora_int_id), lora):
+        lid = lora.lora_int_id
+        known = check_same_adapter(self._loras.get(lid), lora)
+        if lid in self._checked:
+            self._checked.move_to_end(lid)
             return
         load_adapter(lora.lora_path, self.model_config, self.max_lora_rank)
-        self._loras[lora.lora_int_id] = lora
+        if not known:
+            self._loras[lid] = lora
+        self._checked[lid] = None
+        if len(self._checked) > self.max_cpu_loras:
+            self._checked.popitem(last=False)
 
     def think_state(self, prompt_token_ids: Sequence[int]) -> str:
         """Where a thinking model's answer to this prompt stands, for a constraint that

@@ -14,10 +14,19 @@ builds only that slot's A and B on the host, in the slots' dtype, and one compil
 writes them into the device tree in place (the tree is donated, the slot index traced, so one
 executable serves every slot). The update returns new arrays; the steps bound to the old
 ones must be rebound before they run again (`ModelRunner._activate_loras`).
+
+On the host, at most max_cpu_loras adapters stay read (vLLM's `max_cpu_loras`), least recently
+requested dropped first, but never one an unfinished request names: its request pins it from
+being queued (`pin`) until it finishes or is aborted (`unpin`), as a slot load reads the host
+copy. A slot keeps its own device copy, so an adapter may leave the host while its slot still
+holds it; its next request reads the directory again (when the request is added, never in a
+step) and finds the slot loaded. An adapter id keeps its directory for the engine's life,
+cached or not, so an id naming another directory later is refused as it would be while cached.
 """
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from typing import Any
 
 import jax
@@ -31,13 +40,20 @@ from jaxllm.model_executor.config import ModelConfig
 
 class LoRASlots:
     def __init__(self, config: ModelConfig, max_loras: int, max_lora_rank: int,
-                 dtype: Any) -> None:
+                 dtype: Any, max_cpu_loras: int | None = None) -> None:
+        """`max_cpu_loras`: most adapters kept read on the host (None: max_loras)."""
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and "
                              f"{max_lora_rank}")
+        if max_cpu_loras is None:
+            max_cpu_loras = max_loras
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras "
+                             f"({max_loras})")
         self.config = config
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         dims = module_dims(config)
         # PEFT module name -> (parent, fused projection, part), parts in output order.
@@ -48,11 +64,15 @@ class LoRASlots:
             d_in, offsets, col = self.layout.get(fused, (dims[name][0], [], 0))
             offsets.append((name, col, dims[name][1]))
             self.layout[fused] = (d_in, offsets, col + dims[name][1])
+        # Every adapter id registered -> its first request (the directory the id names).
         self.requests: dict[int, LoRARequest] = {}
-        # Every registered adapter, parsed once: a slot load inside a step never reads the
-        # disk, where a file deleted or rewritten since would fail the step (or change the
-        # weights behind blocks the prefix cache keys on the adapter's id).
-        self.adapters: dict[int, LoRAAdapter] = {}
+        # The adapters read, least recently registered first. Those of unfinished requests
+        # are always here: a slot load inside a step never reads the disk, where a file
+        # deleted or rewritten since would fail the step (or change the weights behind blocks
+        # the prefix cache keys on the adapter's id).
+        self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._pinned_by: dict[str, int] = {}  # unfinished request id -> its adapter id
+        self._pins: Counter[int] = Counter()  # adapter id -> unfinished requests naming it
         self.slot_of: dict[int, int] = {}  # adapter id -> slot, least recently activated first
         self._device: dict | None = None
         self._update: Any = None  # the compiled one-slot write (`compile_update`)
@@ -63,18 +83,54 @@ class LoRASlots:
         return self.max_loras
 
     def register(self, lora: LoRARequest) -> None:
-        """Read and check a request's adapter (ValueError if it does not fit the model), once
-        per adapter id."""
-        if check_same_adapter(self.requests.get(lora.lora_int_id), lora):
+        """Read and check a request's adapter (ValueError if it does not fit the model, or if
+        its id names another directory) unless it is kept read; it becomes the most recently
+        used one, and the least recently used unpinned ones beyond max_cpu_loras are dropped."""
+        lid = lora.lora_int_id
+        known = check_same_adapter(self.requests.get(lid), lora)
+        if lid in self.adapters:
+            self.adapters.move_to_end(lid)
             return
-        self.add_adapter(lora.lora_int_id, load_adapter(lora.lora_path, self.config,
-                                                        self.max_lora_rank))
-        self.requests[lora.lora_int_id] = lora
+        self.add_adapter(lid, load_adapter(lora.lora_path, self.config, self.max_lora_rank))
+        if not known:
+            self.requests[lid] = lora
+        self._evict(keep=lid)
+
+    def pin(self, request_id: str, lora_id: int) -> None:
+        """Keep adapter `lora_id` (registered) read while request `request_id`, queued after
+        every check, is unfinished (the engine core refuses an id already unfinished)."""
+        self._pinned_by[request_id] = lora_id
+        self._pins[lora_id] += 1
+
+    def unpin(self, request_ids: list[str]) -> None:
+        """Requests that finished or were aborted (ids pinning nothing are skipped); their
+        adapters may be dropped now, least recently used first."""
+        for rid in request_ids:
+            lid = self._pinned_by.pop(rid, None)
+            if lid is not None:
+                self._pins[lid] -= 1
+                if not self._pins[lid]:
+                    del self._pins[lid]
+        self._evict()
+
+    def _evict(self, keep: int = 0) -> None:
+        """Drop the least recently used adapters beyond max_cpu_loras that no unfinished
+        request pins, nor `keep` (just read: its request is being added)."""
+        # With more adapters pinned than max_cpu_loras (requests queued behind max_loras),
+        # the cache stays above the bound, rather than refusing requests, until `unpin` trims
+        # it as they finish.
+        excess = len(self.adapters) - self.max_cpu_loras
+        if excess <= 0:
+            return
+        for lid in [lid for lid in self.adapters if lid not in self._pins and lid != keep
+                    ][:excess]:
+            del self.adapters[lid]
 
     def add_adapter(self, lora_id: int, adapter: LoRAAdapter) -> None:
         """Keep a read adapter for its slot loads, its matrices cast to the slots' dtype
         once (a bfloat16 engine holds half the bytes, and a load casts nothing)."""
         dtype = np.dtype(self.dtype)
+        self.adapters.pop(lora_id, None)
         self.adapters[lora_id] = LoRAAdapter(adapter.rank, adapter.scale, {
             key: (a.astype(dtype, copy=False), b.astype(dtype, copy=False))
             for key, (a, b) in adapter.weights.items()})

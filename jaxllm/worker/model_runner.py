@@ -201,13 +201,16 @@ class ModelRunner:
                  tensor_parallel_size: int = 1, matmul_precision: str = "default",
                  num_speculative_tokens: int = 0, pallas_gemv_max_rows: int = 0,
                  attention_impl: str | None = None, max_loras: int = 0,
-                 max_lora_rank: int = 0, kv_groups: KVCacheGroups | None = None) -> None:
+                 max_lora_rank: int = 0, max_cpu_loras: int | None = None,
+                 kv_groups: KVCacheGroups | None = None) -> None:
         """`max_loras` > 0: LoRA adapters, in that many device slots of rank up to
-        `max_lora_rank` (jaxllm/lora/). `kv_groups`: how the layers share the KV array and
-        its block tables (None: one group). `gemv_max_rows`, `kv_cache_dtype`,
-        `activation_dtype`, `matmul_precision` and `attention_impl` as EngineConfig resolved
-        them (None: `dtype`; as the config would resolve it); with `gemv_max_rows` and no
-        `gemv_params`, the GEMV buckets run on float32 copies of `params`."""
+        `max_lora_rank`, at most `max_cpu_loras` kept read on the host besides those of
+        unfinished requests (None: max_loras; jaxllm/lora/). `kv_groups`: how the layers
+        share the KV array and its block tables (None: one group). `gemv_max_rows`,
+        `kv_cache_dtype`, `activation_dtype`, `matmul_precision` and `attention_impl` as
+        EngineConfig resolved them (None: `dtype`; as the config would resolve it); with
+        `gemv_max_rows` and no `gemv_params`, the GEMV buckets run on float32 copies of
+        `params`."""
         self.config = config
         self.local_config = config  # one device's slice of the model
         self.mesh = None
@@ -277,7 +280,7 @@ class ModelRunner:
             self.rope = jax.device_put(self.rope, self._replicated())
         self.kv_cache: jax.Array | None = None
         self.lora_slots = None if not max_loras else LoRASlots(
-            config, max_loras, max_lora_rank, self.activation_dtype)
+            config, max_loras, max_lora_rank, self.activation_dtype, max_cpu_loras)
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size,
                                       lora=self.lora_slots is not None,
                                       num_groups=self.kv_groups.num_groups)
@@ -325,7 +328,7 @@ class ModelRunner:
             pallas_gemv_max_rows=config.pallas_gemv_max_rows,
             attention_impl=config.attention_impl,
             max_loras=config.max_loras if config.enable_lora else 0,
-            max_lora_rank=config.max_lora_rank,
+            max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
             kv_groups=kv_cache_groups(loaded.config, max_model_len, config.hybrid_kv_cache))
 
     def _forward(self, params: dict, rope: dict, kv_cache: jax.Array, logits_buf: jax.Array,

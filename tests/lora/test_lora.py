@@ -77,7 +77,9 @@ def setup(tmp_path_factory):
     }
     requests = {i: LoRARequest(f"adapter{i}", i, str(root / f"a{i}")) for i in adapters}
     oracles = {0: hf, **{i: merged_model(hf, m) for i, m in adapters.items()}}
-    llm = make_llm(base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, dtype="float32")
+    # Above the adapters these tests name: each stays read from its first request.
+    llm = make_llm(base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, dtype="float32",
+                   max_cpu_loras=8)
     return {"base_dir": base_dir, "root": root, "llm": llm, "requests": requests,
             "oracles": oracles, "config": hf.config}
 
@@ -205,8 +207,9 @@ def test_bad_lora_requests_are_refused_and_the_engine_keeps_serving(setup, tmp_p
 
 
 def test_an_adapter_is_read_once_its_files_may_go(setup, tmp_path):
-    """An adapter's weights are kept from its first request: put back into a slot after two
-    others took both, it runs although its directory is gone, and the engine stays up."""
+    """An adapter's weights are kept from its first request while it is among the
+    max_cpu_loras last named: put back into a slot after two others took both, it runs
+    although its directory is gone, and the engine stays up."""
     shutil.copytree(setup["root"] / "a1", tmp_path / "copy")
     copy_of_1 = LoRARequest("copy", 21, str(tmp_path / "copy"))
     prompts = random_prompts(17, [7])

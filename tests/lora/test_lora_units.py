@@ -1,8 +1,9 @@
 """LoRA's parts that need no model: the engine settings refused, the request on the wire to a
 core process, the prefix cache's adapter key, the server's `--lora-modules` names, the device
-slots' one-slot writes, a fused target's place in them (Phi-3), which families and modules an
-adapter may target, and which paths name one adapter (the engine tests, against Hugging Face,
-are test_lora.py's)."""
+slots' one-slot writes, a fused target's place in them (Phi-3), the adapters kept read on the
+host (max_cpu_loras, pinned by unfinished requests), which families and modules an adapter may
+target, and which paths name one adapter (the engine tests, against Hugging Face, are
+test_lora.py's and test_cpu_loras.py's)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def test_engine_settings_lora_refuses():
                                                      "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):
         EngineArgs(enable_lora=True, max_lora_rank=0)
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(2\) must be >= max_loras \(3\)"):
+        EngineArgs(enable_lora=True, max_loras=3, max_cpu_loras=2)
 
 
 def test_lora_request_travels_to_a_core_process():
@@ -137,7 +140,7 @@ def _host(tree: dict) -> dict:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_a_slot_load_rewrites_that_slot_and_leaves_the_others(tmp_path, dtype):
     adapters = _adapters(tmp_path)
-    slots = LoRASlots(TINY, max_loras=3, max_lora_rank=RANK, dtype=dtype)
+    slots = LoRASlots(TINY, max_loras=3, max_lora_rank=RANK, dtype=dtype, max_cpu_loras=4)
     for lora, _ in adapters.values():
         slots.register(lora)
     assert [slots.activate(i, set()) for i in (1, 2, 3)] == [1, 2, 3]
@@ -170,7 +173,7 @@ def test_a_slot_load_rewrites_that_slot_and_leaves_the_others(tmp_path, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_a_slot_load_sends_one_slot_through_one_executable(tmp_path, dtype, monkeypatch):
     adapters = _adapters(tmp_path)
-    slots = LoRASlots(TINY, max_loras=2, max_lora_rank=RANK, dtype=dtype)
+    slots = LoRASlots(TINY, max_loras=2, max_lora_rank=RANK, dtype=dtype, max_cpu_loras=4)
     for lora, _ in adapters.values():
         slots.register(lora)
     tree = slots.device_weights()
@@ -224,6 +227,100 @@ def test_an_adapter_id_keeps_its_directory_under_another_spelling(tmp_path, monk
     assert slots.adapters[1] is adapter
     with pytest.raises(ValueError, match="already adapter 'a'"):
         slots.register(LoRARequest("b", 1, "b"))
+
+
+def _count_reads(monkeypatch) -> list[str]:
+    """The directories the slots read from now on, by name."""
+    import jaxllm.lora.slots as slots_module
+
+    reads: list[str] = []
+    real = slots_module.load_adapter
+
+    def counted(path, *args):
+        reads.append(os.path.basename(path))
+        return real(path, *args)
+
+    monkeypatch.setattr(slots_module, "load_adapter", counted)
+    return reads
+
+
+def test_the_host_keeps_max_cpu_loras_adapters_least_recently_named_dropped_first(
+        tmp_path, monkeypatch):
+    adapters = _adapters(tmp_path)
+    reads = _count_reads(monkeypatch)
+    slots = LoRASlots(TINY, max_loras=1, max_lora_rank=RANK, dtype=jnp.float32,
+                      max_cpu_loras=2)
+    for i in (1, 2, 1, 3):
+        slots.register(adapters[i][0])
+    assert list(slots.adapters) == [1, 3]  # 2 named least recently
+    assert reads == ["a1", "a2", "a3"]
+    slots.register(adapters[2][0])
+    assert reads[-1] == "a2"  # read again
+    assert list(slots.adapters) == [3, 2]
+    # Read again, it fills its slot as when first read.
+    assert slots.activate(2, set()) == 1
+    got = _host(slots.device_weights())
+    want = _expected_slot(TINY, adapters[2][1])
+    for path, leaf in jax.tree_util.tree_leaves_with_path(got):
+        exp = want
+        for key in path:
+            exp = exp[key.key]
+        np.testing.assert_allclose(leaf[0], exp, rtol=1e-6, err_msg=str(path))
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
+        LoRASlots(TINY, max_loras=2, max_lora_rank=RANK, dtype=jnp.float32, max_cpu_loras=1)
+    assert LoRASlots(TINY, max_loras=3, max_lora_rank=RANK, dtype=jnp.float32
+                     ).max_cpu_loras == 3
+
+
+def test_adapters_of_unfinished_requests_are_never_dropped(tmp_path, monkeypatch):
+    adapters = _adapters(tmp_path)
+    reads = _count_reads(monkeypatch)
+    slots = LoRASlots(TINY, max_loras=1, max_lora_rank=RANK, dtype=jnp.float32,
+                      max_cpu_loras=2)
+    for i in (1, 2, 3, 4):
+        slots.register(adapters[i][0])
+        slots.pin(f"r{i}", i)
+    slots.pin("r1b", 1)  # a second request with adapter 1
+    # Above the bound while every adapter has a request queued.
+    assert list(slots.adapters) == [1, 2, 3, 4]
+    slots.unpin(["r2", "unknown"])
+    assert list(slots.adapters) == [1, 3, 4]
+    slots.unpin(["r1", "r3"])  # 1 still has r1b
+    assert list(slots.adapters) == [1, 4]
+    slots.unpin(["r4"])
+    assert list(slots.adapters) == [1, 4]
+    # A new adapter takes the place of an unpinned one, never of a pinned one.
+    slots.register(adapters[2][0])
+    assert list(slots.adapters) == [1, 2]
+    slots.unpin(["r1b"])
+    slots.register(adapters[3][0])
+    assert list(slots.adapters) == [2, 3]
+    assert reads == ["a1", "a2", "a3", "a4", "a2", "a3"]
+
+
+def test_an_adapter_dropped_from_the_host_keeps_its_slot_and_its_directory(
+        tmp_path, monkeypatch):
+    adapters = _adapters(tmp_path)
+    reads = _count_reads(monkeypatch)
+    slots = LoRASlots(TINY, max_loras=2, max_lora_rank=RANK, dtype=jnp.float32)
+    slots.register(adapters[1][0])
+    assert slots.activate(1, set()) == 1
+    slots.register(adapters[2][0])
+    slots.register(adapters[3][0])
+    assert 1 not in slots.adapters
+    # Its next request reads it again and finds its slot loaded: nothing is written.
+    tree = slots.device_weights()
+    slots.register(adapters[1][0])
+    assert reads[-1] == "a1"
+    assert slots.activate(1, set()) == 1
+    assert slots.device_weights() is tree
+    # Dropped again, id 1 still names its directory: another one under it is refused.
+    slots.register(adapters[2][0])
+    slots.register(adapters[3][0])
+    assert 1 not in slots.adapters
+    with pytest.raises(ValueError, match="lora_int_id 1 is already adapter 'a1'"):
+        slots.register(LoRARequest("other", 1, adapters[4][0].lora_path))
+    assert 1 not in slots.adapters and reads.count("a4") == 0
 
 
 # Phi-4-mini's shape of Phi-3: head_dim 8 with partial_rotary_factor 0.75 rotates 6 dims of each

@@ -130,7 +130,8 @@ def make_processor(tokenizer: Any = None, vocab: int = 1000, max_model_len: int 
                            config=SimpleNamespace(block_size=16, runner="generate",
                                                   reasoning_parser=None,
                                                   max_num_batched_tokens=64,
-                                                  enable_lora=False, max_lora_rank=16),
+                                                  enable_lora=False, max_lora_rank=16,
+                                                  max_cpu_loras=1),
                            num_usable_blocks=100, kv_group_windows=(None,))
     return Processor(tokenizer, cast(Any, info), frozenset({0}), max_n=4)
 
