@@ -344,7 +344,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
             return Response(status_code=200)
         # Data parallelism: healthy while one core lives; the body says which do.
         engines = [{"engine": e.engine_index, "host": e.host, "pid": e.pid,
-                    "alive": e.alive and not dead,
+                    "alive": e.alive and not dead, "restarts": e.restarts,
                     **({} if e.placement is None else {"placement": e.placement})}
                    for e in client.engine_states()]
         body = {"num_live_engines": sum(e["alive"] for e in engines), "engines": engines}
@@ -362,7 +362,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def metrics() -> Response:
         client = state.engine.engine_core
         if isinstance(client, DPLBClient):
-            state.metrics.record_engines([(e.engine_index, e.alive, e.num_routed)
+            state.metrics.record_engines([(e.engine_index, e.alive, e.num_routed, e.restarts)
                                           for e in client.engine_states()])
         else:
             state.metrics.engines_alive.set(int(not engine_dead(state.engine)))
