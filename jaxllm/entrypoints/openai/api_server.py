@@ -327,6 +327,11 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     def live() -> None:
         if engine_dead(state.engine):
+            client = state.engine.engine_core
+            if isinstance(client, DPLBClient) and client.num_restarting_engines \
+                    and not state.engine.errored:
+                raise APIError(503, "every engine core process is dead; one is restarting",
+                               None, "EngineDeadError")
             raise APIError(503, "the engine core process is dead; restart the server",
                            None, "EngineDeadError")
 
