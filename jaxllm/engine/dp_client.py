@@ -23,7 +23,7 @@ EngineCoreDeadError (their ids) once for it, the frontend ends those requests wi
 requests go to the other cores. A core process of this host that died is started again in the
 background (the same engine arguments, index and devices; `data_parallel_max_restarts` times at
 most, a replacement that fails to start is not retried) and rejoins the routing once ready;
-cores on other hosts or in Ray actors stay dead. While no core lives, adds raise
+cores on other hosts, in Ray actors or spanning hosts stay dead. While no core lives, adds raise
 EngineDeadError; once every core is dead and none is restarting, every call raises it as a
 single dead core does. Utility calls go to every core: a list in engine-index order, None for
 a dead core.
@@ -203,6 +203,11 @@ class DPLBClient(EngineCoreClient):
     def num_live_engines(self) -> int:
         return sum(core.dead is None for core in self.cores)
 
+    @property
+    def num_restarting_engines(self) -> int:
+        """Dead cores whose replacement is starting."""
+        return len(self._restarting)
+
     def engine_states(self) -> list[EngineState]:
         r = self.router
         return [EngineState(i, core.host, core.ready.pid, core.dead is None, r.loads[i],
@@ -302,8 +307,10 @@ class DPLBClient(EngineCoreClient):
             if self.cores[i] is not core or core.dead is None or self._cancel.is_set() \
                     or i in self._restarting or i in self._not_restarted:
                 return
-            if not isinstance(core, CoreProcess):
-                self._not_restarted.add(i)  # its host or Ray runs it: not ours to start
+            if not isinstance(core, CoreProcess) \
+                    or self._launch_config.parallel_config.multihost:
+                # Another host or Ray runs it, or its followers would have to start again too.
+                self._not_restarted.add(i)
                 return
             if self.restarts[i] >= self._max_restarts:
                 self._not_restarted.add(i)
