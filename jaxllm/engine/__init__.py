@@ -165,8 +165,8 @@ class EngineDeadError(RuntimeError):
 class EngineCoreDeadError(EngineDeadError):
     """One of several data-parallel engine cores died: the requests it held (`request_ids`,
     the core's sequence ids) end with this error, while the engine serves on with the others.
-    Raised once per dead core by the DP client's get_output; the frontend fails those requests
-    alone."""
+    Raised once per death of a core by the DP client's get_output; the frontend fails those
+    requests alone."""
 
     def __init__(self, message: str, engine_index: int, request_ids: list[str]) -> None:
         super().__init__(message)

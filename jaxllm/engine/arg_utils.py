@@ -180,6 +180,11 @@ class EngineArgs:
                   "'prefix', the core that recently served a prompt with the same first KV "
                   "blocks unless it is much busier than the least-loaded one, else the "
                   "least-loaded; 'load', the least-loaded one alone")
+    data_parallel_max_restarts: int = _arg(
+        3, "how many times the frontend restarts one of its own data-parallel engine core "
+           "processes that died (same engine arguments and devices; it rejoins the routing "
+           "once ready); 0: a dead core stays dead. Cores on other hosts or in Ray actors are "
+           "not restarted")
     coordinator_address: str | None = _arg(
         None, "several hosts: host:port of process 0's jax.distributed coordinator (or "
               "JAXLLM_COORDINATOR_ADDRESS)")
@@ -259,6 +264,7 @@ class EngineArgs:
                 ("data_parallel_size_local", 0, True, "a non-negative integer or None"),
                 ("data_parallel_start_rank", 0, False, "a non-negative integer"),
                 ("data_parallel_rpc_port", 1, False, "a TCP port (1-65535)"),
+                ("data_parallel_max_restarts", 0, False, "a non-negative integer"),
                 ("num_processes", 1, True, "a positive integer or None"),
                 ("process_id", 0, True, "a non-negative integer or None"),
                 ("seed", 0, False, "a non-negative integer"),

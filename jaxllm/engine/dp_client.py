@@ -20,7 +20,11 @@ arrives or it is aborted. Aborts go to the core that holds the request.
 
 Faults: a core that dies fails the requests it held, and only those: get_output raises
 EngineCoreDeadError (their ids) once for it, the frontend ends those requests with it, and new
-requests go to the other cores. Once every core is dead, every call raises EngineDeadError as a
+requests go to the other cores. A core process of this host that died is started again in the
+background (the same engine arguments, index and devices; `data_parallel_max_restarts` times at
+most, a replacement that fails to start is not retried) and rejoins the routing once ready;
+cores on other hosts, in Ray actors or spanning hosts stay dead. While no core lives, adds raise
+EngineDeadError; once every core is dead and none is restarting, every call raises it as a
 single dead core does. Utility calls go to every core: a list in engine-index order, None for
 a dead core.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import weakref
 from collections import OrderedDict
@@ -57,6 +62,8 @@ PREFIX_ROUTING_BLOCKS = 8
 RECENT_PREFIXES = 1 << 16
 RECENT_PARENTS = 1 << 12
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class EngineState:
@@ -69,6 +76,7 @@ class EngineState:
     num_requests: int  # unfinished requests routed to it
     num_routed: int  # requests routed to it since start
     placement: str | None = None  # where its launcher put it (a Ray node id)
+    restarts: int = 0  # times its process was started again after it died
 
 
 class DPRouter:
@@ -133,16 +141,35 @@ class DPRouter:
         self.loads[core] = 0
         return ids
 
+    def reset_engine(self, core: int) -> None:
+        """A core rejoined with an empty KV cache: it holds no request, and no recent prefix or
+        n > 1 parent is on it any more."""
+        self.drop_engine(core)
+        _forget(self._prefixes, core)
+        _forget(self._parents, core)
+
 
 class DPLBClient(EngineCoreClient):
     """The launch config's `data_parallel_size` core processes; `shutdown()`, or garbage
-    collection of the client, ends them all."""
+    collection of the client, ends them all (and any being restarted)."""
 
     def __init__(self, engine_args: EngineArgs, launch_config: LaunchConfig,
                  remote_engine_args: EngineArgs | None = None) -> None:
         self.cores, self.launchers = start_cores(engine_args, launch_config,
                                                  remote_engine_args)
-        self._finalizer = weakref.finalize(self, close_cores, self.cores, self.launchers)
+        # Restarts: set at shutdown, it abandons a replacement's start; the finalizer waits for
+        # the threads, then closes `self.cores` (the same list, replacements included).
+        self._cancel = threading.Event()
+        self._restart_threads: list[threading.Thread] = []
+        self._finalizer = weakref.finalize(self, close_cores, self.cores, self.launchers,
+                                           self._cancel, self._restart_threads)
+        self._engine_args, self._launch_config = engine_args, launch_config
+        self._max_restarts = engine_args.data_parallel_max_restarts
+        self.restarts = [0] * len(self.cores)
+        self._restarting: set[int] = set()
+        self._not_restarted: set[int] = set()  # dead for good: said once
+        self._leftover: list[EngineCoreDeadError] = []  # failed requests not yet raised
+        self._lock = threading.RLock()  # the cores' lifecycle: callers' and cores' threads
         # A quarter of a batch: the prefix's core still takes the request into its next steps.
         self.router = DPRouter(len(self.cores), engine_args.block_size,
                                load_margin=max(2, engine_args.max_num_seqs // 4))
@@ -153,9 +180,15 @@ class DPLBClient(EngineCoreClient):
         # Wake-ups from the cores' threads; the closure holds no reference to the client.
         self._event = threading.Event()
         self._async_slot: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        wake = _waker(self._event, self._async_slot)
-        for core in self.cores:
-            core.wakeups[:] = [wake]
+        self._wake = _waker(self._event, self._async_slot)
+        for i, core in enumerate(self.cores):
+            self._watch(i, core)
+            self._restart(i, core)  # it died before it was watched (a no-op for a live one)
+
+    def _watch(self, i: int, core: CoreConnection) -> None:
+        """Wake-ups from `core`'s threads: waiters look again, and its death starts a restart
+        right away (an idle client polls nothing)."""
+        core.wakeups[:] = [self._wake, _death_hook(weakref.ref(self), i, core)]
 
     # --- what the frontend and the server read ----------------------------------------------
 
@@ -170,10 +203,15 @@ class DPLBClient(EngineCoreClient):
     def num_live_engines(self) -> int:
         return sum(core.dead is None for core in self.cores)
 
+    @property
+    def num_restarting_engines(self) -> int:
+        """Dead cores whose replacement is starting."""
+        return len(self._restarting)
+
     def engine_states(self) -> list[EngineState]:
         r = self.router
         return [EngineState(i, core.host, core.ready.pid, core.dead is None, r.loads[i],
-                            r.routed[i], self._placement(i))
+                            r.routed[i], self._placement(i), self.restarts[i])
                 for i, core in enumerate(self.cores)]
 
     def _placement(self, engine_index: int) -> str | None:
@@ -217,17 +255,20 @@ class DPLBClient(EngineCoreClient):
 
     def _poll(self) -> EngineCoreOutputs | None:
         """The next outputs of any core, or None; a dead core's requests fail once."""
+        if self._leftover:
+            raise self._leftover.pop(0)
         n = len(self.cores)
         for k in range(n):
             i = (self._next + k) % n
             if i in self._reported:
                 continue
+            core = self.cores[i]
             try:
-                out = self.cores[i].get_output_nowait()
+                out = core.get_output_nowait()
             except EngineDeadError:
-                err = self._core_died(i)
-                if isinstance(err, EngineCoreDeadError) and not err.request_ids:
-                    continue  # it held nothing: nobody to tell
+                err = self._core_died(i, core)
+                if err is None or isinstance(err, EngineCoreDeadError) and not err.request_ids:
+                    continue  # it held nothing (or was replaced meanwhile): nobody to tell
                 raise err from None
             if out is not None:
                 self._next = (i + 1) % n
@@ -237,17 +278,88 @@ class DPLBClient(EngineCoreClient):
                 if out.scheduler_stats is not None:
                     out.scheduler_stats.engine_index = i
                 return out
-        if len(self._reported) == n:
+        if self._all_dead():
             raise self._dead_error()
         return None
 
-    def _core_died(self, i: int) -> EngineDeadError:
-        self._reported.add(i)
-        ids = self.router.drop_engine(i)
-        if len(self._reported) == len(self.cores):
-            return self._dead_error()
-        return EngineCoreDeadError(f"data-parallel engine core {i} died: "
-                                   f"{self.cores[i].dead}", i, ids)
+    def _all_dead(self) -> bool:
+        """Every core dead and none restarting: the client is dead for good."""
+        return len(self._reported) == len(self.cores) and not self._restarting
+
+    def _core_died(self, i: int, core: CoreConnection) -> EngineDeadError | None:
+        """`core` (core i) died: its requests' error, once; None if it was replaced already."""
+        with self._lock:
+            if self.cores[i] is not core or i in self._reported:
+                return None
+            self._restart(i, core)
+            self._reported.add(i)
+            ids = self.router.drop_engine(i)
+            if self._all_dead():
+                return self._dead_error()
+            return EngineCoreDeadError(f"data-parallel engine core {i} died: {core.dead}", i,
+                                       ids)
+
+    # --- restarts -----------------------------------------------------------------------------
+
+    def _restart(self, i: int, core: CoreConnection) -> None:
+        """Start core i's replacement in the background, if it may have one (once per death)."""
+        with self._lock:
+            if self.cores[i] is not core or core.dead is None or self._cancel.is_set() \
+                    or i in self._restarting or i in self._not_restarted:
+                return
+            if not isinstance(core, CoreProcess) \
+                    or self._launch_config.parallel_config.multihost:
+                # Another host or Ray runs it, or its followers would have to start again too.
+                self._not_restarted.add(i)
+                return
+            if self.restarts[i] >= self._max_restarts:
+                self._not_restarted.add(i)
+                logger.error("data-parallel engine core %d died (%s); not restarted: "
+                             "data_parallel_max_restarts is %d", i, core.dead,
+                             self._max_restarts)
+                return
+            self.restarts[i] += 1
+            self._restarting.add(i)
+            logger.warning("data-parallel engine core %d died (%s); restarting (%d of %d)", i,
+                           core.dead, self.restarts[i], self._max_restarts)
+            thread = threading.Thread(
+                target=_restart_core, daemon=True, name=f"EngineCoreRestart-{i}",
+                args=(weakref.ref(self), i, self._engine_args, self._launch_config,
+                      self._cancel))
+            self._restart_threads[:] = [t for t in self._restart_threads if t.is_alive()]
+            self._restart_threads.append(thread)
+            thread.start()
+
+    def _rejoin(self, i: int, core: CoreProcess) -> None:
+        """Core i's replacement is ready: it takes the dead one's place in the routing."""
+        with self._lock:
+            if self._cancel.is_set():  # shutting down: the finalizer closes the list's cores
+                core.close()
+                return
+            old = self.cores[i]
+            if i not in self._reported:  # it died unnoticed by any poll: its requests fail now
+                self._reported.add(i)
+                ids = self.router.drop_engine(i)
+                if ids:
+                    self._leftover.append(EngineCoreDeadError(
+                        f"data-parallel engine core {i} died: {old.dead}", i, ids))
+            self.router.reset_engine(i)
+            self._watch(i, core)
+            self.cores[i] = core
+            self._reported.discard(i)
+            self._restarting.discard(i)
+        old.close()
+        logger.info("engine core %d is back (pid %d)", i, core.ready.pid)
+        self._wake()
+
+    def _restart_failed(self, i: int, err: BaseException) -> None:
+        with self._lock:
+            self._restarting.discard(i)
+            self._not_restarted.add(i)
+        if not self._cancel.is_set():
+            logger.error("data-parallel engine core %d failed to restart; it stays dead: %s", i,
+                         err)
+        self._wake()  # every core may be dead for good now
 
     def _dead_error(self) -> EngineDeadError:
         """Every core is dead: the last one's error, fresh each time (see dead_error)."""
@@ -352,6 +464,42 @@ def _remember(table: OrderedDict, keys: list, value: int, bound: int) -> None:
         table.popitem(last=False)
 
 
+def _forget(table: OrderedDict, value: int) -> None:
+    for key in [k for k, v in table.items() if v == value]:
+        del table[key]
+
+
+def _death_hook(client_ref: weakref.ref[DPLBClient], i: int, core: CoreConnection
+                ) -> Callable[[], None]:
+    """Called on each of `core`'s wake-ups; holds the client weakly (its finalizer must run)."""
+    def on_wakeup() -> None:
+        if core.dead is None:
+            return
+        client = client_ref()
+        if client is not None:
+            client._restart(i, core)
+
+    return on_wakeup
+
+
+def _restart_core(client_ref: weakref.ref[DPLBClient], i: int, engine_args: EngineArgs,
+                  launch_config: LaunchConfig, cancel: threading.Event) -> None:
+    """A restart thread's body: start core i again, then hand it to the client (or close it:
+    the client was shut down or collected meanwhile)."""
+    try:
+        core = CoreProcess(engine_args, launch_config, i, cancel)
+    except Exception as e:
+        client = client_ref()
+        if client is not None:
+            client._restart_failed(i, e)
+        return
+    client = client_ref()
+    if client is None:
+        core.close()
+        return
+    client._rejoin(i, core)
+
+
 def _waker(event: threading.Event,
            async_slot: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]
            ) -> Callable[[], None]:
@@ -442,9 +590,17 @@ class Launcher(Protocol):
         ...
 
 
-def close_cores(cores: list[CoreConnection], launchers: list[Launcher]) -> None:
-    """Ask every core to exit first, so that they wind down together, then close each, then
-    what launched them."""
+def close_cores(cores: list[CoreConnection], launchers: list[Launcher],
+                cancel: threading.Event | None = None,
+                restart_threads: Sequence[threading.Thread] = ()) -> None:
+    """Abandon the restarts under way (`cancel`) and wait for their threads, which close a
+    replacement or leave it in `cores`; then ask every core to exit first, so that they wind
+    down together, close each, then what launched them."""
+    if cancel is not None:
+        cancel.set()
+    for thread in list(restart_threads):
+        if thread is not threading.current_thread():
+            thread.join()
     for core in cores:
         core.request_shutdown()
     for core in cores:

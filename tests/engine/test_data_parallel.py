@@ -3,7 +3,8 @@
 Against one core (in process, the same settings): the same greedy and seeded tokens per request,
 offline, with AsyncLLM and through the server's OpenAI API; requests spread over the cores, n > 1
 siblings and prefix-sharing requests kept on one; a killed core fails only its own requests
-while the other serves on, and /health says which lives; a core that cannot start fails the
+while the other serves on, and /health says which lives (with data_parallel_max_restarts=0 it
+stays dead; its restart: test_data_parallel_restart.py); a core that cannot start fails the
 start; shutdown leaves no process. Each engine of this module is started once (tiny-qwen2: a
 start is seconds)."""
 
@@ -244,10 +245,12 @@ def test_async_llm_same_tokens_and_a_killed_core(reference):
     long_sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 
     async def main():
-        engine = AsyncLLM("tiny-qwen2", data_parallel_size=2, **ENGINE)
+        engine = AsyncLLM("tiny-qwen2", data_parallel_size=2, data_parallel_max_restarts=0,
+                          **ENGINE)
         client = engine.engine_core
         assert isinstance(client, DPLBClient)
         pids = client.core_pids
+        children = set(core_children(psutil.Process()))
         try:
             got = await asyncio.wait_for(asyncio.gather(*[
                 _collect(engine, p, sp, f"r{i}")
@@ -294,6 +297,10 @@ def test_async_llm_same_tokens_and_a_killed_core(reference):
                 _collect(engine, p, sp, f"again{i}")
                 for i, (p, sp) in enumerate(zip(PROMPTS, sps, strict=True))]), 120)
             assert again == want
+            # Not restarted: no new process, none counted, and it stays dead.
+            assert not set(core_children(psutil.Process())) - children
+            assert [e.restarts for e in client.engine_states()] == [0, 0]
+            assert client.num_live_engines == 1
         finally:
             engine.shutdown()
         return pids
@@ -309,7 +316,8 @@ def test_async_llm_same_tokens_and_a_killed_core(reference):
 def server(tmp_path_factory):
     yield from serve_tiny(tmp_path_factory.mktemp("serve_dp"), ENGINE["max_model_len"],
                           "--data-parallel-size", "2", "--max-num-seqs", "32",
-                          "--max-num-batched-tokens", "128", "--num-kv-blocks", "256")
+                          "--max-num-batched-tokens", "128", "--num-kv-blocks", "256",
+                          "--data-parallel-max-restarts", "0")
 
 
 def core_pids(server) -> list[int]:

@@ -327,6 +327,11 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     def live() -> None:
         if engine_dead(state.engine):
+            client = state.engine.engine_core
+            if isinstance(client, DPLBClient) and client.num_restarting_engines \
+                    and not state.engine.errored:
+                raise APIError(503, "every engine core process is dead; one is restarting",
+                               None, "EngineDeadError")
             raise APIError(503, "the engine core process is dead; restart the server",
                            None, "EngineDeadError")
 
@@ -344,7 +349,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
             return Response(status_code=200)
         # Data parallelism: healthy while one core lives; the body says which do.
         engines = [{"engine": e.engine_index, "host": e.host, "pid": e.pid,
-                    "alive": e.alive and not dead,
+                    "alive": e.alive and not dead, "restarts": e.restarts,
                     **({} if e.placement is None else {"placement": e.placement})}
                    for e in client.engine_states()]
         body = {"num_live_engines": sum(e["alive"] for e in engines), "engines": engines}
@@ -362,7 +367,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def metrics() -> Response:
         client = state.engine.engine_core
         if isinstance(client, DPLBClient):
-            state.metrics.record_engines([(e.engine_index, e.alive, e.num_routed)
+            state.metrics.record_engines([(e.engine_index, e.alive, e.num_routed, e.restarts)
                                           for e in client.engine_states()])
         else:
             state.metrics.engines_alive.set(int(not engine_dead(state.engine)))

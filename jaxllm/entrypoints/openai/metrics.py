@@ -73,6 +73,10 @@ class ServerMetrics:
                              registry=reg)
         self._alive = Gauge(PREFIX + "engine_alive", "1 while this engine core lives, else 0.",
                             engine_labels, registry=reg)
+        self._restarts = Counter(PREFIX + "engine_restarts",
+                                 "Times this engine core's process was started again after it "
+                                 "died.", engine_labels, registry=reg)
+        self._restarts_seen: dict[int, int] = {}
         self.engines_alive = gauge("num_engines_alive", "Engine cores alive.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of served requests.")
         self.generation_tokens = counter("generation_tokens",
@@ -145,12 +149,15 @@ class ServerMetrics:
         for gauge in (self._running, self._waiting, self._kv_usage):
             self._engine(gauge, engine_index).set(0)
 
-    def record_engines(self, engines: list[tuple[int, bool, int]]) -> None:
-        """Data parallelism: each core's (index, alive, requests routed to it)."""
-        for i, alive, routed in engines:
+    def record_engines(self, engines: list[tuple[int, bool, int, int]]) -> None:
+        """Data parallelism: each core's (index, alive, requests routed to it, restarts)."""
+        for i, alive, routed, restarts in engines:
             self._engine(self._alive, i).set(int(alive))
             self._engine(self._routed, i).set(routed)
-        self.engines_alive.set(sum(alive for _, alive, _ in engines))
+            # The client counts; the counter catches up with it.
+            self._engine(self._restarts, i).inc(restarts - self._restarts_seen.get(i, 0))
+            self._restarts_seen[i] = restarts
+        self.engines_alive.set(sum(alive for _, alive, *_ in engines))
 
     def record_request(self, num_prompt: int, num_generated: int,
                        times: RequestMetrics | None, finish_reason: str | None,
