@@ -55,6 +55,13 @@ def test_used_slots_delta_is_the_dense_delta(slots: list[int], dtype) -> None:
     assert not np.any(got[np.asarray(slots) == 0])
     if any(slots):
         assert np.abs(got).max() > 0.1
+    # An unused slot is not read: NaN weights there (which the dense path's zero products
+    # would carry into every token) change nothing.
+    unused = np.asarray([s not in slots for s in range(1, NUM_SLOTS + 1)])
+    a_nan = jnp.where(unused[:, None, None], jnp.nan, a).astype(dtype)
+    b_nan = jnp.where(unused[:, None, None], jnp.nan, b).astype(dtype)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lora_delta_used_slots)(x, a_nan, b_nan, select, used)), got)
 
 
 def _lora_runner(skip: bool | None) -> ModelRunner:
