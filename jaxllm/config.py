@@ -304,6 +304,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int = 1  # resolved: EngineArgs' None is max_loras
+    # The step computes a LoRA slot only when a token of the step uses it (a conditional per
+    # slot and projection: CPU); False: every slot for every token, one graph with no
+    # host-side predicate (GPU). jaxllm/lora/layers.py.
+    lora_skip_unused_slots: bool = False
     reasoning_parser: str | None = None  # jaxllm/reasoning.py REASONING_PARSERS
     # A model mixing full and sliding-window layers gets a KV cache group per kind
     # (model_executor/kv_cache_groups.py); False: one group, nothing freed behind a window.
@@ -596,6 +600,13 @@ def resolve_cpu_int8_activations(requested: bool, quantization: str, platform: s
     logger.warning("cpu_int8_activations: our CPU kernel has no integer path here (it needs x86 "
                    "with AVX2, and a C++ compiler): the exact float32 path runs")
     return False
+
+
+def resolve_lora_skip_unused_slots(platform: str) -> bool:
+    """True on CPU, where XLA runs a conditional in place; on a GPU a conditional's predicate
+    goes to the host before its branch launches (a copy and a sync per slot and projection),
+    where computing every slot keeps the step one graph."""
+    return platform == "cpu"
 
 
 def resolve_cuda_graph_triton(cuda_graph_triton: bool | None) -> bool:

@@ -1,7 +1,13 @@
 """The LoRA delta inside the step, added to the model's projections without touching the
 model: flax's method interception wraps each `qkv_proj`, `o_proj`, `gate_up_proj` and
 `down_proj` call while the step traces, so a model built without LoRA traces exactly as
-before, and every dense family gets the delta from one place."""
+before, and every dense family gets the delta from one place.
+
+Two ways to compute it, one result up to float32 rounding: `lora_delta` computes every slot
+for every token (no control flow: the step stays one graph on a GPU), `lora_delta_used_slots`
+puts each slot behind a conditional on whether any token of the step uses it, so an unused
+slot's A and B are not read (XLA:CPU runs a conditional in place; on a GPU its predicate would
+be copied to the host). EngineConfig.lora_skip_unused_slots picks one per platform."""
 
 from __future__ import annotations
 
@@ -28,12 +34,39 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, select: jax.Array) -> j
     return jnp.einsum("tsw,swo->to", xa.astype(b.dtype), b, preferred_element_type=jnp.float32)
 
 
+def lora_delta_used_slots(x: jax.Array, a: jax.Array, b: jax.Array, select: jax.Array,
+                          used: jax.Array) -> jax.Array:
+    """`lora_delta`, each slot s computed only where `used[s]` ([S] bool: some token of the
+    step reads slot s), else zeros, its A and B not read."""
+    num_tokens, num_out = x.shape[0], b.shape[2]
+
+    def one_slot(s: int) -> jax.Array:
+        # A and B go in whole and are sliced inside the branch: a slice taken outside would
+        # be read whether the slot is used or not.
+        def compute(x: jax.Array, a: jax.Array, b: jax.Array, keep: jax.Array) -> jax.Array:
+            xa = jnp.dot(x.astype(a.dtype), a[s], preferred_element_type=jnp.float32)
+            xa = xa * keep[:, None]
+            return jnp.dot(xa.astype(b.dtype), b[s], preferred_element_type=jnp.float32)
+
+        def skip(x: jax.Array, a: jax.Array, b: jax.Array, keep: jax.Array) -> jax.Array:
+            return jnp.zeros((num_tokens, num_out), jnp.float32)
+
+        return jax.lax.cond(used[s], compute, skip, x, a, b, select[:, s])
+
+    out = one_slot(0)
+    for s in range(1, a.shape[0]):
+        out = out + one_slot(s)
+    return out
+
+
 @contextmanager
-def apply_lora(weights: dict, slots: jax.Array, num_slots: int):
+def apply_lora(weights: dict, slots: jax.Array, num_slots: int, *, skip_unused_slots: bool):
     """While tracing the model inside this block, add each token's adapter (`slots` [T]
-    int32, 1..num_slots; 0: none) to the projections `weights` holds (`LoRASlots`' tree)."""
+    int32, 1..num_slots; 0: none) to the projections `weights` holds (`LoRASlots`' tree).
+    `skip_unused_slots`: through `lora_delta_used_slots` (else `lora_delta`)."""
     # Slot 0 is one_hot's out-of-range -1: a row of zeros.
     select = jax.nn.one_hot(slots - 1, num_slots, dtype=jnp.float32)
+    used = jnp.any(select > 0, axis=0)
     # The decoder's path to each projection the slots hold; each must be met exactly once,
     # so a model whose modules are named or nested otherwise fails the trace, not the tokens.
     want = {(layer, PARENT_MODULE[name], name) for layer, mods in weights.items()
@@ -48,7 +81,8 @@ def apply_lora(weights: dict, slots: jax.Array, num_slots: int):
             return out
         met.append(path)
         w = weights[path[0]][path[2]]
-        delta = lora_delta(args[0], w["A"], w["B"], select)
+        delta = (lora_delta_used_slots(args[0], w["A"], w["B"], select, used)
+                 if skip_unused_slots else lora_delta(args[0], w["A"], w["B"], select))
         if isinstance(out, tuple):  # LinearDeferredBias: (x W^T, bias)
             return (out[0] + delta.astype(out[0].dtype), *out[1:])
         return out + delta.astype(out.dtype)

@@ -1,7 +1,7 @@
 """The adapters the step can read: per decoder layer and fused projection, A [S, in, width]
 and B [S, width, out] over S = max_loras slots; a token's slot is 1..S, or 0 for a request
-without an adapter, which reads none of them (the step reads every slot's weights, so a zero
-slot would cost as much as a real one). A fused projection's parts (q, k, v; gate, up) each
+without an adapter, which reads none of them (a GPU's step reads every slot's weights, so a
+zero slot would cost as much as a real one). A fused projection's parts (q, k, v; gate, up) each
 own `max_lora_rank` columns of A and rows of B, so B is block-diagonal over the parts and one
 contraction serves them all; a model whose checkpoints store the projection fused (Phi-3's
 `qkv_proj`, `gate_up_proj`) has adapters on the whole of it, one part whose B rows span every

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxllm.config import resolve_lora_skip_unused_slots
 from jaxllm.lora.layers import apply_lora
 from jaxllm.lora.slots import LoRASlots
 from jaxllm.model_executor.config import ModelConfig
@@ -70,7 +71,9 @@ def lower_step_for_cuda(config: ModelConfig, num_tokens: int, decode: bool, *,
     slots = LoRASlots(config, *lora, dtype)
 
     def with_lora(params, rope, kv, input_ids, positions, attn_metadata, weights, token_slots):
-        with apply_lora(weights, token_slots, slots.num_slots):
+        # A GPU's step computes every slot (config.resolve_lora_skip_unused_slots).
+        with apply_lora(weights, token_slots, slots.num_slots,
+                        skip_unused_slots=resolve_lora_skip_unused_slots("gpu")):
             return fn(params, rope, kv, input_ids, positions, attn_metadata)
 
     return lower_for_cuda(with_lora, (*args, slots.abstract(), i32(num_tokens)),

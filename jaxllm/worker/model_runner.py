@@ -58,7 +58,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxllm.config import DEFAULT_CPU_KV_BYTES, kv_budget_bytes, resolve_attention_impl
+from jaxllm.config import (
+    DEFAULT_CPU_KV_BYTES,
+    kv_budget_bytes,
+    resolve_attention_impl,
+    resolve_lora_skip_unused_slots,
+)
 from jaxllm.distributed.tensor_parallel import (
     KV_SPEC,
     LOGITS_SPEC,
@@ -202,13 +207,15 @@ class ModelRunner:
                  num_speculative_tokens: int = 0, pallas_gemv_max_rows: int = 0,
                  attention_impl: str | None = None, max_loras: int = 0,
                  max_lora_rank: int = 0, max_cpu_loras: int | None = None,
+                 lora_skip_unused_slots: bool | None = None,
                  kv_groups: KVCacheGroups | None = None) -> None:
         """`max_loras` > 0: LoRA adapters, in that many device slots of rank up to
         `max_lora_rank`, at most `max_cpu_loras` kept read on the host besides those of
         unfinished requests (None: max_loras; jaxllm/lora/). `kv_groups`: how the layers
         share the KV array and its block tables (None: one group). `gemv_max_rows`,
-        `kv_cache_dtype`, `activation_dtype`, `matmul_precision` and `attention_impl` as
-        EngineConfig resolved them (None: `dtype`; as the config would resolve it); with
+        `kv_cache_dtype`, `activation_dtype`, `matmul_precision`, `attention_impl` and
+        `lora_skip_unused_slots` as EngineConfig resolved them (None: `dtype`; as the config
+        would resolve it); with
         `gemv_max_rows` and no `gemv_params`, the GEMV buckets run on float32 copies of
         `params`."""
         self.config = config
@@ -281,6 +288,9 @@ class ModelRunner:
         self.kv_cache: jax.Array | None = None
         self.lora_slots = None if not max_loras else LoRASlots(
             config, max_loras, max_lora_rank, self.activation_dtype, max_cpu_loras)
+        self.lora_skip_unused_slots = (resolve_lora_skip_unused_slots(jax.default_backend())
+                                       if lora_skip_unused_slots is None
+                                       else lora_skip_unused_slots)
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size,
                                       lora=self.lora_slots is not None,
                                       num_groups=self.kv_groups.num_groups)
@@ -329,6 +339,7 @@ class ModelRunner:
             attention_impl=config.attention_impl,
             max_loras=config.max_loras if config.enable_lora else 0,
             max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
+            lora_skip_unused_slots=config.lora_skip_unused_slots,
             kv_groups=kv_cache_groups(loaded.config, max_model_len, config.hybrid_kv_cache))
 
     def _forward(self, params: dict, rope: dict, kv_cache: jax.Array, logits_buf: jax.Array,
@@ -346,7 +357,8 @@ class ModelRunner:
 
         if self.lora_slots is None:
             return run(rope)
-        with apply_lora(rope["lora"], fields["lora_slots"], self.lora_slots.num_slots):
+        with apply_lora(rope["lora"], fields["lora_slots"], self.lora_slots.num_slots,
+                        skip_unused_slots=self.lora_skip_unused_slots):
             return run(rope["rope"])
 
     def _prompt_stats(self, params: dict, hidden: jax.Array, rows: jax.Array, targets: jax.Array

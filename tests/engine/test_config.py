@@ -42,11 +42,12 @@ def test_per_platform_defaults_resolve_in_one_config():
     assert (cpu.kernel_backend, cpu.quantization, cpu.gemv_max_rows) == ("reference", "none", 0)
     assert not cpu.topk_sampling and cpu.async_scheduling
     assert cpu.platform == "cpu"
+    assert cpu.lora_skip_unused_slots
 
     gpu = EngineArgs(model=path).create_engine_config("gpu")
     assert (gpu.dtype, gpu.kv_cache_dtype, gpu.activation_dtype) == ("bfloat16",) * 3
     assert (gpu.kernel_backend, gpu.gemv_max_rows) == ("pallas", 0)
-    assert gpu.topk_sampling
+    assert gpu.topk_sampling and not gpu.lora_skip_unused_slots
 
     # bfloat16 on CPU: float32 KV and hidden states, GEMV buckets (under 16 rows) on f32 copies.
     bf16 = EngineArgs(model=path, dtype="bfloat16", tensor_parallel_size=2,
@@ -131,10 +132,12 @@ def test_engine_args_doc_is_generated_from_the_fields():
         assert f.metadata["help"] and f"| `{f.name}` |" in engine_args_markdown()
     # Every resolved setting has its argument (the config adds the model path, dtypes derived
     # from dtype, the GEMV rows, the GGUF layout, the platform, the launch config, whose
-    # settings but the frontend's kind have their arguments too, and the hybrid KV cache from
-    # disable_hybrid_kv_cache_manager and the speculative config).
+    # settings but the frontend's kind have their arguments too, the hybrid KV cache from
+    # disable_hybrid_kv_cache_manager and the speculative config, and LoRA's skipping of
+    # unused slots from the platform).
     derived = {"model_path", "kv_cache_dtype", "activation_dtype", "gemv_max_rows",
-               "gguf_layout", "attention_impl", "platform", "launch_config", "hybrid_kv_cache"}
+               "gguf_layout", "attention_impl", "platform", "launch_config", "hybrid_kv_cache",
+               "lora_skip_unused_slots"}
     args = {f.name for f in dataclasses.fields(EngineArgs)}
     assert {f.name for f in dataclasses.fields(EngineConfig)} - derived <= args
     launch = {f.name for f in dataclasses.fields(LaunchConfig)

@@ -156,6 +156,8 @@ def test_model_step_has_one_triton_module_per_kernel_kind(phase, num_tokens) -> 
 
 def test_step_with_lora_slots_lowers_with_the_same_kernels() -> None:
     # LoRA adds XLA matmuls beside the projections: the Pallas kernels are the plain step's.
+    # Every slot is computed, with no conditional (whose predicate a GPU reads on the host;
+    # the CPU step's conditionals: tests/lora/test_lora_delta.py).
     config = _step_config(2)
     plain = triton_modules(lower_step_for_cuda(config, 8, True))
     lowered = lower_step_for_cuda(config, 8, True, lora=(2, 16))
@@ -163,6 +165,7 @@ def test_step_with_lora_slots_lowers_with_the_same_kernels() -> None:
     text = lowered.as_text()
     assert text.count("stablehlo.dot_general") > \
         lower_step_for_cuda(config, 8, True).as_text().count("stablehlo.dot_general")
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
 
 
 def test_step_query_len_is_checked() -> None:
