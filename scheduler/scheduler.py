@@ -311,7 +311,7 @@ class Scheduler:
                 # A preempted request comes back only when its whole sequence so far fits: if
                 # only its first chunk did, the pool that just ran out would run out again
                 # before it caught up, and it (the latest running) would be preempted again,
-                # its progress lost.
+                # its progress lost. The queue waits with it (first come, first served).
                 break
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, computed_blocks,

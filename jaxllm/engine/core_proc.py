@@ -171,6 +171,13 @@ class EngineCoreProc:
     def _add_request(self, req: EngineCoreRequest) -> None:
         try:
             self.engine_core.add_request(req)
+        except ValueError as e:
+            # What the core alone can see, after the Processor passed it: a LoRA adapter read
+            # again (dropped from the host cache) whose directory is gone or changed.
+            logger.warning("engine core refused request %r: %s", req.request_id, e)
+            self.output_queue.put((OutputType.OUTPUTS, EngineCoreOutputs(outputs=[
+                EngineCoreOutput(request_id=req.request_id, new_token_ids=[],
+                                 finish_reason="error", stop_reason=str(e))])))
         except Exception:
             # The Processor validates every request, so this is a bug; the frontend still gets
             # an answer (the request ends as aborted) rather than waiting for it forever.

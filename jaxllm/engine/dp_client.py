@@ -161,15 +161,15 @@ class DPLBClient(EngineCoreClient):
         # the threads, then closes `self.cores` (the same list, replacements included).
         self._cancel = threading.Event()
         self._restart_threads: list[threading.Thread] = []
+        self._lock = threading.RLock()  # the cores' lifecycle: callers' and cores' threads
         self._finalizer = weakref.finalize(self, close_cores, self.cores, self.launchers,
-                                           self._cancel, self._restart_threads)
+                                           self._cancel, self._restart_threads, self._lock)
         self._engine_args, self._launch_config = engine_args, launch_config
         self._max_restarts = engine_args.data_parallel_max_restarts
         self.restarts = [0] * len(self.cores)
         self._restarting: set[int] = set()
         self._not_restarted: set[int] = set()  # dead for good: said once
         self._leftover: list[EngineCoreDeadError] = []  # failed requests not yet raised
-        self._lock = threading.RLock()  # the cores' lifecycle: callers' and cores' threads
         # A quarter of a batch: the prefix's core still takes the request into its next steps.
         self.router = DPRouter(len(self.cores), engine_args.block_size,
                                load_margin=max(2, engine_args.max_num_seqs // 4))
@@ -230,31 +230,38 @@ class DPLBClient(EngineCoreClient):
         rid = request.request_id
         hashes = self.router.prefix_hashes(request.prompt_token_ids) if self._prefix_routing \
             else []
-        while True:
-            live = [i for i, core in enumerate(self.cores) if core.dead is None]
-            if not live:
-                raise self._dead_error()
-            i = self.router.pick(rid, hashes, live)
-            try:
-                self.cores[i].send(RequestType.ADD, request)
-                break
-            except EngineDeadError:
-                continue  # it died just now: the next pick passes it over
-        self.router.add(rid, i, hashes)
+        # The router and the cores' list change on a restart thread too (_rejoin).
+        with self._lock:
+            while True:
+                live = [i for i, core in enumerate(self.cores) if core.dead is None]
+                if not live:
+                    raise self._dead_error()
+                i = self.router.pick(rid, hashes, live)
+                try:
+                    self.cores[i].send(RequestType.ADD, request)
+                    break
+                except EngineDeadError:
+                    continue  # it died just now: the next pick passes it over
+            self.router.add(rid, i, hashes)
 
     def _abort(self, request_ids: list[str]) -> None:
         by_core: dict[int, list[str]] = {}
-        for rid in request_ids:
-            i = self.router.remove(rid)
-            if i is not None:
-                by_core.setdefault(i, []).append(rid)
-        for i, ids in by_core.items():
-            self.cores[i].send(RequestType.ABORT, ids)  # nothing to do for a dead core
+        with self._lock:
+            for rid in request_ids:
+                i = self.router.remove(rid)
+                if i is not None:
+                    by_core.setdefault(i, []).append(rid)
+            for i, ids in by_core.items():
+                self.cores[i].send(RequestType.ABORT, ids)  # nothing to do for a dead core
 
     # --- outputs ------------------------------------------------------------------------------
 
     def _poll(self) -> EngineCoreOutputs | None:
         """The next outputs of any core, or None; a dead core's requests fail once."""
+        with self._lock:
+            return self._poll_locked()
+
+    def _poll_locked(self) -> EngineCoreOutputs | None:
         if self._leftover:
             raise self._leftover.pop(0)
         n = len(self.cores)
@@ -324,7 +331,7 @@ class DPLBClient(EngineCoreClient):
                            core.dead, self.restarts[i], self._max_restarts)
             thread = threading.Thread(
                 target=_restart_core, daemon=True, name=f"EngineCoreRestart-{i}",
-                args=(weakref.ref(self), i, self._engine_args, self._launch_config,
+                args=(weakref.ref(self), i, core, self._engine_args, self._launch_config,
                       self._cancel))
             self._restart_threads[:] = [t for t in self._restart_threads if t.is_alive()]
             self._restart_threads.append(thread)
@@ -482,10 +489,14 @@ def _death_hook(client_ref: weakref.ref[DPLBClient], i: int, core: CoreConnectio
     return on_wakeup
 
 
-def _restart_core(client_ref: weakref.ref[DPLBClient], i: int, engine_args: EngineArgs,
-                  launch_config: LaunchConfig, cancel: threading.Event) -> None:
+def _restart_core(client_ref: weakref.ref[DPLBClient], i: int, old: CoreProcess,
+                  engine_args: EngineArgs, launch_config: LaunchConfig,
+                  cancel: threading.Event) -> None:
     """A restart thread's body: start core i again, then hand it to the client (or close it:
     the client was shut down or collected meanwhile)."""
+    # A core found dead may still run (its output could not be read): it holds the devices
+    # the replacement is about to take.
+    old.kill()
     try:
         core = CoreProcess(engine_args, launch_config, i, cancel)
     except Exception as e:
@@ -497,7 +508,11 @@ def _restart_core(client_ref: weakref.ref[DPLBClient], i: int, engine_args: Engi
     if client is None:
         core.close()
         return
-    client._rejoin(i, core)
+    try:
+        client._rejoin(i, core)
+    except Exception as e:
+        core.close()
+        client._restart_failed(i, e)
 
 
 def _waker(event: threading.Event,
@@ -592,12 +607,18 @@ class Launcher(Protocol):
 
 def close_cores(cores: list[CoreConnection], launchers: list[Launcher],
                 cancel: threading.Event | None = None,
-                restart_threads: Sequence[threading.Thread] = ()) -> None:
+                restart_threads: Sequence[threading.Thread] = (),
+                lock: threading.RLock | None = None) -> None:
     """Abandon the restarts under way (`cancel`) and wait for their threads, which close a
     replacement or leave it in `cores`; then ask every core to exit first, so that they wind
-    down together, close each, then what launched them."""
+    down together, close each, then what launched them. `lock`: the one a restart starts
+    under, so that none starts after `cancel` unseen."""
     if cancel is not None:
-        cancel.set()
+        if lock is None:
+            cancel.set()
+        else:
+            with lock:
+                cancel.set()
     for thread in list(restart_threads):
         if thread is not threading.current_thread():
             thread.join()

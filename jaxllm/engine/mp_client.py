@@ -382,6 +382,14 @@ class CoreProcess(CoreConnection):
             return
         super().request_shutdown()
 
+    def kill(self) -> None:
+        """End the process now, if it still runs (a core found dead whose process lingers, so
+        that a replacement gets its devices); close() still does the rest."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
     def close(self) -> None:
         """Ask the core to exit (terminate / kill it if it does not in time), stop the threads,
         close the sockets and remove their directory. Idempotent."""

@@ -190,8 +190,10 @@ class Processor:
 
     def check_lora(self, lora: LoRARequest | None) -> None:
         """ValueError unless `lora` is None or an adapter this engine can run: its files are
-        read unless among the max_cpu_loras adapters named last, so the core never gets one it
-        would refuse."""
+        read unless among the max_cpu_loras adapters named last. The core keeps adapters on
+        its own terms (those of its unfinished requests too; each data-parallel core its own),
+        so one this check passed unread may still be read there, and refused: the request
+        then ends "error", naming why."""
         if lora is None:
             return
         if not isinstance(lora, LoRARequest):

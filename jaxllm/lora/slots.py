@@ -18,10 +18,11 @@ ones must be rebound before they run again (`ModelRunner._activate_loras`).
 On the host, at most max_cpu_loras adapters stay read (vLLM's `max_cpu_loras`), least recently
 requested dropped first, but never one an unfinished request names: its request pins it from
 being queued (`pin`) until it finishes or is aborted (`unpin`), as a slot load reads the host
-copy. A slot keeps its own device copy, so an adapter may leave the host while its slot still
-holds it; its next request reads the directory again (when the request is added, never in a
-step) and finds the slot loaded. An adapter id keeps its directory for the engine's life,
-cached or not, so an id naming another directory later is refused as it would be while cached.
+copy. An adapter dropped from the host gives up its slot too; its next request reads the
+directory again (when the request is added, never in a step) and loads a slot from that read,
+so an id runs the weights last read for it. An adapter id keeps its directory for the engine's
+life, cached or not, so an id naming another directory later is refused as it would be while
+cached.
 """
 
 from __future__ import annotations
@@ -125,6 +126,10 @@ class LoRASlots:
         for lid in [lid for lid in self.adapters if lid not in self._pins and lid != keep
                     ][:excess]:
             del self.adapters[lid]
+            # Its slot is free again (no unfinished request reads it): the adapter's next
+            # request reads its directory again, and its slot is loaded from that read, so an
+            # id never runs weights other than those last read for it.
+            self.slot_of.pop(lid, None)
 
     def add_adapter(self, lora_id: int, adapter: LoRAAdapter) -> None:
         """Keep a read adapter for its slot loads, its matrices cast to the slots' dtype

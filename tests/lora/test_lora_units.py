@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -298,7 +300,7 @@ def test_adapters_of_unfinished_requests_are_never_dropped(tmp_path, monkeypatch
     assert reads == ["a1", "a2", "a3", "a4", "a2", "a3"]
 
 
-def test_an_adapter_dropped_from_the_host_keeps_its_slot_and_its_directory(
+def test_an_adapter_dropped_from_the_host_runs_what_is_read_again_and_keeps_its_directory(
         tmp_path, monkeypatch):
     adapters = _adapters(tmp_path)
     reads = _count_reads(monkeypatch)
@@ -307,13 +309,22 @@ def test_an_adapter_dropped_from_the_host_keeps_its_slot_and_its_directory(
     assert slots.activate(1, set()) == 1
     slots.register(adapters[2][0])
     slots.register(adapters[3][0])
-    assert 1 not in slots.adapters
-    # Its next request reads it again and finds its slot loaded: nothing is written.
-    tree = slots.device_weights()
+    assert 1 not in slots.adapters and 1 not in slots.slot_of
+    # Its directory rewritten meanwhile (adapter 4's files): its next request reads it again,
+    # and the slot is loaded from that read, not left with the weights read first.
+    path = Path(adapters[1][0].lora_path)
+    shutil.rmtree(path)
+    shutil.copytree(adapters[4][0].lora_path, path)
     slots.register(adapters[1][0])
     assert reads[-1] == "a1"
-    assert slots.activate(1, set()) == 1
-    assert slots.device_weights() is tree
+    slot = slots.activate(1, set())
+    got = jax.tree.map(lambda x: np.asarray(x)[slot - 1], _host(slots.device_weights()))
+    want = _expected_slot(TINY, adapters[4][1])
+    for path_keys, leaf in jax.tree_util.tree_leaves_with_path(got):
+        exp = want
+        for key in path_keys:
+            exp = exp[key.key]
+        np.testing.assert_array_equal(leaf, exp, err_msg=str(path_keys))
     # Dropped again, id 1 still names its directory: another one under it is refused.
     slots.register(adapters[2][0])
     slots.register(adapters[3][0])
@@ -421,3 +432,34 @@ def test_adapters_the_step_would_misapply_are_refused_by_name(tmp_path, extra, w
     write_adapter(tmp_path / "b", TINY, rank=2, alpha=4, targets=("q_proj",), seed=1,
                   init_lora_weights=True)
     assert load_adapter(tmp_path / "b", TINY, 4).weights
+
+
+def test_an_adapter_the_core_cannot_read_again_ends_its_request_with_the_reason(tmp_path):
+    """The frontend's check passed an adapter it keeps unread, the core (which dropped it)
+    reads its directory again and finds it gone: the request ends "error" naming why, and a
+    failure that is not a refusal still ends it, "abort"."""
+    import queue
+    from types import SimpleNamespace
+
+    from jaxllm.engine.core_proc import EngineCoreProc
+
+    slots = LoRASlots(TINY, max_loras=1, max_lora_rank=RANK, dtype=jnp.float32)
+    gone = LoRARequest("gone", 9, str(tmp_path / "deleted"))
+    proc = object.__new__(EngineCoreProc)
+    proc.engine_core = SimpleNamespace(add_request=lambda req: slots.register(req.lora_request))
+    proc.output_queue = queue.Queue()
+    req = EngineCoreRequest(request_id="r", prompt_token_ids=[1, 2], sampling_params=_params(),
+                            eos_token_ids=[0], max_tokens=4, lora_request=gone)
+    proc._add_request(req)
+    _, outs = proc.output_queue.get_nowait()
+    (out,) = outs.outputs
+    assert out.request_id == "r" and out.finish_reason == "error"
+    assert "deleted" in str(out.stop_reason)
+
+    def broken(req):
+        raise RuntimeError("a bug")
+
+    proc.engine_core = SimpleNamespace(add_request=broken)
+    proc._add_request(req)
+    _, outs = proc.output_queue.get_nowait()
+    assert outs.outputs[0].finish_reason == "abort"

@@ -29,6 +29,7 @@ from scheduler import (
     prompt_blocks_needed,
 )
 from scheduler.block_pool import hash_block_tokens
+from scheduler.kv_cache_manager import KVCacheManager
 
 VOCAB = 40
 EOS = 0
@@ -783,6 +784,27 @@ def test_preempted_request_waits_until_its_whole_sequence_fits(prefix_caching: b
                 since_last = False
             elif kind == "finished":
                 since_last = True
+
+
+def test_free_blocks_to_hold_a_whole_sequence() -> None:
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    a = Request("a", list(range(12)))
+    assert kv.allocate_slots(a, 12) is not None
+    kv.cache_blocks(a, 12)
+    b = Request("b", list(range(12)) + [50, 51, 52, 53, 54])  # 17 tokens: 5 blocks
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 12
+    # a holds the three hit blocks: b needs two more from the free queue.
+    assert kv.num_free_blocks_to_hold(b, hits, max_chunk=8) == 2
+    kv.free(a)
+    hits, _ = kv.get_computed_blocks(b)
+    # Free cached blocks leave the free queue when hit: all five count.
+    assert kv.num_free_blocks_to_hold(b, hits, max_chunk=8) == 5
+    # A full and a sliding group (window 8): the full one holds all 10 blocks of 40 tokens,
+    # the sliding one those under one 8-token chunk's windows: (8 - 1 + 8) / 4 -> 4, + 1.
+    kv = KVCacheManager(num_blocks=64, block_size=4, group_windows=(None, 8))
+    c = Request("c", list(range(100, 140)))
+    assert kv.num_free_blocks_to_hold(c, kv.get_computed_blocks(c)[0], max_chunk=8) == 15
 
 
 def test_prefix_cache_hits_reported() -> None:

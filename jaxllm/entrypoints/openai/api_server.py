@@ -354,9 +354,11 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
                    for e in client.engine_states()]
         body = {"num_live_engines": sum(e["alive"] for e in engines), "engines": engines}
         if dead:
-            return JSONResponse({**APIError(503, "every engine core process is dead", None,
-                                            "EngineDeadError").body(), **body},
-                                status_code=503)
+            restarting = client.num_restarting_engines and not state.engine.errored
+            message = "every engine core process is dead" + ("; one is restarting"
+                                                             if restarting else "")
+            return JSONResponse({**APIError(503, message, None, "EngineDeadError").body(),
+                                 **body}, status_code=503)
         return JSONResponse(body)
 
     @app.get("/version")
