@@ -72,7 +72,8 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         # The draft model runs without the target's LoRA adapters (its weights are another
-        # model's): a request's adapter changes what the target accepts, never the tokens.
+        # model's): it proposes as the base would, and the target, with the request's
+        # adapter, decides every token (its drafts are just accepted less often).
         self.runner = ModelRunner.from_engine_config(
             dataclasses.replace(config, enable_lora=False), loaded, max_model_len,
             gemv_max_rows=draft_config.gemv_max_rows)
