@@ -80,3 +80,13 @@ def wait_until(cond, timeout: float = 30.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+async def collect(engine, prompt: list[int], sp: SamplingParams, rid: str
+                  ) -> tuple[list[int], str]:
+    """One AsyncLLM request to its end: its tokens and text."""
+    last = None
+    async for out in engine.generate(token_prompt(prompt), sp, rid):
+        last = out
+    assert last is not None and last.finished
+    return list(last.outputs[0].token_ids), last.outputs[0].text

@@ -33,6 +33,7 @@ from tests.engine.dp_cases import (
     PREFIX,
     PROMPTS,
     alive,
+    collect,
     core_children,
     params,
     reference_runner,
@@ -231,14 +232,6 @@ def test_speculative_decoding_on_each_core(reference):
 # --- AsyncLLM -----------------------------------------------------------------------------------
 
 
-async def _collect(engine: AsyncLLM, prompt: list[int], sp: SamplingParams, rid: str):
-    last = None
-    async for out in engine.generate(token_prompt(prompt), sp, rid):
-        last = out
-    assert last is not None and last.finished
-    return list(last.outputs[0].token_ids), last.outputs[0].text
-
-
 def test_async_llm_same_tokens_and_a_killed_core(reference):
     sps = [params(i) for i in range(len(PROMPTS))]
     want = reference(PROMPTS, sps)
@@ -253,7 +246,7 @@ def test_async_llm_same_tokens_and_a_killed_core(reference):
         children = set(core_children(psutil.Process()))
         try:
             got = await asyncio.wait_for(asyncio.gather(*[
-                _collect(engine, p, sp, f"r{i}")
+                collect(engine, p, sp, f"r{i}")
                 for i, (p, sp) in enumerate(zip(PROMPTS, sps, strict=True))]), 120)
             assert got == want
             # An abort goes to the core that holds the request: right after it, neither core
@@ -294,7 +287,7 @@ def test_async_llm_same_tokens_and_a_killed_core(reference):
             assert client.num_live_engines == 1 and not engine.errored
             # The other core serves every new request.
             again = await asyncio.wait_for(asyncio.gather(*[
-                _collect(engine, p, sp, f"again{i}")
+                collect(engine, p, sp, f"again{i}")
                 for i, (p, sp) in enumerate(zip(PROMPTS, sps, strict=True))]), 120)
             assert again == want
             # Not restarted: no new process, none counted, and it stays dead.

@@ -26,6 +26,7 @@ from tests.engine.dp_cases import (
     ENGINE,
     PROMPTS,
     alive,
+    collect,
     core_children,
     params,
     reference_runner,
@@ -69,14 +70,6 @@ def test_router_forgets_a_rejoined_core():
 def _rejoined(client: DPLBClient, i: int, old_pid: int) -> bool:
     state = client.engine_states()[i]
     return state.alive and state.pid != old_pid
-
-
-async def _collect(engine: AsyncLLM, prompt: list[int], sp: SamplingParams, rid: str):
-    last = None
-    async for out in engine.generate(token_prompt(prompt), sp, rid):
-        last = out
-    assert last is not None and last.finished
-    return list(last.outputs[0].token_ids), last.outputs[0].text
 
 
 def test_killed_core_restarts_and_serves_again(reference):
@@ -126,7 +119,7 @@ def test_killed_core_restarts_and_serves_again(reference):
             # Both cores serve new requests, with one core's tokens.
             before = routed(client)
             got = await asyncio.wait_for(asyncio.gather(*[
-                _collect(engine, p, sp, f"again{i}")
+                collect(engine, p, sp, f"again{i}")
                 for i, (p, sp) in enumerate(zip(PROMPTS, sps, strict=True))]), 120)
             assert got == want
             served = [b - a for a, b in zip(before, routed(client), strict=True)]
