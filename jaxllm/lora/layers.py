@@ -37,25 +37,25 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, select: jax.Array) -> j
 def lora_delta_used_slots(x: jax.Array, a: jax.Array, b: jax.Array, select: jax.Array,
                           used: jax.Array) -> jax.Array:
     """`lora_delta`, each slot s computed only where `used[s]` ([S] bool: some token of the
-    step reads slot s), else zeros, its A and B not read."""
-    num_tokens, num_out = x.shape[0], b.shape[2]
-
-    def one_slot(s: int) -> jax.Array:
+    step reads slot s), its A and B otherwise not read."""
+    def add_slot(s: int, out: jax.Array) -> jax.Array:
         # A and B go in whole and are sliced inside the branch: a slice taken outside would
-        # be read whether the slot is used or not.
-        def compute(x: jax.Array, a: jax.Array, b: jax.Array, keep: jax.Array) -> jax.Array:
+        # be read whether the slot is used or not. The sum goes through the branches, so an
+        # unused slot costs no array of its own.
+        def compute(out: jax.Array, x: jax.Array, a: jax.Array, b: jax.Array,
+                    keep: jax.Array) -> jax.Array:
             xa = jnp.dot(x.astype(a.dtype), a[s], preferred_element_type=jnp.float32)
             xa = xa * keep[:, None]
-            return jnp.dot(xa.astype(b.dtype), b[s], preferred_element_type=jnp.float32)
+            return out + jnp.dot(xa.astype(b.dtype), b[s], preferred_element_type=jnp.float32)
 
-        def skip(x: jax.Array, a: jax.Array, b: jax.Array, keep: jax.Array) -> jax.Array:
-            return jnp.zeros((num_tokens, num_out), jnp.float32)
+        def skip(out: jax.Array, *_: jax.Array) -> jax.Array:
+            return out
 
-        return jax.lax.cond(used[s], compute, skip, x, a, b, select[:, s])
+        return jax.lax.cond(used[s], compute, skip, out, x, a, b, select[:, s])
 
-    out = one_slot(0)
-    for s in range(1, a.shape[0]):
-        out = out + one_slot(s)
+    out = jnp.zeros((x.shape[0], b.shape[2]), jnp.float32)
+    for s in range(a.shape[0]):
+        out = add_slot(s, out)
     return out
 
 

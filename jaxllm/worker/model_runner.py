@@ -215,9 +215,8 @@ class ModelRunner:
         share the KV array and its block tables (None: one group). `gemv_max_rows`,
         `kv_cache_dtype`, `activation_dtype`, `matmul_precision`, `attention_impl` and
         `lora_skip_unused_slots` as EngineConfig resolved them (None: `dtype`; as the config
-        would resolve it); with
-        `gemv_max_rows` and no `gemv_params`, the GEMV buckets run on float32 copies of
-        `params`."""
+        would resolve it); with `gemv_max_rows` and no `gemv_params`, the GEMV buckets run on
+        float32 copies of `params`."""
         self.config = config
         self.local_config = config  # one device's slice of the model
         self.mesh = None
