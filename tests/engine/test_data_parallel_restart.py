@@ -87,7 +87,7 @@ def test_killed_core_restarts_and_serves_again(reference):
             # requests are surely unfinished), then killed.
             gens = [engine.generate(token_prompt([2000 + i, 5, 6]), long_sp, f"long{i}")
                     for i in range(4)]
-            assert not any([(await anext(g)).finished for g in gens])
+            assert not any([(await asyncio.wait_for(anext(g), 60)).finished for g in gens])
             os.kill(pids[1], signal.SIGSTOP)
             on_core = dict(client.router.request_core)
             os.kill(pids[1], signal.SIGKILL)
